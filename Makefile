@@ -1,0 +1,51 @@
+# cpref: every target creates .venv and installs what it needs on first use.
+#
+# TORCH_SPEC chooses the torch build. The default pins the CPU wheel this project is tested
+# with; an unpinned `torch` would pull a multi-GB CUDA build. On an Ascend NPU machine pass
+# the torch that matches your torch_npu, e.g. `make test-npu TORCH_SPEC=torch==2.5.1`, or
+# TORCH_SPEC= (empty) to keep a torch that PYTHON's environment already has (then create the
+# venv with VENV_FLAGS=--system-site-packages).
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+VENV_FLAGS ?=
+PY         := $(VENV)/bin/python
+PYTEST_ARGS ?= -n auto
+
+.PHONY: demo test test-sim test-npu docs bench clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+$(VENV)/.docs: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+demo: $(VENV)/.base
+	$(PY) -m sim.demo
+
+test: $(VENV)/.dev
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-sim: $(VENV)/.dev
+	$(PY) -m pytest $(PYTEST_ARGS) tests/sim
+
+test-npu: $(VENV)/.dev
+	$(PY) -m cpref.npu_check
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict
+
+bench: $(VENV)/.base
+	$(PY) -m bench.kernel
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .hypothesis

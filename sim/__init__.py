@@ -1,0 +1,39 @@
+"""`sim`: the simulated cluster that every cpref algorithm is first run and tested on.
+
+A mini-guide:
+
+* [`SimCluster`][sim.cluster.SimCluster]`(P).run(fn)` runs `fn(comm)` on `P` rank threads
+  and returns the per-rank results; `comm` is a [`SimComm`][sim.cluster.SimComm], which
+  implements [`cpref.comm.Collectives`][cpref.comm.Collectives] deterministically (rank-order
+  reductions) and records every collective in `SimCluster.trace`
+  ([`sim.trace`][sim.trace]: events and the bytes they move).
+* Faults never hang ([`sim.rendezvous`][sim.rendezvous]): `CollectiveMismatch`,
+  `PeerFailure` and `CollectiveTimeout` inside a rank; `ClusterFailure` out of `run`.
+* The FP64 single-device reference lives in `sim.oracle` (import it explicitly).
+
+Example:
+    >>> import torch
+    >>> from sim import SimCluster
+    >>> SimCluster(2).run(lambda comm: comm.all_reduce(torch.tensor([comm.rank + 1.0])))
+    [tensor([3.]), tensor([3.])]
+
+`sim` may import `cpref`; `cpref` never imports `sim`.
+"""
+
+from sim.cluster import SimCluster, SimComm
+from sim.rendezvous import ClusterFailure, CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerFailure
+from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
+
+__all__ = [
+    "ClusterFailure",
+    "CollectiveError",
+    "CollectiveEvent",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "PeerFailure",
+    "SimCluster",
+    "SimComm",
+    "TraceSummary",
+    "summarize",
+    "traffic",
+]

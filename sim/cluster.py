@@ -1,0 +1,336 @@
+r"""The simulated cluster: $P$ ranks as threads of one process.
+
+A context-parallel algorithm is a program that $P$ ranks run at once, meeting in collectives.
+`SimCluster(P).run(fn)` runs `fn(comm)` once per rank, each rank on its own thread, where
+`comm` is a [`SimComm`][sim.cluster.SimComm]: the rank's view of the group, satisfying
+[`cpref.comm.Collectives`][cpref.comm.Collectives]. It returns the per-rank results,
+indexed by rank. Every CP algorithm therefore runs unchanged on a laptop.
+
+## Why one process, in FP64
+
+Correctness first: in one process every rank's tensors are ordinary CPU tensors, so they can
+be float64, compared bitwise, inspected in a debugger and checked against the FP64 oracle
+(`sim.oracle`). A bug then shows as an error of order one, not hidden under bf16 noise.
+
+## Rendezvous and determinism
+
+The `k`-th collective that the members of a group call meets in one slot (see
+`sim.rendezvous`); the last member to arrive computes all outputs at once, **in rank order**.
+A reduction is the left fold
+
+$$ y = (\dots((x_0 \oplus x_1) \oplus x_2) \dots) \oplus x_{P-1}, $$
+
+whatever order the threads arrived in: same inputs, bitwise the same outputs, on every run.
+fp16 and bf16 are accumulated in float64 and rounded once at the end. Every output is a fresh
+tensor, never a view of another rank's input, without autograd history (as in
+`torch.distributed`; algorithms pair their collectives in `autograd.Function`s).
+
+All ranks of a group must make the same calls with **identical shapes and dtypes** (also
+`all_gather`: equal-size chunks are what THD sharding produces). `reduce_scatter` and
+`all_to_all` need dim 0 divisible by $P$; that is checked before the rendezvous, on every
+rank alike, and raises `ValueError`.
+
+## Faults never hang
+
+Mismatched calls, a peer that raised or returned, and deadlocks raise `CollectiveMismatch`,
+`PeerFailure` and `CollectiveTimeout` inside the ranks, fast (the table is in
+`sim.rendezvous`; only collective waits time out: a rank stuck in its own code is not
+interrupted, as Python threads cannot be killed). `run` re-raises rank 0's exception if every
+rank raised the same one (e.g. the same validation error), and otherwise raises
+`ClusterFailure`: every rank's exception, and the root cause, the first that is not a
+`PeerFailure`.
+
+## Traces
+
+Each completed collective appends one `sim.trace.CollectiveEvent` to `SimCluster.trace`, with
+the bytes each member sends and receives under a bandwidth-optimal cost model. Events of one
+group are in call order; events of concurrent sub-groups interleave in completion order.
+
+Example:
+    >>> import torch
+    >>> from sim import SimCluster
+    >>> cluster = SimCluster(4)
+    >>> out = cluster.run(lambda comm: comm.all_gather(torch.full((1,), float(comm.rank))))
+    >>> out[2]  # every rank holds cat(x_0, ..., x_3)
+    tensor([0., 1., 2., 3.])
+    >>> ev = cluster.trace[0]
+    >>> ev.op, ev.group, ev.bytes_sent  # (P - 1) n = 3 x 4 bytes per rank
+    ('all_gather', (0, 1, 2, 3), (12, 12, 12, 12))
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from functools import partial
+from typing import Any, Callable, Hashable, Sequence, TypeVar
+
+import torch
+
+from cpref.comm import REDUCE_OPS
+from sim.rendezvous import Call, ClusterFailure, Position, Rendezvous
+from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
+
+__all__ = ["SimCluster", "SimComm"]
+
+T = TypeVar("T")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+# --8<-- [start:rank-order]
+def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Fold `xs` left to right in rank order; fp16/bf16 accumulate in float64."""
+    wide = torch.float64 if xs[0].dtype in _LOW_PRECISION else xs[0].dtype
+    acc = xs[0].to(wide, copy=True)  # (...)
+    for x in xs[1:]:
+        # acc <- acc (+) x_s for s = 1, ..., P-1: one fixed order, hence one fixed rounding
+        acc = _FOLD[op](acc, x.to(wide))  # (...)
+    return acc.to(xs[0].dtype)
+
+
+def _reduce_scatter(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    total = _reduce(xs, "sum")  # (P n, ...)
+    return [c.clone() for c in total.tensor_split(len(xs))]  # rank r: chunk r, (n, ...)
+# --8<-- [end:rank-order]
+
+
+def _all_gather(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    out = torch.cat(xs)  # P x (n, ...) -> (P n, ...)
+    return [out.clone() for _ in xs]
+
+
+def _all_to_all(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    p = len(xs)
+    chunks = [x.tensor_split(p) for x in xs]  # chunks[s][r]: (n, ...), sent from s to r
+    return [torch.cat([chunks[s][r] for s in range(p)]) for r in range(p)]  # (P n, ...)
+
+
+def _send_recv(xs: list[torch.Tensor], shift: int) -> list[torch.Tensor]:
+    return [xs[(r - shift) % len(xs)].clone() for r in range(len(xs))]  # rank r <- x_{r-shift}
+
+
+def _all_reduce(xs: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+    total = _reduce(xs, op)  # (...)
+    return [total.clone() for _ in xs]
+
+
+def _nothing(xs: list[Any]) -> list[None]:
+    return [None] * len(xs)
+
+
+class SimComm:
+    """One rank's view of one group of the simulated cluster; a `cpref.comm.Collectives`.
+
+    Created by `SimCluster.run` (the world group) and by `split` (sub-groups); the collectives
+    follow the semantics table of `cpref.comm`.
+
+    Attributes:
+        rank: this rank's index in the group, `0 <= rank < size`.
+        size: the number of ranks `P` in the group.
+        global_rank: this rank's index in the cluster.
+        group: the group's global ranks, in group rank order (`group[rank] == global_rank`).
+    """
+
+    def __init__(self, rdv: Rendezvous, trace: list, group: tuple[int, ...], global_rank: int, gid: Hashable = "world"):
+        self.group, self.global_rank = group, global_rank
+        self.rank, self.size = group.index(global_rank), len(group)
+        self._rdv, self._trace, self._gid, self._seq = rdv, trace, gid, 0
+
+    def __repr__(self) -> str:
+        return f"SimComm(rank={self.rank}, size={self.size}, group={self.group})"
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
+        return self._collective("all_gather", _checked("all_gather", x, 1, 1), _all_gather)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over ranks (rank order) and keep chunk `rank`: `(P n, ...) -> (n, ...)`.
+
+        Raises:
+            ValueError: if dim 0 of `x` is not divisible by `size`.
+        """
+        return self._collective("reduce_scatter", _checked("reduce_scatter", x, 1, self.size), _reduce_scatter)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Send chunk `j` of dim 0 to rank `j`; return the chunks received, in rank order.
+
+        Raises:
+            ValueError: if dim 0 of `x` is not divisible by `size`.
+        """
+        return self._collective("all_to_all", _checked("all_to_all", x, 1, self.size), _all_to_all)
+
+    def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
+        shift = operator.index(shift)
+        compute = partial(_send_recv, shift=shift)
+        return self._collective("send_recv", _checked("send_recv", x), compute, f"shift={shift}", shift)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `x` elementwise over ranks, in rank order, with `op` in `REDUCE_OPS`.
+
+        Raises:
+            ValueError: if `op` is not `"sum"`, `"max"` or `"min"`.
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+        return self._collective("all_reduce", _checked("all_reduce", x), partial(_all_reduce, op=op), f"op={op}")
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called `barrier`."""
+        self._collective("barrier", None, _nothing)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> SimComm:
+        """Partition the group; return the sub-group that holds this rank (collective call).
+
+        Args:
+            groups: a partition of `range(size)`, the same on every rank; each part lists its
+                ranks in the order that numbers them `0..len-1` in the sub-group.
+
+        Returns:
+            The `SimComm` of the part holding this rank.
+
+        Raises:
+            ValueError: if `groups` is not a partition of `range(size)`.
+            CollectiveMismatch: if the ranks pass different partitions.
+
+        Examples:
+            >>> from sim import SimCluster
+            >>> cols = SimCluster(4).run(lambda comm: comm.split([[0, 2], [1, 3]]).group)
+            >>> cols
+            [(0, 2), (1, 3), (0, 2), (1, 3)]
+        """
+        parts = _partition(groups, self.size)
+        seq = self._seq
+        self._collective("split", None, _nothing, f"groups={parts}")
+        index = next(i for i, part in enumerate(parts) if self.rank in part)
+        sub = tuple(self.group[r] for r in parts[index])  # local ranks -> global ranks
+        return SimComm(self._rdv, self._trace, sub, self.global_rank, gid=(self._gid, seq, index))
+
+    def _collective(self, op: str, x: torch.Tensor | None, compute: Callable, param: str = "", shift: int = 1) -> Any:
+        """Meet the group in call `#seq`; the last rank to arrive runs `compute` for all."""
+        # 1) the call's signature, and this group's next sequence number
+        call = Call(op, None, None, param) if x is None else Call(op, tuple(x.shape), x.dtype, param)
+        seq, self._seq = self._seq, self._seq + 1
+
+        # 2) what the last rank to arrive does, once, for the whole group
+        def complete(inputs: list[Any]) -> list[Any]:
+            outputs = compute(inputs)
+            nbytes = 0 if x is None else x.numel() * x.element_size()
+            per_rank = (traffic(op, self.size, nbytes, shift),) * self.size
+            self._trace.append(CollectiveEvent(op, self.group, seq, call.dtype, call.shape, per_rank, per_rank, param))
+            return outputs
+
+        # 3) rendezvous; inputs are detached, as collectives carry no autograd history
+        pos = Position(op, seq, self.group, self._gid)
+        return self._rdv.arrive(self.global_rank, self.rank, pos, call, None if x is None else x.detach(), complete)
+
+
+def _checked(op: str, x: Any, min_dim: int = 0, divisor: int = 1) -> torch.Tensor:
+    """Check `x` locally, before the rendezvous, so that every rank fails alike."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{op}: needs a dim 0 to split or concatenate, got a 0-d tensor; reshape it to (1,)")
+    if min_dim and x.shape[0] % divisor:
+        raise ValueError(
+            f"{op}: dim 0 of shape {tuple(x.shape)} must be divisible by the group size P={divisor}; "
+            f"pad dim 0 to a multiple of {divisor}"
+        )
+    return x
+
+
+def _partition(groups: Sequence[Sequence[int]], size: int) -> tuple[tuple[int, ...], ...]:
+    """Validate that `groups` partitions `range(size)`; return it as a tuple of tuples."""
+    parts = tuple(tuple(operator.index(r) for r in part) for part in groups)
+    flat = [r for part in parts for r in part]
+    if any(not part for part in parts) or sorted(flat) != list(range(size)):
+        missing = sorted(set(range(size)) - set(flat))
+        extra = sorted({r for r in flat if flat.count(r) > 1 or not 0 <= r < size})
+        raise ValueError(
+            f"split: groups {parts} must partition the ranks 0..{size - 1}, each exactly once, "
+            f"in non-empty groups (missing: {missing}, repeated or out of range: {extra})"
+        )
+    return parts
+
+
+class SimCluster:
+    """`world_size` simulated ranks; `run(fn)` runs `fn(comm)` on every rank, one thread each.
+
+    Args:
+        world_size: number of ranks `P >= 1`.
+        timeout: seconds a rank may wait in one collective before `CollectiveTimeout`.
+
+    Attributes:
+        trace: the `CollectiveEvent`s of all runs so far, one per completed group collective.
+
+    Raises:
+        ValueError: if `world_size < 1` or `timeout <= 0`.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 60.0) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"SimCluster: world_size must be an int >= 1, got {world_size!r}")
+        if not timeout > 0:
+            raise ValueError(f"SimCluster: timeout must be > 0 seconds, got {timeout!r}")
+        self.world_size, self.timeout = world_size, float(timeout)
+        self.trace: list[CollectiveEvent] = []
+        self._running = threading.Lock()
+
+    def run(self, fn: Callable[[SimComm], T]) -> list[T]:
+        """Run `fn(comm)` on every rank concurrently; return the results, indexed by rank.
+
+        Args:
+            fn: the per-rank program; it gets this rank's world `SimComm`.
+
+        Returns:
+            `[fn(comm_0), ..., fn(comm_{P-1})]`, once every rank thread has ended.
+
+        Raises:
+            BaseException: rank 0's exception, if every rank raised the same type and message.
+            ClusterFailure: if some ranks raised otherwise (`.errors` holds every exception).
+            RuntimeError: if called while this cluster is already running.
+        """
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError("SimCluster.run is not reentrant; use a second SimCluster")
+        try:
+            return self._run(fn)
+        finally:
+            self._running.release()
+
+    def _run(self, fn: Callable[[SimComm], T]) -> list[T]:
+        # 1) a fresh rendezvous, and one world communicator per rank
+        ranks = tuple(range(self.world_size))
+        rdv = Rendezvous(self.world_size, self.timeout)
+        results: list[Any] = [None] * self.world_size
+
+        def rank_main(g: int) -> None:
+            try:
+                results[g] = fn(SimComm(rdv, self.trace, ranks, g))
+            except BaseException as exc:  # noqa: BLE001 -- reported by run(), never lost
+                rdv.failed(g, exc)
+            else:
+                rdv.finished(g)
+
+        # 2) one thread per rank; every collective wait is bounded, so every thread ends
+        threads = [threading.Thread(target=rank_main, args=(g,), name=f"sim-rank-{g}", daemon=True) for g in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # 3) results, or the failures: identical on every rank -> re-raise, else ClusterFailure
+        errors = rdv.failures()
+        if not errors:
+            return results
+        if len(errors) == self.world_size and len({(type(e), str(e)) for e in errors.values()}) == 1:
+            raise errors[0]
+        failure = ClusterFailure(errors, self.world_size)
+        raise failure from errors[failure.root_rank]
+
+    def trace_summary(self) -> TraceSummary:
+        """Per-rank byte totals and per-op counts of `trace` (see `sim.trace.summarize`)."""
+        return summarize(self.trace)
+
+    def reset_trace(self) -> None:
+        """Forget the recorded events (the `trace` list is cleared in place)."""
+        self.trace.clear()

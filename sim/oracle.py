@@ -1,0 +1,142 @@
+r"""The FP64 oracle: the definition of correct attention.
+
+Every kernel and every context-parallel algorithm in cpref is tested against this file. It
+is written to be *obviously* right, not fast: it builds the full $T \times T$ mask of a
+packed stream, computes every score in float64, and lets autograd differentiate it. Nothing
+here is blocked, fused, merged or rescaled, so there is nothing to get subtly wrong.
+
+**Packed self-attention (THD).** A stream of $T$ tokens holds $N$ documents cut by
+`cu_seqlens` $= [c_0 = 0, c_1, \dots, c_N = T]$. Token $i$ has document
+$\mathrm{doc}(i) = n$ for $c_n \le i < c_{n+1}$ and position $\mathrm{pos}(i) = i - c_n$.
+Query token $i$ sees key token $j$ iff
+
+$$ M_{ij} = [\mathrm{doc}(i) = \mathrm{doc}(j)] \wedge
+   \big(\neg\,\mathrm{causal} \vee \mathrm{pos}(j) \le \mathrm{pos}(i)\big). $$
+
+**GQA.** With $H_q$ query heads and $H_{kv}$ key/value heads, $G = H_q / H_{kv}$ query heads
+share one key/value head: query head $h$ reads key/value head $\lfloor h / G \rfloor$.
+
+**Attention.** With scale $s$ (default $D^{-1/2}$), for every query head $h$:
+
+$$ S_{hij} = s\, q_{ih} \cdot k_{j,\lfloor h/G \rfloor}, \qquad
+   \mathrm{lse}_{ih} = \log \sum_{j : M_{ij}} e^{S_{hij}}, $$
+
+$$ o_{ih} = \sum_{j : M_{ij}} e^{S_{hij} - \mathrm{lse}_{ih}}\, v_{j,\lfloor h/G \rfloor}. $$
+
+The log-sum-exp uses the natural log and is what context-parallel algorithms need to merge
+partial results. In self-attention every token sees itself, so no row is empty.
+
+**Gradients.** `forward_backward` runs the same formula under autograd, so the oracle's
+gradients are autograd's gradients of the definition above.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["attention", "forward_backward", "visibility_mask"]
+
+
+def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+    """The `(T, T)` boolean mask `M`: `M[i, j]` is True iff query `i` sees key `j`.
+
+    Args:
+        cu_seqlens: document boundaries with a leading 0, shape `(N + 1,)`.
+        causal: whether a token sees only earlier positions of its own document.
+
+    Returns:
+        A bool tensor of shape `(T, T)` on the CPU.
+    """
+    lengths = torch.diff(cu_seqlens.cpu().long())  # (N,)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,)
+    starts = cu_seqlens.cpu().long()[:-1][doc]  # (T,)
+    pos = torch.arange(len(doc)) - starts  # (T,)
+    # M_ij = [doc(i) = doc(j)]
+    mask = doc[:, None] == doc[None, :]  # (T, T)
+    if causal:
+        # ... and pos(j) <= pos(i)
+        mask &= pos[None, :] <= pos[:, None]  # (T, T)
+    return mask
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 attention over a packed stream: the definition of correct.
+
+    Args:
+        q: queries, shape `(T, Hq, D)`, any float dtype.
+        k: keys, shape `(T, Hkv, D)`, with `Hq % Hkv == 0`.
+        v: values, shape `(T, Hkv, Dv)`.
+        cu_seqlens: document boundaries with a leading 0 and `cu_seqlens[-1] == T`.
+        causal: whether a token sees only earlier positions of its own document.
+        scale: logit scale; `D ** -0.5` when None.
+
+    Returns:
+        `(out, lse)`: `out` of shape `(T, Hq, Dv)` and `lse` of shape `(T, Hq)`, both
+        float64. Differentiable with respect to `q`, `k` and `v`.
+
+    Examples:
+        >>> import torch
+        >>> q = k = v = torch.randn(5, 2, 4)
+        >>> out, lse = attention(q, k, v, torch.tensor([0, 2, 5]))
+        >>> out.shape, lse.shape
+        (torch.Size([5, 2, 4]), torch.Size([5, 2]))
+    """
+    hq, d = q.shape[1], q.shape[2]
+    group = hq // k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    # 1) upcast, and give every query head its own copy of its key/value head
+    q64 = q.double()  # (T, Hq, D)
+    k64 = k.double().repeat_interleave(group, dim=1)  # (T, Hkv, D) -> (T, Hq, D)
+    v64 = v.double().repeat_interleave(group, dim=1)  # (T, Hkv, Dv) -> (T, Hq, Dv)
+    # 2) S_hij = s q_ih . k_jh, masked to -inf where token i does not see token j
+    scores = scale * torch.einsum("ihd,jhd->hij", q64, k64)  # (Hq, T, T)
+    mask = visibility_mask(cu_seqlens, causal=causal).to(q.device)  # (T, T)
+    scores = scores.masked_fill(~mask, float("-inf"))  # (Hq, T, T)
+    # 3) lse_ih = log sum_j exp(S_hij)
+    lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)  # (Hq, T) -> (T, Hq)
+    # 4) o_ih = sum_j softmax_j(S_hij) v_jh
+    probs = torch.softmax(scores, dim=-1)  # (Hq, T, T)
+    out = torch.einsum("hij,jhd->ihd", probs, v64)  # (T, Hq, Dv)
+    return out, lse
+
+
+def forward_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention` and its gradients for the upstream gradient `dout`, all in float64.
+
+    Args:
+        q: queries `(T, Hq, D)`, as for `attention`.
+        k: keys `(T, Hkv, D)`.
+        v: values `(T, Hkv, Dv)`.
+        cu_seqlens: document boundaries with a leading 0.
+        dout: gradient of the loss with respect to `out`, shape `(T, Hq, Dv)`.
+        causal: as for `attention`.
+        scale: as for `attention`.
+
+    Returns:
+        `(out, lse, dq, dk, dv)`, all float64 and detached; `dq, dk, dv` are shaped like
+        `q, k, v`.
+    """
+    # 1) float64 leaves, so autograd's gradients are float64 too
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    with torch.enable_grad():
+        out, lse = attention(q64, k64, v64, cu_seqlens, causal=causal, scale=scale)
+        # 2) dq, dk, dv = d<out, dout>/d(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), grad_outputs=dout.double())
+    return out.detach(), lse.detach(), dq, dk, dv

@@ -1,0 +1,69 @@
+"""cpref: reference-first context-parallel (CP) attention.
+
+The pieces, each a page of the docs:
+
+* `cpref.layout`: the THD data model, the contiguous and zigzag layouts, padding;
+* `cpref.comm`: the collectives protocol every algorithm is written against;
+* `cpref.kernels`: the attention kernel contract and the portable `TorchKernel`;
+* `cpref.metadata`: load-balanced THD metadata for KV all-gather CP, with its LRU cache;
+* `cpref.modes`: the CP algorithms (`all_gather`);
+* `cpref.api`: the public entry point `cpref.attention`;
+* `cpref.data`: the EOD-padding data path and the CP-invariant loss.
+
+Example (on the simulated cluster of the repository's `sim` package):
+
+```python
+import cpref, sim
+out = sim.SimCluster(4).run(
+    lambda comm: cpref.attention(q_r[comm.rank], k_r[comm.rank], v_r[comm.rank], cu,
+                                 comm=comm, mode="all_gather"))
+```
+"""
+
+from cpref.api import MODES, attention
+from cpref.comm import Collectives
+from cpref.data import cp_loss, get_batch_on_this_cp_rank
+from cpref.errors import CPInputError
+from cpref.kernels import AttentionKernel, TorchKernel
+from cpref.layout import (
+    LAYOUTS,
+    attention_work,
+    bshd_to_thd,
+    global_index,
+    local_chunks,
+    pad_to_multiple,
+    positions,
+    shard,
+    thd_to_bshd,
+    unpad,
+    unshard,
+)
+from cpref.metadata import cache_info, clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
+from cpref.modes.all_gather import AllGatherKVFunc, AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced
+
+__all__ = [
+    "attention",
+    "MODES",
+    "Collectives",
+    "CPInputError",
+    "AttentionKernel",
+    "TorchKernel",
+    "LAYOUTS",
+    "shard",
+    "unshard",
+    "global_index",
+    "positions",
+    "local_chunks",
+    "pad_to_multiple",
+    "unpad",
+    "attention_work",
+    "bshd_to_thd",
+    "thd_to_bshd",
+    "get_thd_load_balanced_cp_metadata",
+    "clear_cp_metadata_cache",
+    "cache_info",
+    "AllGatherKVFunc",
+    "AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced",
+    "get_batch_on_this_cp_rank",
+    "cp_loss",
+]

@@ -1,0 +1,82 @@
+"""The collectives protocol: the one seam between CP algorithms and communication.
+
+Every CP algorithm in cpref talks to its context-parallel group through an object that
+satisfies [`Collectives`][cpref.comm.Collectives]. Two implementations exist:
+
+* `sim.SimComm`, the simulated cluster: every rank is a thread of one process, every
+  collective is computed in a fixed rank order (bitwise deterministic) and recorded as a
+  trace event;
+* `cpref.backends.torch_dist.TorchComm` (a later issue), over `torch.distributed`
+  process groups (gloo, NCCL, HCCL).
+
+The protocol is *functional*: each collective takes a tensor and returns a new one, so an
+algorithm reads like the mathematics and never manages output buffers. Tensors are split
+and concatenated along **dim 0** (the token dimension of THD tensors), always in rank order
+("rank-major").
+
+| call | input on rank `r` | output on rank `r` |
+| --- | --- | --- |
+| `all_gather(x)` | `x_r` of shape `(n, ...)` | `cat(x_0, ..., x_{P-1})`, `(P n, ...)` |
+| `reduce_scatter(x)` | `x_r` of shape `(P n, ...)` | chunk `r` of `sum_s x_s`, `(n, ...)` |
+| `all_to_all(x)` | `x_r` of shape `(P n, ...)`, chunk `j` goes to rank `j` | `cat_s(chunk r of x_s)`, `(P n, ...)` |
+| `send_recv(x, shift)` | `x_r` | `x_{(r - shift) mod P}`: the ring shift |
+| `all_reduce(x, op)` | `x_r` | `op_s x_s` (`"sum"`, `"max"`, `"min"`) |
+| `barrier()` | | |
+| `split(groups)` | a partition of this group's ranks | the sub-group holding `r` |
+
+`split` is itself collective: every rank of the group calls it with the same partition,
+and gets back a `Collectives` for the part that holds it, with ranks renumbered `0..len-1`
+in the order listed. It builds the sub-groups of the hierarchical (a2a + p2p) mode and of
+DP x CP meshes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = ["Collectives", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """A context-parallel group as the algorithms see it.
+
+    Attributes:
+        rank: this rank's index in the group, `0 <= rank < size`.
+        size: the number of ranks `P` in the group.
+    """
+
+    rank: int
+    size: int
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
+        ...
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over ranks and keep chunk `rank` of dim 0: `(P n, ...) -> (n, ...)`."""
+        ...
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Send chunk `j` of dim 0 to rank `j`; return the chunks received, in rank order."""
+        ...
+
+    def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
+        ...
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `x` elementwise over ranks with `op` in `REDUCE_OPS`; every rank gets the result."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called `barrier`."""
+        ...
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "Collectives":
+        """Partition the group; return the sub-group that holds this rank (collective call)."""
+        ...

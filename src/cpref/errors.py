@@ -1,0 +1,13 @@
+"""cpref's error type for bad input.
+
+`CPInputError` is both a `ValueError` (what Python code expects for a bad argument) and an
+`AssertionError` (what the MindSpeed RFC specifies for its metadata interface), so callers
+written against either convention catch it. It is raised before any communication, from
+checks that every rank evaluates on the same values, so all ranks fail alike.
+"""
+
+__all__ = ["CPInputError"]
+
+
+class CPInputError(ValueError, AssertionError):
+    """Invalid input to a cpref function; the message names the value and the fix."""

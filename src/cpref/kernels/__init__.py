@@ -1,0 +1,6 @@
+"""Attention kernels behind one contract (see `cpref.kernels.contract`)."""
+
+from cpref.kernels.contract import AttentionKernel
+from cpref.kernels.torch_kernel import TorchKernel
+
+__all__ = ["AttentionKernel", "TorchKernel"]

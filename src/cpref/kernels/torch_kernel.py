@@ -1,0 +1,308 @@
+r"""`TorchKernel`: the attention contract in plain PyTorch, blocked over query rows.
+
+This is the portable kernel: it runs wherever torch runs (CPU, CUDA, ...) in float16,
+bfloat16, float32 and float64, and it is written as explicit matrix products so that the
+forward and backward passes can be read next to their formulas. Inputs are upcast once to
+the *compute dtype* (float32, or float64 for float64 inputs); every sum accumulates there.
+
+**Blocks instead of a $T \times T$ matrix.** Sequences are independent, so the kernel loops
+over them, and within a sequence over blocks of $R$ query rows. Under bottom-right causal
+masking query $j$ of a sequence with $n_q$ queries and $n_k$ keys sees key $t$ iff
+$t \le j + \delta$ with $\delta = n_k - n_q$, so the rows $[a, b)$ of a block see at most the
+key *prefix* $[0, b + \delta)$. Every row sees the keys $[0, a + \delta]$; only the last $R$
+columns of the prefix form the triangle that needs a mask. Without `causal` every row sees
+all $n_k$ keys. Either way a block's keys are one contiguous range, so the block's scores are
+one batched matrix product and its softmax is *exact*: no online rescaling is needed.
+$R$ is chosen so that a block's score matrix, $R \cdot L \cdot H_q$ elements for $L$ keys,
+stays under `max_block_elements`.
+
+Rows $j < -\delta$ see no key at all (more queries than keys). They are never computed:
+their `out` stays 0, their `lse` stays $-\infty$ and their gradients stay 0, so no NaN can
+appear.
+
+**GQA without copies.** Tensors are laid out head-major once, `q` as $(H_{kv}, T, G, D)$
+with $G = H_q / H_{kv}$, so a block of queries is a $(H_{kv}, R G, D)$ view whose $G$ query
+heads all multiply the same $(H_{kv}, L, D)$ key block; K and V are never repeated.
+
+**Base 2.** Since $e^x = 2^{x \log_2 e}$, the kernel works with logits in base 2,
+$S_2 = c\, Q K^\top$ with $c = s \log_2 e$, because `exp2` is much cheaper than `exp` on a
+CPU (FlashAttention does the same on GPUs). The natural-log lse of the contract is
+$\mathrm{lse} = \ln 2 \cdot \mathrm{lse}_2$.
+
+**Forward**, for one block, with the row maximum $m$ for stability:
+
+$$ S_2 = c\, Q K^\top, \quad m = \max_t S_{2,t}, \quad \tilde P = 2^{S_2 - m}, \quad
+   \ell = \textstyle\sum_t \tilde P_t, \quad O = \tilde P V / \ell, \quad
+   \mathrm{lse} = \ln 2\, (m + \log_2 \ell). $$
+
+**Backward** recomputes $P = 2^{S_2 - \mathrm{lse}_2}$ from the saved lse (which, under
+context parallelism, is the lse of the *whole* row, not of this block) and, with
+$\Delta = \mathrm{rowsum}(dO \circ O)$ computed once for all rows (FlashAttention-2,
+Dao 2023, https://arxiv.org/abs/2307.08691):
+
+$$ dV \mathrel{+}= P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - \Delta), \quad
+   dQ = s\, dS\, K, \quad dK \mathrel{+}= s\, dS^\top Q. $$
+
+The score-sized buffers are allocated once per call and reused by every block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, NamedTuple
+
+import torch
+
+from cpref.errors import CPInputError
+
+__all__ = ["TorchKernel"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+class _Block(NamedTuple):
+    """One block of work: query rows, the key range they may see, and the diagonal mask."""
+
+    rows: slice  # query tokens [a, b) of the packed stream
+    keys: slice  # key tokens [lo, hi) of the packed stream
+    mask: torch.Tensor | None  # (R, 1, R) True where hidden, over the last R keys; None: no mask
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other float dtype accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _heads_major(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """Copy token-major `(T, Hkv*G, X)` into a contiguous head-major `(Hkv, T*G, X)` in `dtype`."""
+    t, h, d = x.shape
+    out = torch.empty((hkv, t, h // hkv, d), dtype=dtype, device=x.device)  # (Hkv, T, G, X)
+    out.copy_(x.reshape(t, hkv, h // hkv, d).transpose(0, 1))  # (T, Hkv, G, X) -> (Hkv, T, G, X)
+    return out.view(hkv, t * (h // hkv), d)  # (Hkv, T*G, X)
+
+
+def _store(dst: torch.Tensor, src: torch.Tensor, hkv: int) -> None:
+    """Write a head-major block `src (Hkv, R*G, ...)` into token-major `dst (R, Hkv*G, ...)`."""
+    r, rest = dst.shape[0], dst.shape[2:]
+    src = src.view(hkv, r, -1, *rest).transpose(0, 1)  # (Hkv, R, G, ...) -> (R, Hkv, G, ...)
+    dst.view(r, hkv, -1, *rest).copy_(src)  # (R, Hq, ...) as (R, Hkv, G, ...)
+
+
+def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
+    """The first `prod(shape)` elements of the flat workspace `buf`, viewed as `shape`."""
+    return buf[: math.prod(shape)].view(shape)
+
+
+def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, c: float, buf: torch.Tensor) -> torch.Tensor:
+    """Masked base-2 logits `S2 = c Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`."""
+    hkv, n = qb.shape[0], kb.shape[1]
+    s = _take(buf, hkv, qb.shape[1], n)  # (Hkv, R*G, L)
+    # S2 = c Q K^T
+    torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=c, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
+    if blk.mask is not None:
+        # S2_jt = -inf where t > j + delta: only the last R keys can be hidden
+        rows = blk.mask.shape[0]
+        s.view(hkv, rows, -1, n)[..., n - rows :].masked_fill_(blk.mask, float("-inf"))  # (Hkv, R, G, R)
+    return s
+
+
+def _forward_block(
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blk: _Block, c: float, buf: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(O (Hkv, R*G, Dv), lse (Hkv, R*G))` of one block; `buf` holds its scores."""
+    # 1) S2 = c Q K^T, masked
+    s = _logits(qb, kb, blk, c, buf)  # (Hkv, R*G, L)
+    # 2) m = max_t S2_t
+    m = s.amax(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
+    # 3) P~ = 2^(S2 - m), in place; l = sum_t P~_t
+    p = s.sub_(m).exp2_()  # (Hkv, R*G, L)
+    el = p.sum(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
+    # 4) O = P~ V / l
+    o = torch.bmm(p, vb).div_(el)  # (Hkv, R*G, L) x (Hkv, L, Dv) -> (Hkv, R*G, Dv)
+    # 5) lse = ln2 (m + log2 l)
+    lse = m.add_(el.log2_()).mul_(LN2)  # (Hkv, R*G, 1)
+    return o, lse.squeeze(-1)
+
+
+def _backward_block(
+    qb: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    dob: torch.Tensor,
+    lse2b: torch.Tensor,
+    deltab: torch.Tensor,
+    blk: _Block,
+    c: float,
+    scale: float,
+    bufs: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(dQ (Hkv, R*G, D), dK (Hkv, L, D), dV (Hkv, L, Dv))` of one block.
+
+    `bufs` are the flat workspaces for `(S, dP, dK, dV)`; `dK` and `dV` live in them.
+    """
+    hkv, n = kb.shape[0], kb.shape[1]
+    # 1) P = 2^(S2 - lse2), recomputed in place
+    p = _logits(qb, kb, blk, c, bufs[0]).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
+    # 2) dV = P^T dO
+    dv = torch.bmm(p.transpose(1, 2), dob, out=_take(bufs[3], hkv, n, dob.shape[2]))  # (Hkv, L, R*G) x (Hkv, R*G, Dv)
+    # 3) dP = dO V^T
+    dp = torch.bmm(dob, vb.transpose(1, 2), out=_take(bufs[1], *p.shape))  # (Hkv, R*G, Dv) x (Hkv, Dv, L)
+    # 4) dS = P o (dP - Delta), in place
+    ds = dp.sub_(deltab).mul_(p)  # (Hkv, R*G, L)
+    # 5) dQ = s dS K
+    dq = torch.bmm(ds, kb).mul_(scale)  # (Hkv, R*G, L) x (Hkv, L, D) -> (Hkv, R*G, D)
+    # 6) dK = s dS^T Q
+    dk = _take(bufs[2], hkv, n, qb.shape[2])  # (Hkv, L, D)
+    torch.baddbmm(dk, ds.transpose(1, 2), qb, beta=0, alpha=scale, out=dk)  # (Hkv, L, R*G) x (Hkv, R*G, D)
+    return dq, dk, dv
+
+
+class TorchKernel:
+    """The attention contract in explicit, blocked PyTorch; see the module docstring.
+
+    Args:
+        block_size: at most this many query rows per block (None: only the budget decides).
+        max_block_elements: memory budget of one block, in elements of the compute dtype:
+            query rows are chosen so that `rows * kv_len * Hq` stays under it (at least one
+            row). Forward holds one such buffer, backward two. The default `2**24` is 64 MiB
+            per float32 buffer.
+
+    Raises:
+        CPInputError: if `block_size` or `max_block_elements` is not positive.
+
+    Examples:
+        >>> import torch
+        >>> q = k = v = torch.randn(6, 2, 4)
+        >>> cu = torch.tensor([0, 2, 6])
+        >>> out, lse = TorchKernel().forward(q, k, v, cu, cu, causal=True, scale=0.5)
+        >>> out.shape, lse.shape
+        (torch.Size([6, 2, 4]), torch.Size([6, 2]))
+    """
+
+    def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24) -> None:
+        if block_size is not None and block_size < 1:
+            raise CPInputError(f"block_size={block_size} must be a positive row count, or None")
+        if max_block_elements < 1:
+            raise CPInputError(f"max_block_elements={max_block_elements} must be positive")
+        self.block_size = block_size
+        self.max_block_elements = max_block_elements
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_kv: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
+        hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], _compute_dtype(q.dtype)
+        blocks, size = self._blocks(q, k, v, cu_seqlens_q, cu_seqlens_kv, causal)
+        # 1) head-major operands in the compute dtype, one score buffer for every block
+        qh, kh, vh = (_heads_major(x, hkv, cdt) for x in (q, k, v))  # (Hkv, T*G, D), (Hkv, T', D|Dv)
+        buf = torch.empty(size, dtype=cdt, device=q.device)  # scores of a block
+        # 2) rows that see no key keep out = 0 and lse = -inf
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # (T, Hq, Dv)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)  # (T, Hq)
+        # 3) one exact softmax per block
+        for blk in blocks:
+            qb = qh[:, blk.rows.start * g : blk.rows.stop * g]  # (Hkv, R*G, D)
+            o_b, lse_b = _forward_block(qb, kh[:, blk.keys], vh[:, blk.keys], blk, scale * LOG2E, buf)
+            _store(out[blk.rows], o_b, hkv)  # (R, Hq, Dv)
+            _store(lse[blk.rows], lse_b, hkv)  # (R, Hq)
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_kv: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`; see `AttentionKernel.backward`."""
+        hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], _compute_dtype(q.dtype)
+        blocks, size = self._blocks(q, k, v, cu_seqlens_q, cu_seqlens_kv, causal)
+        # 1) head-major operands; Delta = rowsum(dO o O) once for all rows; lse2 = lse / ln2
+        qh, kh, vh, doh = (_heads_major(x, hkv, cdt) for x in (q, k, v, dout))  # (Hkv, T*G|T', .)
+        delta = _heads_major((dout.to(cdt) * out.to(cdt)).sum(-1, keepdim=True), hkv, cdt)  # (Hkv, T*G, 1)
+        lse2 = _heads_major(lse.unsqueeze(-1), hkv, cdt).mul_(LOG2E)  # (Hkv, T*G, 1)
+        sizes = (size, size, k.numel(), v.numel())  # S, dP, dK, dV of a block
+        bufs = [torch.empty(n, dtype=cdt, device=q.device) for n in sizes]
+        # 2) rows that see no key keep zero gradients
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D)
+        dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)  # (Hkv, T', D), (Hkv, T', Dv)
+        # 3) per block: dQ of its rows, dK and dV accumulated over its key range
+        for blk in blocks:
+            tok = slice(blk.rows.start * g, blk.rows.stop * g)  # block rows in the (Hkv, T*G, .) layout
+            dq_b, dk_b, dv_b = _backward_block(
+                qh[:, tok], kh[:, blk.keys], vh[:, blk.keys], doh[:, tok], lse2[:, tok], delta[:, tok],
+                blk, scale * LOG2E, scale, bufs,
+            )  # fmt: skip
+            _store(dq[blk.rows], dq_b, hkv)  # (R, Hq, D)
+            dk[:, blk.keys] += dk_b  # (Hkv, L, D)
+            dv[:, blk.keys] += dv_b  # (Hkv, L, Dv)
+        # 4) back to token-major, in the input dtypes
+        return dq, dk.transpose(0, 1).to(k.dtype), dv.transpose(0, 1).to(v.dtype)  # (T', Hkv, .)
+
+    def _blocks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_kv: torch.Tensor,
+        causal: bool,
+    ) -> tuple[list[_Block], int]:
+        """Check the inputs; list every block of every sequence and the largest score-buffer size."""
+        cu_q, cu_kv = _check(q, k, v, cu_seqlens_q, cu_seqlens_kv)
+        hq, masks, blocks, size = q.shape[1], {}, [], 0
+        for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_kv[:-1], cu_kv[1:]):
+            budget_rows = self.max_block_elements // max(1, (k1 - k0) * hq)
+            rows = max(1, min(budget_rows, self.block_size or budget_rows))
+            for a, b, hi in _sequence_blocks(q1 - q0, k1 - k0, rows, causal):
+                if causal and b - a not in masks:
+                    hidden = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu_(1)  # (R, R)
+                    masks[b - a] = hidden.unsqueeze(1)  # (R, 1, R)
+                mask = masks[b - a] if causal else None
+                blocks.append(_Block(slice(q0 + a, q0 + b), slice(k0, k0 + hi), mask))
+                size = max(size, (b - a) * hq * hi)
+        return blocks, size
+
+
+def _sequence_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tuple[int, int, int]]:
+    """Yield `(a, b, hi)`: query rows `[a, b)` of one sequence see keys `[0, hi)` of it."""
+    # query j sees key t iff t <= j + delta (causal); rows j < -delta see nothing
+    delta = n_k - n_q
+    first = max(0, -delta) if causal else (0 if n_k > 0 else n_q)
+    for a in range(first, n_q, rows):
+        b = min(a + rows, n_q)
+        yield a, b, (b + delta if causal else n_k)
+
+
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """Validate shapes and boundaries; return `cu_seqlens_q`, `cu_seqlens_kv` as host ints."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise CPInputError(f"q, k, v must be THD (3-d), got {q.dim()}, {k.dim()}, {v.dim()} dims")
+    if q.shape[1] % k.shape[1] != 0 or q.shape[2] != k.shape[2] or k.shape[:2] != v.shape[:2]:
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        raise CPInputError(f"need Hq % Hkv == 0, q and k with one D, v's (T', Hkv) = k's; got {shapes}")
+    hosts = cu_q.tolist(), cu_kv.tolist()
+    for name, cu, total in (("cu_seqlens_q", hosts[0], q.shape[0]), ("cu_seqlens_kv", hosts[1], k.shape[0])):
+        if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+            raise CPInputError(f"{name}={cu} must start at 0, not decrease and end at {total}")
+    if len(hosts[0]) != len(hosts[1]):
+        raise CPInputError(f"cu_seqlens_q and cu_seqlens_kv need the same length, got {hosts}")
+    return hosts

@@ -1,0 +1,116 @@
+"""The EOD-padding data path: padding never changes the loss or the gradients of real tokens.
+
+A tiny attention language model is trained one step two ways, in FP64:
+* the reference: the real (unpadded) packed batch on one process, attention by the dense oracle;
+* CP: `get_batch_on_this_cp_rank` pads every document to a multiple of 2P and slices it,
+  `cpref.attention` runs on the simulated cluster, `cp_loss` normalises by the global count.
+Loss and every parameter gradient (summed over ranks) must agree to 1e-10.
+"""
+
+import pytest
+import torch
+
+import cpref
+from sim import oracle
+from sim.cluster import SimCluster
+from tests.helpers import cu_from_lengths
+
+VOCAB, E, HQ, HKV, D = 13, 8, 4, 2, 6
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (VOCAB, E), "pos": (1024, E), "wq": (E, HQ * D), "wk": (E, HKV * D), "wv": (E, HKV * D), "wo": (HQ * D, VOCAB)}
+    return {n: torch.randn(*s, generator=g, dtype=torch.float64) * 0.5 for n, s in shapes.items()}
+
+
+def token_losses(p, tokens, labels, pos, attend):
+    x = p["emb"][tokens] + p["pos"][pos]  # (T, E)
+    q = (x @ p["wq"]).view(-1, HQ, D)
+    k = (x @ p["wk"]).view(-1, HKV, D)
+    v = (x @ p["wv"]).view(-1, HKV, D)
+    o = attend(q, k, v).reshape(-1, HQ * D)  # (T, Hq D)
+    return torch.nn.functional.cross_entropy(o @ p["wo"], labels, reduction="none")  # (T,)
+
+
+def packed_batch(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    cu = cu_from_lengths(lengths)
+    tokens = torch.randint(1, VOCAB, (int(cu[-1]),), generator=g)
+    labels = torch.roll(tokens, -1)
+    loss_mask = torch.ones(int(cu[-1]), dtype=torch.float64)
+    loss_mask[cu[1:] - 1] = 0  # the last token of a document predicts nothing
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return cu, tokens, labels, loss_mask, pos
+
+
+def reference(lengths):
+    cu, tokens, labels, mask, pos = packed_batch(lengths)
+    p = {n: t.requires_grad_() for n, t in make_params().items()}
+    losses = token_losses(p, tokens, labels, pos, lambda q, k, v: oracle.attention(q, k, v, cu)[0])
+    loss = (losses * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach(), {n: t.grad for n, t in p.items()}
+
+
+def with_cp(lengths, P, layout):
+    cu, tokens, labels, mask, _ = packed_batch(lengths)
+
+    def rank_fn(comm):
+        p = {n: t.requires_grad_() for n, t in make_params().items()}  # each rank's own replica
+        b = cpref.get_batch_on_this_cp_rank(
+            {"tokens": tokens, "labels": labels, "loss_mask": mask}, cu, cp_size=P, rank=comm.rank, layout=layout
+        )
+        attend = lambda q, k, v: cpref.attention(q, k, v, b["cu_seqlens"], comm=comm, mode="all_gather", layout=layout)  # noqa: E731
+        losses = token_losses(p, b["tokens"], b["labels"], b["position_ids"], attend)
+        share = cpref.cp_loss(losses, b["loss_mask"], comm)
+        share.backward()
+        return share.detach(), {n: t.grad for n, t in p.items()}, b
+
+    return SimCluster(P, timeout=30.0).run(rank_fn)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("lengths", [[7, 13, 5], [1, 22], [9]], ids=["three", "tiny-doc", "one"])
+def test_padding_changes_neither_loss_nor_gradients(lengths, P, layout):
+    ref_loss, ref_grads = reference(lengths)
+    results = with_cp(lengths, P, layout)
+    loss = sum(r[0] for r in results)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=1e-10)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(sum(r[1][name] for r in results), g, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_rank_holding_only_padding_gives_zero_loss_not_nan():
+    """Field bug 6: every token on ranks 1..3 is padding; no NaN, no division by zero."""
+    results = with_cp([1, 2], P=4, layout="zigzag")
+    batches = [r[2] for r in results]
+    assert [int(b["loss_mask"].sum()) for b in batches] == [1, 0, 0, 0]
+    for share, grads, _ in results:
+        assert torch.isfinite(share) and all(torch.isfinite(g).all() for g in grads.values())
+    assert all(r[0] == 0 for r in results[1:])
+
+
+def test_batch_slicing_pads_with_masked_eod_and_restarts_positions():
+    cu, tokens, labels, mask, _ = packed_batch([5, 3])
+    parts = [cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cu, cp_size=2, rank=r, pad_token_id=0) for r in range(2)]
+    assert parts[0]["cu_seqlens"].tolist() == [0, 8, 12]
+    full = {n: cpref.unshard([p[n] for p in parts], parts[0]["cu_seqlens"], layout="zigzag") for n in ("tokens", "loss_mask", "position_ids")}
+    assert full["tokens"][:5].tolist() == tokens[:5].tolist() and full["tokens"][5:8].tolist() == [0, 0, 0]
+    assert full["loss_mask"].tolist() == [1] * 5 + [0] * 3 + [1] * 3 + [0]
+    assert full["position_ids"].tolist() == list(range(8)) + list(range(4))
+
+
+def test_tail_padding_698_to_704_at_cp4_is_exact_and_deterministic():
+    """Field bug 2: a 698-token document padded to 704 at CP=4 must not be mis-detected."""
+    lengths = [698, 120]
+    ref_loss, ref_grads = reference(lengths)
+    first = with_cp(lengths, 4, "zigzag")
+    assert first[0][2]["cu_seqlens"].tolist() == [0, 704, 824]
+    torch.testing.assert_close(sum(r[0] for r in first), ref_loss, atol=1e-10, rtol=1e-10)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(sum(r[1][name] for r in first), g, atol=1e-10, rtol=1e-10, msg=name)
+    second = with_cp(lengths, 4, "zigzag")
+    for a, b in zip(first, second):
+        assert all(torch.equal(a[1][n], b[1][n]) for n in ref_grads)

@@ -1,0 +1,141 @@
+"""Layouts: round trips, chunk ownership, positions, padding, work balance, bad input."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpref
+from cpref.layout import LAYOUTS, layout_multiple
+from tests.helpers import cu_from_lengths
+
+
+@st.composite
+def packed(draw, layout=None):
+    """A random packed batch: (cu_seqlens, P, layout), every document divisible by the layout."""
+    P = draw(st.integers(1, 8))
+    layout = layout or draw(st.sampled_from(LAYOUTS))
+    mult = layout_multiple(layout, P)
+    lengths = draw(st.lists(st.integers(1, 4).map(lambda n: n * mult), min_size=1, max_size=5))
+    return cu_from_lengths(lengths), P, layout
+
+
+@settings(max_examples=60, deadline=None)
+@given(packed())
+def test_shard_unshard_round_trip(case):
+    cu, P, layout = case
+    x = torch.randn(int(cu[-1]), 3, 2, dtype=torch.float64)
+    shards = [cpref.shard(x, cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
+    assert all(s.shape[0] == int(cu[-1]) // P for s in shards)
+    assert torch.equal(cpref.unshard(shards, cu, layout=layout), x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(packed())
+def test_global_index_partitions_the_stream_and_positions_match(case):
+    cu, P, layout = case
+    idx = [cpref.global_index(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
+    assert torch.equal(torch.cat(idx).sort().values, torch.arange(int(cu[-1])))
+    starts = cu[torch.searchsorted(cu, torch.cat(idx), right=True) - 1]
+    pos = torch.cat([cpref.positions(cu, cp_size=P, rank=r, layout=layout) for r in range(P)])
+    assert torch.equal(pos, torch.cat(idx) - starts)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
+def test_zigzag_rank_holds_chunks_r_and_2p_minus_1_minus_r_in_order(P):
+    c = 3
+    cu = cu_from_lengths([2 * P * c, 4 * P * c])
+    for r in range(P):
+        got = cpref.global_index(cu, cp_size=P, rank=r, layout="zigzag").tolist()
+        want = []
+        for start, L in ((0, 2 * P * c), (2 * P * c, 4 * P * c)):
+            cc = L // (2 * P)
+            want += list(range(start + r * cc, start + (r + 1) * cc))
+            want += list(range(start + (2 * P - 1 - r) * cc, start + (2 * P - r) * cc))
+        assert got == want
+
+
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+def test_contiguous_rank_holds_chunk_r(P):
+    cu = cu_from_lengths([P * 2, P * 5])
+    for r in range(P):
+        got = cpref.global_index(cu, cp_size=P, rank=r, layout="contiguous").tolist()
+        assert got == list(range(2 * r, 2 * r + 2)) + list(range(2 * P + 5 * r, 2 * P + 5 * r + 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=6), st.integers(1, 16))
+def test_pad_to_multiple_pads_each_document_at_its_end(lengths, multiple):
+    cu = cu_from_lengths(lengths)
+    x = torch.arange(1, int(cu[-1]) + 1)
+    xp, cup = cpref.pad_to_multiple(x, cu, multiple, value=-1)
+    padded = (cup[1:] - cup[:-1]).tolist()
+    assert all(p % multiple == 0 and 0 <= p - n < multiple for p, n in zip(padded, lengths))
+    for i, n in enumerate(lengths):
+        doc = xp[int(cup[i]) : int(cup[i + 1])]
+        assert torch.equal(doc[:n], x[int(cu[i]) : int(cu[i + 1])])
+        assert (doc[n:] == -1).all()
+    assert torch.equal(cpref.unpad(xp, cup, cu), x)
+
+
+def test_document_of_length_7_is_never_treated_as_6():
+    """Field bug 1: a real token must never be dropped; padding makes 7 into 8."""
+    cu = cu_from_lengths([7, 5])
+    with pytest.raises(ValueError, match=r"document 0 has length 7.*multiple of 4.*pad_to_multiple"):
+        cpref.shard(torch.zeros(12), cu, cp_size=2, rank=0, layout="zigzag")
+    xp, cup = cpref.pad_to_multiple(torch.arange(12), cu, 4)
+    assert cup.tolist() == [0, 8, 16]
+    shards = [cpref.shard(xp, cup, cp_size=2, rank=r, layout="zigzag") for r in range(2)]
+    assert torch.equal(cpref.unpad(cpref.unshard(shards, cup, layout="zigzag"), cup, cu), torch.arange(12))
+
+
+@pytest.mark.parametrize(
+    "cu, kwargs, match",
+    [
+        ([0, 6, 12], dict(cp_size=4, rank=0, layout="zigzag"), r"document 0 has length 6, not a multiple of 8"),
+        ([0, 8, 13], dict(cp_size=2, rank=0, layout="contiguous"), r"document 1 has length 5"),
+        ([1, 8], dict(cp_size=1, rank=0, layout="zigzag"), r"start with 0"),
+        ([0, 8, 8], dict(cp_size=1, rank=0, layout="zigzag"), r"strictly increasing: document 1"),
+        ([0, 8], dict(cp_size=2, rank=2, layout="zigzag"), r"rank 2 is outside \[0, cp_size=2\)"),
+        ([0, 8], dict(cp_size=2, rank=-1, layout="zigzag"), r"rank -1"),
+        ([0, 8], dict(cp_size=0, rank=0, layout="zigzag"), r"cp_size must be an int >= 1"),
+        ([0, 8], dict(cp_size=2, rank=0, layout="ring"), r"unknown layout 'ring'"),
+        ([0], dict(cp_size=1, rank=0, layout="zigzag"), r"at least one document"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_value_and_fix(cu, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cpref.global_index(cu, **kwargs)
+
+
+def test_shard_rejects_token_count_mismatch():
+    with pytest.raises(ValueError, match="x has 10 tokens but cu_seqlens ends at 8"):
+        cpref.shard(torch.zeros(10), [0, 8], cp_size=2, rank=0, layout="zigzag")
+
+
+@settings(max_examples=40, deadline=None)
+@given(packed(layout="zigzag"))
+def test_zigzag_causal_work_is_equal_on_every_rank(case):
+    cu, P, _ = case
+    work = [cpref.attention_work(cu, cp_size=P, rank=r, layout="zigzag") for r in range(P)]
+    c = ((cu[1:] - cu[:-1]) // (2 * P)).tolist()
+    assert work == [(2 * P + 1) * sum(ci * ci for ci in c)] * P
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_contiguous_causal_work_grows_with_rank(P):
+    cu = cu_from_lengths([4 * P, 2 * P])
+    work = [cpref.attention_work(cu, cp_size=P, rank=r, layout="contiguous") for r in range(P)]
+    assert work == [(r + 1) * (16 + 4) for r in range(P)]
+    non_causal = [cpref.attention_work(cu, cp_size=P, rank=r, layout="contiguous", causal=False) for r in range(P)]
+    assert non_causal == [4 * 4 * P + 2 * 2 * P] * P
+
+
+def test_bshd_thd_round_trip():
+    x = torch.randn(3, 8, 2, 4)
+    thd, cu = cpref.bshd_to_thd(x)
+    assert thd.shape == (24, 2, 4) and cu.tolist() == [0, 8, 16, 24]
+    assert torch.equal(thd[8:16], x[1])
+    assert torch.equal(cpref.thd_to_bshd(thd, cu), x)
+    with pytest.raises(ValueError, match="one"):
+        cpref.thd_to_bshd(torch.zeros(12), [0, 4, 12])

@@ -1,0 +1,48 @@
+"""Shared test helpers: the tolerances every issue states, and random packed batches."""
+
+from __future__ import annotations
+
+import torch
+
+# atol = rtol per dtype, as stated by the issues (MindSpeed RFC / TransformerEngine figures).
+TOL = {
+    torch.float16: 5e-3,
+    torch.bfloat16: 2.5e-2,
+    torch.float32: 1e-5,
+    torch.float64: 1e-10,
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:
+    """`torch.testing.assert_close` at the stated tolerance of `dtype`, comparing in float64."""
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        actual.double(), expected.double(), atol=tol, rtol=tol, equal_nan=False, msg=lambda m: f"{msg}\n{m}"
+    )
+
+
+def random_qkv(
+    total: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, Dv) with entries ~ N(0, 1), deterministic by seed."""
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    q = torch.randn(total, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(total, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(total, hkv, dv, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def cu_from_lengths(lengths: list[int]) -> torch.Tensor:
+    """cu_seqlens (int64, leading 0) from document lengths."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int64)

@@ -1,0 +1,174 @@
+"""`TorchKernel` against the FP64 oracle: forward (out, lse) and backward (dq, dk, dv).
+
+The oracle only knows packed self-attention, so `reference` below embeds every sequence's
+queries into a self-attention document made of that sequence's keys: under bottom-right
+causal masking query `j` sits at key position `j + kv_len - q_len` (rows with a negative
+position see no key); without masking any position will do, in chunks of at most `kv_len`
+rows. Key rows that hold no query get a zero upstream gradient, so the oracle's `dk, dv`
+are exactly the kernel's. Low-precision inputs are compared with the oracle run on the same
+(rounded) inputs, upcast, at the tolerance `TOL[dtype]`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpref.errors import CPInputError
+from cpref.kernels import AttentionKernel, TorchKernel
+from sim import oracle
+from tests.helpers import assert_close, cu_from_lengths, random_qkv
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+# (Hq, Hkv, D, Dv): MHA, GQA, MQA, MLA head dims
+HEADS = {"mha": (4, 4, 32, 32), "gqa": (8, 2, 32, 32), "mqa": (4, 1, 32, 32), "mla": (4, 2, 192, 128)}
+
+
+def reference(q, k, v, cu_q, cu_kv, dout, *, causal, scale):
+    """`(out, lse, dq, dk, dv)` in float64 from `oracle.forward_backward`, sequence by sequence."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)  # (T, Hq, Dv)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)  # (T, Hq)
+    dq = torch.zeros(q.shape, dtype=torch.float64)  # (T, Hq, D)
+    dk, dv = torch.zeros(k.shape, dtype=torch.float64), torch.zeros(v.shape, dtype=torch.float64)
+    for q0, q1, k0, k1 in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_kv.tolist()[:-1], cu_kv.tolist()[1:]):
+        n_q, n_k = q1 - q0, k1 - k0
+        if n_k == 0:
+            continue
+        # causal: row j at position j + n_k - n_q; otherwise chunks of <= n_k rows at 0, 1, ...
+        if causal:
+            chunks = [(max(0, n_q - n_k), n_q, n_k - n_q)]  # (first row, end row, position shift)
+        else:
+            chunks = [(a, min(a + n_k, n_q), -a) for a in range(0, n_q, n_k)]
+        for a, b, shift in chunks:
+            pos = torch.arange(a, b) + shift  # (b - a,) positions in the key document
+            qd = torch.zeros(n_k, *q.shape[1:], dtype=torch.float64)  # (n_k, Hq, D)
+            dod = torch.zeros(n_k, *dout.shape[1:], dtype=torch.float64)  # (n_k, Hq, Dv)
+            qd[pos], dod[pos] = q[q0 + a : q0 + b].double(), dout[q0 + a : q0 + b].double()
+            o, l, gq, gk, gv = oracle.forward_backward(
+                qd, k[k0:k1], v[k0:k1], torch.tensor([0, n_k]), dod, causal=causal, scale=scale
+            )
+            out[q0 + a : q0 + b], lse[q0 + a : q0 + b], dq[q0 + a : q0 + b] = o[pos], l[pos], gq[pos]
+            dk[k0:k1] += gk
+            dv[k0:k1] += gv
+    return out, lse, dq, dk, dv
+
+
+def run_kernel(kernel, q, k, v, cu_q, cu_kv, dout, *, causal, scale):
+    """`(out, lse, dq, dk, dv)` from the kernel's forward and backward."""
+    out, lse = kernel.forward(q, k, v, cu_q, cu_kv, causal=causal, scale=scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, cu_q, cu_kv, causal=causal, scale=scale)
+    return (out, lse, *grads)
+
+
+def check(kernel, q_lens, kv_lens, heads, dtype, *, causal, seed=0):
+    """Run kernel and reference on random data; assert dtypes, shapes, values and no NaN."""
+    hq, hkv, d, dv = heads
+    cu_q, cu_kv = cu_from_lengths(q_lens), cu_from_lengths(kv_lens)
+    q = random_qkv(sum(q_lens), hq, hkv, d, dv, dtype=dtype, seed=seed)[0]
+    _, k, v = random_qkv(sum(kv_lens), hq, hkv, d, dv, dtype=dtype, seed=seed + 1)
+    dout = random_qkv(sum(q_lens), hq, hkv, dv, dtype=dtype, seed=seed + 2)[0]
+    scale = d**-0.5
+    got = run_kernel(kernel, q, k, v, cu_q, cu_kv, dout, causal=causal, scale=scale)
+    want = reference(q, k, v, cu_q, cu_kv, dout, causal=causal, scale=scale)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for name, g, w, like in zip(("out", "lse", "dq", "dk", "dv"), got, want, (dout, None, q, k, v)):
+        assert g.dtype == (stat_dtype if like is None else like.dtype), name
+        assert g.shape == w.shape, name
+        assert not g.isnan().any(), name
+        assert_close(g, w, dtype, name)
+    return got
+
+
+def test_satisfies_the_contract():
+    assert isinstance(TorchKernel(), AttentionKernel)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_documents_match_oracle(dtype, heads, causal):
+    lengths = [120, 128, 1, 151, 1]
+    check(TorchKernel(), lengths, lengths, heads, dtype, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_fewer_queries_than_keys_is_bottom_right(dtype, causal):
+    check(TorchKernel(block_size=16), [10, 1, 33], [40, 25, 33], HEADS["gqa"], dtype, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_that_see_no_key_give_zero_and_minus_inf(dtype):
+    q_lens, kv_lens = [12, 5], [5, 5]  # first 7 rows of sequence 0 see no key
+    out, lse, dq, dk, dv = check(TorchKernel(block_size=4), q_lens, kv_lens, HEADS["gqa"], dtype, causal=True)
+    assert (out[:7] == 0).all() and (lse[:7] == float("-inf")).all() and (dq[:7] == 0).all()
+    assert lse[7:].isfinite().all()
+    for g in (dq, dk, dv):
+        assert g.isfinite().all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_empty_sequences(causal):
+    # q_len 0, kv_len 0 (its queries see nothing), both 0, and a normal sequence
+    out, lse, *_ = check(TorchKernel(), [0, 4, 0, 6], [3, 0, 0, 6], HEADS["gqa"], torch.float64, causal=causal)
+    assert (out[:4] == 0).all() and (lse[:4] == float("-inf")).all()
+
+
+def test_no_tokens_at_all():
+    check(TorchKernel(), [0], [0], HEADS["gqa"], torch.float64, causal=True)
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [TorchKernel(block_size=1), TorchKernel(block_size=7), TorchKernel(max_block_elements=1000)],
+    ids=["rows=1", "rows=7", "budget=1000"],
+)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_many_blocks_and_sequences(kernel, causal, dtype):
+    # budget 1000 with Hq=8 and up to 60 keys leaves 2 rows a block: every sequence has many blocks
+    check(kernel, [30, 60, 1, 45], [30, 60, 1, 45], HEADS["gqa"], dtype, causal=causal)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+def test_cu_seqlens_int32_and_noncontiguous_inputs(index_dtype):
+    cu = torch.tensor([0, 9, 20], dtype=index_dtype)
+    big = random_qkv(20, 4, 2, 24, seed=9)
+    q, k, v = (x[..., :16] for x in big)  # non-contiguous (T, H, 16) views
+    dout = torch.randn(20, 4, 16, dtype=torch.float64)
+    got = run_kernel(TorchKernel(block_size=4), q, k, v, cu, cu, dout, causal=True, scale=0.25)
+    want = oracle.forward_backward(q, k, v, cu, dout, causal=True, scale=0.25)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(g, w, torch.float64, name)
+
+
+def test_bad_inputs_raise_cp_input_error():
+    q, k, v = random_qkv(6, 3, 2, 8)
+    cu = torch.tensor([0, 6])
+    with pytest.raises(CPInputError, match="Hq % Hkv"):
+        TorchKernel().forward(q, k, v, cu, cu, causal=True, scale=1.0)
+    q, k, v = random_qkv(6, 4, 2, 8)
+    with pytest.raises(CPInputError, match="cu_seqlens_q"):
+        TorchKernel().forward(q, k, v, torch.tensor([0, 5]), cu, causal=True, scale=1.0)
+    with pytest.raises(CPInputError, match="same length"):
+        TorchKernel().forward(q, k, v, torch.tensor([0, 2, 6]), cu, causal=True, scale=1.0)
+    with pytest.raises(CPInputError, match="block_size"):
+        TorchKernel(block_size=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=4),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 3]),
+    dims=st.sampled_from([(8, 8), (8, 4), (4, 4)]),
+    causal=st.booleans(),
+    block_size=st.one_of(st.none(), st.integers(1, 8)),
+    seed=st.integers(0, 2**16),
+)
+def test_property_matches_oracle(lens, hkv, group, dims, causal, block_size, seed):
+    q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
+    heads = (hkv * group, hkv, *dims)
+    check(TorchKernel(block_size=block_size), q_lens, kv_lens, heads, torch.float64, causal=causal, seed=seed)

@@ -1,0 +1,287 @@
+"""Semantics of the simulated cluster's collectives against the table in `cpref.comm`.
+
+Every expected tensor is built element by element (or slice by slice) from the per-rank
+inputs, independently of how `sim.cluster` computes it.
+"""
+
+from __future__ import annotations
+
+import doctest
+import time
+
+import pytest
+import torch
+
+import sim
+import sim.cluster
+import sim.rendezvous
+import sim.trace
+from cpref.comm import Collectives
+from sim import ClusterFailure, CollectiveMismatch, SimCluster
+
+SIZES = list(range(1, 9))
+
+
+def x_of(r: int, rows: int, cols: int = 3, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Rank r's input: integer values, distinct per rank and position, with both signs."""
+    base = torch.arange(rows * cols, dtype=torch.float64).reshape(rows, cols)  # (rows, cols)
+    return ((base * (r + 3) * 7) % 23 - 11 + 100 * r).to(dtype)
+
+
+# --- the world communicator ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_comm_is_collectives_and_knows_its_place(P):
+    def fn(comm):
+        return isinstance(comm, Collectives), comm.rank, comm.size, comm.global_rank, comm.group
+
+    out = SimCluster(P).run(fn)
+    assert out == [(True, r, P, r, tuple(range(P))) for r in range(P)]
+
+
+@pytest.mark.parametrize("P", SIZES)
+def test_all_gather(P):
+    n = 2
+    out = SimCluster(P).run(lambda comm: comm.all_gather(x_of(comm.rank, n)))
+    expected = torch.empty(P * n, 3, dtype=torch.float64)  # (P n, 3)
+    for j in range(P * n):
+        expected[j] = x_of(j // n, n)[j % n]  # row j comes from rank j // n
+    for r in range(P):
+        assert torch.equal(out[r], expected), r
+
+
+@pytest.mark.parametrize("P", SIZES)
+def test_reduce_scatter(P):
+    n = 2
+    out = SimCluster(P).run(lambda comm: comm.reduce_scatter(x_of(comm.rank, P * n)))
+    for r in range(P):
+        expected = torch.zeros(n, 3, dtype=torch.float64)  # (n, 3)
+        for s in range(P):
+            expected += x_of(s, P * n)[r * n : (r + 1) * n]  # chunk r of x_s
+        assert out[r].shape == (n, 3)
+        assert torch.equal(out[r], expected), r
+
+
+@pytest.mark.parametrize("P", SIZES)
+def test_all_to_all(P):
+    n = 2
+    out = SimCluster(P).run(lambda comm: comm.all_to_all(x_of(comm.rank, P * n)))
+    for r in range(P):
+        expected = torch.empty(P * n, 3, dtype=torch.float64)  # (P n, 3)
+        for j in range(P * n):
+            s, i = divmod(j, n)
+            expected[j] = x_of(s, P * n)[r * n + i]  # row i of chunk r, sent by rank s
+        assert torch.equal(out[r], expected), r
+
+
+@pytest.mark.parametrize("P", SIZES)
+@pytest.mark.parametrize("shift", [1, -1, 2, 0, 9])
+def test_send_recv(P, shift):
+    out = SimCluster(P).run(lambda comm: comm.send_recv(x_of(comm.rank, 2), shift=shift))
+    for r in range(P):
+        assert torch.equal(out[r], x_of((r - shift) % P, 2)), r
+
+
+def test_send_recv_default_shift_is_one():
+    out = SimCluster(4).run(lambda comm: comm.send_recv(torch.tensor([float(comm.rank)])))
+    assert [float(t) for t in out] == [3.0, 0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("P", SIZES)
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_all_reduce(P, op):
+    out = SimCluster(P).run(lambda comm: comm.all_reduce(x_of(comm.rank, 4), op=op))
+    xs = [x_of(s, 4) for s in range(P)]
+    expected = torch.empty(4, 3, dtype=torch.float64)
+    for i in range(4):
+        for j in range(3):
+            values = [float(x[i, j]) for x in xs]
+            expected[i, j] = {"sum": sum, "max": max, "min": min}[op](values)
+    for r in range(P):
+        assert torch.equal(out[r], expected), r
+
+
+@pytest.mark.parametrize("P", SIZES)
+def test_barrier_returns_none_once_everyone_arrived(P):
+    def fn(comm):
+        time.sleep(0.02 * comm.rank)  # the last rank arrives ~0.02 (P-1) s late
+        comm.barrier()
+        return time.monotonic()
+
+    start = time.monotonic()
+    left = SimCluster(P).run(fn)
+    assert min(left) - start >= 0.02 * (P - 1) - 1e-3
+
+
+def test_all_reduce_keeps_integer_dtype():
+    out = SimCluster(3).run(lambda comm: comm.all_reduce(torch.tensor([comm.rank + 1, -comm.rank])))
+    assert out[0].dtype == torch.int64
+    assert out[0].tolist() == [6, -3]
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_to_all", "send_recv", "all_reduce"])
+def test_outputs_are_fresh_tensors(op):
+    def fn(comm):
+        x = x_of(comm.rank, 2 * comm.size)
+        return x, getattr(comm, op)(x)
+
+    pairs = SimCluster(2).run(fn)
+    ptrs = [t.untyped_storage().data_ptr() for pair in pairs for t in pair]
+    assert len(set(ptrs)) == len(ptrs)  # no output aliases an input or another output
+
+
+def test_results_are_returned_in_rank_order():
+    assert SimCluster(5).run(lambda comm: comm.rank * 10) == [0, 10, 20, 30, 40]
+
+
+def test_outputs_carry_no_autograd_history():
+    def fn(comm):
+        x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        return comm.all_gather(x * 2)
+
+    assert not SimCluster(2).run(fn)[0].requires_grad
+
+
+# --- validation: local, identical on every rank, re-raised unchanged -----------------------
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_to_all"])
+def test_dim0_not_divisible_raises_value_error(op):
+    with pytest.raises(ValueError, match=r"dim 0 of shape \(5, 3\) must be divisible by the group size P=2"):
+        SimCluster(2, timeout=2).run(lambda comm: getattr(comm, op)(x_of(comm.rank, 5)))
+
+
+def test_bad_reduce_op_and_zero_dim_gather_raise_value_error():
+    with pytest.raises(ValueError, match="op must be one of"):
+        SimCluster(2, timeout=2).run(lambda comm: comm.all_reduce(torch.ones(1), op="avg"))
+    with pytest.raises(ValueError, match="0-d tensor"):
+        SimCluster(2, timeout=2).run(lambda comm: comm.all_gather(torch.tensor(1.0)))
+
+
+def test_cluster_arguments_are_validated():
+    with pytest.raises(ValueError, match="world_size"):
+        SimCluster(0)
+    with pytest.raises(ValueError, match="timeout"):
+        SimCluster(2, timeout=0)
+
+
+def test_run_is_not_reentrant():
+    cluster = SimCluster(2, timeout=2)
+    with pytest.raises(RuntimeError, match="not reentrant"):
+        cluster.run(lambda comm: cluster.run(lambda c: None))
+
+
+# --- split: sub-groups -------------------------------------------------------------------
+
+
+def test_split_2x2_mesh_rows_and_columns():
+    cluster = SimCluster(4)
+
+    def fn(comm):
+        rows = comm.split([[0, 1], [2, 3]])
+        cols = comm.split([[0, 2], [1, 3]])
+        me = torch.tensor([float(comm.rank)])
+        return rows.group, rows.rank, cols.group, cols.rank, rows.all_gather(me), cols.all_reduce(me)
+
+    out = cluster.run(fn)
+    assert [o[:4] for o in out] == [((0, 1), 0, (0, 2), 0), ((0, 1), 1, (1, 3), 0),
+                                    ((2, 3), 0, (0, 2), 1), ((2, 3), 1, (1, 3), 1)]  # fmt: skip
+    assert [o[4].tolist() for o in out] == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+    assert [o[5].tolist() for o in out] == [[2.0], [4.0], [2.0], [4.0]]
+    labelled = sorted((ev.op, ev.group, ev.seq) for ev in cluster.trace)
+    assert labelled == [("all_gather", (0, 1), 0), ("all_gather", (2, 3), 0),
+                        ("all_reduce", (0, 2), 0), ("all_reduce", (1, 3), 0),
+                        ("split", (0, 1, 2, 3), 0), ("split", (0, 1, 2, 3), 1)]  # fmt: skip
+
+
+def test_split_renumbers_in_listed_order():
+    def fn(comm):
+        sub = comm.split([[3, 1], [0, 2]])
+        return sub.rank, sub.group, sub.all_gather(torch.tensor([float(comm.rank)])).tolist()
+
+    out = SimCluster(4).run(fn)
+    assert out[3] == (0, (3, 1), [3.0, 1.0])
+    assert out[1] == (1, (3, 1), [3.0, 1.0])
+    assert out[0] == (0, (0, 2), [0.0, 2.0])
+
+
+def test_nested_split_uses_global_ranks():
+    def fn(comm):
+        half = comm.split([[0, 1, 2, 3], [4, 5, 6, 7]])
+        quarter = half.split([[0, 1], [2, 3]])  # local ranks of `half`
+        return quarter.group, quarter.all_reduce(torch.tensor([comm.rank])).item()
+
+    out = SimCluster(8).run(fn)
+    assert out == [((0, 1), 1), ((0, 1), 1), ((2, 3), 5), ((2, 3), 5),
+                   ((4, 5), 9), ((4, 5), 9), ((6, 7), 13), ((6, 7), 13)]  # fmt: skip
+
+
+@pytest.mark.parametrize("groups", [[[0, 1], [1, 2]], [[0, 1]], [[0, 1, 2, 3]], [[0, 1, 2], []]])
+def test_split_rejects_non_partitions(groups):
+    with pytest.raises(ValueError, match="must partition the ranks 0..2"):
+        SimCluster(3, timeout=2).run(lambda comm: comm.split(groups))
+
+
+def test_split_with_different_partitions_on_ranks_is_a_mismatch():
+    def fn(comm):
+        return comm.split([[0, 1], [2, 3]] if comm.rank else [[0, 2], [1, 3]])
+
+    with pytest.raises(ClusterFailure) as info:
+        SimCluster(4, timeout=2).run(fn)
+    assert all(isinstance(e, CollectiveMismatch) for e in info.value.errors.values())
+    assert "groups=((0, 2), (1, 3))" in str(info.value) and "groups=((0, 1), (2, 3))" in str(info.value)
+
+
+# --- determinism --------------------------------------------------------------------------
+
+
+def test_reductions_are_bitwise_deterministic_and_in_rank_order():
+    P = 8
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4096, generator=g, dtype=torch.float64) * 10.0 ** (3 * (s % 4)) for s in range(P)]
+    forward = xs[0].clone()
+    for x in xs[1:]:
+        forward = forward + x  # ((x_0 + x_1) + x_2) + ...
+    backward = xs[-1].clone()
+    for x in reversed(xs[:-1]):
+        backward = backward + x
+    assert not torch.equal(forward, backward)  # the order matters for this data
+
+    def fn(delay):
+        def rank_fn(comm):
+            time.sleep(delay(comm.rank))  # perturb the arrival order between runs
+            return comm.all_reduce(xs[comm.rank]), comm.reduce_scatter(xs[comm.rank])
+
+        return rank_fn
+
+    a = SimCluster(P).run(fn(lambda r: 0.002 * r))
+    b = SimCluster(P).run(fn(lambda r: 0.002 * (P - r)))
+    for r in range(P):
+        assert torch.equal(a[r][0], forward) and torch.equal(b[r][0], forward)
+        assert torch.equal(a[r][1], forward[r * 512 : (r + 1) * 512]) and torch.equal(a[r][1], b[r][1])
+
+
+@pytest.mark.parametrize("dtype, big, exact", [(torch.float16, 2048.0, 2050.0), (torch.bfloat16, 256.0, 258.0)])
+def test_low_precision_reductions_accumulate_in_float64(dtype, big, exact):
+    # in the dtype itself, big + 1 rounds back to big (twice); in float64 the sum is exact
+    assert float(torch.tensor(big, dtype=dtype) + 1 + 1) == big
+
+    def fn(comm):
+        x = torch.tensor([big if comm.rank == 0 else 1.0], dtype=dtype)
+        return comm.all_reduce(x), comm.reduce_scatter(x.repeat(3))
+
+    out = SimCluster(3).run(fn)
+    assert out[1][0].dtype == dtype
+    assert float(out[1][0]) == exact and float(out[2][1]) == exact
+
+
+# --- the documentation's examples run ------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [sim, sim.cluster, sim.trace, sim.rendezvous])
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
+    assert result.failed == 0
+    if module is not sim.rendezvous:
+        assert result.attempted > 0
