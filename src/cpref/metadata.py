@@ -53,6 +53,7 @@ they hold only lengths and indices, never Q/K/V. Lists of ints are keyed by valu
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, NamedTuple, Sequence
 
@@ -162,31 +163,35 @@ class CacheInfo(NamedTuple):
 
 
 class _MetadataCache:
-    """LRU keyed by tensor identity + version (tensors) or by value (lists)."""
+    """LRU keyed by tensor identity + version (tensors) or by value (lists); thread-safe."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.entries: OrderedDict[tuple, tuple[Any, dict]] = OrderedDict()
         self.hits = self.misses = 0
+        self.lock = threading.Lock()  # ranks of the simulated cluster share one process
 
     def lookup(self, key: tuple, owner: Any) -> dict | None:
-        entry = self.entries.get(key)
-        if entry is None or entry[0] is not owner:
-            self.misses += 1
-            return None
-        self.entries.move_to_end(key)
-        self.hits += 1
-        return entry[1]
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None or entry[0] is not owner:
+                self.misses += 1
+                return None
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return entry[1]
 
     def insert(self, key: tuple, owner: Any, meta: dict) -> None:
-        self.entries[key] = (owner, meta)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
+        with self.lock:
+            self.entries[key] = (owner, meta)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.capacity:
+                self.entries.popitem(last=False)
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.hits = self.misses = 0
+        with self.lock:
+            self.entries.clear()
+            self.hits = self.misses = 0
 
 
 _CACHE = _MetadataCache(CACHE_CAPACITY)
@@ -246,4 +251,5 @@ def clear_cp_metadata_cache() -> None:
 
 def cache_info() -> CacheInfo:
     """Hits, misses, current size and capacity of the metadata cache."""
-    return CacheInfo(_CACHE.hits, _CACHE.misses, len(_CACHE.entries), _CACHE.capacity)
+    with _CACHE.lock:
+        return CacheInfo(_CACHE.hits, _CACHE.misses, len(_CACHE.entries), _CACHE.capacity)

@@ -163,3 +163,29 @@ def test_clear_resets():
     get_thd_load_balanced_cp_metadata([0, 8], 2, 0)
     clear_cp_metadata_cache()
     assert tuple(cache_info()) == (0, 0, 0, 8)
+
+
+def test_cache_is_safe_under_concurrent_ranks():
+    """The simulated cluster's ranks are threads of one process and share the cache."""
+    import threading
+
+    tensors = [torch.tensor([0, 4 * (i + 1)]) for i in range(12)]
+    errors = []
+
+    def hammer(rank):
+        try:
+            for _ in range(50):
+                for t in tensors:  # 12 keys through an LRU of 8: constant eviction
+                    meta = get_thd_load_balanced_cp_metadata(t, 2, rank % 2)
+                    assert meta["global_tokens"] == int(t[-1])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    info = cache_info()
+    assert info.hits + info.misses == 4 * 50 * 12 and info.size == 8
