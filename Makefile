@@ -46,6 +46,7 @@ docs: $(VENV)/.docs
 
 bench: $(VENV)/.base
 	$(PY) -m bench.kernel
+	$(PY) -m bench.all_gather
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .hypothesis

@@ -62,6 +62,7 @@ from cpref.errors import CPInputError
 __all__ = [
     "LAYOUTS",
     "as_cu_list",
+    "host_ints",
     "layout_multiple",
     "check_divisible",
     "check_rank",
@@ -82,6 +83,18 @@ LAYOUTS = ("contiguous", "zigzag")
 CuSeqlens = torch.Tensor | Sequence[int]
 
 
+def host_ints(cu_seqlens: CuSeqlens) -> list[int]:
+    """Boundaries as a list of host ints, from a 1-D integer tensor or a sequence of ints."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise CPInputError(
+                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
+                f"dtype {cu_seqlens.dtype}"
+            )
+        return [int(x) for x in cu_seqlens.tolist()]
+    return [int(x) for x in cu_seqlens]
+
+
 def as_cu_list(cu_seqlens: CuSeqlens) -> list[int]:
     """Validate document boundaries and return them as host ints.
 
@@ -91,15 +104,7 @@ def as_cu_list(cu_seqlens: CuSeqlens) -> list[int]:
     Raises:
         ValueError: naming the offending entry.
     """
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise CPInputError(
-                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
-                f"dtype {cu_seqlens.dtype}"
-            )
-        cu = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        cu = [int(x) for x in cu_seqlens]
+    cu = host_ints(cu_seqlens)
     if len(cu) < 2 or cu[0] != 0:
         raise CPInputError(
             f"cu_seqlens must start with 0 and hold at least one document, got {cu[:8]}; "

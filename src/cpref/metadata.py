@@ -60,7 +60,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from cpref.errors import CPInputError
-from cpref.layout import check_divisible, check_rank, layout_multiple
+from cpref.layout import as_cu_list, check_divisible, check_rank, host_ints, layout_multiple
 
 __all__ = [
     "get_thd_load_balanced_cp_metadata",
@@ -75,22 +75,10 @@ CACHE_CAPACITY = 8
 
 def _parse_cu(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
     """Boundaries with a leading 0, from either that form or MindSpeed's ends-only form."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise CPInputError(f"cu_seqlens must be a 1-D integer tensor, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-        ends = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        ends = [int(x) for x in cu_seqlens]
+    ends = host_ints(cu_seqlens)
     if not ends or ends == [0]:
         raise CPInputError(f"cu_seqlens is empty ({ends}); it must hold at least one document end")
-    cu = ends if ends[0] == 0 else [0] + ends  # a first element of 0 marks the leading-0 form
-    for i in range(len(cu) - 1):
-        if cu[i + 1] <= cu[i]:
-            raise CPInputError(
-                f"cu_seqlens must be strictly increasing; document {i} has length {cu[i + 1] - cu[i]} "
-                f"(boundaries {cu[i]} -> {cu[i + 1]})"
-            )
-    return cu
+    return as_cu_list(ends if ends[0] == 0 else [0] + ends)  # a first element of 0 marks the leading-0 form
 
 
 def _check_args(cu: list[int], cp_size: int, rank: int, layout: str) -> int:

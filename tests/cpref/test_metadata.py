@@ -96,7 +96,7 @@ def test_ends_only_form_equals_leading_zero_form():
     [
         ([], 2, 0, "empty"),
         ([0], 2, 0, "empty"),
-        ([0, 8, 8], 2, 0, "strictly increasing; document 1 has length 0"),
+        ([0, 8, 8], 2, 0, "strictly increasing: document 1 spans \\[8, 8\\), length 0"),
         ([8, 4], 2, 0, "strictly increasing"),
         ([0, 6], 2, 0, "document 0 has length 6, not a multiple of 4"),
         ([0, 8], 0, 0, "cp_size must be an int >= 1, got 0"),

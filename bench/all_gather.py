@@ -1,0 +1,97 @@
+"""Benchmark: compute balance of KV all-gather CP, contiguous against zigzag, measured.
+
+For a packed batch (default: the field's `cu_seqlens = [0, 120, 1248, 4232]`, padded to the
+layout's granularity), every rank's share of the attention, forward + backward, is timed
+with `TorchKernel` using exactly that rank's metadata (`kv_index`, sequence lengths), one
+rank after the other on this process. Printed per layout and CP size:
+
+* each rank's measured time, the measured imbalance (max / mean) beside the counted one
+  (`work = sum(q_len * kv_len)`);
+* the efficiency of the step, `ideal / (P * slowest)`, where `ideal` is the time of the same
+  attention without CP (one call over the whole batch): the fraction of perfect scaling that
+  the slowest rank allows (the communication is not timed here; see the trace for its bytes).
+  Small per-rank shares can run faster per score than one large call (they fit in cache),
+  so at large `P` this figure can exceed 1; the imbalance columns are the robust ones.
+
+Run it with `python -m bench.all_gather` (or `make bench`); `--help` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import cpref
+from cpref.metadata import get_thd_load_balanced_cp_metadata
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fwd_bwd(kernel, q, k, v, dout, cu_q, cu_kv, scale):
+    def step():
+        out, lse = kernel.forward(q, k, v, cu_q, cu_kv, causal=True, scale=scale)
+        kernel.backward(dout, q, k, v, out, lse, cu_q, cu_kv, causal=True, scale=scale)
+
+    return step
+
+
+def rank_seconds(cu, q, k, v, dout, P: int, layout: str, repeats: int) -> list[float]:
+    """Measured forward + backward kernel seconds of every rank's all-gather CP share."""
+    kernel, scale = cpref.TorchKernel(), q.shape[-1] ** -0.5
+    shards = [[cpref.shard(t, cu, cp_size=P, rank=r, layout=layout) for t in (q, k, v, dout)] for r in range(P)]
+    k_all = torch.cat([s[1] for s in shards])  # what the all-gather of K produces, rank-major
+    v_all = torch.cat([s[2] for s in shards])
+    out = []
+    for r in range(P):
+        meta = get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout)
+        k_sel, v_sel = k_all[meta["kv_index"]], v_all[meta["kv_index"]]
+        step = _fwd_bwd(kernel, shards[r][0], k_sel, v_sel, shards[r][3], meta["cu_seqlens_q"], meta["cu_seqlens_kv"], scale)
+        out.append(_time(step, repeats))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cu", type=int, nargs="+", default=[0, 120, 1248, 4232])
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    lengths = [b - a for a, b in zip(args.cu[:-1], args.cu[1:])]
+    print(f"KV all-gather CP compute balance: documents {lengths}, Hq={args.heads} Hkv={args.kv_heads} "
+          f"D={args.dim}, float32, causal fwd+bwd, {torch.get_num_threads()} threads, median of {args.repeats}\n")
+    for P in args.cp:
+        for layout in cpref.LAYOUTS:
+            mult = 2 * P if layout == "zigzag" else P
+            _, cu = cpref.pad_to_multiple(torch.zeros(args.cu[-1]), args.cu, mult)
+            g = torch.Generator().manual_seed(0)
+            T = int(cu[-1])
+            q, dout = (torch.randn(T, args.heads, args.dim, generator=g) for _ in range(2))
+            k, v = (torch.randn(T, args.kv_heads, args.dim, generator=g) for _ in range(2))
+            secs = rank_seconds(cu, q, k, v, dout, P, layout, args.repeats)
+            ideal = _time(_fwd_bwd(cpref.TorchKernel(), q, k, v, dout, cu, cu, args.dim**-0.5), args.repeats)
+            work = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
+            measured = max(secs) / statistics.mean(secs)
+            counted = max(work) / statistics.mean(work)
+            ms = " ".join(f"{s * 1e3:7.1f}" for s in secs)
+            print(f"P={P} {layout:>10}: per-rank ms [{ms}]  imbalance measured {measured:.2f} counted {counted:.2f}"
+                  f"  efficiency ideal/(P*slowest) = {ideal / (P * max(secs)):.2f}")
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
