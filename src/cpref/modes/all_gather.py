@@ -25,6 +25,25 @@ A key row appears in the prefixes of several query chunks, on several ranks; `in
 sums its gradient over this rank's chunks into a rank-major buffer, and the reduce-scatter
 sums over ranks and hands every row back to its owner.
 
+## A worked example
+
+One document of 8 tokens, `P = 2`, zigzag: chunks of `c = 2` tokens, rank 0 holds chunks 0
+and 3 (tokens 0-1 and 6-7), rank 1 chunks 1 and 2 (tokens 2-5). After the all-gather both
+ranks hold the rank-major buffer
+
+| row | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| token | 0 | 1 | 6 | 7 | 2 | 3 | 4 | 5 |
+| owner | r0 | r0 | r0 | r0 | r1 | r1 | r1 | r1 |
+
+Rank 0's chunk 0 needs tokens 0-1 (rows 0, 1); its chunk 3 needs tokens 0-7 in order, rows
+0, 1, 4, 5, 6, 7, 2, 3. So `kv_index = [0, 1, 0, 1, 4, 5, 6, 7, 2, 3]`, and the one kernel call
+sees two sequences, `actual_seq_qlen = [2, 4]`, `actual_seq_kvlen = [2, 10]`. Rank 1's
+chunks 1 and 2 need 4 and 6 keys: work `2 * 4 + 2 * 6 = 20`, the same as rank 0's
+`2 * 2 + 2 * 8 = 20`. The figure at the end of the page draws a two-document example.
+
+## The code
+
 --8<-- "src/cpref/modes/all_gather.py:forward"
 
 --8<-- "src/cpref/modes/all_gather.py:backward"
@@ -44,6 +63,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from cpref.comm import Collectives
 from cpref.kernels.contract import AttentionKernel
@@ -106,6 +126,7 @@ class AllGatherKVFunc(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, dout):
         q, k_sel, v_sel, out, lse = ctx.saved_tensors
         dq, dk, dv = all_gather_backward(
