@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from cpref.cache import IdentityLRU
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel
@@ -32,6 +33,9 @@ from cpref.modes.all_gather import AllGatherKVFunc
 __all__ = ["attention", "MODES", "validate_inputs"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# validated host ints of recently used cu_seqlens (see cpref.cache)
+_HOST_CU: IdentityLRU[list[int]] = IdentityLRU(8)
 
 
 def _all_gather_mode(q, k, v, cu, comm, kernel, layout, causal, scale):
@@ -68,7 +72,7 @@ def validate_inputs(q, k, v, cu_seqlens, *, cp_size: int, mode: str, layout: str
         raise CPInputError(f"head dims: q {dq}, k {dk}, v {dv}; need Dq == Dk >= Dv")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
         raise CPInputError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
-    cu = as_cu_list(cu_seqlens)
+    cu = _HOST_CU.get_or_build(cu_seqlens, (), lambda: as_cu_list(cu_seqlens))  # one host copy per step, not per layer
     check_divisible(cu, layout, cp_size)
     local = cu[-1] // cp_size
     if not tq == tk == tv == local:

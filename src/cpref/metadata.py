@@ -43,22 +43,20 @@ document.
 
 ## The cache
 
-Transformer layers call attention with the same `cu_seqlens` many times per step. The
-metadata is cached in an LRU of capacity 8, keyed by the tensor's **identity and version**
-(`tensor._version` moves on every in-place change, so editing `cu_seqlens` in place
-invalidates its entry) plus device, `cp_size`, `rank`, layout and causality. Entries hold a
-reference to the key tensor, so a freed tensor's id cannot be reused for a stale hit, and
-they hold only lengths and indices, never Q/K/V. Lists of ints are keyed by value.
+Transformer layers call attention with the same `cu_seqlens` many times per step, so the
+metadata is cached ([`cpref.cache.IdentityLRU`][cpref.cache.IdentityLRU]): an LRU of capacity
+8 keyed by the tensor's **identity and version** (an in-place edit of `cu_seqlens`
+invalidates it; lists of ints are keyed by value) plus device, `cp_size`, `rank`, layout and
+causality. It holds only lengths and indices, never Q/K/V.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from cpref.cache import CacheInfo, IdentityLRU
 from cpref.errors import CPInputError
 from cpref.layout import as_cu_list, check_divisible, check_rank, host_ints, layout_multiple
 
@@ -141,48 +139,7 @@ def _cumsum(xs: list[int]) -> list[int]:
     return out
 
 
-class CacheInfo(NamedTuple):
-    """Statistics of the metadata cache."""
-
-    hits: int
-    misses: int
-    size: int
-    capacity: int
-
-
-class _MetadataCache:
-    """LRU keyed by tensor identity + version (tensors) or by value (lists); thread-safe."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.entries: OrderedDict[tuple, tuple[Any, dict]] = OrderedDict()
-        self.hits = self.misses = 0
-        self.lock = threading.Lock()  # ranks of the simulated cluster share one process
-
-    def lookup(self, key: tuple, owner: Any) -> dict | None:
-        with self.lock:
-            entry = self.entries.get(key)
-            if entry is None or entry[0] is not owner:
-                self.misses += 1
-                return None
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return entry[1]
-
-    def insert(self, key: tuple, owner: Any, meta: dict) -> None:
-        with self.lock:
-            self.entries[key] = (owner, meta)
-            self.entries.move_to_end(key)
-            while len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.entries.clear()
-            self.hits = self.misses = 0
-
-
-_CACHE = _MetadataCache(CACHE_CAPACITY)
+_CACHE: IdentityLRU[dict[str, Any]] = IdentityLRU(CACHE_CAPACITY)
 
 
 def get_thd_load_balanced_cp_metadata(
@@ -219,17 +176,10 @@ def get_thd_load_balanced_cp_metadata(
         ([2, 4], [2, 10], [0, 1, 0, 1, 4, 5, 6, 7, 2, 3])
     """
     device = torch.device("cpu") if device is None else torch.device(device)
-    if isinstance(cu_seqlens, torch.Tensor):
-        owner: Any = cu_seqlens
-        key: tuple = ("tensor", id(cu_seqlens), cu_seqlens._version)
-    else:
-        owner, key = None, ("list", tuple(int(x) for x in cu_seqlens))
-    key += (str(device), cp_size, rank, layout, bool(causal))
-    meta = _CACHE.lookup(key, owner)
-    if meta is None:
-        meta = _build(_parse_cu(cu_seqlens), cp_size, rank, device, layout, bool(causal))
-        _CACHE.insert(key, owner, meta)
-    return meta
+    extra = (str(device), cp_size, rank, layout, bool(causal))
+    return _CACHE.get_or_build(
+        cu_seqlens, extra, lambda: _build(_parse_cu(cu_seqlens), cp_size, rank, device, layout, bool(causal))
+    )
 
 
 def clear_cp_metadata_cache() -> None:
@@ -239,5 +189,4 @@ def clear_cp_metadata_cache() -> None:
 
 def cache_info() -> CacheInfo:
     """Hits, misses, current size and capacity of the metadata cache."""
-    with _CACHE.lock:
-        return CacheInfo(_CACHE.hits, _CACHE.misses, len(_CACHE.entries), _CACHE.capacity)
+    return _CACHE.info()

@@ -218,3 +218,24 @@ def test_bitwise_deterministic_across_runs():
     second, _ = run_cp(q, k, v, dout, cu, P=4, mode="all_gather", layout="zigzag")
     for a, b in zip(first, second):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_cu_seqlens_is_copied_to_the_host_once_per_step_not_per_layer():
+    """On an accelerator every `.tolist()` stalls the stream; validation reuses the host copy."""
+    from cpref.api import _HOST_CU
+
+    _HOST_CU.clear()
+    P = 2
+    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        for _ in range(4):  # four layers
+            cpref.attention(*local, cu, comm=comm, mode="all_gather")
+
+    SimCluster(P, timeout=30.0).run(rank_fn)
+    info = _HOST_CU.info()
+    assert info.hits + info.misses == 4 * P and info.misses <= P and info.size == 1
+    cu[1] += 0  # an in-place write bumps the version: the next call must re-validate
+    SimCluster(P, timeout=30.0).run(rank_fn)
+    assert _HOST_CU.info().misses >= info.misses + 1
