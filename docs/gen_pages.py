@@ -67,9 +67,9 @@ GUIDE_LAST = ("glossary.md", "Glossary")
 REFERENCE_PACKAGES = [(ROOT / "src" / "cpref", "cpref"), (ROOT / "sim", "sim")]
 
 
-def _load_figures_module():
-    """`docs/figures.py`, loaded by path so its name cannot clash with an installed package."""
-    spec = importlib.util.spec_from_file_location("cpref_docs_figures", Path(__file__).with_name("figures.py"))
+def _load_docs_module(name: str):
+    """`docs/<name>.py`, loaded by path so its name cannot clash with an installed package."""
+    spec = importlib.util.spec_from_file_location(f"cpref_docs_{name}", Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -99,8 +99,8 @@ def fence_python_snippets(lines: list[str]) -> list[str]:
     return out
 
 
-def guide_page(module_name: str, figures: list[tuple[str, str]]) -> str:
-    """A module's docstring as a page: summary line as `# title`, figures, source footer."""
+def guide_page(module_name: str, figures: list[tuple[str, str]], tables=()) -> str:
+    """A module's docstring as a page: summary line as `# title`, tables, figures, source footer."""
     module = importlib.import_module(module_name)  # an import error fails the build
     if not module.__doc__:
         raise RuntimeError(f"{module_name} has no module docstring, but the guide's page is its docstring")
@@ -109,6 +109,8 @@ def guide_page(module_name: str, figures: list[tuple[str, str]]) -> str:
         lines[0] = "# " + lines[0].strip().rstrip(".")
     lines = fence_python_snippets(lines)
     parts = ["\n".join(lines)]
+    for title, table in tables:
+        parts += [f"## {title}", table()]
     if figures:
         parts.append("## Figures")
         for path, caption in figures:
@@ -160,10 +162,11 @@ def reference_page(name: str, file: Path, guide: dict[str, tuple[str, str]], doc
 
 
 def main() -> None:
-    # 1) Guide pages.
+    # 1) Guide pages, with their measured tables.
+    tables = _load_docs_module("tables").TABLES
     for page, _title, module_name in GUIDE:
         with mkdocs_gen_files.open(page, "w") as f:
-            f.write(guide_page(module_name, PAGE_FIGURES.get(page, [])))
+            f.write(guide_page(module_name, PAGE_FIGURES.get(page, []), tables.get(page, [])))
 
     # 2) API reference.
     guide = {module_name: (page, title) for page, title, module_name in GUIDE}
@@ -177,7 +180,7 @@ def main() -> None:
         reference.append((name, doc_path))
 
     # 3) Figures.
-    figures = _load_figures_module()
+    figures = _load_docs_module("figures")
     for path, draw in figures.FIGURES.items():
         fig = draw()
         buf = io.BytesIO()

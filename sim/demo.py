@@ -16,6 +16,7 @@ import torch
 import cpref
 from sim import oracle
 from sim.cluster import SimCluster
+from sim.trace import summarize
 
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
 P = 4
@@ -52,15 +53,6 @@ def _run_mode(mode: str, layout: str, cu, q, k, v, dout):
     return cluster.run(rank_fn), cluster.trace
 
 
-def _bytes_per_rank(trace) -> tuple[list[int], list[int]]:
-    sent, recv = [0] * P, [0] * P
-    for ev in trace:
-        for i, g in enumerate(ev.group):
-            sent[g] += ev.bytes_sent[i]
-            recv[g] += ev.bytes_recv[i]
-    return sent, recv
-
-
 def part2_modes(cu: torch.Tensor, layouts: list[str]) -> float:
     T = int(cu[-1])
     g = torch.Generator().manual_seed(0)
@@ -72,7 +64,7 @@ def part2_modes(cu: torch.Tensor, layouts: list[str]) -> float:
     for mode in sorted(cpref.MODES):
         for layout in layouts:
             results, trace = _run_mode(mode, layout, cu, q, k, v, dout)
-            sent, recv = _bytes_per_rank(trace)
+            summary = summarize(trace)
             print(f"  mode={mode} layout={layout}")
             print(f"    {'rank':>4} {'tokens':>7} {'work':>7} {'bytes sent':>11} {'bytes recv':>11} {'max |err|':>10}")
             for r, res in enumerate(results):
@@ -82,9 +74,8 @@ def part2_modes(cu: torch.Tensor, layouts: list[str]) -> float:
                 err = max((a - b).abs().max().item() for a, b in zip(res, ref_shards[key]))
                 worst = max(worst, err)
                 work = cpref.attention_work(cu, cp_size=P, rank=r, layout=layout)
-                print(f"    {r:>4} {res[0].shape[0]:>7} {work:>7} {sent[r]:>11} {recv[r]:>11} {err:>10.2e}")
-            ops = sorted({ev.op for ev in trace})
-            counts = ", ".join(f"{op} x{sum(ev.op == op for ev in trace)}" for op in ops)
+                print(f"    {r:>4} {res[0].shape[0]:>7} {work:>7} {summary.bytes_sent[r]:>11} {summary.bytes_recv[r]:>11} {err:>10.2e}")
+            counts = ", ".join(f"{op} x{n}" for op, n in sorted(summary.counts.items()))
             print(f"    collectives (forward + backward): {counts}\n")
     return worst
 
