@@ -25,6 +25,7 @@ import time
 import torch
 
 import cpref
+from cpref.kernels import Varlen
 from cpref.metadata import get_thd_load_balanced_cp_metadata
 
 
@@ -38,10 +39,10 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fwd_bwd(kernel, q, k, v, dout, cu_q, cu_kv, scale):
+def _fwd_bwd(kernel, q, k, v, dout, seqs, scale):
     def step():
-        out, lse = kernel.forward(q, k, v, cu_q, cu_kv, causal=True, scale=scale)
-        kernel.backward(dout, q, k, v, out, lse, cu_q, cu_kv, causal=True, scale=scale)
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
+        kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
 
     return step
 
@@ -56,7 +57,7 @@ def rank_seconds(cu, q, k, v, dout, P: int, layout: str, repeats: int) -> list[f
     for r in range(P):
         meta = get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout)
         k_sel, v_sel = k_all[meta["kv_index"]], v_all[meta["kv_index"]]
-        step = _fwd_bwd(kernel, shards[r][0], k_sel, v_sel, shards[r][3], meta["cu_seqlens_q"], meta["cu_seqlens_kv"], scale)
+        step = _fwd_bwd(kernel, shards[r][0], k_sel, v_sel, shards[r][3], meta["seqs"], scale)
         out.append(_time(step, repeats))
     return out
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             q, dout = (torch.randn(T, args.heads, args.dim, generator=g) for _ in range(2))
             k, v = (torch.randn(T, args.kv_heads, args.dim, generator=g) for _ in range(2))
             secs = rank_seconds(cu, q, k, v, dout, P, layout, args.repeats)
-            ideal = _time(_fwd_bwd(cpref.TorchKernel(), q, k, v, dout, cu, cu, args.dim**-0.5), args.repeats)
+            ideal = _time(_fwd_bwd(cpref.TorchKernel(), q, k, v, dout, Varlen(cu.tolist()), args.dim**-0.5), args.repeats)
             work = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
             measured = max(secs) / statistics.mean(secs)
             counted = max(work) / statistics.mean(work)

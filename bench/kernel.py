@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cpref.kernels.torch_kernel import TorchKernel
+from cpref.kernels import TorchKernel, Varlen
 
 TARGET_RATIO = 1.5
 
@@ -45,13 +45,13 @@ def _cases(tokens: int, heads: int, dim: int, device: str) -> tuple[Callable[[],
     """The two forward + backward closures over one shared set of tensors."""
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(tokens, heads, dim, generator=g, device=device) for _ in range(4))  # (T, H, D)
-    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    seqs = Varlen([0, tokens])
     scale = dim**-0.5
     kernel = TorchKernel()
 
     def torch_kernel() -> object:
-        out, lse = kernel.forward(q, k, v, cu, cu, causal=True, scale=scale)
-        return kernel.backward(dout, q, k, v, out, lse, cu, cu, causal=True, scale=scale)
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
+        return kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
 
     def sdpa() -> object:
         # SDPA wants (B, H, T, D): one batch, heads before tokens

@@ -130,7 +130,7 @@ def rank_major_index() -> Figure:
         ax = axes[r + 1]
         meta = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout)
         kv_index = meta["kv_index"].tolist()
-        cu_kv = meta["cu_seqlens_kv"].tolist()
+        cu_kv = meta["seqs"].cu_kv
         chunks = cpref.local_chunks(cu, cp_size=P, rank=r, layout=layout)
         assert len(chunks) == len(meta["actual_seq_qlen"]), "one kv sequence per local query chunk"
         for col, (doc, start, end) in enumerate(chunks):

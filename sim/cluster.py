@@ -71,7 +71,7 @@ from cpref.comm import REDUCE_OPS
 from sim.rendezvous import Call, ClusterFailure, Position, Rendezvous
 from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
 
-__all__ = ["SimCluster", "SimComm"]
+__all__ = ["SimCluster", "SimComm", "SimPendingShift", "UnwaitedShift"]
 
 T = TypeVar("T")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -119,6 +119,26 @@ def _nothing(xs: list[Any]) -> list[None]:
     return [None] * len(xs)
 
 
+class UnwaitedShift(RuntimeError):
+    """A rank returned while a `send_recv_async` it started was never waited on."""
+
+
+class SimPendingShift:
+    """The handle of a simulated `send_recv_async`: the shift has completed; `wait()` hands it over."""
+
+    def __init__(self, result: torch.Tensor, where: str) -> None:
+        self._result: torch.Tensor | None = result
+        self.where, self.done = where, False
+
+    def wait(self) -> torch.Tensor:
+        """Return the received tensor; a second call raises `RuntimeError`."""
+        if self.done:
+            raise RuntimeError(f"{self.where}: wait() called twice on one handle")
+        self.done = True
+        result, self._result = self._result, None
+        return result
+
+
 class SimComm:
     """One rank's view of one group of the simulated cluster; a `cpref.comm.Collectives`.
 
@@ -132,10 +152,14 @@ class SimComm:
         group: the group's global ranks, in group rank order (`group[rank] == global_rank`).
     """
 
-    def __init__(self, rdv: Rendezvous, trace: list, group: tuple[int, ...], global_rank: int, gid: Hashable = "world"):
+    def __init__(
+        self, rdv: Rendezvous, trace: list, group: tuple[int, ...], global_rank: int, gid: Hashable = "world",
+        pending: list | None = None,
+    ):
         self.group, self.global_rank = group, global_rank
         self.rank, self.size = group.index(global_rank), len(group)
         self._rdv, self._trace, self._gid, self._seq = rdv, trace, gid, 0
+        self._pending: list[SimPendingShift] = [] if pending is None else pending  # shared with sub-groups
 
     def __repr__(self) -> str:
         return f"SimComm(rank={self.rank}, size={self.size}, group={self.group})"
@@ -165,6 +189,18 @@ class SimComm:
         shift = operator.index(shift)
         compute = partial(_send_recv, shift=shift)
         return self._collective("send_recv", _checked("send_recv", x), compute, f"shift={shift}", shift)
+
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> "SimPendingShift":
+        """Start the ring shift of `send_recv`; `wait()` on the handle returns the received tensor.
+
+        The simulated cluster completes the shift eagerly, at the call (it takes its place in
+        the group's sequence of collectives there), but still holds the rank to the protocol:
+        a handle waited on twice raises at once, and a rank that returns with a handle it
+        never waited on fails (`UnwaitedShift`), as a real ring would lose that message.
+        """
+        handle = SimPendingShift(self.send_recv(x, shift), f"send_recv_async #{self._seq - 1} on group {self.group}")
+        self._pending.append(handle)
+        return handle
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `x` elementwise over ranks, in rank order, with `op` in `REDUCE_OPS`.
@@ -205,7 +241,11 @@ class SimComm:
         self._collective("split", None, _nothing, f"groups={parts}")
         index = next(i for i, part in enumerate(parts) if self.rank in part)
         sub = tuple(self.group[r] for r in parts[index])  # local ranks -> global ranks
-        return SimComm(self._rdv, self._trace, sub, self.global_rank, gid=(self._gid, seq, index))
+        return SimComm(self._rdv, self._trace, sub, self.global_rank, gid=(self._gid, seq, index), pending=self._pending)
+
+    def unwaited(self) -> list[str]:
+        """Where this rank started ring shifts (on this group or its sub-groups) never waited on."""
+        return [h.where for h in self._pending if not h.done]
 
     def _collective(self, op: str, x: torch.Tensor | None, compute: Callable, param: str = "", shift: int = 1) -> Any:
         """Meet the group in call `#seq`; the last rank to arrive runs `compute` for all."""
@@ -306,7 +346,10 @@ class SimCluster:
 
         def rank_main(g: int) -> None:
             try:
-                results[g] = fn(SimComm(rdv, self.trace, ranks, g))
+                comm = SimComm(rdv, self.trace, ranks, g)
+                results[g] = fn(comm)
+                if comm.unwaited():
+                    raise UnwaitedShift(f"rank {g} returned without waiting on: {', '.join(comm.unwaited())}")
             except BaseException as exc:  # noqa: BLE001 -- reported by run(), never lost
                 rdv.failed(g, exc)
             else:

@@ -6,8 +6,8 @@ satisfies [`Collectives`][cpref.comm.Collectives]. Two implementations exist:
 * `sim.SimComm`, the simulated cluster: every rank is a thread of one process, every
   collective is computed in a fixed rank order (bitwise deterministic) and recorded as a
   trace event;
-* `cpref.backends.torch_dist.TorchComm` (a later issue), over `torch.distributed`
-  process groups (gloo, NCCL, HCCL).
+* `cpref.backends.torch_dist.TorchComm`, over `torch.distributed` process groups (gloo,
+  NCCL, HCCL).
 
 The protocol is *functional*: each collective takes a tensor and returns a new one, so an
 algorithm reads like the mathematics and never manages output buffers. Tensors are split
@@ -20,9 +20,16 @@ and concatenated along **dim 0** (the token dimension of THD tensors), always in
 | `reduce_scatter(x)` | `x_r` of shape `(P n, ...)` | chunk `r` of `sum_s x_s`, `(n, ...)` |
 | `all_to_all(x)` | `x_r` of shape `(P n, ...)`, chunk `j` goes to rank `j` | `cat_s(chunk r of x_s)`, `(P n, ...)` |
 | `send_recv(x, shift)` | `x_r` | `x_{(r - shift) mod P}`: the ring shift |
+| `send_recv_async(x, shift)` | `x_r` | a handle; `handle.wait()` returns what `send_recv` would |
 | `all_reduce(x, op)` | `x_r` | `op_s x_s` (`"sum"`, `"max"`, `"min"`) |
 | `barrier()` | | |
 | `split(groups)` | a partition of this group's ranks | the sub-group holding `r` |
+
+`send_recv_async` starts the same ring shift without waiting for it, so that an algorithm can
+compute on the current block while the next one travels (the ring mode's overlap). It takes
+its place in the group's sequence of collectives when it is *called*; every handle must be
+waited on exactly once, before the rank's next use of the received tensor. `wait()` returns
+the received tensor.
 
 `split` is itself collective: every rank of the group calls it with the same partition,
 and gets back a `Collectives` for the part that holds it, with ranks renumbered `0..len-1`
@@ -36,9 +43,18 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Collectives", "REDUCE_OPS"]
+__all__ = ["Collectives", "PendingShift", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "max", "min")
+
+
+@runtime_checkable
+class PendingShift(Protocol):
+    """A ring shift in flight, returned by `Collectives.send_recv_async`."""
+
+    def wait(self) -> torch.Tensor:
+        """Block until the shift has completed; return the received tensor (call exactly once)."""
+        ...
 
 
 @runtime_checkable
@@ -67,6 +83,10 @@ class Collectives(Protocol):
 
     def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
+        ...
+
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> PendingShift:
+        """Start the ring shift of `send_recv`; the handle's `wait()` returns the received tensor."""
         ...
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -58,6 +58,7 @@ import torch
 
 from cpref.cache import CacheInfo, IdentityLRU
 from cpref.errors import CPInputError
+from cpref.kernels.contract import Varlen
 from cpref.layout import as_cu_list, check_divisible, check_rank, host_ints, layout_multiple
 
 __all__ = [
@@ -127,6 +128,7 @@ def _build(cu: list[int], cp_size: int, rank: int, device: torch.device, layout:
         "actual_seq_kvlen": cum_kv,
         "cu_seqlens_q": torch.tensor([0] + cum_q, dtype=torch.int64, device=device),
         "cu_seqlens_kv": torch.tensor([0] + cum_kv, dtype=torch.int64, device=device),
+        "seqs": Varlen([0] + cum_q, [0] + cum_kv),
         "work": sum(a * b for a, b in zip(q_lens, kv_lens)),
     }
 

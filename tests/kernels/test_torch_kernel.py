@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpref.errors import CPInputError
-from cpref.kernels import AttentionKernel, TorchKernel
+from cpref.kernels import AttentionKernel, TorchKernel, Varlen
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 
@@ -57,8 +57,9 @@ def reference(q, k, v, cu_q, cu_kv, dout, *, causal, scale):
 
 def run_kernel(kernel, q, k, v, cu_q, cu_kv, dout, *, causal, scale):
     """`(out, lse, dq, dk, dv)` from the kernel's forward and backward."""
-    out, lse = kernel.forward(q, k, v, cu_q, cu_kv, causal=causal, scale=scale)
-    grads = kernel.backward(dout, q, k, v, out, lse, cu_q, cu_kv, causal=causal, scale=scale)
+    seqs = Varlen(cu_q.tolist(), cu_kv.tolist())
+    out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=scale)
     return (out, lse, *grads)
 
 
@@ -148,12 +149,12 @@ def test_bad_inputs_raise_cp_input_error():
     q, k, v = random_qkv(6, 3, 2, 8)
     cu = torch.tensor([0, 6])
     with pytest.raises(CPInputError, match="Hq % Hkv"):
-        TorchKernel().forward(q, k, v, cu, cu, causal=True, scale=1.0)
+        TorchKernel().forward(q, k, v, Varlen([0, 6]), causal=True, scale=1.0)
     q, k, v = random_qkv(6, 4, 2, 8)
-    with pytest.raises(CPInputError, match="cu_seqlens_q"):
-        TorchKernel().forward(q, k, v, torch.tensor([0, 5]), cu, causal=True, scale=1.0)
-    with pytest.raises(CPInputError, match="same length"):
-        TorchKernel().forward(q, k, v, torch.tensor([0, 2, 6]), cu, causal=True, scale=1.0)
+    with pytest.raises(CPInputError, match="seqs cover 5 queries"):
+        TorchKernel().forward(q, k, v, Varlen([0, 5], [0, 6]), causal=True, scale=1.0)
+    with pytest.raises(CPInputError, match="one each per sequence"):
+        Varlen([0, 2, 6], [0, 6])
     with pytest.raises(CPInputError, match="block_size"):
         TorchKernel(block_size=0)
 

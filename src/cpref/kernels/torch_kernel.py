@@ -43,7 +43,10 @@ Dao 2023, https://arxiv.org/abs/2307.08691):
 $$ dV \mathrel{+}= P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - \Delta), \quad
    dQ = s\, dS\, K, \quad dK \mathrel{+}= s\, dS^\top Q. $$
 
-The score-sized buffers are allocated once per call and reused by every block.
+The score-sized buffers are allocated once per call and reused by every block. The block
+list and the diagonal masks depend only on the sequence lengths, so they are built once per
+[`Varlen`][cpref.kernels.contract.Varlen] (once per batch, not once per layer) and read from
+its cache afterwards; the kernel never reads a device tensor back to the host.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from cpref.errors import CPInputError
+from cpref.kernels.contract import Varlen, check_heads, compute_dtype
 
 __all__ = ["TorchKernel"]
 
@@ -67,11 +71,6 @@ class _Block(NamedTuple):
     rows: slice  # query tokens [a, b) of the packed stream
     keys: slice  # key tokens [lo, hi) of the packed stream
     mask: torch.Tensor | None  # (R, 1, R) True where hidden, over the last R keys; None: no mask
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other float dtype accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _heads_major(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -169,39 +168,42 @@ class TorchKernel:
             per float32 buffer.
 
     Raises:
-        CPInputError: if `block_size` or `max_block_elements` is not positive.
+        CPInputError: if `block_size` or `max_block_elements` is not a positive int.
 
     Examples:
         >>> import torch
+        >>> from cpref.kernels import Varlen
         >>> q = k = v = torch.randn(6, 2, 4)
-        >>> cu = torch.tensor([0, 2, 6])
-        >>> out, lse = TorchKernel().forward(q, k, v, cu, cu, causal=True, scale=0.5)
+        >>> out, lse = TorchKernel().forward(q, k, v, Varlen([0, 2, 6]), causal=True, scale=0.5)
         >>> out.shape, lse.shape
         (torch.Size([6, 2, 4]), torch.Size([6, 2]))
     """
 
     def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24) -> None:
-        if block_size is not None and block_size < 1:
-            raise CPInputError(f"block_size={block_size} must be a positive row count, or None")
-        if max_block_elements < 1:
-            raise CPInputError(f"max_block_elements={max_block_elements} must be positive")
+        for name, value in (("block_size", block_size), ("max_block_elements", max_block_elements)):
+            if value is None and name == "block_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CPInputError(f"{name}={value!r} must be a positive int" + (", or None" if name == "block_size" else ""))
         self.block_size = block_size
         self.max_block_elements = max_block_elements
+
+    def __repr__(self) -> str:
+        return f"TorchKernel(block_size={self.block_size}, max_block_elements={self.max_block_elements})"
 
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_kv: torch.Tensor,
+        seqs: Varlen,
         *,
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
-        hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], _compute_dtype(q.dtype)
-        blocks, size = self._blocks(q, k, v, cu_seqlens_q, cu_seqlens_kv, causal)
+        hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
+        blocks, size = self._blocks(q, k, v, seqs, causal)
         # 1) head-major operands in the compute dtype, one score buffer for every block
         qh, kh, vh = (_heads_major(x, hkv, cdt) for x in (q, k, v))  # (Hkv, T*G, D), (Hkv, T', D|Dv)
         buf = torch.empty(size, dtype=cdt, device=q.device)  # scores of a block
@@ -224,15 +226,14 @@ class TorchKernel:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_kv: torch.Tensor,
+        seqs: Varlen,
         *,
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`; see `AttentionKernel.backward`."""
-        hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], _compute_dtype(q.dtype)
-        blocks, size = self._blocks(q, k, v, cu_seqlens_q, cu_seqlens_kv, causal)
+        hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
+        blocks, size = self._blocks(q, k, v, seqs, causal)
         # 1) head-major operands; Delta = rowsum(dO o O) once for all rows; lse2 = lse / ln2
         qh, kh, vh, doh = (_heads_major(x, hkv, cdt) for x in (q, k, v, dout))  # (Hkv, T*G|T', .)
         delta = _heads_major((dout.to(cdt) * out.to(cdt)).sum(-1, keepdim=True), hkv, cdt)  # (Hkv, T*G, 1)
@@ -255,24 +256,25 @@ class TorchKernel:
         # 4) back to token-major, in the input dtypes
         return dq, dk.transpose(0, 1).to(k.dtype), dv.transpose(0, 1).to(v.dtype)  # (T', Hkv, .)
 
-    def _blocks(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_kv: torch.Tensor,
-        causal: bool,
-    ) -> tuple[list[_Block], int]:
-        """Check the inputs; list every block of every sequence and the largest score-buffer size."""
-        cu_q, cu_kv = _check(q, k, v, cu_seqlens_q, cu_seqlens_kv)
-        hq, masks, blocks, size = q.shape[1], {}, [], 0
-        for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_kv[:-1], cu_kv[1:]):
+    def _blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, causal: bool) -> tuple[list[_Block], int]:
+        """Check the inputs (host-side only); the blocks of every sequence and the largest buffer size.
+
+        The block list depends only on `seqs`, the head count, the budget and the device, so
+        it is built once per `Varlen` and cached there.
+        """
+        _check(q, k, v, seqs)
+        key = ("TorchKernel.blocks", self.block_size, self.max_block_elements, q.shape[1], bool(causal), str(q.device))
+        return seqs.cached(key, lambda: self._plan(seqs, q.shape[1], bool(causal), q.device))
+
+    def _plan(self, seqs: Varlen, hq: int, causal: bool, device: torch.device) -> tuple[list[_Block], int]:
+        masks: dict[int, torch.Tensor] = {}
+        blocks, size = [], 0
+        for q0, q1, k0, k1 in seqs.pairs():
             budget_rows = self.max_block_elements // max(1, (k1 - k0) * hq)
             rows = max(1, min(budget_rows, self.block_size or budget_rows))
             for a, b, hi in _sequence_blocks(q1 - q0, k1 - k0, rows, causal):
                 if causal and b - a not in masks:
-                    hidden = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu_(1)  # (R, R)
+                    hidden = torch.ones(b - a, b - a, dtype=torch.bool, device=device).triu_(1)  # (R, R)
                     masks[b - a] = hidden.unsqueeze(1)  # (R, 1, R)
                 mask = masks[b - a] if causal else None
                 blocks.append(_Block(slice(q0 + a, q0 + b), slice(k0, k0 + hi), mask))
@@ -290,19 +292,18 @@ def _sequence_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tu
         yield a, b, (b + delta if causal else n_k)
 
 
-def _check(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor
-) -> tuple[list[int], list[int]]:
-    """Validate shapes and boundaries; return `cu_seqlens_q`, `cu_seqlens_kv` as host ints."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise CPInputError(f"q, k, v must be THD (3-d), got {q.dim()}, {k.dim()}, {v.dim()} dims")
-    if q.shape[1] % k.shape[1] != 0 or q.shape[2] != k.shape[2] or k.shape[:2] != v.shape[:2]:
-        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        raise CPInputError(f"need Hq % Hkv == 0, q and k with one D, v's (T', Hkv) = k's; got {shapes}")
-    hosts = cu_q.tolist(), cu_kv.tolist()
-    for name, cu, total in (("cu_seqlens_q", hosts[0], q.shape[0]), ("cu_seqlens_kv", hosts[1], k.shape[0])):
-        if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-            raise CPInputError(f"{name}={cu} must start at 0, not decrease and end at {total}")
-    if len(hosts[0]) != len(hosts[1]):
-        raise CPInputError(f"cu_seqlens_q and cu_seqlens_kv need the same length, got {hosts}")
-    return hosts
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen) -> None:
+    """Validate dtypes, shapes and lengths against `seqs`, on the host (no device read)."""
+    check_heads(q, k, v)
+    if not isinstance(seqs, Varlen):
+        raise CPInputError(f"seqs must be a cpref.kernels.Varlen (host lengths), got {type(seqs).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point():
+            raise CPInputError(f"TorchKernel: {name} has dtype {t.dtype}; attention needs a floating dtype")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise CPInputError(f"TorchKernel: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if seqs.total_q != q.shape[0] or seqs.total_kv != k.shape[0]:
+        raise CPInputError(
+            f"TorchKernel: seqs cover {seqs.total_q} queries and {seqs.total_kv} keys, "
+            f"but q has {q.shape[0]} rows and k {k.shape[0]}"
+        )

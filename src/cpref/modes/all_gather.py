@@ -86,7 +86,7 @@ def all_gather_forward(q, k, v, meta, comm: Collectives, kernel: AttentionKernel
     v_sel = v_all.index_select(0, meta["kv_index"])  # (sum kv_len, Hkv, Dv)
     # 3) one fused varlen call for all local chunks, bottom-right causal per chunk
     out, lse = kernel.forward(
-        q, k_sel, v_sel, meta["cu_seqlens_q"], meta["cu_seqlens_kv"], causal=causal, scale=scale
+        q, k_sel, v_sel, meta["seqs"], causal=causal, scale=scale
     )  # (T_l, Hq, Dv), (T_l, Hq)
     return out, lse, k_sel, v_sel
 # --8<-- [end:forward]
@@ -97,7 +97,7 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, meta, comm: Collectives
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
     # 1) one fused backward call for all local chunks
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, meta["cu_seqlens_q"], meta["cu_seqlens_kv"], causal=causal, scale=scale
+        dout, q, k_sel, v_sel, out, lse, meta["seqs"], causal=causal, scale=scale
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
     rows = comm.size * meta["local_tokens"]
     acc = _acc_dtype(dk_sel.dtype)
