@@ -21,7 +21,14 @@ A reduction is the left fold
 $$ y = (\dots((x_0 \oplus x_1) \oplus x_2) \dots) \oplus x_{P-1}, $$
 
 whatever order the threads arrived in: same inputs, bitwise the same outputs, on every run.
-fp16 and bf16 are accumulated in float64 and rounded once at the end. Every output is a fresh
+
+**Two reduction precisions.** With `reduction="exact"` (the default) fp16 and bf16 are
+accumulated in float64 and rounded once at the end: the ground truth, but more precise than
+real hardware. NCCL and HCCL reduce in the tensor's own dtype, rounding after every
+addition, so with `reduction="native"` every partial sum $(\dots(x_0 \oplus x_1) \dots)$ is
+rounded to the input dtype, as a ring reduction does: the simulator must not flatter
+low-precision results, and the bf16/fp16 tests of the CP modes use this option. float32 and
+float64 are folded in their own dtype either way. Every output is a fresh
 tensor, never a view of another rank's input, without autograd history (as in
 `torch.distributed`; algorithms pair their collectives in `autograd.Function`s).
 
@@ -34,11 +41,13 @@ rank alike, and raises `ValueError`.
 
 Mismatched calls, a peer that raised or returned, and deadlocks raise `CollectiveMismatch`,
 `PeerFailure` and `CollectiveTimeout` inside the ranks, fast (the table is in
-`sim.rendezvous`; only collective waits time out: a rank stuck in its own code is not
-interrupted, as Python threads cannot be killed). `run` re-raises rank 0's exception if every
-rank raised the same one (e.g. the same validation error), and otherwise raises
-`ClusterFailure`: every rank's exception, and the root cause, the first that is not a
-`PeerFailure`.
+`sim.rendezvous`). A rank stuck in its own code (an endless loop) cannot be interrupted, as
+Python threads cannot be killed; its peers time out waiting for it, and `run` then gives it
+a short margin, `min(timeout, 5 s)`, to end. If it has not, `run` reports it as a
+`RankStuck` failure with the code it is executing, and returns without it (the thread is
+left running as a daemon). `run` re-raises rank 0's exception if every rank raised the same
+one (e.g. the same validation error), and otherwise raises `ClusterFailure`: every rank's
+exception, and the root cause (see `sim.rendezvous.ClusterFailure`).
 
 ## Traces
 
@@ -60,8 +69,12 @@ Example:
 
 from __future__ import annotations
 
+import math
 import operator
+import sys
 import threading
+import time
+import traceback
 from functools import partial
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
@@ -71,17 +84,20 @@ from cpref.comm import REDUCE_OPS
 from sim.rendezvous import Call, ClusterFailure, Position, Rendezvous
 from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
 
-__all__ = ["SimCluster", "SimComm", "SimPendingShift", "UnwaitedShift"]
+__all__ = ["SimCluster", "SimComm", "SimPendingShift", "RankStuck", "UnwaitedShift", "REDUCTIONS"]
 
 T = TypeVar("T")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
+REDUCTIONS = ("exact", "native")
+
+
 # --8<-- [start:rank-order]
-def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Fold `xs` left to right in rank order; fp16/bf16 accumulate in float64."""
-    wide = torch.float64 if xs[0].dtype in _LOW_PRECISION else xs[0].dtype
+def _reduce(xs: list[torch.Tensor], op: str, reduction: str = "exact") -> torch.Tensor:
+    """Fold `xs` left to right in rank order; "exact": fp16/bf16 accumulate in float64."""
+    wide = torch.float64 if xs[0].dtype in _LOW_PRECISION and reduction == "exact" else xs[0].dtype
     acc = xs[0].to(wide, copy=True)  # (...)
     for x in xs[1:]:
         # acc <- acc (+) x_s for s = 1, ..., P-1: one fixed order, hence one fixed rounding
@@ -89,8 +105,8 @@ def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     return acc.to(xs[0].dtype)
 
 
-def _reduce_scatter(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    total = _reduce(xs, "sum")  # (P n, ...)
+def _reduce_scatter(xs: list[torch.Tensor], reduction: str = "exact") -> list[torch.Tensor]:
+    total = _reduce(xs, "sum", reduction)  # (P n, ...)
     return [c.clone() for c in total.tensor_split(len(xs))]  # rank r: chunk r, (n, ...)
 # --8<-- [end:rank-order]
 
@@ -110,13 +126,31 @@ def _send_recv(xs: list[torch.Tensor], shift: int) -> list[torch.Tensor]:
     return [xs[(r - shift) % len(xs)].clone() for r in range(len(xs))]  # rank r <- x_{r-shift}
 
 
-def _all_reduce(xs: list[torch.Tensor], op: str) -> list[torch.Tensor]:
-    total = _reduce(xs, op)  # (...)
+def _all_reduce(xs: list[torch.Tensor], op: str, reduction: str = "exact") -> list[torch.Tensor]:
+    total = _reduce(xs, op, reduction)  # (...)
     return [total.clone() for _ in xs]
 
 
 def _nothing(xs: list[Any]) -> list[None]:
     return [None] * len(xs)
+
+
+class RankStuck(RuntimeError):
+    """A rank still running its own code (outside any collective) after its peers failed.
+
+    Attributes:
+        rank: the stuck rank.
+        where: the innermost lines of its stack when it was reported.
+    """
+
+    def __init__(self, rank: int, margin: float, frame: Any) -> None:
+        self.rank = rank
+        stack = traceback.format_stack(frame)[-3:] if frame is not None else ["  (no frame)\n"]
+        self.where = "".join(stack).rstrip()
+        super().__init__(
+            f"rank {rank} is stuck: still running outside any collective {margin:.1f} s after its peers "
+            f"failed; it is executing:\n{self.where}"
+        )
 
 
 class UnwaitedShift(RuntimeError):
@@ -174,7 +208,8 @@ class SimComm:
         Raises:
             ValueError: if dim 0 of `x` is not divisible by `size`.
         """
-        return self._collective("reduce_scatter", _checked("reduce_scatter", x, 1, self.size), _reduce_scatter)
+        compute = partial(_reduce_scatter, reduction=self._rdv.reduction)
+        return self._collective("reduce_scatter", _checked("reduce_scatter", x, 1, self.size), compute)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """Send chunk `j` of dim 0 to rank `j`; return the chunks received, in rank order.
@@ -210,7 +245,8 @@ class SimComm:
         """
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
-        return self._collective("all_reduce", _checked("all_reduce", x), partial(_all_reduce, op=op), f"op={op}")
+        compute = partial(_all_reduce, op=op, reduction=self._rdv.reduction)
+        return self._collective("all_reduce", _checked("all_reduce", x), compute, f"op={op}")
 
     def barrier(self) -> None:
         """Return once every rank of the group has called `barrier`."""
@@ -299,21 +335,30 @@ class SimCluster:
 
     Args:
         world_size: number of ranks `P >= 1`.
-        timeout: seconds a rank may wait in one collective before `CollectiveTimeout`.
+        timeout: seconds a rank may wait in one collective before `CollectiveTimeout`
+            (finite: a deadlock must end).
+        reduction: `"exact"` (fp16/bf16 summed in float64, rounded once) or `"native"`
+            (every partial sum rounded to the dtype, as NCCL/HCCL do).
 
     Attributes:
         trace: the `CollectiveEvent`s of all runs so far, one per completed group collective.
 
     Raises:
-        ValueError: if `world_size < 1` or `timeout <= 0`.
+        ValueError: if `world_size < 1`, `timeout` is not a finite number > 0, or
+            `reduction` is unknown.
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 60.0) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
+    def __init__(self, world_size: int, *, timeout: float = 60.0, reduction: str = "exact") -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"SimCluster: world_size must be an int >= 1, got {world_size!r}")
-        if not timeout > 0:
-            raise ValueError(f"SimCluster: timeout must be > 0 seconds, got {timeout!r}")
-        self.world_size, self.timeout = world_size, float(timeout)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(
+                f"SimCluster: timeout must be a finite number of seconds > 0, got {timeout!r}; "
+                "a deadlock must end, so pass a long finite timeout (e.g. 3600) instead of inf"
+            )
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"SimCluster: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.world_size, self.timeout, self.reduction = world_size, float(timeout), reduction
         self.trace: list[CollectiveEvent] = []
         self._running = threading.Lock()
 
@@ -342,6 +387,7 @@ class SimCluster:
         # 1) a fresh rendezvous, and one world communicator per rank
         ranks = tuple(range(self.world_size))
         rdv = Rendezvous(self.world_size, self.timeout)
+        rdv.reduction = self.reduction
         results: list[Any] = [None] * self.world_size
 
         def rank_main(g: int) -> None:
@@ -349,7 +395,7 @@ class SimCluster:
                 comm = SimComm(rdv, self.trace, ranks, g)
                 results[g] = fn(comm)
                 if comm.unwaited():
-                    raise UnwaitedShift(f"rank {g} returned without waiting on: {', '.join(comm.unwaited())}")
+                    raise UnwaitedShift(f"the rank returned without waiting on: {', '.join(comm.unwaited())}")
             except BaseException as exc:  # noqa: BLE001 -- reported by run(), never lost
                 rdv.failed(g, exc)
             else:
@@ -359,16 +405,34 @@ class SimCluster:
         threads = [threading.Thread(target=rank_main, args=(g,), name=f"sim-rank-{g}", daemon=True) for g in ranks]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        stuck = self._join(threads, rdv)
         # 3) results, or the failures: identical on every rank -> re-raise, else ClusterFailure
-        errors = rdv.failures()
+        errors = {**rdv.failures(), **stuck}
         if not errors:
             return results
         if len(errors) == self.world_size and len({(type(e), str(e)) for e in errors.values()}) == 1:
             raise errors[0]
         failure = ClusterFailure(errors, self.world_size)
         raise failure from errors[failure.root_rank]
+
+    def _join(self, threads: list[threading.Thread], rdv: Rendezvous) -> dict[int, BaseException]:
+        """Wait for every rank; after a failure, report the ranks still running their own code as stuck.
+
+        Ranks waiting in a collective end within the timeout, so the margin starts only once
+        no rank waits: then the ranks alive are all outside any collective.
+        """
+        margin, since = min(self.timeout, 5.0), None
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.02)
+            if not rdv.failures() or rdv.waiting():
+                since = None  # no failure yet (a slow rank is just slow), or waits still bounded
+                continue
+            since = time.monotonic() if since is None else since
+            if time.monotonic() - since > margin:
+                frames = sys._current_frames()
+                return {g: RankStuck(g, margin, frames.get(t.ident)) for g, t in enumerate(threads) if t.is_alive()}
+        return {}
 
     def trace_summary(self) -> TraceSummary:
         """Per-rank byte totals and per-op counts of `trace` (see `sim.trace.summarize`)."""

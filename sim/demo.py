@@ -14,8 +14,7 @@ import argparse
 import torch
 
 import cpref
-from sim import oracle
-from sim.cluster import SimCluster
+from sim.harness import max_error, oracle_shards, run_attention
 from sim.trace import summarize
 
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
@@ -39,39 +38,21 @@ def part1_layouts(cu: torch.Tensor) -> None:
         print(f"    imbalance (max/mean work) = {max(work) / (sum(work) / P):.3f}\n")
 
 
-def _run_mode(mode: str, layout: str, cu, q, k, v, dout):
-    """Run one mode on P simulated ranks; return per-rank results and the cluster trace."""
-
-    def rank_fn(comm):
-        shard = lambda x: cpref.shard(x, cu, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        out = cpref.attention(ql, kl, vl, cu, comm=comm, mode=mode, layout=layout)
-        out.backward(shard(dout))
-        return out.detach(), ql.grad, kl.grad, vl.grad
-
-    cluster = SimCluster(P)
-    return cluster.run(rank_fn), cluster.trace
-
-
 def part2_modes(cu: torch.Tensor, layouts: list[str]) -> float:
     T = int(cu[-1])
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
-    ref = oracle.forward_backward(q, k, v, cu, dout, causal=True)  # out, lse, dq, dk, dv
-    ref_shards = {}
     worst = 0.0
     print(f"Part 2: every CP mode, FP64 on the simulated cluster, Hq={HQ} Hkv={HKV} D={D}, causal\n")
     for mode in sorted(cpref.MODES):
         for layout in layouts:
-            results, trace = _run_mode(mode, layout, cu, q, k, v, dout)
-            summary = summarize(trace)
+            results, cluster = run_attention(q, k, v, dout, cu, P=P, mode=mode, layout=layout)
+            refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout)
+            summary = summarize(cluster.trace)
             print(f"  mode={mode} layout={layout}")
             print(f"    {'rank':>4} {'tokens':>7} {'work':>7} {'bytes sent':>11} {'bytes recv':>11} {'max |err|':>10}")
             for r, res in enumerate(results):
-                key = (layout, r)
-                if key not in ref_shards:
-                    ref_shards[key] = [cpref.shard(ref[i], cu, cp_size=P, rank=r, layout=layout) for i in (0, 2, 3, 4)]
-                err = max((a - b).abs().max().item() for a, b in zip(res, ref_shards[key]))
+                err = max_error([res], [refs[r]])
                 worst = max(worst, err)
                 work = cpref.attention_work(cu, cp_size=P, rank=r, layout=layout)
                 print(f"    {r:>4} {res[0].shape[0]:>7} {work:>7} {summary.bytes_sent[r]:>11} {summary.bytes_recv[r]:>11} {err:>10.2e}")

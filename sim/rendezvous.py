@@ -136,14 +136,23 @@ class CollectiveTimeout(CollectiveError):
 class ClusterFailure(RuntimeError):
     """Some ranks of a `SimCluster.run` raised, and not all the same exception.
 
+    The root cause is chosen among the failures, in the order the ranks failed, by kind: a
+    stuck rank first (its peers' timeouts are its consequence), then any exception a rank's
+    own code raised, then a `CollectiveTimeout` (a genuine deadlock), then a `PeerFailure`.
+
     Attributes:
         errors: `{rank: exception}` for every rank that raised, sorted by rank.
-        root_rank: the rank of the root cause: the first failure that is not a `PeerFailure`.
+        root_rank: the rank of the root cause.
     """
 
     def __init__(self, errors: dict[int, BaseException], world_size: int) -> None:
         # `errors` arrives in the order the ranks failed; peers' failures are consequences
-        self.root_rank = next((g for g, e in errors.items() if not isinstance(e, PeerFailure)), next(iter(errors)))
+        def kind(e: BaseException) -> int:
+            if type(e).__name__ == "RankStuck":
+                return 0
+            return 3 if isinstance(e, PeerFailure) else 2 if isinstance(e, CollectiveTimeout) else 1
+
+        self.root_rank = min(errors, key=lambda g: kind(errors[g]))  # min keeps the first of a kind
         self.errors = dict(sorted(errors.items()))
         root = errors[self.root_rank]
         lines = [
@@ -186,6 +195,7 @@ class Rendezvous:
         self._where: list[str | tuple[Position, float]] = ["running"] * world_size
         self._failed: dict[int, BaseException] = {}  # insertion order = order of failure
         self._finished: set[int] = set()
+        self.reduction = "exact"  # how SimComm reduces fp16/bf16 in this run (see sim.cluster)
 
     # --8<-- [start:rendezvous]
     def arrive(self, rank: int, local: int, pos: Position, call: Call, x: Any, complete: Callable) -> Any:
@@ -289,6 +299,11 @@ class Rendezvous:
         with self._cond:
             self._failed[rank] = error
             self._cond.notify_all()
+
+    def waiting(self) -> bool:
+        """Whether some rank is waiting inside a collective right now."""
+        with self._cond:
+            return any(isinstance(w, tuple) for w in self._where)
 
     def failures(self) -> dict[int, BaseException]:
         """Return `{global rank: exception}` in the order the ranks failed."""

@@ -3,9 +3,11 @@
 The pieces, each a page of the docs:
 
 * `cpref.layout`: the THD data model, the contiguous and zigzag layouts, padding;
+* `cpref.seqlens`: real and padded document boundaries, validated once per batch;
 * `cpref.comm`: the collectives protocol every algorithm is written against;
 * `cpref.kernels`: the attention kernel contract and the portable `TorchKernel`;
-* `cpref.metadata`: load-balanced THD metadata for KV all-gather CP, with its LRU cache;
+* `cpref.cache`: the batch cache (everything derived from `cu_seqlens`, once per step);
+* `cpref.metadata`: load-balanced THD metadata for KV all-gather CP;
 * `cpref.modes`: the CP algorithms (`all_gather`);
 * `cpref.api`: the public entry point `cpref.attention`;
 * `cpref.data`: the EOD-padding data path and the CP-invariant loss.
@@ -21,10 +23,11 @@ out = sim.SimCluster(4).run(
 """
 
 from cpref.api import MODES, attention
+from cpref.cache import cache_info, clear_cache
 from cpref.comm import Collectives
 from cpref.data import cp_loss, get_batch_on_this_cp_rank
 from cpref.errors import CPInputError
-from cpref.kernels import AttentionKernel, TorchKernel
+from cpref.kernels import AttentionKernel, TorchKernel, Varlen
 from cpref.layout import (
     LAYOUTS,
     attention_work,
@@ -38,8 +41,9 @@ from cpref.layout import (
     unpad,
     unshard,
 )
-from cpref.metadata import cache_info, clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
+from cpref.metadata import clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
 from cpref.modes.all_gather import AllGatherKVFunc, AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced
+from cpref.seqlens import Boundaries
 
 __all__ = [
     "attention",
@@ -48,6 +52,8 @@ __all__ = [
     "CPInputError",
     "AttentionKernel",
     "TorchKernel",
+    "Varlen",
+    "Boundaries",
     "LAYOUTS",
     "shard",
     "unshard",
@@ -61,6 +67,7 @@ __all__ = [
     "thd_to_bshd",
     "get_thd_load_balanced_cp_metadata",
     "clear_cp_metadata_cache",
+    "clear_cache",
     "cache_info",
     "AllGatherKVFunc",
     "AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced",

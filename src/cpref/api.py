@@ -1,86 +1,158 @@
 """The public entry point: `cpref.attention`.
 
 ```python
-out = cpref.attention(q, k, v, cu_seqlens, comm=comm, mode="all_gather", layout="zigzag")
+out = cpref.attention(q, k, v, cu_seqlens, comm=comm, mode="all_gather", layout="zigzag",
+                      cu_seqlens_padded=cu_seqlens_padded)
 ```
 
 `q, k, v` are this rank's shards (from [`cpref.shard`][cpref.layout.shard] with the same
-layout), `cu_seqlens` the global padded document boundaries, and `comm` the CP group's
+layout and the padded boundaries), `cu_seqlens` the global real document boundaries,
+`cu_seqlens_padded` the padded ones if documents were padded, and `comm` the CP group's
 collectives ([`cpref.comm.Collectives`][cpref.comm.Collectives]). The result is this rank's
-output shard, differentiable in `q`, `k` and `v` through an `autograd.Function` with an
-explicit backward (autograd never runs through a collective).
+output shard, differentiable (once) in `q`, `k` and `v` through an `autograd.Function` with an
+explicit backward: autograd never runs through a collective.
+
+## Validation before communication
 
 Every input is validated **before any communication**, by checks that depend only on values
-every rank shares (the global `cu_seqlens`, the shapes, the arguments), so a bad call fails on
-every rank alike instead of leaving some ranks waiting in a collective.
+every rank shares (the global boundaries, the shapes, the arguments), so a bad call fails on
+every rank alike instead of leaving some ranks waiting in a collective. The checks, in order:
+the communicator, the mode and its options, the layout and flags, the kernel, the tensors
+(dims, dtypes, heads, head dims), the scale, the boundaries (cached per batch, see
+[`cpref.cache`][cpref.cache]), the shard size, the mode's own constraints, and the
+backend's known limits. Then, once per batch, the ranks compare their arguments with one
+tiny collective ([`cpref.consistency`][cpref.consistency]).
+
+## Modes
+
+`MODES` maps each mode name to a [`Mode`][cpref.api.Mode]: the function that runs it, the
+collectives it uses and the options it accepts. A mode option given to another mode is an
+error, never silently ignored.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable
 
 import torch
 
-from cpref.cache import IdentityLRU
+from cpref.cache import CACHE
+from cpref.call import CPCall
+from cpref.checks import as_bool, as_choice, as_int, as_scale
 from cpref.comm import Collectives
+from cpref.consistency import check_ranks_agree
 from cpref.errors import CPInputError
-from cpref.kernels import AttentionKernel, TorchKernel
-from cpref.layout import LAYOUTS, as_cu_list, check_divisible
-from cpref.metadata import get_thd_load_balanced_cp_metadata
-from cpref.modes.all_gather import AllGatherKVFunc
+from cpref.kernels import AttentionKernel, TorchKernel, check_heads
+from cpref.layout import LAYOUTS
+from cpref.modes.all_gather import run_all_gather
 
-__all__ = ["attention", "MODES", "validate_inputs"]
+__all__ = ["attention", "MODES", "Mode", "prepare"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# validated host ints of recently used cu_seqlens (see cpref.cache)
-_HOST_CU: IdentityLRU[list[int]] = IdentityLRU(8)
+
+@dataclass(frozen=True)
+class Mode:
+    """A CP algorithm as `cpref.attention` dispatches it.
+
+    Attributes:
+        run: `run(q, k, v, call, comm) -> out` for a validated `CPCall`.
+        collectives: the collectives it calls (checked against the backend's limits).
+        options: `{name: default}` of the keyword options it accepts.
+        check: extra validation of a `CPCall` (e.g. head counts), before communication.
+    """
+
+    run: Callable[..., torch.Tensor]
+    collectives: frozenset[str]
+    options: tuple[tuple[str, Any], ...] = ()
+    check: Callable[[CPCall], None] | None = None
 
 
-def _all_gather_mode(q, k, v, cu, comm, kernel, layout, causal, scale):
-    meta = get_thd_load_balanced_cp_metadata(cu, comm.size, comm.rank, q.device, layout=layout, causal=causal)
-    return AllGatherKVFunc.apply(q, k, v, meta, comm, kernel, causal, scale)
+MODES: dict[str, Mode] = {
+    "all_gather": Mode(run_all_gather, frozenset({"all_gather", "reduce_scatter"}), (("save_gathered_kv", False),)),
+}
 
 
-# mode name -> implementation(q, k, v, cu_seqlens, comm, kernel, layout, causal, scale)
-MODES: dict[str, Callable[..., torch.Tensor]] = {"all_gather": _all_gather_mode}
+def _check_comm(comm: Any) -> tuple[int, int]:
+    if comm is None or isinstance(comm, type) or not isinstance(comm, Collectives):
+        raise CPInputError(
+            f"comm must be the CP group's collectives (a cpref.comm.Collectives), got {type(comm).__name__}; "
+            "on the simulated cluster sim.SimCluster(P).run(fn) passes one to fn, over torch.distributed "
+            "use cpref.backends.TorchComm"
+        )
+    size = as_int("comm.size", comm.size, lo=1)
+    return as_int("comm.rank", comm.rank, lo=0, hi=size), size
 
 
-def validate_inputs(q, k, v, cu_seqlens, *, cp_size: int, mode: str, layout: str, softmax_scale) -> list[int]:
-    """Check everything `attention` needs, without communicating. Returns `cu_seqlens` as ints.
+def _check_options(mode: str, given: dict[str, Any]) -> dict[str, Any]:
+    accepted = dict(MODES[mode].options)
+    for name, value in given.items():
+        if value is not None and name not in accepted:
+            users = sorted(m for m, spec in MODES.items() if name in dict(spec.options))
+            raise CPInputError(f"{name}={value!r} is only used by mode {' / '.join(users) or '(none built)'}, not mode={mode!r}")
+    options = {name: (given.get(name) if given.get(name) is not None else default) for name, default in accepted.items()}
+    if "save_gathered_kv" in options:
+        options["save_gathered_kv"] = as_bool("save_gathered_kv", options["save_gathered_kv"])
+    return options
+
+
+def _check_tensors(q: Any, k: Any, v: Any) -> None:
+    check_heads(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise CPInputError(f"{name} has dtype {t.dtype}; use one of {FLOAT_DTYPES}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise CPInputError(
+            f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}"
+        )
+
+
+def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, softmax_scale=None,
+            cu_seqlens_padded=None, kernel=None, **options) -> CPCall:  # fmt: skip
+    """Validate one `attention` call without communicating; return it as a `CPCall`.
 
     Raises:
         ValueError: (`CPInputError`) naming the offending value and the fix.
     """
-    if mode not in MODES:
-        raise CPInputError(f"unknown mode {mode!r}; available: {sorted(MODES)}")
-    if layout not in LAYOUTS:
-        raise CPInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise CPInputError(f"{name} must be a THD tensor (tokens, heads, dim), got {shape}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise CPInputError(f"{name} has dtype {t.dtype}; use one of {FLOAT_DTYPES}")
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise CPInputError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on {q.device}/{k.device}/{v.device}")
-    (tq, hq, dq), (tk, hkv, dk), (tv, hv, dv) = q.shape, k.shape, v.shape
-    if hv != hkv or hkv == 0 or hq % hkv:
-        raise CPInputError(f"heads: q has {hq}, k {hkv}, v {hv}; need k and v alike and Hq % Hkv == 0")
-    if dq != dk or dv > dk:
-        raise CPInputError(f"head dims: q {dq}, k {dk}, v {dv}; need Dq == Dk >= Dv")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise CPInputError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
-    cu = _HOST_CU.get_or_build(cu_seqlens, (), lambda: as_cu_list(cu_seqlens))  # one host copy per step, not per layer
-    check_divisible(cu, layout, cp_size)
-    local = cu[-1] // cp_size
-    if not tq == tk == tv == local:
+    # 1) who we are, what to run, how
+    rank, P = _check_comm(comm)
+    mode = as_choice("mode", mode, sorted(MODES))
+    options = _check_options(mode, options)
+    layout, causal = as_choice("layout", layout, LAYOUTS), as_bool("causal", causal)
+    kernel = TorchKernel() if kernel is None else kernel
+    if isinstance(kernel, type) or not isinstance(kernel, AttentionKernel):
         raise CPInputError(
-            f"q/k/v hold {tq}/{tk}/{tv} tokens but this rank's shard of {cu[-1]} tokens over "
-            f"cp_size={cp_size} has {local}; shard with cpref.shard(x, cu_seqlens, cp_size=..., rank=..., layout={layout!r})"
+            f"kernel must be an attention kernel instance (forward and backward, see cpref.kernels.AttentionKernel), "
+            f"got {kernel!r:.60}; pass e.g. cpref.TorchKernel()"
         )
-    return cu
+    # 2) the tensors and the scale
+    _check_tensors(q, k, v)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale, q.dtype)
+    # 3) the batch: boundaries (validated once per batch, then cached), divisibility, shard size
+    entry = CACHE.entry(cu_seqlens, cu_seqlens_padded)
+    entry.bounds.check_divisible(layout, P)
+    local = entry.bounds.total // P
+    if not q.shape[0] == k.shape[0] == v.shape[0] == local:
+        raise CPInputError(
+            f"q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but this rank's shard of {entry.bounds.total} "
+            f"tokens over cp_size={P} has {local}; shard with "
+            f"cpref.shard(x, cu_seqlens_padded or cu_seqlens, cp_size={P}, rank=comm.rank, layout={layout!r})"
+        )
+    heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    call = CPCall(entry, P, rank, layout, causal, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
+    # 4) the mode's own constraints, and what the backend cannot do
+    spec = MODES[mode]
+    if spec.check is not None:
+        spec.check(call)
+    missing = spec.collectives & frozenset(getattr(comm, "unsupported_ops", ()))
+    if missing:
+        raise CPInputError(
+            f"mode={mode!r} needs {sorted(missing)}, which this communicator ({type(comm).__name__}, size {P}) "
+            "does not support; choose another mode or CP size"
+        )
+    return call
 
 
 def attention(
@@ -94,8 +166,11 @@ def attention(
     layout: str = "zigzag",
     causal: bool = True,
     softmax_scale: float | None = None,
-    a2a_size: int | None = None,
+    cu_seqlens_padded: torch.Tensor | list[int] | None = None,
     kernel: AttentionKernel | None = None,
+    check_ranks: bool = True,
+    a2a_size: int | None = None,
+    save_gathered_kv: bool | None = None,
 ) -> torch.Tensor:
     """Context-parallel attention over a packed THD batch.
 
@@ -103,15 +178,23 @@ def attention(
         q: `(T / P, Hq, D)` this rank's query shard.
         k: `(T / P, Hkv, D)` this rank's key shard, `Hq % Hkv == 0`.
         v: `(T / P, Hkv, Dv)` this rank's value shard, `Dv <= D`.
-        cu_seqlens: global document boundaries with a leading 0, every document a multiple
-            of the layout's granularity (`P` contiguous, `2P` zigzag).
+        cu_seqlens: global real document boundaries with a leading 0. Without
+            `cu_seqlens_padded`, every document must be a multiple of the layout's
+            granularity (`P` contiguous, `2P` zigzag).
         comm: the CP group's collectives.
-        mode: the CP algorithm; see `MODES` (`"all_gather"`).
+        mode: the CP algorithm; see `MODES`.
         layout: `"zigzag"` or `"contiguous"`, as used to shard `q, k, v`.
         causal: causal (default) or full attention inside each document.
         softmax_scale: logit scale, default `D ** -0.5`.
-        a2a_size: all-to-all sub-group size of the hierarchical mode (not used by other modes).
+        cu_seqlens_padded: the padded boundaries that define the shards (each document padded
+            at its end to the layout's granularity); padding is then seen by no query,
+            padding queries give 0 and padding rows get zero gradients.
         kernel: the attention kernel, default [`TorchKernel`][cpref.kernels.TorchKernel].
+        check_ranks: compare the arguments across ranks with one tiny collective the first
+            time a batch is seen (see `cpref.consistency`); `False` skips it.
+        a2a_size: all-to-all sub-group size of the hierarchical mode (only that mode).
+        save_gathered_kv: `all_gather` only: keep the gathered K/V for the backward instead of
+            gathering them again (faster backward, activation memory no longer falls with `P`).
 
     Returns:
         `(T / P, Hq, Dv)` this rank's output shard, in the layout of `q`.
@@ -119,11 +202,10 @@ def attention(
     Raises:
         ValueError: on any invalid input, before any communication, on every rank alike.
     """
-    cu = validate_inputs(q, k, v, cu_seqlens, cp_size=comm.size, mode=mode, layout=layout, softmax_scale=softmax_scale)
-    if a2a_size is not None:
-        raise CPInputError(f"a2a_size={a2a_size} is only used by the hierarchical a2a+p2p mode, not mode={mode!r}")
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    kernel = TorchKernel() if kernel is None else kernel
-    # Pass the caller's tensor on, so the metadata cache can key on its identity and version.
-    cu_key = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else cu
-    return MODES[mode](q, k, v, cu_key, comm, kernel, layout, bool(causal), scale)
+    check_ranks = as_bool("check_ranks", check_ranks)
+    call = prepare(q, k, v, cu_seqlens, comm=comm, mode=mode, layout=layout, causal=causal,
+                   softmax_scale=softmax_scale, cu_seqlens_padded=cu_seqlens_padded, kernel=kernel,
+                   a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
+    if check_ranks:
+        check_ranks_agree(call, mode, comm)
+    return MODES[mode].run(q, k, v, call, comm)

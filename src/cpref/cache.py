@@ -1,31 +1,62 @@
-"""A small LRU for values derived from `cu_seqlens`, keyed the way the MindSpeed RFC asks.
+"""The batch cache: everything derived from `cu_seqlens`, computed once per step, not per layer.
 
-Every transformer layer calls attention with the same `cu_seqlens`; whatever is derived from
-it (host ints, metadata, indices) should be computed once per step, not once per layer,
-and on an accelerator a host copy of the tensor would also stall the stream every layer.
+Every transformer layer calls attention with the same boundaries; what is derived from them
+(their validated host copy, each mode's per-rank metadata, the kernels' block lists) should
+be computed once per training step. On an accelerator, reading `cu_seqlens` back to the
+host also stalls the stream, so the cache is what makes every layer after the first free of
+host-device synchronisation.
 
-A tensor key is its **identity and version**: `tensor._version` moves on every in-place
-change, so editing `cu_seqlens` in place invalidates its entries. An entry keeps a reference
-to its tensor, so a freed tensor's `id` cannot be reused for a stale hit. A list or tuple of
-ints is keyed by value. The lock makes the cache safe for the simulated cluster, whose ranks
-are threads of one process.
+## Keys
+
+A cache entry is one **batch**: a pair of boundary sources (`cu_seqlens`,
+`cu_seqlens_padded`). A tensor source is keyed by its **identity and version**
+(`tensor._version` moves on every in-place change through the tensor, so such an edit
+invalidates the entry; the entry keeps a reference to the tensor, so a freed tensor's `id`
+cannot be reused for a stale hit). A list or tuple of ints is keyed by value.
+
+Edits that bypass the version counter (writing through `.data`, or through a NumPy array
+from `.numpy()`) are caught for **CPU tensors**: an entry keeps a copy of their contents and
+compares it on every hit (a cheap host comparison). For **device tensors** such an edit is
+undetectable without a device-to-host copy, which is what the cache exists to avoid: give
+each batch a new tensor (or a list), never edit one behind the version counter.
+
+## Entries
+
+An entry holds the batch's [`Boundaries`][cpref.seqlens.Boundaries] and the *plans* derived
+from it, keyed by whatever they depend on (mode, `P`, rank, layout, causality, device): on
+the simulated cluster, the `P` rank threads share one entry per batch, so the capacity
+(8 batches, as the MindSpeed RFC specifies) does not shrink with `P`. Plans are immutable
+(frozen dataclasses), since the rank threads share them. The entry also records which
+ranks have checked their arguments against each other (see `cpref.api`).
+
+The cache is thread-safe: lookups and builds happen under one re-entrant lock, so ranks that
+race for the same batch build it once. No collective is ever run under the lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Generic, Hashable, NamedTuple, Sequence, TypeVar
+from typing import Any, Callable, Hashable, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["IdentityLRU", "CacheInfo"]
+from cpref.seqlens import Boundaries
+
+__all__ = ["BatchCache", "BatchEntry", "CacheInfo", "CACHE", "cache_info", "clear_cache"]
 
 V = TypeVar("V")
 
 
 class CacheInfo(NamedTuple):
-    """Statistics of a cache."""
+    """Statistics of the batch cache.
+
+    Attributes:
+        hits: plan lookups served from the cache.
+        misses: plan lookups that had to build the plan.
+        size: batches held.
+        capacity: the most batches held; the least recently used goes first.
+    """
 
     hits: int
     misses: int
@@ -33,40 +64,94 @@ class CacheInfo(NamedTuple):
     capacity: int
 
 
-class IdentityLRU(Generic[V]):
-    """Thread-safe LRU of values derived from a tensor (by identity + version) or a sequence (by value).
+class BatchEntry:
+    """One batch: its boundaries, the plans derived from them, and the rank checks done.
+
+    Attributes:
+        bounds: the validated boundaries.
+    """
+
+    def __init__(self, cache: "BatchCache", bounds: Boundaries, sources: tuple[Any, ...]) -> None:
+        self.bounds = bounds
+        self._cache = cache
+        self._sources = sources  # keeps tensor ids alive: no reuse for a stale hit
+        # contents of CPU tensor sources, compared on every hit (edits behind the version counter)
+        self._snapshots = tuple(s.clone() if _is_host_tensor(s) else None for s in sources)
+        self._plans: dict[Hashable, Any] = {}
+        self._checked: dict[Hashable, Any] = {}
+
+    def plan(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The plan for `key`, built by `build()` on first use (under the cache's lock)."""
+        with self._cache.lock:
+            if key in self._plans:
+                self._cache.hits += 1
+                return self._plans[key]
+            self._cache.misses += 1
+            value = self._plans[key] = build()
+            return value
+
+    def checked(self, key: Hashable) -> bool:
+        """Whether the rank check `key` has passed for this batch."""
+        with self._cache.lock:
+            return key in self._checked
+
+    def mark_checked(self, key: Hashable, keep: Any = None) -> None:
+        """Record that the rank check `key` passed; `keep` is held so that ids in `key` stay unique."""
+        with self._cache.lock:
+            self._checked[key] = keep
+
+    def _still_valid(self) -> bool:
+        return all(snap is None or torch.equal(src, snap) for src, snap in zip(self._sources, self._snapshots))
+
+
+def _is_host_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu"
+
+
+def _source_key(source: Any) -> tuple:
+    if isinstance(source, torch.Tensor):
+        return ("tensor", id(source), source._version)
+    if source is None:
+        return ("none",)
+    try:
+        key = ("value", tuple(source))  # validated when the entry is built
+        hash(key)
+        return key
+    except TypeError:
+        return ("object", id(source))  # not a flat sequence: Boundaries.parse names the problem
+
+
+class BatchCache:
+    """A thread-safe LRU of batches (see the module docstring).
 
     Args:
-        capacity: the most entries kept; the least recently used goes first.
+        capacity: the most batches kept.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries: OrderedDict[tuple, tuple[Any, V]] = OrderedDict()
+        self.lock = threading.RLock()
+        self.entries: OrderedDict[tuple, BatchEntry] = OrderedDict()
         self.hits = self.misses = 0
-        self.lock = threading.Lock()
 
-    def get_or_build(self, source: torch.Tensor | Sequence[int], extra: tuple[Hashable, ...], build: Callable[[], V]) -> V:
-        """The cached value for `(source, extra)`, or `build()`'s, stored for next time."""
-        if isinstance(source, torch.Tensor):
-            owner: Any = source
-            key: tuple = ("tensor", id(source), source._version, *extra)
-        else:
-            owner, key = None, ("value", tuple(int(x) for x in source), *extra)
+    def entry(self, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False) -> BatchEntry:
+        """The entry of this batch, validating and building it on first use.
+
+        Raises:
+            CPInputError: if the boundaries are invalid (see `Boundaries.parse`), on every call.
+        """
+        key = (_source_key(cu_seqlens), _source_key(cu_seqlens_padded), ends_only_ok)
         with self.lock:
             entry = self.entries.get(key)
-            if entry is not None and entry[0] is owner:
+            if entry is not None and entry._still_valid():
                 self.entries.move_to_end(key)
-                self.hits += 1
-                return entry[1]
-            self.misses += 1
-        value = build()  # outside the lock: a miss on one rank does not stall the others
-        with self.lock:
-            self.entries[key] = (owner, value)
+                return entry
+            bounds = Boundaries.parse(cu_seqlens, cu_seqlens_padded, ends_only_ok=ends_only_ok)
+            entry = self.entries[key] = BatchEntry(self, bounds, (cu_seqlens, cu_seqlens_padded))
             self.entries.move_to_end(key)
             while len(self.entries) > self.capacity:
                 self.entries.popitem(last=False)
-        return value
+            return entry
 
     def info(self) -> CacheInfo:
         """Hits, misses, current size and capacity."""
@@ -78,3 +163,16 @@ class IdentityLRU(Generic[V]):
         with self.lock:
             self.entries.clear()
             self.hits = self.misses = 0
+
+
+CACHE = BatchCache(8)
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses, size and capacity of the batch cache (metadata of every mode)."""
+    return CACHE.info()
+
+
+def clear_cache() -> None:
+    """Empty the batch cache (boundaries, metadata of every mode, rank checks) and reset its statistics."""
+    CACHE.clear()

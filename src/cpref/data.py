@@ -1,4 +1,4 @@
-"""The data path for packed EOD batches: pad, shard, and a loss that does not depend on P.
+r"""The data path for packed EOD batches: pad, shard, and a loss that does not depend on P.
 
 A packed batch holds documents of any length, but the zigzag layout needs every document to
 be a multiple of `2P` tokens. [`get_batch_on_this_cp_rank`][cpref.data.get_batch_on_this_cp_rank]
@@ -8,19 +8,33 @@ follows MindSpeed's EOD-padding path:
    zigzag), with `pad_token_id` tokens whose loss mask is 0;
 2. compute position ids inside each padded document (positions restart at every document,
    for RoPE);
-3. slice tokens, labels, loss mask and position ids with the layout.
+3. slice tokens, labels, loss mask and position ids with the layout;
+4. return both boundary lists: the real `cu_seqlens` and the padded `cu_seqlens_padded`.
 
-Padding at the end of a document never changes a real token's result: under the causal mask
-no real token sees a later position, and the padded tokens' losses are masked out. The loss
-itself must be normalised by the **global** number of loss tokens, not by each rank's own
+**Padding never changes a real token's result**, because `cpref.attention` receives both
+lists (see [`cpref.seqlens`][cpref.seqlens]): no query sees a padding key, and a padding query
+sees nothing. The causal mask alone protects only causal attention (no real token sees a
+later position, and end padding comes after every real token of its document); without the
+mask a real query would see the padding keys of its document. The padded tokens' losses are
+masked out.
+
+## The loss
+
+The loss must be normalised by the **global** number of loss tokens, not by each rank's own
 count, or the loss would depend on how tokens fall on ranks (and a rank holding only padding
 would divide by zero):
 
-$$ \\mathcal{L} = \\frac{\\sum_r \\sum_{t \\in r} m_t \\ell_t}{\\sum_r \\sum_{t \\in r} m_t} $$
+$$ \mathcal{L} = \frac{\sum_r \sum_{t \in r} m_t \ell_t}{\sum_r \sum_{t \in r} m_t} $$
 
 [`cp_loss`][cpref.data.cp_loss] returns rank `r`'s share of this sum, so the shares add up
-to $\\mathcal{L}$ and their gradients add up to the gradient of $\\mathcal{L}$ (all-reduce the
-parameter gradients over the CP group, as for data parallelism).
+to $\mathcal{L}$. Each rank back-propagates its own share through its replica of the model,
+so the gradient of $\mathcal{L}$ with respect to a replicated parameter is the **sum** of the
+ranks' gradients: all-reduce the parameter gradients over the CP group with a **sum**.
+Averaging them, as data parallelism does with its per-replica means, would make them `P`
+times too small. With data parallelism as well (a DP x CP grid), each DP replica's loss is
+its own CP group's $\mathcal{L}$; sum over the CP group and average over the DP groups, i.e.
+all-reduce over the whole DP x CP group with a sum and divide by the DP size. When no rank
+holds a loss token the count is 0, and the loss is 0 with zero gradients, not NaN.
 """
 
 from __future__ import annotations
@@ -29,8 +43,11 @@ from typing import Mapping
 
 import torch
 
+from cpref.checks import as_int
 from cpref.comm import Collectives
-from cpref.layout import CuSeqlens, layout_multiple, pad_to_multiple, positions, shard
+from cpref.errors import CPInputError
+from cpref.layout import layout_multiple, pad_to_multiple, positions, shard
+from cpref.seqlens import Boundaries, CuSeqlens
 
 __all__ = ["get_batch_on_this_cp_rank", "cp_loss"]
 
@@ -56,21 +73,27 @@ def get_batch_on_this_cp_rank(
         pad_token_id: token and label id of the padding.
 
     Returns:
-        This rank's `tokens`, `labels`, `loss_mask`, `position_ids` (and other keys), plus
-        `cu_seqlens`: the **global padded** boundaries to pass to `cpref.attention`.
+        This rank's `tokens`, `labels`, `loss_mask`, `position_ids` (and other keys), plus the
+        global boundaries to pass to `cpref.attention`: `cu_seqlens` (real, a new int64 tensor)
+        and `cu_seqlens_padded` (padded: what the shards follow).
     """
     mult = layout_multiple(layout, cp_size)
+    rank = as_int("rank", rank, lo=0, hi=cp_size)
+    bounds = Boundaries.parse(cu_seqlens)
     batch = dict(batch)
+    if "tokens" not in batch or "labels" not in batch:
+        raise CPInputError(f"batch needs 'tokens' and 'labels', got keys {sorted(batch)}")
     if "loss_mask" not in batch:
         batch["loss_mask"] = torch.ones_like(batch["tokens"], dtype=torch.float32)
     fill = {"tokens": pad_token_id, "labels": pad_token_id}
     out: dict[str, torch.Tensor] = {}
     cu_pad = None
     for name, x in batch.items():
-        x_pad, cu_pad = pad_to_multiple(x, cu_seqlens, mult, value=fill.get(name, 0))  # (T_pad, ...)
+        x_pad, cu_pad = pad_to_multiple(x, bounds.real, mult, value=fill.get(name, 0))  # (T_pad, ...)
         out[name] = shard(x_pad, cu_pad, cp_size=cp_size, rank=rank, layout=layout)  # (T_pad/P, ...)
     out["position_ids"] = positions(cu_pad, cp_size=cp_size, rank=rank, layout=layout)  # (T_pad/P,)
-    out["cu_seqlens"] = cu_pad
+    out["cu_seqlens"] = torch.tensor(bounds.real, dtype=torch.int64)
+    out["cu_seqlens_padded"] = cu_pad
     return out
 
 
@@ -78,14 +101,29 @@ def cp_loss(token_loss: torch.Tensor, loss_mask: torch.Tensor, comm: Collectives
     """This rank's share of the globally normalised masked mean loss.
 
     Args:
-        token_loss: `(T_l,)` per-token losses of this rank.
-        loss_mask: `(T_l,)` 1 for tokens that count, 0 for padding and ignored tokens.
+        token_loss: `(T_l,)` per-token losses of this rank (floating).
+        loss_mask: `(T_l,)` 1 for tokens that count, 0 for padding and ignored tokens; the
+            same shape as `token_loss` (no broadcasting).
         comm: the CP group (one all-reduce of a scalar count).
 
     Returns:
         A scalar whose sum over the CP ranks is the mean loss over all loss tokens; 0 (with
-        zero gradient) when no rank has a loss token.
+        zero gradient) when no rank has a loss token. Sum the parameter gradients over the
+        CP group (see the module docstring).
+
+    Raises:
+        ValueError: for mismatched shapes or a non-floating `token_loss`, before the all-reduce.
     """
+    for name, t in (("token_loss", token_loss), ("loss_mask", loss_mask)):
+        if not isinstance(t, torch.Tensor):
+            raise CPInputError(f"{name} must be a tensor, got {type(t).__name__}")
+    if token_loss.shape != loss_mask.shape:
+        raise CPInputError(
+            f"token_loss has shape {tuple(token_loss.shape)} but loss_mask {tuple(loss_mask.shape)}; "
+            "they must match exactly (one mask entry per token; reshape, do not broadcast)"
+        )
+    if not token_loss.is_floating_point():
+        raise CPInputError(f"token_loss has dtype {token_loss.dtype}; it must be floating")
     mask = loss_mask.to(token_loss.dtype)
     count = comm.all_reduce(mask.sum().detach().reshape(1))  # global number of loss tokens
     return (token_loss * mask).sum() / count.clamp_min(1).squeeze(0)

@@ -1,4 +1,4 @@
-"""The data model and the CP layouts.
+r"""The data model and the CP layouts.
 
 ## One data model: THD
 
@@ -7,7 +7,7 @@ A batch is a *packed stream* of documents. Tensors are THD: `q (T, Hq, D)`,
 `cu_seqlens` holds the document boundaries with a leading 0: `[0, 8, 20]` is two documents
 of 8 and 12 tokens. A token attends only inside its own document (EOD reset), and with a
 causal mask only to positions at or before its own. A fixed-length batch `(B, S, H, D)` is
-the special case of `B` documents of length `S` ([`bshd_to_thd`][cpref.layout.bshd_to_thd]).
+the special case of `B` documents of `S` tokens each ([`bshd_to_thd`][cpref.layout.bshd_to_thd]).
 
 ## Layouts over a CP group of `P` ranks
 
@@ -27,28 +27,43 @@ order above.
 
 ## Why zigzag: causal work per rank
 
-Under a causal mask, query chunk `j` of a document (0-based, chunk size `c`) attends to the
-`(j + 1) c` keys of chunks `0..j`, so its work is
+Work is counted in **score entries per head**, two ways that agree on zigzag and differ on
+contiguous:
 
-$$ W_j = c \\cdot (j + 1) c . $$
+* the **block metric** `sum(q_len * kv_len)` over a rank's query chunks, with the causal
+  prefix as `kv_len` (the MindSpeed RFC's measure, and what a kernel that computes whole
+  blocks spends);
+* the **exact count**: query position $p$ of a document sees $p + 1$ keys, so the rank's
+  work is the sum of $p + 1$ over its query tokens (what a kernel that skips masked scores
+  spends).
 
-With the contiguous layout rank `r` does $W_r = (r + 1) c^2$: the last rank does `P` times
-the work of the first, and the slowest rank carries $\\frac{2P}{P + 1}$ of the mean. With
-zigzag, rank `r` holds chunks `r` and `2P - 1 - r`:
+Query chunk `j` of a document (0-based, chunk size $c$) covers positions $[jc, (j+1)c)$:
 
-$$ W_r + W_{2P-1-r} = c^2 \\left[(r + 1) + (2P - r)\\right] = (2P + 1) c^2 , $$
+$$ W^{block}_j = c \cdot (j + 1) c, \qquad W^{exact}_j = \sum_{p = jc}^{(j+1)c - 1} (p + 1)
+   = j c^2 + \tfrac{c (c + 1)}{2} . $$
 
-the same on every rank. [`attention_work`][cpref.layout.attention_work] computes these
-figures; `make demo` prints them.
+With the contiguous layout rank `r` holds chunk `r` of `P`: the last rank does the most
+work, and the slowest rank carries, of the mean,
+
+$$ \frac{2P}{P + 1} \text{ (block)}, \qquad \to \frac{2P - 1}{P} \text{ (exact, for large } c) , $$
+
+1.6 and 1.75 at `P = 4`. With zigzag, rank `r` holds chunks `r` and `2P - 1 - r` of `2P`:
+
+$$ W_r + W_{2P-1-r} = (2P + 1) c^2 \text{ (block)}, \qquad (2P - 1) c^2 + c (c + 1) \text{ (exact)}, $$
+
+the same on every rank under both metrics. [`attention_work`][cpref.layout.attention_work]
+computes both; `make demo` prints them.
 
 ## Padding
 
 A document whose length is not a multiple of the layout's granularity (`P` for contiguous,
 `2P` for zigzag) cannot be split evenly. cpref never drops or pads silently: it raises
-`ValueError` naming the document, and [`pad_to_multiple`][cpref.layout.pad_to_multiple]
-pads each document *at its end* (EOD padding). Padding at the end is harmless under a causal
-mask, since no real token sees a later position; its loss is masked out
-(see `cpref.data`).
+`ValueError` naming the document. Pad each document *at its end* (EOD padding) with
+[`pad_to_multiple`][cpref.layout.pad_to_multiple], and pass both boundary lists: the real
+ones as `cu_seqlens` and the padded ones, which define the shards, as `cu_seqlens_padded`
+(see [`cpref.seqlens`][cpref.seqlens]). Padding is then invisible to attention, causal or not,
+and its loss is masked out (see `cpref.data`). The functions of this module take the
+boundaries that define the shards: the padded ones.
 """
 
 from __future__ import annotations
@@ -57,15 +72,15 @@ from typing import Sequence
 
 import torch
 
+from cpref.checks import as_choice, as_int
 from cpref.errors import CPInputError
+from cpref.seqlens import Boundaries, CuSeqlens
 
 __all__ = [
     "LAYOUTS",
-    "as_cu_list",
-    "host_ints",
     "layout_multiple",
-    "check_divisible",
-    "check_rank",
+    "chunk_ids",
+    "chunk_owner",
     "local_chunks",
     "global_index",
     "positions",
@@ -80,123 +95,78 @@ __all__ = [
 
 LAYOUTS = ("contiguous", "zigzag")
 
-CuSeqlens = torch.Tensor | Sequence[int]
-
-
-def host_ints(cu_seqlens: CuSeqlens) -> list[int]:
-    """Boundaries as a list of host ints, from a 1-D integer tensor or a sequence of ints."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise CPInputError(
-                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)} "
-                f"dtype {cu_seqlens.dtype}"
-            )
-        return [int(x) for x in cu_seqlens.tolist()]
-    return [int(x) for x in cu_seqlens]
-
-
-def as_cu_list(cu_seqlens: CuSeqlens) -> list[int]:
-    """Validate document boundaries and return them as host ints.
-
-    Args:
-        cu_seqlens: 1-D, leading 0, strictly increasing (every document non-empty).
-
-    Raises:
-        ValueError: naming the offending entry.
-    """
-    cu = host_ints(cu_seqlens)
-    if len(cu) < 2 or cu[0] != 0:
-        raise CPInputError(
-            f"cu_seqlens must start with 0 and hold at least one document, got {cu[:8]}; "
-            "pass document boundaries like [0, 8, 20]"
-        )
-    for i in range(len(cu) - 1):
-        if cu[i + 1] <= cu[i]:
-            raise CPInputError(
-                f"cu_seqlens must be strictly increasing: document {i} spans "
-                f"[{cu[i]}, {cu[i + 1]}), length {cu[i + 1] - cu[i]}; drop empty documents"
-            )
-    return cu
-
 
 def layout_multiple(layout: str, cp_size: int) -> int:
-    """The granularity a document length must be a multiple of: `P` or `2P`."""
-    if layout not in LAYOUTS:
-        raise CPInputError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise CPInputError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    return 2 * cp_size if layout == "zigzag" else cp_size
-
-
-def check_divisible(cu: list[int], layout: str, cp_size: int) -> int:
-    """Raise unless every document length is a multiple of the layout's granularity; return it."""
-    mult = layout_multiple(layout, cp_size)
-    for i in range(len(cu) - 1):
-        n = cu[i + 1] - cu[i]
-        if n % mult:
-            raise CPInputError(
-                f"document {i} has length {n}, not a multiple of {mult} (the {layout} layout "
-                f"over cp_size={cp_size}); pad it: cpref.pad_to_multiple(x, cu_seqlens, {mult})"
-            )
-    return mult
-
-
-def check_rank(rank: int, cp_size: int) -> None:
-    """Raise unless `0 <= rank < cp_size`."""
-    if not isinstance(rank, int) or not 0 <= rank < cp_size:
-        raise CPInputError(f"rank {rank!r} is outside [0, cp_size={cp_size})")
+    """The granularity a document length must be a multiple of: `P` (contiguous) or `2P` (zigzag)."""
+    as_choice("layout", layout, LAYOUTS)
+    return (2 if layout == "zigzag" else 1) * as_int("cp_size", cp_size, lo=1)
 
 
 # --8<-- [start:chunks]
-def local_chunks(cu_seqlens: CuSeqlens, *, cp_size: int, rank: int, layout: str) -> list[tuple[int, int, int]]:
-    """The global token ranges rank `rank` holds, in local order.
+def chunk_ids(rank: int, cp_size: int, layout: str) -> list[int]:
+    """The chunks of every document that rank `rank` holds, in local order: `[r]` or `[r, 2P-1-r]`."""
+    return [rank] if layout == "contiguous" else [rank, 2 * cp_size - 1 - rank]
 
-    Returns:
-        A list of `(doc, start, end)`: document index and half-open range in the stream.
-    """
-    cu = as_cu_list(cu_seqlens)
-    mult = check_divisible(cu, layout, cp_size)
-    check_rank(rank, cp_size)
-    chunk_ids = [rank] if layout == "contiguous" else [rank, 2 * cp_size - 1 - rank]
-    out = []
-    for doc in range(len(cu) - 1):
-        c = (cu[doc + 1] - cu[doc]) // mult  # chunk size c_i
-        for j in chunk_ids:
-            out.append((doc, cu[doc] + j * c, cu[doc] + (j + 1) * c))
-    return out
+
+def chunk_owner(j: int, cp_size: int, layout: str) -> tuple[int, int]:
+    """`(rank, slot)`: who holds chunk `j` of a document, and where among its chunks of it."""
+    if layout == "contiguous" or j < cp_size:
+        return j, 0
+    return 2 * cp_size - 1 - j, 1
 # --8<-- [end:chunks]
 
 
-def global_index(cu_seqlens: CuSeqlens, *, cp_size: int, rank: int, layout: str) -> torch.Tensor:
+def _bounds(cu_seqlens: CuSeqlens | Boundaries) -> Boundaries:
+    return cu_seqlens if isinstance(cu_seqlens, Boundaries) else Boundaries.parse(cu_seqlens)
+
+
+def local_chunks(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str) -> list[tuple[int, int, int]]:
+    """The global token ranges rank `rank` holds, in local order.
+
+    Returns:
+        A list of `(doc, start, end)`: document index and half-open range in the (padded) stream.
+    """
+    b = _bounds(cu_seqlens)
+    mult = b.check_divisible(layout, cp_size)
+    rank = as_int("rank", rank, lo=0, hi=cp_size)
+    out = []
+    for doc in range(b.num_docs):
+        c = b.padded_len(doc) // mult  # chunk size c_i
+        out += [(doc, b.padded[doc] + j * c, b.padded[doc] + (j + 1) * c) for j in chunk_ids(rank, cp_size, layout)]
+    return out
+
+
+def global_index(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str) -> torch.Tensor:
     """Each local token's index in the global stream: LongTensor `(T / P,)`."""
     ranges = [torch.arange(s, e) for _, s, e in local_chunks(cu_seqlens, cp_size=cp_size, rank=rank, layout=layout)]
     return torch.cat(ranges)  # (T/P,)
 
 
-def positions(cu_seqlens: CuSeqlens, *, cp_size: int, rank: int, layout: str) -> torch.Tensor:
+def positions(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str) -> torch.Tensor:
     """Each local token's position inside its document (for RoPE): LongTensor `(T / P,)`."""
-    cu = as_cu_list(cu_seqlens)
-    chunks = local_chunks(cu, cp_size=cp_size, rank=rank, layout=layout)
-    return torch.cat([torch.arange(s - cu[d], e - cu[d]) for d, s, e in chunks])  # (T/P,)
+    b = _bounds(cu_seqlens)
+    chunks = local_chunks(b, cp_size=cp_size, rank=rank, layout=layout)
+    return torch.cat([torch.arange(s - b.padded[d], e - b.padded[d]) for d, s, e in chunks])  # (T/P,)
 
 
-def shard(x: torch.Tensor, cu_seqlens: CuSeqlens, *, cp_size: int, rank: int, layout: str) -> torch.Tensor:
+def shard(x: torch.Tensor, cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str) -> torch.Tensor:
     """This rank's shard of a packed tensor: `(T, ...) -> (T / P, ...)` along dim 0."""
-    cu = as_cu_list(cu_seqlens)
-    if x.shape[0] != cu[-1]:
-        raise CPInputError(f"x has {x.shape[0]} tokens but cu_seqlens ends at {cu[-1]}")
-    idx = global_index(cu, cp_size=cp_size, rank=rank, layout=layout).to(x.device)
+    b = _bounds(cu_seqlens)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != b.total:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise CPInputError(f"x has shape {got} but cu_seqlens ends at {b.total}: dim 0 must hold the whole stream")
+    idx = global_index(b, cp_size=cp_size, rank=rank, layout=layout).to(x.device)
     return x.index_select(0, idx)  # (T/P, ...)
 
 
-def unshard(shards: Sequence[torch.Tensor], cu_seqlens: CuSeqlens, *, layout: str) -> torch.Tensor:
+def unshard(shards: Sequence[torch.Tensor], cu_seqlens: CuSeqlens | Boundaries, *, layout: str) -> torch.Tensor:
     """Inverse of [`shard`][cpref.layout.shard]: every rank's shard, in rank order -> `(T, ...)`."""
-    cu = as_cu_list(cu_seqlens)
+    b = _bounds(cu_seqlens)
     cp_size = len(shards)
     first = shards[0]
-    out = first.new_empty((cu[-1], *first.shape[1:]))  # (T, ...)
+    out = first.new_empty((b.total, *first.shape[1:]))  # (T, ...)
     for rank, part in enumerate(shards):
-        idx = global_index(cu, cp_size=cp_size, rank=rank, layout=layout).to(part.device)
+        idx = global_index(b, cp_size=cp_size, rank=rank, layout=layout).to(part.device)
         if part.shape[0] != idx.numel():
             raise CPInputError(f"shard of rank {rank} has {part.shape[0]} tokens, expected {idx.numel()}")
         out.index_copy_(0, idx, part)
@@ -209,18 +179,18 @@ def pad_to_multiple(
     """EOD padding: pad each document at its end to a multiple of `multiple` tokens.
 
     Returns:
-        `(x_padded, cu_seqlens_padded)`; the padded tokens hold `value`.
+        `(x_padded, cu_seqlens_padded)`; the padded tokens hold `value`. Pass
+        `cu_seqlens_padded` to `cpref.attention` beside the real `cu_seqlens`.
     """
-    cu = as_cu_list(cu_seqlens)
-    if not isinstance(multiple, int) or multiple < 1:
-        raise CPInputError(f"multiple must be an int >= 1, got {multiple!r}")
-    if x.shape[0] != cu[-1]:
-        raise CPInputError(f"x has {x.shape[0]} tokens but cu_seqlens ends at {cu[-1]}")
+    b = _bounds(cu_seqlens)
+    multiple = as_int("multiple", multiple, lo=1)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != b.total:
+        raise CPInputError(f"x has {x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else '?'} tokens but cu_seqlens ends at {b.total}")
     pieces, cu_pad = [], [0]
-    for i in range(len(cu) - 1):
-        n = cu[i + 1] - cu[i]
+    for i in range(b.num_docs):
+        n = b.padded_len(i)
         padded = -(-n // multiple) * multiple  # ceil to a multiple
-        pieces.append(x[cu[i] : cu[i + 1]])
+        pieces.append(x[b.padded[i] : b.padded[i + 1]])
         pieces.append(x.new_full((padded - n, *x.shape[1:]), value))
         cu_pad.append(cu_pad[-1] + padded)
     return torch.cat(pieces), torch.tensor(cu_pad, dtype=torch.int64)
@@ -228,27 +198,35 @@ def pad_to_multiple(
 
 def unpad(x_padded: torch.Tensor, cu_seqlens_padded: CuSeqlens, cu_seqlens: CuSeqlens) -> torch.Tensor:
     """Inverse of [`pad_to_multiple`][cpref.layout.pad_to_multiple]: drop each document's tail padding."""
-    cu_p, cu = as_cu_list(cu_seqlens_padded), as_cu_list(cu_seqlens)
-    if len(cu_p) != len(cu):
-        raise CPInputError(f"{len(cu_p) - 1} padded documents but {len(cu) - 1} real ones")
-    pieces = []
-    for i in range(len(cu) - 1):
-        n = cu[i + 1] - cu[i]
-        if cu_p[i + 1] - cu_p[i] < n:
-            raise CPInputError(f"padded document {i} is shorter than its real length {n}")
-        pieces.append(x_padded[cu_p[i] : cu_p[i] + n])
-    return torch.cat(pieces)
+    b = Boundaries.parse(cu_seqlens, cu_seqlens_padded)
+    return torch.cat([x_padded[b.padded[i] : b.padded[i] + b.real_len(i)] for i in range(b.num_docs)])
 
 
 def attention_work(
-    cu_seqlens: CuSeqlens, *, cp_size: int, rank: int, layout: str, causal: bool = True
+    cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str, causal: bool = True,
+    exact: bool = False,
 ) -> int:
-    """Attention work of one rank: `sum(q_len * kv_len)` over its local query chunks."""
-    cu = as_cu_list(cu_seqlens)
+    """Attention work of one rank, in score entries per head (see the module docstring).
+
+    Args:
+        cu_seqlens: the boundaries that define the shards, or a `Boundaries` (then padding
+            tokens count as absent: padding queries see nothing, no query sees padding keys).
+        exact: count the scores of visible (query, key) pairs; default: the block metric
+            `sum(q_len * kv_len)` over the rank's query chunks.
+    """
+    b = _bounds(cu_seqlens)
     work = 0
-    for doc, s, e in local_chunks(cu, cp_size=cp_size, rank=rank, layout=layout):
-        kv_len = (e - cu[doc]) if causal else (cu[doc + 1] - cu[doc])  # causal prefix or whole doc
-        work += (e - s) * kv_len
+    for doc, s, e in local_chunks(b, cp_size=cp_size, rank=rank, layout=layout):
+        n = b.real_len(doc)  # real tokens of the document: positions [0, n)
+        a, z = s - b.padded[doc], min(e - b.padded[doc], n)  # real query positions [a, z)
+        if z <= a:
+            continue
+        if not causal:
+            work += (z - a) * n
+        elif exact:
+            work += (z * (z + 1) - a * (a + 1)) // 2  # sum of (p + 1) for p in [a, z)
+        else:
+            work += (z - a) * z  # the chunk's real queries against its causal prefix
     return work
 
 
@@ -260,9 +238,9 @@ def bshd_to_thd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def thd_to_bshd(x: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
     """Inverse of [`bshd_to_thd`][cpref.layout.bshd_to_thd]; every document must have one length."""
-    cu = as_cu_list(cu_seqlens)
-    lengths = {cu[i + 1] - cu[i] for i in range(len(cu) - 1)}
+    b = _bounds(cu_seqlens)
+    lengths = {b.padded_len(i) for i in range(b.num_docs)}
     if len(lengths) != 1:
         raise CPInputError(f"documents have lengths {sorted(lengths)}; a (B, S, ...) batch needs one")
     s = lengths.pop()
-    return x.reshape(len(cu) - 1, s, *x.shape[1:])  # (B, S, ...)
+    return x.reshape(b.num_docs, s, *x.shape[1:])  # (B, S, ...)

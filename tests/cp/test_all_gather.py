@@ -49,10 +49,12 @@ def test_fp64_every_rank_matches_oracle(P, layout, causal, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("heads", ["mha", "gqa", "mla"])
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 4, 8])
 def test_low_precision_within_stated_tolerance(P, heads, dtype):
+    """Reductions in the input dtype, as NCCL/HCCL do (the simulator must not flatter)."""
     cu, q, k, v, dout = batch(P, "zigzag", heads, dtype=dtype, seed=3)
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag")
+    cluster = SimCluster(P, timeout=30.0, reduction="native")
+    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", cluster=cluster)
     refs = oracle_shards(q.double(), k.double(), v.double(), dout.double(), cu, P=P, layout="zigzag")
     check_against_oracle(results, refs, dtype)
 
@@ -63,33 +65,114 @@ def test_cp1_and_custom_scale():
     check_against_oracle(results, oracle_shards(q, k, v, dout, cu, P=1, layout="zigzag", scale=0.3), torch.float64)
 
 
+def split_trace(trace):
+    """Events before and after the barrier that `between` puts at the end of the forward."""
+    ops = [ev.op for ev in trace]
+    cut = ops.index("barrier")
+    return trace[:cut], trace[cut + 1 :]
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["regather", "saved"])
 @pytest.mark.parametrize("P", [2, 4])
-def test_one_kernel_call_and_one_collective_per_tensor(P):
-    """Counted, not timed: forward = 1 kernel call + all-gather K, V; backward = 1 call + reduce-scatter dK, dV."""
-    cu, q, k, v, dout = batch(P, "zigzag", "gqa")
+def test_kernel_calls_collectives_and_bytes_are_as_documented(P, save):
+    """Counted, not timed. Forward: the rank check's fingerprint (first call only), all-gather K, V,
+    one kernel call. Backward: (all-gather K, V again: default) + one kernel call + reduce-scatter dK, dV."""
+    cu, q, k, v, dout = batch(P, "zigzag", "mla")
     kernels = [CountingKernel() for _ in range(P)]
     seen = {}
 
-    def rank_fn(comm):
-        shard = lambda x: cpref.shard(x, cu, cp_size=P, rank=comm.rank, layout="zigzag")  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        out = cpref.attention(ql, kl, vl, cu, comm=comm, mode="all_gather", kernel=kernels[comm.rank])
-        comm.barrier()  # marks the end of the forward in the trace
+    def end_of_forward(comm):
+        comm.barrier()
         seen[comm.rank] = (kernels[comm.rank].forward_calls, kernels[comm.rank].backward_calls)
-        out.backward(shard(dout))
-        return kl.shape[0]
 
-    cluster = SimCluster(P, timeout=30.0)
-    t_l = cluster.run(rank_fn)[0]
+    _, cluster = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", kernels=kernels,
+                        between=end_of_forward, save_gathered_kv=save)  # fmt: skip
     assert all(seen[r] == (1, 0) for r in range(P))
     assert all((kern.forward_calls, kern.backward_calls) == (1, 1) for kern in kernels)
-    ops = [ev.op for ev in cluster.trace]
-    assert ops == ["all_gather", "all_gather", "barrier", "reduce_scatter", "reduce_scatter"]
-    hkv, d = HEADS["gqa"][1], HEADS["gqa"][2]
-    chunk_bytes = t_l * hkv * d * 8  # one rank's K (or V) shard in fp64
-    for ev in cluster.trace:
-        if ev.op != "barrier":
-            assert ev.bytes_sent == ev.bytes_recv == tuple([(P - 1) * chunk_bytes] * P)
+    fwd, bwd = split_trace(cluster.trace)
+    assert [ev.op for ev in fwd] == ["all_gather"] * 3
+    assert fwd[0].dtype == torch.int64 and fwd[0].shape[0] == 1  # the one-row fingerprint
+    assert [ev.op for ev in bwd] == ["all_gather"] * (0 if save else 2) + ["reduce_scatter"] * 2
+    hq, hkv, d, dv = HEADS["mla"]
+    t_l = int(cu[-1]) // P
+    per_tensor = {"k": (P - 1) * t_l * hkv * d * 8, "v": (P - 1) * t_l * hkv * dv * 8}  # fp64
+    moved = [ev.bytes_sent for ev in fwd[1:] + bwd]
+    want = [per_tensor["k"], per_tensor["v"]] * (1 if save else 2) + [per_tensor["k"], per_tensor["v"]]
+    assert moved == [tuple([w] * P) for w in want]
+    # (P-1) (T/P) Hkv (D + Dv) elements forward, the documented formula
+    assert sum(ev.bytes_sent[0] for ev in fwd[1:]) == (P - 1) * t_l * hkv * (d + dv) * 8
+
+
+def test_second_layer_makes_no_rank_check():
+    """The fingerprint all-gather runs once per batch; later layers go straight to the mode."""
+    P = 2
+    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        for _ in range(3):
+            cpref.attention(*local, cu, comm=comm, mode="all_gather")
+
+    cluster = SimCluster(P, timeout=30.0)
+    cluster.run(rank_fn)
+    assert [ev.op for ev in cluster.trace] == ["all_gather"] * 7
+    assert [ev.dtype for ev in cluster.trace].count(torch.int64) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_reduce_scatter_moves_the_input_dtype(dtype):
+    P = 4
+    cu, q, k, v, dout = batch(P, "zigzag", "gqa", dtype=dtype)
+    _, cluster = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", check_ranks=False)
+    rs = [ev for ev in cluster.trace if ev.op == "reduce_scatter"]
+    t_l, hkv, d = int(cu[-1]) // P, HEADS["gqa"][1], HEADS["gqa"][2]
+    assert len(rs) == 2 and all(ev.dtype == dtype for ev in rs)
+    assert all(ev.bytes_sent == tuple([(P - 1) * t_l * hkv * d * 2] * P) for ev in rs)  # 2 bytes an element
+
+
+def saved_bytes(P, save, heads="mla", dtype=torch.float64):
+    """Bytes each rank's attention saves for backward, measured with saved-tensor hooks."""
+    cu, q, k, v, _ = batch(P, "zigzag", heads, dtype=dtype)
+    totals = {}
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag").requires_grad_() for t in (q, k, v)]
+        packed = []
+
+        def pack(x):
+            packed.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            cpref.attention(*local, cu, comm=comm, mode="all_gather", save_gathered_kv=save, check_ranks=False)
+        totals[comm.rank] = sum(packed)
+
+    SimCluster(P, timeout=30.0).run(rank_fn)
+    return cu, totals
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_saved_bytes_for_backward_equal_the_formula_of_each_schedule(P):
+    hq, hkv, d, dv = HEADS["mla"]
+    b, lse_b = 8, 8  # fp64 values, fp64 lse
+    cu, lean = saved_bytes(P, save=False)
+    t_l = int(cu[-1]) // P
+    assert lean == {r: t_l * (b * (hq * d + hkv * d + hkv * dv + hq * dv) + lse_b * hq) for r in range(P)}
+    _, full = saved_bytes(P, save=True)
+    for r in range(P):
+        kv_len = cpref.get_thd_load_balanced_cp_metadata(cu, P, r)["actual_seq_kvlen"][-1]
+        assert full[r] == t_l * (b * (hq * d + hq * dv) + lse_b * hq) + kv_len * b * hkv * (d + dv)
+        assert kv_len > t_l * P  # the selected K/V: more rows than the whole stream
+
+
+def test_default_saved_memory_falls_as_one_over_p():
+    per_token = None
+    for P in (2, 4, 8):
+        cu, lean = saved_bytes(P, save=False)
+        total = int(cu[-1])  # batch() grows the stream with P: normalise per token of the stream
+        ratio = lean[0] * P / total
+        per_token = ratio if per_token is None else per_token
+        assert ratio == per_token
 
 
 @pytest.mark.parametrize(
@@ -99,7 +182,7 @@ def test_one_kernel_call_and_one_collective_per_tensor(P):
         (lambda q, k, v, cu: (q, k, torch.cat([v, v], -1), cu), r"Dq == Dk >= Dv"),
         (lambda q, k, v, cu: (q[:-1], k, v, cu), r"q/k/v hold 15/16/16 tokens but this rank's shard of 32 tokens"),
         (lambda q, k, v, cu: (q, k, v.float(), cu), r"share dtype"),
-        (lambda q, k, v, cu: (q, k, v, [0, 6, 32]), r"document 0 has length 6, not a multiple of 4"),
+        (lambda q, k, v, cu: (q, k, v, [0, 6, 32]), r"document 0 has length 6, not a multiple of 4.*pad_to_multiple.*cu_seqlens_padded"),
         (lambda q, k, v, cu: (q, k, v, [0, 32, 32]), r"strictly increasing"),
         (lambda q, k, v, cu: (q[0], k, v, cu), r"q must be a THD tensor"),
         (lambda q, k, v, cu: (q.long(), k, v, cu), r"q has dtype torch.int64"),
@@ -125,7 +208,7 @@ def test_bad_input_fails_on_every_rank_before_any_communication(mutate, match):
     [
         (dict(mode="ring"), r"unknown mode 'ring'"),
         (dict(mode="all_gather", layout="striped"), r"unknown layout 'striped'"),
-        (dict(mode="all_gather", a2a_size=2), r"a2a_size=2 is only used by the hierarchical"),
+        (dict(mode="all_gather", a2a_size=2), r"a2a_size=2 is only used by mode .*, not mode='all_gather'"),
         (dict(mode="all_gather", softmax_scale=-1.0), r"softmax_scale must be None or a positive"),
     ],
 )
@@ -176,7 +259,7 @@ def test_metadata_is_cached_across_layers():
 
     SimCluster(P, timeout=30.0).run(rank_fn)
     info = cpref.cache_info()
-    assert (info.misses, info.hits, info.size) == (P, 2 * P, P)
+    assert (info.misses, info.hits, info.size) == (P, 2 * P, 1)  # one plan per rank, one batch entry
 
 
 def test_rfc_alias_is_the_same_function():
@@ -218,24 +301,3 @@ def test_bitwise_deterministic_across_runs():
     second, _ = run_cp(q, k, v, dout, cu, P=4, mode="all_gather", layout="zigzag")
     for a, b in zip(first, second):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_cu_seqlens_is_copied_to_the_host_once_per_step_not_per_layer():
-    """On an accelerator every `.tolist()` stalls the stream; validation reuses the host copy."""
-    from cpref.api import _HOST_CU
-
-    _HOST_CU.clear()
-    P = 2
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
-
-    def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        for _ in range(4):  # four layers
-            cpref.attention(*local, cu, comm=comm, mode="all_gather")
-
-    SimCluster(P, timeout=30.0).run(rank_fn)
-    info = _HOST_CU.info()
-    assert info.hits + info.misses == 4 * P and info.misses <= P and info.size == 1
-    cu[1] += 0  # an in-place write bumps the version: the next call must re-validate
-    SimCluster(P, timeout=30.0).run(rank_fn)
-    assert _HOST_CU.info().misses >= info.misses + 1

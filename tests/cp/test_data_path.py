@@ -3,8 +3,9 @@
 A tiny attention language model is trained one step two ways, in FP64:
 * the reference: the real (unpadded) packed batch on one process, attention by the dense oracle;
 * CP: `get_batch_on_this_cp_rank` pads every document to a multiple of 2P and slices it,
-  `cpref.attention` runs on the simulated cluster, `cp_loss` normalises by the global count.
-Loss and every parameter gradient (summed over ranks) must agree to 1e-10.
+  `cpref.attention` runs on the simulated cluster with both boundary lists, `cp_loss`
+  normalises by the global count.
+Loss and every parameter gradient (summed over ranks) must agree to 1e-10, causal or not.
 """
 
 import pytest
@@ -16,6 +17,7 @@ from sim.cluster import SimCluster
 from tests.helpers import cu_from_lengths
 
 VOCAB, E, HQ, HKV, D = 13, 8, 4, 2, 6
+MODE = "all_gather"
 
 
 def make_params(seed=0):
@@ -44,16 +46,16 @@ def packed_batch(lengths, seed=1):
     return cu, tokens, labels, loss_mask, pos
 
 
-def reference(lengths):
+def reference(lengths, causal=True):
     cu, tokens, labels, mask, pos = packed_batch(lengths)
     p = {n: t.requires_grad_() for n, t in make_params().items()}
-    losses = token_losses(p, tokens, labels, pos, lambda q, k, v: oracle.attention(q, k, v, cu)[0])
+    losses = token_losses(p, tokens, labels, pos, lambda q, k, v: oracle.attention(q, k, v, cu, causal=causal)[0])
     loss = (losses * mask).sum() / mask.sum()
     loss.backward()
     return loss.detach(), {n: t.grad for n, t in p.items()}
 
 
-def with_cp(lengths, P, layout):
+def with_cp(lengths, P, layout, causal=True):
     cu, tokens, labels, mask, _ = packed_batch(lengths)
 
     def rank_fn(comm):
@@ -61,7 +63,10 @@ def with_cp(lengths, P, layout):
         b = cpref.get_batch_on_this_cp_rank(
             {"tokens": tokens, "labels": labels, "loss_mask": mask}, cu, cp_size=P, rank=comm.rank, layout=layout
         )
-        attend = lambda q, k, v: cpref.attention(q, k, v, b["cu_seqlens"], comm=comm, mode="all_gather", layout=layout)  # noqa: E731
+        attend = lambda q, k, v: cpref.attention(  # noqa: E731
+            q, k, v, b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"], comm=comm, mode=MODE, layout=layout,
+            causal=causal,
+        )
         losses = token_losses(p, b["tokens"], b["labels"], b["position_ids"], attend)
         share = cpref.cp_loss(losses, b["loss_mask"], comm)
         share.backward()
@@ -70,12 +75,13 @@ def with_cp(lengths, P, layout):
     return SimCluster(P, timeout=30.0).run(rank_fn)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("P", [2, 4])
 @pytest.mark.parametrize("lengths", [[7, 13, 5], [1, 22], [9]], ids=["three", "tiny-doc", "one"])
-def test_padding_changes_neither_loss_nor_gradients(lengths, P, layout):
-    ref_loss, ref_grads = reference(lengths)
-    results = with_cp(lengths, P, layout)
+def test_padding_changes_neither_loss_nor_gradients(lengths, P, layout, causal):
+    ref_loss, ref_grads = reference(lengths, causal)
+    results = with_cp(lengths, P, layout, causal)
     loss = sum(r[0] for r in results)
     torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=1e-10)
     for name, g in ref_grads.items():
@@ -95,8 +101,8 @@ def test_rank_holding_only_padding_gives_zero_loss_not_nan():
 def test_batch_slicing_pads_with_masked_eod_and_restarts_positions():
     cu, tokens, labels, mask, _ = packed_batch([5, 3])
     parts = [cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cu, cp_size=2, rank=r, pad_token_id=0) for r in range(2)]
-    assert parts[0]["cu_seqlens"].tolist() == [0, 8, 12]
-    full = {n: cpref.unshard([p[n] for p in parts], parts[0]["cu_seqlens"], layout="zigzag") for n in ("tokens", "loss_mask", "position_ids")}
+    assert parts[0]["cu_seqlens_padded"].tolist() == [0, 8, 12] and parts[0]["cu_seqlens"].tolist() == [0, 5, 8]
+    full = {n: cpref.unshard([p[n] for p in parts], parts[0]["cu_seqlens_padded"], layout="zigzag") for n in ("tokens", "loss_mask", "position_ids")}
     assert full["tokens"][:5].tolist() == tokens[:5].tolist() and full["tokens"][5:8].tolist() == [0, 0, 0]
     assert full["loss_mask"].tolist() == [1] * 5 + [0] * 3 + [1] * 3 + [0]
     assert full["position_ids"].tolist() == list(range(8)) + list(range(4))
@@ -107,10 +113,37 @@ def test_tail_padding_698_to_704_at_cp4_is_exact_and_deterministic():
     lengths = [698, 120]
     ref_loss, ref_grads = reference(lengths)
     first = with_cp(lengths, 4, "zigzag")
-    assert first[0][2]["cu_seqlens"].tolist() == [0, 704, 824]
+    assert first[0][2]["cu_seqlens_padded"].tolist() == [0, 704, 824]
     torch.testing.assert_close(sum(r[0] for r in first), ref_loss, atol=1e-10, rtol=1e-10)
     for name, g in ref_grads.items():
         torch.testing.assert_close(sum(r[1][name] for r in first), g, atol=1e-10, rtol=1e-10, msg=name)
     second = with_cp(lengths, 4, "zigzag")
     for a, b in zip(first, second):
         assert all(torch.equal(a[1][n], b[1][n]) for n in ref_grads)
+
+
+def test_cp_loss_with_no_loss_token_anywhere_is_zero_with_zero_gradient():
+    """Global count 0: the loss is 0 (not NaN) and so is its gradient."""
+
+    def rank_fn(comm):
+        token_loss = torch.randn(4, dtype=torch.float64, requires_grad=True)
+        share = cpref.cp_loss(token_loss, torch.zeros(4, dtype=torch.float64), comm)
+        share.backward()
+        return share.detach(), token_loss.grad
+
+    for share, grad in SimCluster(2).run(rank_fn):
+        assert share == 0 and torch.equal(grad, torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mask_shape", [(4, 1), (1, 4), (3,)])
+def test_cp_loss_refuses_a_mask_of_another_shape(mask_shape):
+    """A (N, 1) mask would broadcast against (N,) losses into an (N, N) sum: 18 instead of 4.5."""
+    with pytest.raises(ValueError, match=r"token_loss has shape \(4,\) but loss_mask"):
+        SimCluster(2).run(lambda comm: cpref.cp_loss(torch.arange(4.0), torch.ones(mask_shape), comm))
+
+
+def test_cp_loss_sums_to_the_global_masked_mean():
+    losses = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0])]
+    masks = [torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0.0, 0.0, 1.0])]
+    shares = SimCluster(2).run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm))
+    assert sum(shares).item() == pytest.approx((1 + 3 + 6) / 3)

@@ -5,7 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
 import cpref
+import cpref.metadata
+from cpref.cache import CACHE
 from cpref.metadata import CACHE_CAPACITY, cache_info, clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
 from tests.helpers import cu_from_lengths
 
@@ -94,14 +102,14 @@ def test_ends_only_form_equals_leading_zero_form():
 @pytest.mark.parametrize(
     "cu, P, rank, match",
     [
-        ([], 2, 0, "empty"),
-        ([0], 2, 0, "empty"),
+        ([], 2, 0, "at least one document"),
+        ([0], 2, 0, "at least one document"),
         ([0, 8, 8], 2, 0, "strictly increasing: document 1 spans \\[8, 8\\), length 0"),
         ([8, 4], 2, 0, "strictly increasing"),
         ([0, 6], 2, 0, "document 0 has length 6, not a multiple of 4"),
-        ([0, 8], 0, 0, "cp_size must be an int >= 1, got 0"),
-        ([0, 8], 2, 2, r"rank 2 is outside \[0, cp_size=2\)"),
-        ([0, 8], 2, -1, "rank -1"),
+        ([0, 8], 0, 0, r"cp_size=0 is outside \[1, inf\)"),
+        ([0, 8], 2, 2, r"rank=2 is outside \[0, 2\)"),
+        ([0, 8], 2, -1, r"rank=-1 is outside \[0, 2\)"),
     ],
 )
 def test_invalid_input_raises_assertion_error(cu, P, rank, match):
@@ -113,12 +121,107 @@ def test_cache_hits_on_same_tensor_and_misses_after_in_place_change():
     cu = torch.tensor([0, 8, 16])
     m1 = get_thd_load_balanced_cp_metadata(cu, 2, 0)
     m2 = get_thd_load_balanced_cp_metadata(cu, 2, 0)
-    assert m1 is m2
+    assert m1["kv_index"] is m2["kv_index"]
     assert cache_info()[:3] == (1, 1, 1)
     cu[2] = 24  # in place: version bumps, the entry must not be reused
     m3 = get_thd_load_balanced_cp_metadata(cu, 2, 0)
-    assert m3 is not m1 and m3["global_tokens"] == 24
+    assert m3["kv_index"] is not m1["kv_index"] and m3["global_tokens"] == 24
     assert cache_info().misses == 2
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_edits_behind_the_version_counter_of_a_host_tensor_are_caught(how):
+    """Writing through `.data` or a NumPy view leaves `_version` unchanged: the content check catches it."""
+    cu = torch.tensor([0, 8, 16])
+    stale = get_thd_load_balanced_cp_metadata(cu, 2, 0)
+    version = cu._version
+    if how == "data":
+        cu.data[2] = 24
+    else:
+        cu.numpy()[2] = 24
+    assert cu._version == version  # the edit really bypassed the counter
+    fresh = get_thd_load_balanced_cp_metadata(cu, 2, 0)
+    assert fresh["global_tokens"] == 24 and fresh["kv_index"].numel() != stale["kv_index"].numel()
+
+
+def test_a_cache_hit_never_skips_validation():
+    get_thd_load_balanced_cp_metadata([0, 8], 2, 0)
+    for bad, match in [(dict(cp_size=2.0), r"cp_size must be an int, got 2.0 \(float\); pass 2"),
+                       (dict(cp_size=True), r"cp_size must be an int, got True"),
+                       (dict(rank=True), r"rank must be an int, got True"),
+                       (dict(causal="False"), r"causal must be True or False, got 'False'"),
+                       (dict(layout="zig"), r"unknown layout 'zig'")]:  # fmt: skip
+        args = {"cp_size": 2, "rank": 0, **bad}
+        with pytest.raises(ValueError, match=match):
+            get_thd_load_balanced_cp_metadata([0, 8], args.pop("cp_size"), args.pop("rank"), **args)
+
+
+def test_numpy_integers_are_accepted_as_the_ints_they_are():
+    a = get_thd_load_balanced_cp_metadata([0, 8], np.int64(2), np.int32(1))
+    b = get_thd_load_balanced_cp_metadata([0, 8], 2, 1)
+    assert a["kv_index"] is b["kv_index"]
+    c = get_thd_load_balanced_cp_metadata(np.array([0, 8]).tolist(), 2, np.int64(1))
+    assert torch.equal(c["kv_index"], b["kv_index"])
+
+
+def test_plans_are_immutable_and_the_view_is_read_only():
+    meta = get_thd_load_balanced_cp_metadata([0, 8], 2, 0)
+    with pytest.raises(TypeError):
+        meta["work"] = 0
+    plan = next(iter(next(iter(CACHE.entries.values()))._plans.values()))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.work = 0
+    meta["actual_seq_qlen"].append(99)  # a caller's list: the next call gets its own
+    assert get_thd_load_balanced_cp_metadata([0, 8], 2, 0)["actual_seq_qlen"] == [2, 4]
+
+
+def test_the_cache_key_includes_the_device_and_kv_index_lives_there():
+    cpu = get_thd_load_balanced_cp_metadata([0, 8, 24], 2, 1, "cpu")
+    meta = get_thd_load_balanced_cp_metadata([0, 8, 24], 2, 1, "meta")
+    assert meta["kv_index"].device.type == "meta" and meta["cu_seqlens_kv"].device.type == "meta"
+    assert cpu["kv_index"].device.type == "cpu"
+    assert cache_info().misses == 2 and meta["actual_seq_kvlen"] == cpu["actual_seq_kvlen"]
+    with pytest.raises(ValueError, match="device 'gpu0' is not a torch device"):
+        get_thd_load_balanced_cp_metadata([0, 8], 2, 0, "gpu0")
+
+
+def test_racing_ranks_build_each_plan_once(monkeypatch):
+    """Force the race: a slow build, eight threads asking for the same plan at once."""
+    builds = []
+    real = cpref.metadata.build_all_gather_plan
+
+    def slow(*args):
+        builds.append(args[2])
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(cpref.metadata, "build_all_gather_plan", slow)
+    cu = torch.tensor([0, 16, 48])
+    got, start = [], threading.Barrier(8)
+
+    def rank(r):
+        start.wait()
+        got.append((r % 2, get_thd_load_balanced_cp_metadata(cu, 2, r % 2)["kv_index"]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(builds) == [0, 1]  # one build per rank's plan, not one per thread
+    for r in (0, 1):
+        same = [kv for rr, kv in got if rr == r]
+        assert len(same) == 4 and all(kv is same[0] for kv in same)
+    assert cache_info()[:3] == (6, 2, 1)
+
+
+def test_many_ranks_share_one_batch_entry_and_do_not_thrash():
+    """P = 12 > capacity 8: one entry per batch, not per rank, so every later layer hits."""
+    cu = torch.tensor([0, 48, 96])
+    for _layer in range(3):
+        for r in range(12):
+            get_thd_load_balanced_cp_metadata(cu, 12, r, layout="contiguous")
+    assert cache_info()[:3] == (24, 12, 1)
 
 
 def test_cache_distinguishes_equal_tensors_rank_device_and_layout():
@@ -152,17 +255,18 @@ def test_cache_evicts_least_recently_used_past_capacity():
 
 def test_cache_holds_only_lengths_and_indices():
     get_thd_load_balanced_cp_metadata(torch.tensor([0, 8]), 2, 0)
-    from cpref.metadata import _CACHE
+    for entry in CACHE.entries.values():
+        for plan in entry._plans.values():
+            fields = [getattr(plan, f.name) for f in dataclasses.fields(plan)]
+            tensors = [v for v in fields if isinstance(v, torch.Tensor)]
+            assert tensors and all(not t.is_floating_point() for t in tensors)
 
-    for owner, meta in _CACHE.entries.values():
-        tensors = [v for v in meta.values() if isinstance(v, torch.Tensor)]
-        assert all(not t.is_floating_point() for t in tensors + [owner])
 
-
-def test_clear_resets():
+def test_clear_resets_the_one_cache():
     get_thd_load_balanced_cp_metadata([0, 8], 2, 0)
     clear_cp_metadata_cache()
     assert tuple(cache_info()) == (0, 0, 0, 8)
+    assert cpref.clear_cache is cpref.cache.clear_cache and cpref.cache_info is cpref.cache.cache_info
 
 
 def test_cache_is_safe_under_concurrent_ranks():
@@ -189,3 +293,44 @@ def test_cache_is_safe_under_concurrent_ranks():
     assert errors == []
     info = cache_info()
     assert info.hits + info.misses == 4 * 50 * 12 and info.size == 8
+
+
+def visible_keys_from_metadata(cu_real, cu_pad, P, rank, layout, causal):
+    """For every local query token, the global ids of the keys the metadata lets it see."""
+    meta = get_thd_load_balanced_cp_metadata(cu_real, P, rank, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
+    rank_major = torch.cat([cpref.global_index(cu_pad, cp_size=P, rank=r, layout=layout) for r in range(P)])
+    keys = rank_major[meta["kv_index"]].tolist()
+    seen = []
+    for q0, q1, k0, k1 in meta["seqs"].pairs():
+        n_q, n_k = q1 - q0, k1 - k0
+        for j in range(n_q):  # bottom-right causal: query j sees key t iff t <= j + n_k - n_q
+            hi = min(n_k, j + 1 + n_k - n_q) if causal else n_k
+            seen.append(sorted(keys[k0 : k0 + max(hi, 0)]))
+    return seen
+
+
+def visible_keys_expected(cu_real, cu_pad, P, rank, layout, causal):
+    """Independent construction: a real query at position p of a document of n real tokens sees
+    positions [0, p] (causal) or [0, n); a padding query sees nothing; nobody sees padding."""
+    out = []
+    for g in cpref.global_index(cu_pad, cp_size=P, rank=rank, layout=layout).tolist():
+        d = max(i for i in range(len(cu_pad) - 1) if cu_pad[i] <= g)
+        p, n = g - cu_pad[d], cu_real[d + 1] - cu_real[d]
+        out.append([] if p >= n else list(range(cu_pad[d], cu_pad[d] + (p + 1 if causal else n))))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    P=st.sampled_from([1, 2, 3, 4]),
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    causal=st.booleans(),
+)
+def test_every_query_sees_exactly_its_real_keys_with_padding(P, lengths, layout, causal):
+    mult = 2 * P if layout == "zigzag" else P
+    cu_real = cu_from_lengths(lengths).tolist()
+    cu_pad = cu_from_lengths([-(-n // mult) * mult for n in lengths]).tolist()
+    for r in range(P):
+        got = visible_keys_from_metadata(cu_real, cu_pad, P, r, layout, causal)
+        assert got == visible_keys_expected(cu_real, cu_pad, P, r, layout, causal)

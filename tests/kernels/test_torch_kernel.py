@@ -173,3 +173,84 @@ def test_property_matches_oracle(lens, hkv, group, dims, causal, block_size, see
     q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
     heads = (hkv * group, hkv, *dims)
     check(TorchKernel(block_size=block_size), q_lens, kv_lens, heads, torch.float64, causal=causal, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_large_logits_stay_finite_because_the_row_max_is_subtracted(dtype):
+    """Logits scaled by 30 reach hundreds: 2**S overflows float32 beyond 128 unless the row max is
+    subtracted. In float32/bf16 the check is finiteness (their logits of that size carry an absolute
+    error of |S| * eps, so the stated tolerance table, which holds at the default scale, does not
+    apply); float64 must still match the oracle to 1e-10."""
+    q_lens = [37, 64]
+    hq, hkv, d, dv = HEADS["gqa"]
+    cu = cu_from_lengths(q_lens)
+    q, k, v = random_qkv(sum(q_lens), hq, hkv, d, dv, dtype=dtype, seed=4)
+    dout = random_qkv(sum(q_lens), hq, hkv, dv, dtype=dtype, seed=5)[0]
+    scale, seqs, kernel = 30 * d**-0.5, Varlen(cu.tolist()), TorchKernel(block_size=16)
+    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
+    assert lse.max() > 100 and all(t.isfinite().all() for t in (out, lse, *grads))
+    if dtype == torch.float64:
+        want = oracle.forward_backward(q, k, v, cu, dout, causal=True, scale=scale)
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
+            assert_close(g, w, dtype, name)
+
+
+def largest_allocation(fn) -> int:
+    """The largest storage (in elements of 4 bytes) any op creates while `fn` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Record.largest = max(Record.largest, t.untyped_storage().nbytes() // 4)
+            return out
+
+    with Record():
+        fn()
+    return Record.largest
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_max_block_elements_bounds_the_working_memory(causal):
+    """Score-sized buffers stay within the budget: no op allocates a (rows x keys x heads) block above it."""
+    n, budget = 256, 4096
+    hq, hkv, d, dv = 4, 2, 4, 4
+    q, k, v = random_qkv(n, hq, hkv, d, dv, dtype=torch.float32)
+    dout = random_qkv(n, hq, hq, dv, dtype=torch.float32, seed=1)[0]
+    seqs, kernel = Varlen([0, n]), TorchKernel(max_block_elements=budget)
+    out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=0.5)
+    inputs = q.numel()  # the largest O(T) tensor: head-major copies and gradients
+    fwd = largest_allocation(lambda: kernel.forward(q, k, v, seqs, causal=causal, scale=0.5))
+    bwd = largest_allocation(lambda: kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=0.5))
+    assert max(fwd, bwd) <= max(budget, inputs)
+    unbounded = TorchKernel()  # the default budget fits the whole 256 x 256 x 4 score block
+    assert largest_allocation(lambda: unbounded.forward(q, k, v, seqs, causal=causal, scale=0.5)) >= n * n * hq // 2
+
+
+def test_blocks_and_masks_are_built_once_per_varlen(monkeypatch):
+    """The plan depends only on the lengths: later layers (same Varlen) reuse it."""
+    calls = []
+    real = TorchKernel._plan
+    monkeypatch.setattr(TorchKernel, "_plan", lambda self, *a: calls.append(a) or real(self, *a))
+    q, k, v = random_qkv(20, 4, 2, 8)
+    seqs, kernel = Varlen([0, 9, 20]), TorchKernel(block_size=4)
+    for _ in range(3):
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.3)
+        kernel.backward(out, q, k, v, out, lse, seqs, causal=True, scale=0.3)
+    assert len(calls) == 1
+    kernel.forward(q, k, v, Varlen([0, 9, 20]), causal=True, scale=0.3)  # a new batch: a new plan
+    TorchKernel(block_size=8).forward(q, k, v, seqs, causal=True, scale=0.3)  # another kernel config
+    kernel.forward(q, k, v, seqs, causal=False, scale=0.3)  # another mask
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_inputs_are_refused_not_truncated(dtype):
+    q = k = v = torch.ones(4, 2, 4, dtype=dtype)
+    with pytest.raises(CPInputError, match=f"q has dtype {dtype}; attention needs a floating dtype"):
+        TorchKernel().forward(q, k, v, Varlen([0, 4]), causal=True, scale=0.5)

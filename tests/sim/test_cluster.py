@@ -159,11 +159,21 @@ def test_bad_reduce_op_and_zero_dim_gather_raise_value_error():
         SimCluster(2, timeout=2).run(lambda comm: comm.all_gather(torch.tensor(1.0)))
 
 
-def test_cluster_arguments_are_validated():
-    with pytest.raises(ValueError, match="world_size"):
-        SimCluster(0)
-    with pytest.raises(ValueError, match="timeout"):
-        SimCluster(2, timeout=0)
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=0), "world_size must be an int >= 1, got 0"),
+        (dict(world_size=True), "world_size must be an int >= 1, got True"),
+        (dict(world_size=2, timeout=0), "timeout must be a finite number of seconds > 0, got 0"),
+        (dict(world_size=2, timeout=float("inf")), "got inf; a deadlock must end"),
+        (dict(world_size=2, timeout=float("nan")), "got nan"),
+        (dict(world_size=2, timeout="5"), "got '5'"),
+        (dict(world_size=2, reduction="fp32"), "reduction must be one of"),
+    ],
+)
+def test_cluster_arguments_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SimCluster(**kwargs)
 
 
 def test_run_is_not_reentrant():
@@ -274,6 +284,64 @@ def test_low_precision_reductions_accumulate_in_float64(dtype, big, exact):
     out = SimCluster(3).run(fn)
     assert out[1][0].dtype == dtype
     assert float(out[1][0]) == exact and float(out[2][1]) == exact
+
+
+@pytest.mark.parametrize("dtype, big", [(torch.float16, 2048.0), (torch.bfloat16, 256.0)])
+def test_native_reductions_round_every_partial_sum_in_rank_order(dtype, big):
+    """reduction="native": ((big + 1) + 1) in the dtype, as a ring reduction rounds: the ones are lost."""
+
+    def fn(comm):
+        x = torch.tensor([big if comm.rank == 0 else 1.0], dtype=dtype)
+        return comm.all_reduce(x), comm.reduce_scatter(x.repeat(3))
+
+    out = SimCluster(3, reduction="native").run(fn)
+    assert float(out[1][0]) == big and float(out[2][1]) == big and out[0][0].dtype == dtype
+    # rank order, not arrival order: 1 + 1 first would give big + 2 where it is representable
+    xs = [torch.tensor([1.0], dtype=dtype), torch.tensor([1.0], dtype=dtype), torch.tensor([big], dtype=dtype)]
+    out = SimCluster(3, reduction="native").run(lambda comm: comm.all_reduce(xs[comm.rank]))
+    assert float(out[0]) == float((xs[0] + xs[1]) + xs[2])
+
+
+def test_native_and_exact_agree_for_float32_and_float64():
+    xs = [torch.randn(64, dtype=torch.float32, generator=torch.Generator().manual_seed(s)) * 1e3 ** s for s in range(4)]
+    for reduction in ("exact", "native"):
+        out = SimCluster(4, reduction=reduction).run(lambda comm: comm.all_reduce(xs[comm.rank]))
+        assert torch.equal(out[0], ((xs[0] + xs[1]) + xs[2]) + xs[3])
+
+
+# --- the non-blocking ring shift -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_send_recv_async_returns_what_send_recv_would(P):
+    def fn(comm):
+        pending = comm.send_recv_async(x_of(comm.rank, 2), shift=1)
+        work = comm.all_reduce(torch.ones(1))  # other collectives may run while the shift is in flight
+        return pending.wait(), work
+
+    out = SimCluster(P).run(fn)
+    for r in range(P):
+        assert torch.equal(out[r][0], x_of((r - 1) % P, 2)) and float(out[r][1]) == P
+
+
+def test_a_handle_never_waited_on_fails_the_rank():
+    from sim.cluster import UnwaitedShift
+
+    def fn(comm):
+        comm.send_recv_async(torch.ones(2))  # dropped: a real ring would lose this message
+
+    with pytest.raises(UnwaitedShift, match=r"returned without waiting on: send_recv_async #0 on group \(0, 1\)"):
+        SimCluster(2).run(fn)
+
+
+def test_a_handle_waited_on_twice_raises():
+    def fn(comm):
+        h = comm.send_recv_async(torch.ones(2))
+        h.wait()
+        h.wait()
+
+    with pytest.raises(RuntimeError, match="wait\\(\\) called twice"):
+        SimCluster(2).run(fn)
 
 
 # --- the documentation's examples run ------------------------------------------------------

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from sim import CollectiveEvent, SimCluster, summarize, traffic
+from sim import ClusterFailure, CollectiveEvent, SimCluster, summarize, traffic
 
 
 def single_event(P: int, fn) -> CollectiveEvent:
@@ -93,7 +93,7 @@ def test_sequence_numbers_count_per_group_and_events_are_frozen():
 
 def test_failed_collectives_record_no_event():
     cluster = SimCluster(2, timeout=2)
-    with pytest.raises(Exception):
+    with pytest.raises(ClusterFailure, match="does not match across ranks"):
         cluster.run(lambda comm: comm.all_gather(torch.ones(1)) if comm.rank else comm.barrier())
     assert cluster.trace == []
 

@@ -1,4 +1,4 @@
-"""KV all-gather CP with EOD-aware load balancing on THD (the MindSpeed RFC).
+r"""KV all-gather CP with EOD-aware load balancing on THD (the MindSpeed RFC).
 
 Each rank keeps its queries and gathers everyone's keys and values: after one all-gather of
 `K` and one of `V`, a rank can compute the exact attention of its local queries, because
@@ -7,7 +7,7 @@ makes it efficient on packed (THD) batches with three ideas.
 
 1. **Symmetric per-document chunks.** Every document is split into `2P` chunks and rank `r`
    holds chunks `r` and `2P - 1 - r` (the zigzag layout, `cpref.layout`), so every rank does
-   the same causal work, $(2P + 1) \\sum_i c_i^2$.
+   the same causal work, $(2P + 1) \sum_i c_i^2$.
 2. **Rank-major direct indexing.** The gathered K/V stay in rank-major order; one
    `index_select` with the precomputed `kv_index` (`cpref.metadata`) picks, for each local
    query chunk, the causal prefix of its document in natural order. No full reorder of the
@@ -18,8 +18,8 @@ makes it efficient on packed (THD) batches with three ideas.
 
 The backward mirrors the forward with the matching collective:
 
-$$ \\text{forward: } K_{all} = \\mathrm{AllGather}(K), \\qquad
-   \\text{backward: } dK = \\mathrm{ReduceScatter}\\big(\\mathrm{index\\_add}(0, dK_{sel})\\big) $$
+$$ \text{forward: } K_{all} = \mathrm{AllGather}(K), \qquad
+   \text{backward: } dK = \mathrm{ReduceScatter}\big(\mathrm{index\_add}(0, dK_{sel})\big) $$
 
 A key row appears in the prefixes of several query chunks, on several ranks; `index_add_`
 sums its gradient over this rank's chunks into a rank-major buffer, and the reduce-scatter
@@ -48,14 +48,39 @@ chunks 1 and 2 need 4 and 6 keys: work `2 * 4 + 2 * 6 = 20`, the same as rank 0'
 
 --8<-- "src/cpref/modes/all_gather.py:backward"
 
-**Cost per rank** (forward, `T` tokens, `P` ranks): all-gather traffic
-$2 (P - 1) \\frac{T}{P} H_{kv} D$ elements, work $(2P + 1) \\sum_i c_i^2$ score entries per
-head; the backward moves the same volume through the reduce-scatter. Memory: the gathered
-K/V of the whole stream, the price of this mode's simplicity.
+## Memory: two schedules for the backward
 
-Partial gradients are accumulated in float32 (float64 for float64) by `index_add_` and
-rounded once to the input dtype before the reduce-scatter, so low-precision error does not
-grow with the number of chunks a key row appears in.
+The backward needs the selected K/V again. Keeping them from the forward costs
+$\sum \mathrm{kv\_len} \approx \frac{2P + 1}{2P}\, T$ rows per layer per rank (causal,
+zigzag): more than the whole stream, so activation memory would no longer fall with `P`,
+which is what CP is for. By default cpref saves only the **local shards** (`q, k, v, out,
+lse`: $\frac{T}{P}$ rows) and **gathers K and V again** in the backward, TransformerEngine's
+choice: two more all-gathers per layer, in exchange for memory that falls as $1/P$. With
+`save_gathered_kv=True` the forward's `k_sel, v_sel` are kept instead (no extra
+communication, for when memory is not the limit). Bytes saved for backward per rank, with
+$b$ bytes per element and float32 lse:
+
+$$ \text{default: } \frac{T}{P} \big( b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + 4 H_q \big), $$
+
+$$ \text{save\_gathered\_kv: } \frac{T}{P} \big( b\,(H_q D + H_q D_v) + 4 H_q \big)
+   + \textstyle\sum \mathrm{kv\_len} \cdot b\, H_{kv} (D + D_v) . $$
+
+## Cost per rank
+
+Forward, per rank and layer: two all-gathers (K and V) moving
+$(P - 1) \frac{T}{P} H_{kv} (D + D_v)$ elements, and one kernel call of
+$(2P + 1) \sum_i c_i^2$ score entries per head (block metric, zigzag, causal). Backward: the
+default schedule all-gathers K and V again (the same volume) and reduce-scatters dK and dV
+(the same volume again), in the input dtype; with `save_gathered_kv` only the
+reduce-scatters. One kernel call each way.
+
+## Precision
+
+A key row appears in at most two key sequences of one rank (one per local chunk), and its
+two partial gradients are summed by `index_add_` in float32 (float64 for float64), exactly
+for two bf16 values, then rounded once to the input dtype; the reduce-scatter then sums the
+`P` ranks' partials **in the input dtype**, as NCCL and HCCL do. The simulated cluster's
+`reduction="native"` option models that rounding (tests use it for bf16 and fp16).
 """
 
 from __future__ import annotations
@@ -63,78 +88,103 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from cpref.call import CPCall
 from cpref.comm import Collectives
-from cpref.kernels.contract import AttentionKernel
+from cpref.errors import CPInputError
+from cpref.kernels.contract import AttentionKernel, compute_dtype
+from cpref.metadata import AllGatherPlan, all_gather_plan
 
-__all__ = ["AllGatherKVFunc", "AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced", "all_gather_forward", "all_gather_backward"]
+__all__ = [
+    "AllGatherKVFunc",
+    "AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced",
+    "all_gather_forward",
+    "all_gather_backward",
+    "run_all_gather",
+    "no_double_backward",
+]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def gather_selected(k, v, plan: AllGatherPlan, comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather K and V (rank-major) and select each query sequence's keys: `(k_sel, v_sel)`."""
+    k_all = comm.all_gather(k)  # (T_l, Hkv, D) -> (P T_l, Hkv, D)
+    v_all = comm.all_gather(v)  # (T_l, Hkv, Dv) -> (P T_l, Hkv, Dv)
+    k_sel = k_all.index_select(0, plan.kv_index)  # (sum kv_len, Hkv, D)
+    v_sel = v_all.index_select(0, plan.kv_index)  # (sum kv_len, Hkv, Dv)
+    return k_sel, v_sel
 
 
 # --8<-- [start:forward]
-def all_gather_forward(q, k, v, meta, comm: Collectives, kernel: AttentionKernel, *, causal: bool, scale: float):
+def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal: bool, scale: float):
     """Forward of KV all-gather CP. Returns `(out, lse, k_sel, v_sel)`."""
-    # 1) gather every rank's K and V, rank-major
-    k_all = comm.all_gather(k)  # (T_l, Hkv, D) -> (P T_l, Hkv, D)
-    v_all = comm.all_gather(v)  # (T_l, Hkv, Dv) -> (P T_l, Hkv, Dv)
-    # 2) pick each local query chunk's keys (causal prefix of its document), natural order
-    k_sel = k_all.index_select(0, meta["kv_index"])  # (sum kv_len, Hkv, D)
-    v_sel = v_all.index_select(0, meta["kv_index"])  # (sum kv_len, Hkv, Dv)
+    # 1) gather every rank's K and V, rank-major; 2) pick each query sequence's keys, natural order
+    k_sel, v_sel = gather_selected(k, v, plan, comm)  # (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
     # 3) one fused varlen call for all local chunks, bottom-right causal per chunk
-    out, lse = kernel.forward(
-        q, k_sel, v_sel, meta["seqs"], causal=causal, scale=scale
-    )  # (T_l, Hq, Dv), (T_l, Hq)
+    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
     return out, lse, k_sel, v_sel
 # --8<-- [end:forward]
 
 
 # --8<-- [start:backward]
-def all_gather_backward(dout, q, k_sel, v_sel, out, lse, meta, comm: Collectives, kernel: AttentionKernel, *, causal, scale):
+def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale):
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
     # 1) one fused backward call for all local chunks
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, meta["seqs"], causal=causal, scale=scale
+        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
-    rows = comm.size * meta["local_tokens"]
-    acc = _acc_dtype(dk_sel.dtype)
+    rows, acc = comm.size * plan.local_tokens, compute_dtype(dk_sel.dtype)
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer
-    dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:]), dtype=acc).index_add_(0, meta["kv_index"], dk_sel.to(acc))
-    dv_all = dv_sel.new_zeros((rows, *dv_sel.shape[1:]), dtype=acc).index_add_(0, meta["kv_index"], dv_sel.to(acc))
-    # 3) sum over ranks and return every row to its owner
+    dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:]), dtype=acc).index_add_(0, plan.kv_index, dk_sel.to(acc))
+    dv_all = dv_sel.new_zeros((rows, *dv_sel.shape[1:]), dtype=acc).index_add_(0, plan.kv_index, dv_sel.to(acc))
+    # 3) sum over ranks (in the input dtype) and return every row to its owner
     dk = comm.reduce_scatter(dk_all.to(dk_sel.dtype))  # (P T_l, Hkv, D) -> (T_l, Hkv, D)
     dv = comm.reduce_scatter(dv_all.to(dv_sel.dtype))  # (P T_l, Hkv, Dv) -> (T_l, Hkv, Dv)
     return dq, dk, dv
 # --8<-- [end:backward]
 
 
+def no_double_backward() -> None:
+    """Raise before any backward communication if the caller asked for a differentiable backward."""
+    if torch.is_grad_enabled():
+        raise CPInputError(
+            "cpref.attention is differentiable once: its backward cannot itself be differentiated "
+            "(create_graph=True / double backward); call backward without create_graph"
+        )
+
+
 class AllGatherKVFunc(torch.autograd.Function):
-    """Autograd Function: all-gather K/V forward, reduce-scatter dK/dV backward.
+    """Autograd Function: all-gather K/V forward; (gather again,) reduce-scatter dK/dV backward.
 
     Use through [`cpref.attention`][cpref.api.attention] with `mode="all_gather"`, which
-    validates the input and builds the metadata first.
+    validates the input and builds the plan first.
     """
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, meta, comm, kernel, causal: bool, scale: float):
-        out, lse, k_sel, v_sel = all_gather_forward(q, k, v, meta, comm, kernel, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k_sel, v_sel, out, lse)
-        ctx.meta, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = meta, comm, kernel, causal, scale
+    def forward(ctx: Any, q, k, v, plan, comm, kernel, causal: bool, scale: float, save_gathered_kv: bool = False):
+        out, lse, k_sel, v_sel = all_gather_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
+        # default: keep the local shards and gather again in the backward (memory falls as 1/P)
+        ctx.save_for_backward(q, k_sel if save_gathered_kv else k, v_sel if save_gathered_kv else v, out, lse)
+        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
+        ctx.gathered = save_gathered_kv
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dout):
-        q, k_sel, v_sel, out, lse = ctx.saved_tensors
+        no_double_backward()
+        q, k_saved, v_saved, out, lse = ctx.saved_tensors
+        k_sel, v_sel = (k_saved, v_saved) if ctx.gathered else gather_selected(k_saved, v_saved, ctx.plan, ctx.comm)
         dq, dk, dv = all_gather_backward(
-            dout.contiguous(), q, k_sel, v_sel, out, lse, ctx.meta, ctx.comm, ctx.kernel,
+            dout.contiguous(), q, k_sel, v_sel, out, lse, ctx.plan, ctx.comm, ctx.kernel,
             causal=ctx.causal, scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # The RFC's name for the same Function.
 AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced = AllGatherKVFunc
+
+
+def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
+    """`MODES["all_gather"]`: this rank's plan from the batch cache, then the Function."""
+    plan = all_gather_plan(call.entry, call.P, call.rank, call.layout, call.causal, call.device)
+    return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"])

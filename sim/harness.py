@@ -1,0 +1,103 @@
+"""Run `cpref.attention` rank by rank on the simulated cluster, and the oracle's answer for each rank.
+
+The one per-rank harness of the repository: `make demo`, the tests and the docs' measured
+tables all call [`run_attention`][sim.harness.run_attention] and
+[`oracle_shards`][sim.harness.oracle_shards], so they cannot drift apart.
+
+Global tensors cover the **padded** stream (`T` tokens, what is sharded). With
+`cu_seqlens_padded`, the oracle is computed on the real documents only and its results are
+padded back with zeros: padding rows must come out 0 in `out` and in every gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+import cpref
+from sim import oracle
+from sim.cluster import SimCluster
+
+__all__ = ["run_attention", "oracle_shards", "oracle_padded", "max_error"]
+
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def run_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor | None,
+    cu_seqlens: Any,
+    *,
+    P: int,
+    mode: str,
+    layout: str = "zigzag",
+    cu_seqlens_padded: Any = None,
+    kernels: Sequence[Any] | None = None,
+    cluster: SimCluster | None = None,
+    between: Callable[[Any], None] | None = None,
+    **kwargs: Any,
+) -> tuple[list[tuple[torch.Tensor, ...]], SimCluster]:
+    """Shard the global tensors, run forward (+ backward) on `P` simulated ranks.
+
+    Args:
+        q, k, v: global `(T, H, D)` tensors over the padded stream.
+        dout: the upstream gradient `(T, Hq, Dv)`, or None for a forward only.
+        cu_seqlens, cu_seqlens_padded: as for `cpref.attention`; shards follow the padded ones.
+        P, mode, layout: the CP group size, mode and layout.
+        kernels: one kernel per rank (default: `TorchKernel`).
+        cluster: the cluster to run on (default: a new `SimCluster(P, timeout=60)`).
+        between: called with the rank's comm between forward and backward (e.g. a barrier
+            that marks the end of the forward in the trace).
+        **kwargs: further `cpref.attention` arguments (`causal`, `softmax_scale`, ...).
+
+    Returns:
+        `(results, cluster)`: per rank `(out, dq, dk, dv)` (only `(out,)` without `dout`).
+    """
+    shard_cu = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    cluster = SimCluster(P, timeout=60.0) if cluster is None else cluster
+
+    def rank_fn(comm):
+        shard = lambda x: cpref.shard(x, shard_cu, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
+        ql, kl, vl = (shard(t).detach().requires_grad_(dout is not None) for t in (q, k, v))
+        kernel = kernels[comm.rank] if kernels else None
+        out = cpref.attention(ql, kl, vl, cu_seqlens, comm=comm, mode=mode, layout=layout,
+                              cu_seqlens_padded=cu_seqlens_padded, kernel=kernel, **kwargs)  # fmt: skip
+        if between is not None:
+            between(comm)
+        if dout is None:
+            return (out.detach(),)
+        out.backward(shard(dout))
+        return out.detach(), ql.grad, kl.grad, vl.grad
+
+    return cluster.run(rank_fn), cluster
+
+
+def oracle_padded(q, k, v, dout, cu_seqlens, *, cu_seqlens_padded=None, causal=True, scale=None):
+    """The oracle's `(out, dq, dk, dv)` over the padded stream: real rows exact, padding rows 0."""
+    if cu_seqlens_padded is None:
+        out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu_seqlens, dout, causal=causal, scale=scale)
+        return out, dq, dk, dv
+    real = [cpref.unpad(t, cu_seqlens_padded, cu_seqlens) for t in (q, k, v, dout)]  # (T_real, ...)
+    out, _, dq, dk, dv = oracle.forward_backward(*real[:3], torch.as_tensor(cu_seqlens), real[3], causal=causal, scale=scale)
+    b = cpref.Boundaries.parse(cu_seqlens, cu_seqlens_padded)
+    idx = torch.cat([torch.arange(b.padded[i], b.padded[i] + b.real_len(i)) for i in range(b.num_docs)])  # (T_real,)
+    padded = []
+    for t in (out, dq, dk, dv):
+        full = t.new_zeros((b.total, *t.shape[1:]))  # (T, ...): padding rows stay 0
+        padded.append(full.index_copy_(0, idx, t))
+    return tuple(padded)
+
+
+def oracle_shards(q, k, v, dout, cu_seqlens, *, P, layout, cu_seqlens_padded=None, causal=True, scale=None):
+    """The oracle's `(out, dq, dk, dv)`, cut into every rank's shard: `[rank][tensor]`."""
+    full = oracle_padded(q, k, v, dout, cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, causal=causal, scale=scale)
+    shard_cu = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+    return [[cpref.shard(t, shard_cu, cp_size=P, rank=r, layout=layout) for t in full] for r in range(P)]
+
+
+def max_error(results, refs) -> float:
+    """The largest absolute difference over every rank and tensor (compared in float64)."""
+    return max((a.double() - b.double()).abs().max().item() for got, want in zip(results, refs) for a, b in zip(got, want))

@@ -1,0 +1,66 @@
+"""One validated `cpref.attention` call: what every CP mode receives besides q, k, v and comm.
+
+`cpref.api` checks every argument before any communication and packs the result into a
+frozen [`CPCall`][cpref.call.CPCall]; a mode reads its fields and asks the batch cache for
+its per-rank plan (`call.plan(key, build)`), so no mode re-validates or re-parses anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping, TypeVar
+
+import torch
+
+from cpref.cache import BatchEntry
+from cpref.kernels.contract import AttentionKernel
+from cpref.seqlens import Boundaries
+
+__all__ = ["CPCall"]
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class CPCall:
+    """Everything validated about one call (see `cpref.api.attention` for the meaning).
+
+    Attributes:
+        entry: the batch's entry in the cache (boundaries and plans).
+        P: CP size.
+        rank: this rank.
+        layout: `"zigzag"` or `"contiguous"`.
+        causal: causal attention inside each document.
+        scale: the softmax scale.
+        kernel: the attention kernel.
+        heads: `(Hq, Hkv, D, Dv)` of this rank's shards.
+        dtype: the dtype of q, k and v.
+        device: their device.
+        options: the mode's own options (e.g. `a2a_size`), validated.
+    """
+
+    entry: BatchEntry
+    P: int
+    rank: int
+    layout: str
+    causal: bool
+    scale: float
+    kernel: AttentionKernel
+    heads: tuple[int, int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def bounds(self) -> Boundaries:
+        """The batch's real and padded boundaries."""
+        return self.entry.bounds
+
+    @property
+    def local_tokens(self) -> int:
+        """`T / P`: tokens of every rank's shard."""
+        return self.bounds.total // self.P
+
+    def plan(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The cached plan `key` of this batch (built once by `build()`)."""
+        return self.entry.plan(key, build)

@@ -1,0 +1,110 @@
+"""Argument checks shared by every public function: one place, one wording.
+
+Each check returns the value in its canonical Python type or raises
+[`CPInputError`][cpref.errors.CPInputError] naming the argument, the value it got and what to
+pass instead. They only look at Python values, never at tensor contents, so every rank of a
+CP group reaches the same verdict without communicating.
+
+NumPy scalars are accepted where they mean the same thing (`np.int64(2)` is the int 2,
+`np.float32(0.125)` the float 0.125); `bool` is never taken for a number (`True` is not a CP
+size), and only real booleans are taken for booleans (`bool("False")` is `True`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any, Sequence
+
+import torch
+
+from cpref.errors import CPInputError
+
+__all__ = ["as_int", "as_bool", "as_choice", "as_scale"]
+
+
+def _show(value: Any) -> str:
+    """`repr` of a value, with its type when the repr could hide it (`'2'` vs `2`)."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def as_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as an int in `[lo, hi)`; ints and NumPy integers pass, bools, floats and strings do not.
+
+    Examples:
+        >>> as_int("rank", 1, lo=0, hi=2)
+        1
+        >>> as_int("cp_size", 2.0, lo=1)
+        Traceback (most recent call last):
+        ...
+        cpref.errors.CPInputError: cp_size must be an int, got 2.0 (float); pass 2
+    """
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool or not _is_integer(value):
+        hint = f"; pass {int(value)}" if isinstance(value, float) and math.isfinite(value) and value == int(value) else ""
+        raise CPInputError(f"{name} must be an int, got {_show(value)}{hint}")
+    n = operator.index(value)
+    if (lo is not None and n < lo) or (hi is not None and n >= hi):
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'})"
+        raise CPInputError(f"{name}={n} is outside {rng}")
+    return n
+
+
+def _is_integer(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex()
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def as_bool(name: str, value: Any) -> bool:
+    """`value` as a bool; only `True`, `False` (and NumPy's bools) pass.
+
+    Examples:
+        >>> as_bool("causal", "False")
+        Traceback (most recent call last):
+        ...
+        cpref.errors.CPInputError: causal must be True or False, got 'False' (str)
+    """
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ == "bool_":
+        return bool(value)
+    raise CPInputError(f"{name} must be True or False, got {_show(value)}")
+
+
+def as_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """`value` if it is one of the strings `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        raise CPInputError(f"unknown {name} {_show(value)}; choose one of {sorted(choices)}")
+    return value
+
+
+def as_scale(value: Any, dtype: torch.dtype) -> float:
+    """The softmax scale as a float that is positive and finite in `dtype`'s compute precision.
+
+    `None` is not handled here (the caller substitutes `D ** -0.5`).
+    """
+    from cpref.kernels.contract import compute_dtype  # no import cycle at module load
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CPInputError(f"softmax_scale must be None or a positive number, got {_show(value)}")
+    try:
+        scale = float(value)
+    except OverflowError:
+        digits = len(str(abs(int(value))))
+        raise CPInputError(f"softmax_scale (an int of {digits} digits) overflows a float; pass a scale such as D ** -0.5") from None
+    info = torch.finfo(compute_dtype(dtype))
+    if not (math.isfinite(scale) and scale > 0):
+        raise CPInputError(f"softmax_scale must be None or a positive finite number, got {scale!r}")
+    if not info.tiny <= scale <= info.max:
+        raise CPInputError(
+            f"softmax_scale={scale:.3g} is outside the normal range of {compute_dtype(dtype)} "
+            f"[{info.tiny:.3g}, {info.max:.3g}], where the logits are computed; pass a scale such as D ** -0.5"
+        )
+    return scale

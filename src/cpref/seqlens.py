@@ -1,0 +1,160 @@
+"""Document boundaries of a packed batch, real and padded, validated once.
+
+A packed batch is described by two boundary lists, the convention of TransformerEngine and
+Megatron packed sequences:
+
+* `cu_seqlens`, the **real** boundaries: `[0, 7, 20]` is a document of 7 tokens and one of 13;
+* `cu_seqlens_padded`, the **padded** boundaries that define the shards: with every document
+  padded at its end to a multiple of `2P = 8`, `[0, 8, 24]`. Absent, there is no padding and
+  both lists are equal.
+
+[`Boundaries`][cpref.seqlens.Boundaries] holds both as host ints. Everything that depends on
+the batch (layouts, metadata, kernel sequences) is computed from it, and it is built once per
+batch ([`cpref.cache`][cpref.cache]), not once per layer.
+
+**Padding is invisible.** Padding tokens sit at the end of their document, and cpref treats
+them as absent from attention: no query sees a padding key, a padding query sees no key
+(its output is 0), and every gradient of a padding row is 0. This holds with or without the
+causal mask; without it, a real query would otherwise see the padding keys of its document.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from cpref.errors import CPInputError
+
+__all__ = ["Boundaries", "host_ints", "CuSeqlens"]
+
+CuSeqlens = torch.Tensor | Sequence[int]
+
+
+def host_ints(value: Any, name: str = "cu_seqlens") -> list[int]:
+    """Boundaries as a list of host ints, from a 1-D integer tensor or a flat sequence of ints.
+
+    Raises:
+        CPInputError: for None, strings, nested or non-integer entries, float/bool/complex
+            tensors and tensors that are not 1-D, naming the offending entry.
+    """
+    fix = "pass document boundaries like [0, 8, 20]: a list of ints or a 1-D integer tensor"
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise CPInputError(f"{name} must be a 1-D integer tensor, got shape {tuple(value.shape)} dtype {value.dtype}; {fix}")
+        return [int(x) for x in value.tolist()]
+    if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise CPInputError(f"{name} is {type(value).__name__} {value!r:.40}; {fix}")
+    out = []
+    for i, x in enumerate(value):
+        if isinstance(x, bool) or isinstance(x, (torch.Tensor, Sequence)):
+            raise CPInputError(f"{name}[{i}] is {x!r:.40} ({type(x).__name__}); {fix}")
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            raise CPInputError(f"{name}[{i}] is {x!r:.40} ({type(x).__name__}), not an int; {fix}") from None
+    return out
+
+
+def _check_cu(cu: list[int], name: str) -> tuple[int, ...]:
+    if len(cu) < 2 or cu[0] != 0:
+        raise CPInputError(
+            f"{name} must start with 0 and hold at least one document, got {cu[:8]}; "
+            "pass document boundaries like [0, 8, 20]"
+        )
+    for i in range(len(cu) - 1):
+        if cu[i + 1] <= cu[i]:
+            raise CPInputError(
+                f"{name} must be strictly increasing: document {i} spans [{cu[i]}, {cu[i + 1]}), "
+                f"length {cu[i + 1] - cu[i]}; drop empty documents"
+            )
+    return tuple(cu)
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """Validated real and padded document boundaries, as host ints (leading 0).
+
+    Attributes:
+        real: the real boundaries `cu_seqlens`.
+        padded: the padded boundaries `cu_seqlens_padded` (equal to `real` without padding).
+
+    Examples:
+        >>> b = Boundaries.parse([0, 7, 20], [0, 8, 24])
+        >>> b.num_docs, b.total, b.real_len(1), b.padded_len(1)
+        (2, 24, 13, 16)
+    """
+
+    real: tuple[int, ...]
+    padded: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False) -> "Boundaries":
+        """Validate both lists; `ends_only_ok` also accepts MindSpeed's form without the leading 0.
+
+        Raises:
+            CPInputError: naming the offending list and entry.
+        """
+        lists = []
+        for name, src in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+            if src is None and name == "cu_seqlens_padded":
+                lists.append(lists[0])
+                continue
+            cu = host_ints(src, name)
+            if ends_only_ok and cu and cu[0] != 0:
+                cu = [0] + cu  # a first element other than 0 marks the ends-only form
+            lists.append(_check_cu(cu, name))
+        real, padded = lists
+        if len(real) != len(padded):
+            raise CPInputError(
+                f"cu_seqlens has {len(real) - 1} documents but cu_seqlens_padded {len(padded) - 1}; "
+                "they must describe the same documents"
+            )
+        for i in range(len(real) - 1):
+            if padded[i + 1] - padded[i] < real[i + 1] - real[i]:
+                raise CPInputError(
+                    f"document {i} has {real[i + 1] - real[i]} real tokens but only "
+                    f"{padded[i + 1] - padded[i]} padded ones; cu_seqlens_padded must pad every document at its end"
+                )
+        return cls(real, padded)
+
+    @property
+    def num_docs(self) -> int:
+        """The number of documents `N`."""
+        return len(self.real) - 1
+
+    @property
+    def total(self) -> int:
+        """Tokens in the padded stream, `T` (what is sharded)."""
+        return self.padded[-1]
+
+    @property
+    def is_padded(self) -> bool:
+        """Whether any document carries padding."""
+        return self.real != self.padded
+
+    def real_len(self, i: int) -> int:
+        """Real tokens of document `i`."""
+        return self.real[i + 1] - self.real[i]
+
+    def padded_len(self, i: int) -> int:
+        """Padded tokens of document `i`, `L_i`."""
+        return self.padded[i + 1] - self.padded[i]
+
+    def check_divisible(self, layout: str, cp_size: int) -> int:
+        """Raise unless every padded length is a multiple of the layout's granularity; return it."""
+        from cpref.layout import layout_multiple
+
+        mult = layout_multiple(layout, cp_size)
+        for i in range(self.num_docs):
+            n = self.padded_len(i)
+            if n % mult:
+                raise CPInputError(
+                    f"document {i} has length {n}, not a multiple of {mult} (the {layout} layout over "
+                    f"cp_size={cp_size}); pad it at its end, either with cpref.pad_to_multiple(x, cu_seqlens, {mult}) "
+                    f"and the padded boundaries as cu_seqlens, or by passing the real boundaries as cu_seqlens "
+                    f"and the padded ones as cu_seqlens_padded (padding then stays out of attention)"
+                )
+        return mult

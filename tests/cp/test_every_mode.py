@@ -1,0 +1,193 @@
+"""Guarantees every CP mode keeps (parametrized over `cpref.MODES`, so a new mode inherits them).
+
+* padding (`cu_seqlens_padded`) is invisible: real rows equal the oracle on the unpadded
+  documents, padding rows are 0 in the output and every gradient, causal or not;
+* no host-device synchronisation after the first layer of a step;
+* the ranks' arguments are compared once per batch, and a disagreement is the same clear
+  error on every rank, before the mode communicates;
+* one backward only, refused clearly before any backward communication.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpref
+from sim import SimCluster
+from tests.cp.conftest import oracle_shards, run_cp
+from tests.helpers import assert_close, cu_from_lengths, random_qkv
+
+MODES = sorted(cpref.MODES)
+HEADS = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mqa": (4, 1, 8, 8), "mla": (4, 2, 12, 8)}
+
+
+def padded_batch(lengths, P, layout, heads, seed=0, dtype=torch.float64):
+    """Real lengths (any), padded at each document's end to the layout's multiple."""
+    mult = 2 * P if layout == "zigzag" else P
+    cu = cu_from_lengths(lengths)
+    cu_pad = cu_from_lengths([-(-n // mult) * mult for n in lengths])
+    hq, hkv, d, dv = HEADS[heads]
+    q, k, v = random_qkv(int(cu_pad[-1]), hq, hkv, d, dv, dtype=dtype, seed=seed)
+    dout = random_qkv(int(cu_pad[-1]), hq, hq, dv, dtype=dtype, seed=seed + 1)[0]
+    return cu, cu_pad, q, k, v, dout
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=10, deadline=None)
+@given(
+    P=st.sampled_from([1, 2, 3, 4]),
+    lengths=st.lists(st.integers(1, 23), min_size=1, max_size=4),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    causal=st.booleans(),
+    heads=st.sampled_from(sorted(HEADS)),
+)
+def test_padding_is_invisible_to_real_tokens(mode, P, lengths, layout, causal, heads):
+    cu, cu_pad, q, k, v, dout = padded_batch(lengths, P, layout, heads, seed=len(lengths))
+    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
+    refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
+    for r, (got, want) in enumerate(zip(results, refs)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, torch.float64, msg=f"rank {r} {name}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_padding_rows_are_exactly_zero_and_real_rows_ignore_padding_values(mode, causal):
+    """Huge values in the padding rows must not leak: real results are bitwise those of zero padding."""
+    P, layout = 2, "zigzag"
+    cu, cu_pad, q, k, v, dout = padded_batch([5, 11], P, layout, "gqa")
+    pad = torch.ones(int(cu_pad[-1]), dtype=torch.bool)
+    pad[torch.cat([torch.arange(a, a + n) for a, n in zip(cu_pad[:-1].tolist(), [5, 11])])] = False
+    runs = []
+    for fill in (0.0, 1e4):
+        qf, kf, vf, df = (t.masked_fill(pad[:, None, None], fill) for t in (q, k, v, dout))
+        runs.append(run_cp(qf, kf, vf, df, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)[0])
+    for r in range(P):
+        local_pad = cpref.shard(pad, cu_pad, cp_size=P, rank=r, layout=layout)
+        for a, b in zip(runs[0][r], runs[1][r]):
+            assert torch.equal(a, b)
+            assert (a[local_pad] == 0).all()
+
+
+class HostSyncCounter:
+    """Counts calls that copy a tensor to the host (each one a stream stall on an accelerator)."""
+
+    METHODS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        def counted(tensor, *args, **kwargs):
+            self.calls.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_no_host_sync_after_the_first_layer(mode, padded, monkeypatch):
+    """Layer 1 builds the plans (and checks the ranks); layers 2..L forward and every backward sync nothing."""
+    P, layout, L = 2, "zigzag", 3
+    cu, cu_pad, q, k, v, dout = padded_batch([5, 11] if padded else [8, 16], P, layout, "gqa")
+    cu_pad = cu_pad if padded else None
+    shard_cu = cu if cu_pad is None else cu_pad
+    counter = {}
+
+    def rank_fn(comm):
+        shard = lambda x: cpref.shard(x, shard_cu, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        d = shard(dout)
+        attend = lambda x: cpref.attention(x, kl, vl, cu, comm=comm, mode=mode, layout=layout, cu_seqlens_padded=cu_pad)  # noqa: E731
+        outs = [attend(ql)]
+        comm.barrier()
+        if comm.rank == 0:
+            counter["sync"] = HostSyncCounter(monkeypatch)
+        comm.barrier()
+        for _ in range(L - 1):
+            outs.append(attend(outs[-1] * 0.5 + ql))
+        sum((o * d).sum() for o in outs).backward()
+        return ql.grad
+
+    grads = SimCluster(P, timeout=30.0).run(rank_fn)
+    calls = list(counter["sync"].calls)
+    monkeypatch.undo()  # the assertions below may read tensors
+    assert calls == []
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def disagreeing(mode, what):
+    """A rank program where rank 1 passes something different from rank 0 (same shapes)."""
+    P, layout = 2, "zigzag"
+    q, k, v = random_qkv(32, 4, 2, 8)
+    base = dict(cu=torch.tensor([0, 8, 32]), cu_seqlens_padded=None, layout=layout)
+    ranks = {
+        "causal": ({}, dict(causal=False)),
+        "softmax_scale": ({}, dict(softmax_scale=0.3)),
+        "layout": ({}, dict(layout="contiguous")),
+        "cu_seqlens": ({}, dict(cu=torch.tensor([0, 16, 32]))),  # same total, other documents
+        "cu_seqlens_padded": tuple(dict(cu=torch.tensor([0, 5, 21]), cu_seqlens_padded=torch.tensor(p))
+                                   for p in ([0, 8, 32], [0, 16, 32])),  # same real documents, other padding
+    }[what]  # fmt: skip
+
+    def rank_fn(comm, check_ranks=True):
+        kw = {**base, **ranks[comm.rank]}
+        cu, lay = kw.pop("cu"), kw.pop("layout")
+        shard_cu = cu if kw["cu_seqlens_padded"] is None else kw["cu_seqlens_padded"]
+        local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout=lay) for t in (q, k, v)]
+        return cpref.attention(*local, cu, comm=comm, mode=mode, layout=lay, check_ranks=check_ranks, **kw)
+
+    return P, rank_fn
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("what", ["causal", "softmax_scale", "layout", "cu_seqlens", "cu_seqlens_padded"])
+def test_ranks_that_disagree_get_the_same_clear_error_before_the_mode_communicates(mode, what):
+    P, rank_fn = disagreeing(mode, what)
+    cluster = SimCluster(P, timeout=30.0)
+    with pytest.raises(ValueError, match=rf"pass different arguments to cpref.attention[\s\S]*  {what}: rank 0"):
+        cluster.run(rank_fn)  # the same message on every rank: run() re-raises it unchanged
+    assert [ev.op for ev in cluster.trace] == ["all_gather"] and cluster.trace[0].dtype == torch.int64
+
+
+def test_the_rank_check_names_the_values_it_can_show():
+    P, rank_fn = disagreeing("all_gather", "causal")
+    with pytest.raises(ValueError, match=r"causal: rank 0: True; rank 1: False"):
+        SimCluster(P, timeout=30.0).run(rank_fn)
+    P, rank_fn = disagreeing("all_gather", "softmax_scale")
+    with pytest.raises(ValueError, match=r"softmax_scale: rank 0: 0.353553390593\d*; rank 1: 0.3\n"):
+        SimCluster(P, timeout=30.0).run(rank_fn)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_rank_check_can_be_switched_off(mode):
+    P, rank_fn = disagreeing(mode, "softmax_scale")
+    cluster = SimCluster(P, timeout=30.0)
+    cluster.run(lambda comm: rank_fn(comm, check_ranks=False))  # wrong results, but no error and no check
+    assert all(ev.dtype != torch.int64 for ev in cluster.trace)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_double_backward_is_refused_clearly_on_every_rank(mode):
+    P = 2
+    cu, q, k, v = cu_from_lengths([8, 24]), *random_qkv(32, 4, 2, 8)
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag").requires_grad_() for t in (q, k, v)]
+        out = cpref.attention(*local, cu, comm=comm, mode=mode)
+        before = len(cluster.trace)
+        try:
+            torch.autograd.grad(out.sum(), local, create_graph=True)
+        finally:
+            assert len(cluster.trace) == before  # refused before any backward collective
+
+    cluster = SimCluster(P, timeout=30.0)
+    with pytest.raises(ValueError, match="differentiable once.*create_graph"):
+        cluster.run(rank_fn)

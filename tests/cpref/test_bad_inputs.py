@@ -1,0 +1,172 @@
+"""Every kind of bad input gets a clear error: the right type, a message naming the value and the
+fix, raised before any communication and alike on every rank (run() re-raises it unchanged only
+when every rank raised the same message).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import cpref
+from cpref.errors import CPInputError
+from cpref.kernels import TorchKernel, Varlen
+from sim import SimCluster
+from sim.cluster import SimComm
+from tests.helpers import random_qkv
+
+P = 2
+CU = torch.tensor([0, 8, 32])
+Q, K, V = random_qkv(32, 4, 2, 8)
+
+
+def attention_call(**change):
+    """Run `cpref.attention` on 2 simulated ranks with the valid base call changed by `change`."""
+    cu = change.pop("cu_seqlens", CU)
+    shard_cu = change.pop("shard_cu", CU)
+    tensors = change.pop("tensors", None)
+    kwargs = {"mode": "all_gather", **change}
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (Q, K, V)]
+        q, k, v = tensors(*local) if tensors else local
+        return cpref.attention(q, k, v, cu, **{"comm": comm, **kwargs})
+
+    cluster = SimCluster(P, timeout=30.0)
+    try:
+        cluster.run(rank_fn)
+    finally:
+        assert cluster.trace == [], "an error must come before any communication"
+
+
+def FP32(q, k, v):
+    return q.float(), k.float(), v.float()
+
+
+def BF16(q, k, v):
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+def attn(**change):
+    return lambda: attention_call(**change)
+
+
+def comm_is(value):
+    return attn(comm=value)
+
+
+ATTENTION_CASES = [
+    # boundaries
+    ("cu None", attn(cu_seqlens=None), r"cu_seqlens is NoneType None; pass document boundaries like \[0, 8, 20\]"),
+    ("cu with None", attn(cu_seqlens=[0, None, 32]), r"cu_seqlens\[1\] is None \(NoneType\)"),
+    ("cu nested", attn(cu_seqlens=[[0, 8], [8, 32]]), r"cu_seqlens\[0\] is \[0, 8\] \(list\)"),
+    ("cu string", attn(cu_seqlens="0,8,32"), r"cu_seqlens is str '0,8,32'"),
+    ("cu NaN", attn(cu_seqlens=[0, math.nan, 32]), r"cu_seqlens\[1\] is nan \(float\), not an int"),
+    ("cu float", attn(cu_seqlens=[0, 8.0, 32]), r"cu_seqlens\[1\] is 8.0 \(float\), not an int"),
+    ("cu complex", attn(cu_seqlens=[0, 8 + 0j, 32]), r"cu_seqlens\[1\] is \(8\+0j\) \(complex\)"),
+    ("cu bool entry", attn(cu_seqlens=[0, True, 32]), r"cu_seqlens\[1\] is True \(bool\)"),
+    ("cu float tensor", attn(cu_seqlens=CU.double()), r"1-D integer tensor, got shape \(3,\) dtype torch.float64"),
+    ("cu complex tensor", attn(cu_seqlens=CU.to(torch.complex64)), r"1-D integer tensor, got .* torch.complex64"),
+    ("cu bool tensor", attn(cu_seqlens=CU.bool()), r"1-D integer tensor, got .* torch.bool"),
+    ("cu 2-D tensor", attn(cu_seqlens=CU[None]), r"1-D integer tensor, got shape \(1, 3\)"),
+    ("cu empty document", attn(cu_seqlens=[0, 8, 8, 32]), r"document 1 spans \[8, 8\), length 0; drop empty documents"),
+    ("cu no leading 0", attn(cu_seqlens=[1, 8, 32]), r"must start with 0"),
+    ("cu decreasing", attn(cu_seqlens=[0, 32, 16]), r"strictly increasing: document 1 spans \[32, 16\)"),
+    ("cu no document", attn(cu_seqlens=[0]), r"at least one document"),
+    ("cu not divisible", attn(cu_seqlens=[0, 6, 32]), r"document 0 has length 6, not a multiple of 4 .*pad_to_multiple.*cu_seqlens_padded"),
+    ("cu other total", attn(cu_seqlens=[0, 8, 40]), r"q/k/v hold 16/16/16 tokens but this rank's shard of 40 tokens"),
+    ("padded other count", attn(cu_seqlens_padded=[0, 32]), r"cu_seqlens has 2 documents but cu_seqlens_padded 1"),
+    ("padded shorter", attn(cu_seqlens=[0, 12, 32], cu_seqlens_padded=[0, 8, 32]), r"document 0 has 12 real tokens but only 8 padded"),
+    ("padded not divisible", attn(cu_seqlens=[0, 5, 26], cu_seqlens_padded=[0, 6, 32]), r"document 0 has length 6, not a multiple of 4"),
+    ("padded string", attn(cu_seqlens_padded="x"), r"cu_seqlens_padded is str"),
+    # the communicator, the mode and the flags
+    ("comm None", comm_is(None), r"comm must be the CP group's collectives .*got NoneType"),
+    ("comm string", comm_is("world"), r"comm must be .*got str"),
+    ("comm class", comm_is(SimComm), r"comm must be .*got type"),
+    ("mode list", attn(mode=["all_gather"]), r"unknown mode \['all_gather'\] \(list\); choose one of"),
+    ("mode unknown", attn(mode="nope"), r"unknown mode 'nope' \(str\); choose one of \['all_gather'"),
+    ("mode case", attn(mode="All_Gather"), r"unknown mode 'All_Gather'"),
+    ("mode None", attn(mode=None), r"unknown mode None"),
+    ("layout unknown", attn(layout="striped"), r"unknown layout 'striped' \(str\); choose one of \['contiguous', 'zigzag'\]"),
+    ("layout None", attn(layout=None), r"unknown layout None"),
+    ("causal string", attn(causal="False"), r"causal must be True or False, got 'False' \(str\)"),
+    ("causal int", attn(causal=1), r"causal must be True or False, got 1 \(int\)"),
+    ("causal None", attn(causal=None), r"causal must be True or False, got None"),
+    ("check_ranks string", attn(check_ranks="no"), r"check_ranks must be True or False, got 'no'"),
+    ("save_gathered_kv string", attn(save_gathered_kv="yes"), r"save_gathered_kv must be True or False, got 'yes'"),
+    ("a2a_size on all_gather", attn(a2a_size=2), r"a2a_size=2 is only used by mode .*, not mode='all_gather'"),
+    # the scale
+    ("scale bool", attn(softmax_scale=True), r"softmax_scale must be None or a positive number, got True \(bool\)"),
+    ("scale string", attn(softmax_scale="0.1"), r"softmax_scale must be None or a positive number, got '0.1' \(str\)"),
+    ("scale negative", attn(softmax_scale=-1.0), r"positive finite number, got -1.0"),
+    ("scale zero", attn(softmax_scale=0), r"positive finite number, got 0.0"),
+    ("scale NaN", attn(softmax_scale=math.nan), r"positive finite number, got nan"),
+    ("scale inf", attn(softmax_scale=math.inf), r"positive finite number, got inf"),
+    ("scale 10**400", attn(softmax_scale=10**400), r"softmax_scale \(an int of 401 digits\) overflows a float"),
+    ("scale overflows fp32", attn(softmax_scale=1e39, tensors=FP32), r"softmax_scale=1e\+39 is outside the normal range of torch.float32"),
+    ("scale underflows fp32", attn(softmax_scale=1e-40, tensors=FP32), r"softmax_scale=1e-40 is outside the normal range"),
+    ("scale overflows bf16 compute", attn(softmax_scale=1e39, tensors=BF16), r"outside the normal range of torch.float32"),
+    ("scale tensor", attn(softmax_scale=torch.tensor(0.1)), r"softmax_scale must be None or a positive number, got tensor"),
+    # the kernel
+    ("kernel object", attn(kernel=object()), r"kernel must be an attention kernel instance .*got <object object"),
+    ("kernel class", attn(kernel=TorchKernel), r"kernel must be an attention kernel instance .*TorchKernel'>"),
+    ("kernel string", attn(kernel="torch"), r"kernel must be an attention kernel instance .*got 'torch'"),
+    # the tensors
+    ("q list", attn(tensors=lambda q, k, v: (q.tolist(), k, v)), r"q must be a THD tensor \(tokens, heads, dim\), got list"),
+    ("q 2-D", attn(tensors=lambda q, k, v: (q[:, 0], k, v)), r"q must be a THD tensor \(tokens, heads, dim\), got \(16, 8\)"),
+    ("q BSHD", attn(tensors=lambda q, k, v: (q[None], k, v)), r"q must be a THD tensor .*got \(1, 16, 4, 8\)"),
+    ("q integer", attn(tensors=lambda q, k, v: (q.long(), k.long(), v.long())), r"q has dtype torch.int64; use one of"),
+    ("dtypes differ", attn(tensors=lambda q, k, v: (q, k, v.float())), r"q, k, v must share dtype and device"),
+    ("devices differ", attn(tensors=lambda q, k, v: (q, k, v.to("meta"))), r"must share dtype and device.*on cpu/cpu/meta"),
+    ("heads not divisible", attn(tensors=lambda q, k, v: (q[:, :3], k, v)), r"heads: q has 3, k 2, v 2; .*Hq % Hkv == 0"),
+    ("Hkv zero", attn(tensors=lambda q, k, v: (q, k[:, :0], v[:, :0])), r"heads: q has 4, k 0, v 0"),
+    ("k and v heads differ", attn(tensors=lambda q, k, v: (q, k, v[:, :1])), r"heads: q has 4, k 2, v 1; need k and v alike"),
+    ("D zero", attn(tensors=lambda q, k, v: (q[..., :0], k[..., :0], v)), r"head dims: q 0, k 0, v 8"),
+    ("Dv zero", attn(tensors=lambda q, k, v: (q, k, v[..., :0])), r"head dims: q 8, k 8, v 0; need Dq == Dk >= Dv >= 1"),
+    ("Dv above D", attn(tensors=lambda q, k, v: (q, k, torch.cat([v, v], -1))), r"head dims: q 8, k 8, v 16"),
+    ("Dq differs from Dk", attn(tensors=lambda q, k, v: (q[..., :4], k, v[..., :4])), r"head dims: q 4, k 8, v 4"),
+    ("k and v tokens differ", attn(tensors=lambda q, k, v: (q, k, v[:-1])), r"k has 16 tokens but v has 15"),
+    ("q token short", attn(tensors=lambda q, k, v: (q[:-1], k, v)), r"q/k/v hold 15/16/16 tokens but this rank's shard of 32"),
+]
+
+OTHER_CASES = [
+    ("metadata cp_size float", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2.0, 0), r"cp_size must be an int, got 2.0 \(float\); pass 2"),
+    ("metadata rank numpy out of range", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, np.int64(2)), r"rank=2 is outside \[0, 2\)"),
+    ("metadata rank bool", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, True), r"rank must be an int, got True \(bool\)"),
+    ("metadata cp_size string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], "2", 0), r"cp_size must be an int, got '2' \(str\)"),
+    ("metadata device", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, "gpu0"), r"device 'gpu0' is not a torch device"),
+    ("metadata causal string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, causal="yes"), r"causal must be True or False"),
+    ("shard length", lambda: cpref.shard(torch.zeros(10), [0, 8], cp_size=2, rank=0, layout="zigzag"), r"x has shape \(10,\) but cu_seqlens ends at 8"),
+    ("shard rank float", lambda: cpref.shard(torch.zeros(8), [0, 8], cp_size=2, rank=0.5, layout="zigzag"), r"rank must be an int, got 0.5"),
+    ("shard not a tensor", lambda: cpref.shard([0.0] * 8, [0, 8], cp_size=2, rank=0, layout="zigzag"), r"x has shape list"),
+    ("pad multiple zero", lambda: cpref.pad_to_multiple(torch.zeros(8), [0, 8], 0), r"multiple=0 is outside \[1, inf\)"),
+    ("batch without labels", lambda: cpref.get_batch_on_this_cp_rank({"tokens": torch.zeros(8)}, [0, 8], cp_size=2, rank=0), r"batch needs 'tokens' and 'labels'"),
+    ("kernel block_size zero", lambda: TorchKernel(block_size=0), r"block_size=0 must be a positive int, or None"),
+    ("kernel budget float", lambda: TorchKernel(max_block_elements=1.5), r"max_block_elements=1.5 must be a positive int"),
+    ("varlen unequal lists", lambda: Varlen([0, 2, 4], [0, 4]), r"cu_q has 3 entries, cu_kv 2"),
+    ("varlen decreasing", lambda: Varlen([0, 4, 2]), r"cu_q=\[0, 4, 2\] must start at 0 and never decrease"),
+    ("kernel int inputs", lambda: TorchKernel().forward(*(torch.ones(4, 2, 4, dtype=torch.int32),) * 3, Varlen([0, 4]), causal=True, scale=0.5), r"q has dtype torch.int32"),
+    ("kernel seqs mismatch", lambda: TorchKernel().forward(Q, K, V, Varlen([0, 30]), causal=True, scale=0.5), r"seqs cover 30 queries and 30 keys, but q has 32 rows"),
+    ("kernel plain tensor seqs", lambda: TorchKernel().forward(Q, K, V, CU, causal=True, scale=0.5), r"seqs must be a cpref.kernels.Varlen"),
+    ("cp_loss shapes", lambda: SimCluster(2).run(lambda c: cpref.cp_loss(torch.ones(4), torch.ones(4, 1), c)), r"token_loss has shape \(4,\) but loss_mask \(4, 1\)"),
+    ("cp_loss integer loss", lambda: SimCluster(2).run(lambda c: cpref.cp_loss(torch.ones(4, dtype=torch.long), torch.ones(4), c)), r"token_loss has dtype torch.int64; it must be floating"),
+    ("cluster timeout inf", lambda: SimCluster(2, timeout=math.inf), r"timeout must be a finite number of seconds > 0, got inf"),
+]
+
+CASES = ATTENTION_CASES + OTHER_CASES
+
+
+def test_the_table_holds_at_least_sixty_kinds():
+    assert len({name for name, _, _ in CASES}) == len(CASES) >= 60
+
+
+@pytest.mark.parametrize("name, call, match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_clear_value_error(name, call, match):
+    with pytest.raises(ValueError, match=match) as info:
+        call()
+    assert isinstance(info.value, (CPInputError, ValueError))
+    if name in dict((n, 1) for n, _, _ in ATTENTION_CASES):
+        assert isinstance(info.value, CPInputError), "attention's errors are CPInputError (also AssertionError)"
