@@ -1,6 +1,12 @@
-"""Attention kernels behind one contract (see `cpref.kernels.contract`)."""
+"""Attention kernels behind one contract (see `cpref.kernels.contract`).
+
+* [`TorchKernel`][cpref.kernels.torch_kernel.TorchKernel]: plain PyTorch, any device and float dtype.
+* [`NpuKernel`][cpref.kernels.npu_kernel.NpuKernel]: `torch_npu.npu_fusion_attention` on an
+  Ascend NPU; importing it is free, `torch_npu` is imported only when one is constructed.
+"""
 
 from cpref.kernels.contract import AttentionKernel, Varlen, check_heads, compute_dtype
+from cpref.kernels.npu_kernel import NpuKernel
 from cpref.kernels.torch_kernel import TorchKernel
 
-__all__ = ["AttentionKernel", "TorchKernel", "Varlen", "check_heads", "compute_dtype"]
+__all__ = ["AttentionKernel", "NpuKernel", "TorchKernel", "Varlen", "check_heads", "compute_dtype"]

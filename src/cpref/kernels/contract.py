@@ -34,7 +34,12 @@ key gives `out = 0` and `lse = -inf`, never NaN, and zero gradients.
 **Backward.** `backward(dout, q, k, v, out, lse, seqs, ...)` returns `(dq, dk, dv)` with the
 shapes and dtypes of `q, k, v`. `lse` may be the log-sum-exp of a *longer* row than this
 call sees (ring attention passes the row's global lse); the gradients are then those of this
-call's share of the row.
+call's share of the row, and they need $\Delta_i = \sum_d dO_{id} O_{id}$ of the *whole* row,
+which only `out` carries. When every row of the call is whole (all-gather, Ulysses), the
+caller says so with `full_rows=True`, and a kernel may compute the same quantity as
+$\Delta_i = \sum_t P_{it}\, dP_{it}$ from its own float32 probabilities instead: `out` is
+rounded to the input dtype, and in bf16 that rounding is what makes gradient errors grow
+with the logit scale. A kernel that cannot (the NPU op takes `out`) ignores the flag.
 """
 
 from __future__ import annotations
@@ -199,6 +204,7 @@ class AttentionKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        full_rows: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`."""
+        """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`; `full_rows`: see the module docstring."""
         ...

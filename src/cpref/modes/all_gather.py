@@ -76,11 +76,14 @@ reduce-scatters. One kernel call each way.
 
 ## Precision
 
-A key row appears in at most two key sequences of one rank (one per local chunk), and its
-two partial gradients are summed by `index_add_` in float32 (float64 for float64), exactly
-for two bf16 values, then rounded once to the input dtype; the reduce-scatter then sums the
-`P` ranks' partials **in the input dtype**, as NCCL and HCCL do. The simulated cluster's
-`reduction="native"` option models that rounding (tests use it for bf16 and fp16).
+Every query sees all its keys in the one kernel call, so the backward asks the kernel for
+`full_rows=True` (see the [kernel contract](kernel-contract.md)): $\Delta$ comes from float32
+probabilities, not from the output rounded to bf16, and bf16 gradient errors do not grow with
+the logit scale. A key row appears in at most two key sequences of one rank (one per local
+chunk); its partial gradients are summed by `index_add_` in float32 (float64 for float64)
+and rounded once to the input dtype. The reduce-scatter then sums the `P` ranks' partials
+**in the input dtype**, as NCCL and HCCL do; the simulated cluster's `reduction="native"`
+models that rounding, and the low-precision tests use it.
 """
 
 from __future__ import annotations
@@ -130,8 +133,8 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
     # 1) one fused backward call for all local chunks
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale
-    )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
+        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale, full_rows=True
+    )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
     rows, acc = comm.size * plan.local_tokens, compute_dtype(dk_sel.dtype)
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer
     dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:]), dtype=acc).index_add_(0, plan.kv_index, dk_sel.to(acc))

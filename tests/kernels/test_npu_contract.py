@@ -1,0 +1,275 @@
+"""Contract test of `NpuKernel`: the adapter driven end to end against a CPU double of the ops.
+
+This is a contract test, not a hardware test. `tests/kernels/npu_double.py` models
+`torch_npu.npu_fusion_attention(_grad)` from their documentation (argument forms, mask rules,
+softmax-stat storage) and rejects what the real op rejects; these tests check that `NpuKernel`
+builds valid arguments, rewrites the edge cases the op does not take, converts the stats into
+the contract's natural-log lse, and so matches the FP64 oracle (`reference`, from the
+`TorchKernel` tests) at 1e-10 in float64. Whether the NPU itself behaves as documented is
+checked by `make test-npu` (`sim.npu_check`) on a machine that has one.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+
+import sim.npu_check
+from cpref.errors import CPInputError
+from cpref.kernels import AttentionKernel, NpuKernel, Varlen
+from sim import oracle
+from tests.helpers import assert_close, cu_from_lengths, random_qkv
+from tests.kernels.npu_double import NpuOpsDouble
+from tests.kernels.test_torch_kernel import HEADS, reference
+
+LAYOUTS = ["", "TND"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster, and much faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(kernel, q, k, v, seqs, dout, *, causal, scale):
+    """`(out, lse, dq, dk, dv)` from the kernel's forward and backward."""
+    out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=scale)
+    return (out, lse, *kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=scale))
+
+
+def check(q_lens, kv_lens, heads=HEADS["gqa"], dtype=torch.float64, *, causal, seed=0, **kernel_kwargs):
+    """NpuKernel over the double vs the oracle on random data; returns the results and the double."""
+    hq, hkv, d, dv = heads
+    double = NpuOpsDouble()
+    kernel = NpuKernel(ops=double, **kernel_kwargs)
+    q = random_qkv(sum(q_lens), hq, hkv, d, dv, dtype=dtype, seed=seed)[0]
+    _, k, v = random_qkv(sum(kv_lens), hq, hkv, d, dv, dtype=dtype, seed=seed + 1)
+    dout = random_qkv(sum(q_lens), hq, hkv, dv, dtype=dtype, seed=seed + 2)[0]
+    got = run(kernel, q, k, v, Varlen.from_lengths(q_lens, kv_lens), dout, causal=causal, scale=d**-0.5)
+    want = reference(q, k, v, cu_from_lengths(q_lens), cu_from_lengths(kv_lens), dout, causal=causal, scale=d**-0.5)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for name, g, w, like in zip(("out", "lse", "dq", "dk", "dv"), got, want, (dout, None, q, k, v)):
+        assert g.dtype == (stat_dtype if like is None else like.dtype), name
+        assert g.shape == w.shape, name
+        assert not g.isnan().any(), name
+        assert_close(g, w, dtype, name)
+    return got, double
+
+
+def test_satisfies_the_contract():
+    assert isinstance(NpuKernel(ops=NpuOpsDouble()), AttentionKernel)
+
+
+@pytest.mark.parametrize(
+    "dtype, layout", [(torch.float64, ""), (torch.float64, "TND"), (torch.float32, "")], ids=["f64", "f64-TND", "f32"]
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_packed_documents_match_oracle(heads, causal, dtype, layout):
+    _, double = check([12, 16, 1, 19, 1], [12, 16, 1, 19, 1], heads, dtype, causal=causal, softmax_layout=layout)
+    fwd, bwd = double.calls
+    assert fwd["actual_seq_qlen"] == bwd["actual_seq_qlen"] == [12, 28, 29, 48, 49]
+    assert fwd["head_num"] == heads[0] and fwd["scale"] == bwd["scale"] == heads[2] ** -0.5
+    assert fwd["sparse_mode"] == (3 if causal else 0) and (fwd["atten_mask"] is None) == (not causal)
+    assert fwd["softmax_layout"] == bwd["softmax_layout"] == layout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["head-major", "TND"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_fewer_queries_than_keys_is_bottom_right(causal, layout):
+    check([10, 1, 33], [40, 25, 33], causal=causal, softmax_layout=layout)
+
+
+@pytest.mark.parametrize("max_seqs", [2048, 1, 2], ids=lambda n: f"max_seqs={n}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["head-major", "TND"])
+def test_rows_that_see_no_key_give_zero_and_minus_inf(layout, max_seqs):
+    # sequence 0: 7 of 12 rows see no key (causal q > kv); sequence 2: kv_len = 0
+    (out, lse, dq, dk, dv), double = check(
+        [12, 5, 3, 4], [5, 5, 0, 4], causal=True, softmax_layout=layout, max_seqs_per_call=max_seqs
+    )
+    dead = torch.tensor([*range(7), 17, 18, 19])
+    assert (out[dead] == 0).all() and (lse[dead] == float("-inf")).all() and (dq[dead] == 0).all()
+    assert lse[[i for i in range(24) if i not in dead.tolist()]].isfinite().all()
+    if max_seqs == 2048:  # the split entries the op saw: (7, 0), (5, 5), (5, 5), (3, 0), (4, 4)
+        assert double.calls[0]["actual_seq_qlen"] == [7, 12, 17, 20, 24]
+        assert double.calls[0]["actual_seq_kvlen"] == [0, 5, 10, 10, 14]
+    assert all(len(c["actual_seq_qlen"]) <= max_seqs for c in double.calls)
+
+
+@pytest.mark.parametrize("max_seqs", [2048, 1], ids=lambda n: f"max_seqs={n}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_kv_len_zero_with_and_without_causal(causal, max_seqs):
+    (out, lse, *_), _ = check([3, 4, 2], [0, 6, 0], causal=causal, max_seqs_per_call=max_seqs)
+    assert (out[:3] == 0).all() and (lse[:3] == float("-inf")).all() and (lse[7:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_empty_sequences(causal):
+    # q_len 0, kv_len 0, both 0 (dropped), a normal sequence, keys only at the end
+    (out, lse, *_), double = check([0, 4, 0, 6, 0], [3, 0, 0, 6, 2], causal=causal)
+    assert (out[:4] == 0).all() and (lse[:4] == float("-inf")).all()
+    assert double.calls[0]["actual_seq_qlen"] == [0, 4, 10, 10] and double.calls[0]["actual_seq_kvlen"] == [3, 3, 9, 11]
+
+
+@pytest.mark.parametrize("lengths", [([0], [0]), ([0, 0], [3, 4]), ([5, 2], [0, 0])], ids=["nothing", "keys-only", "no-keys"])
+def test_calls_where_no_row_sees_a_key_skip_the_op(lengths):
+    (out, lse, dq, dk, dv), double = check(*lengths, causal=True)
+    assert double.calls == []
+    assert (dk == 0).all() and (dv == 0).all() and (lse == float("-inf")).all()
+
+
+def test_more_than_2048_sequences_split_the_call():
+    # 2100 short causal documents; the oracle runs on groups of 100 packed documents (fast)
+    rng, causal = random.Random(0), True
+    lengths = [rng.randint(1, 3) for _ in range(2100)]
+    double = NpuOpsDouble()
+    q, k, v = random_qkv(sum(lengths), 2, 1, 8, seed=6)
+    dout = random_qkv(sum(lengths), 2, 1, 8, seed=7)[0]
+    got = run(NpuKernel(ops=double), q, k, v, Varlen.from_lengths(lengths, lengths), dout, causal=causal, scale=0.3)
+    assert [len(c["actual_seq_qlen"]) for c in double.calls] == [2048, 52, 2048, 52]
+    want, t0 = [[] for _ in range(5)], 0
+    for i in range(0, len(lengths), 100):
+        cu = cu_from_lengths(lengths[i : i + 100])
+        rows = slice(t0, t0 + int(cu[-1]))
+        part = oracle.forward_backward(q[rows], k[rows], v[rows], cu, dout[rows], causal=causal, scale=0.3)
+        for acc, x in zip(want, part):
+            acc.append(x)
+        t0 = rows.stop
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert_close(g, torch.cat(w), torch.float64, name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["head-major", "TND"])
+@pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mla"]], ids=["gqa", "mla"])
+def test_global_lse_backward_gives_the_share_of_the_row(heads, layout):
+    """The ring case: each query chunk's keys are split into an earlier block (full) and its own
+    block (causal diagonal); the two calls' outputs merge by lse, and backward with the *global*
+    out and lse gives gradients that sum to the oracle's for the whole row."""
+    hq, hkv, d, dv = heads
+    kernel = NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout)
+    q_lens, early = [6, 9, 4], [10, 0, 3]  # each chunk: q_len queries after `early` earlier keys
+    kv_lens = [m + e for m, e in zip(q_lens, early)]
+    q = random_qkv(sum(q_lens), hq, hkv, d, dv, seed=3)[0]
+    _, k, v = random_qkv(sum(kv_lens), hq, hkv, d, dv, seed=4)
+    dout = random_qkv(sum(q_lens), hq, hkv, dv, seed=5)[0]
+    starts = cu_from_lengths(kv_lens).tolist()
+    rows_a = [j for s, e in zip(starts, early) for j in range(s, s + e)]  # earlier keys
+    rows_b = [j for s, e, m in zip(starts, early, q_lens) for j in range(s + e, s + e + m)]  # diagonal
+    seqs_a, seqs_b = Varlen.from_lengths(q_lens, early), Varlen.from_lengths(q_lens, q_lens)
+    scale = d**-0.5
+    o_a, l_a = kernel.forward(q, k[rows_a], v[rows_a], seqs_a, causal=False, scale=scale)
+    o_b, l_b = kernel.forward(q, k[rows_b], v[rows_b], seqs_b, causal=True, scale=scale)
+    # lse = log(e^lse_a + e^lse_b); out = sum of e^(lse_x - lse) out_x
+    lse = torch.logaddexp(l_a, l_b)  # (T, Hq)
+    out = (l_a - lse).exp().unsqueeze(-1) * o_a + (l_b - lse).exp().unsqueeze(-1) * o_b  # (T, Hq, Dv)
+    dq_a, dk_a, dv_a = kernel.backward(dout, q, k[rows_a], v[rows_a], out, lse, seqs_a, causal=False, scale=scale)
+    dq_b, dk_b, dv_b = kernel.backward(dout, q, k[rows_b], v[rows_b], out, lse, seqs_b, causal=True, scale=scale)
+    dk, dv_ = torch.zeros_like(k), torch.zeros_like(v)
+    dk[rows_a], dk[rows_b], dv_[rows_a], dv_[rows_b] = dk_a, dk_b, dv_a, dv_b
+    want = reference(q, k, v, cu_from_lengths(q_lens), cu_from_lengths(kv_lens), dout, causal=True, scale=scale)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq_a + dq_b, dk, dv_), want):
+        assert_close(g, w, torch.float64, name)
+
+
+class _SyncCounter:
+    """Counts calls of the `torch.Tensor` methods that read a tensor back to the host."""
+
+    NAMES = ("tolist", "item", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.count: dict[str, int] = {}
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        def counted(t, *args, **kwargs):
+            self.count[name] = self.count.get(name, 0) + 1
+            return original(t, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["head-major", "TND"])
+def test_no_host_sync_after_the_first_call(monkeypatch, layout):
+    kernel = NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout, max_seqs_per_call=2)
+    q, k, v = random_qkv(24, 4, 2, 8, seed=1)[0], *random_qkv(14, 4, 2, 8, seed=2)[1:]
+    seqs, dout = Varlen.from_lengths([12, 5, 3, 4], [5, 5, 0, 4]), torch.randn(24, 4, 8, dtype=torch.float64)
+    for causal in (True, False):  # warm: builds the plans and the mask
+        run(kernel, q, k, v, seqs, dout, causal=causal, scale=0.3)
+    counter = _SyncCounter(monkeypatch)
+    for causal in (True, False):
+        run(kernel, q, k, v, seqs, dout, causal=causal, scale=0.3)
+    monkeypatch.undo()
+    assert counter.count == {}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_no_data_dependent_op_runs_on_the_meta_device(causal):
+    """Meta tensors have shapes but no values: any op whose size depends on data would fail."""
+    kernel = NpuKernel(ops=NpuOpsDouble(), max_seqs_per_call=2)
+    q, k, v = (torch.empty(n, h, 8, device="meta") for n, h in ((24, 4), (14, 2), (14, 2)))
+    seqs = Varlen.from_lengths([12, 5, 3, 4], [5, 5, 0, 4])
+    out, lse, dq, dk, dv = run(kernel, q, k, v, seqs, torch.empty(24, 4, 8, device="meta"), causal=causal, scale=0.3)
+    assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == ((24, 4, 8), (24, 4), q.shape, k.shape, v.shape)
+
+
+def test_mask_is_built_once_per_device():
+    double = NpuOpsDouble()
+    kernel = NpuKernel(ops=double)
+    for lengths in ([4, 6], [3], [1, 1, 1]):
+        q, k, v = random_qkv(sum(lengths), 2, 1, 8)
+        run(kernel, q, k, v, Varlen.from_lengths(lengths, lengths), torch.randn_like(q), causal=True, scale=0.3)
+    masks = {id(c["atten_mask"]) for c in double.calls}
+    assert len(double.calls) == 6 and len(masks) == 1 and list(kernel._masks) == ["cpu"]
+
+
+def test_missing_torch_npu_gives_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # `import torch_npu` raises ImportError
+    with pytest.raises(RuntimeError, match=r"torch_npu, which is not importable.*pip install torch-npu"):
+        NpuKernel()
+
+
+def test_bad_inputs_raise_cp_input_error():
+    kernel = NpuKernel(ops=NpuOpsDouble())
+    q, k, v = random_qkv(6, 2, 1, 800)
+    with pytest.raises(CPInputError, match="D=800 exceeds the fused op's 768"):
+        kernel.forward(q, k, v, Varlen([0, 6]), causal=True, scale=0.1)
+    q, k, v = random_qkv(6, 2, 1, 8, 16)
+    with pytest.raises(CPInputError, match="Dq == Dk >= Dv"):
+        kernel.forward(q, k, v, Varlen([0, 6]), causal=True, scale=0.1)
+    q, k, v = random_qkv(6, 2, 1, 8)
+    with pytest.raises(CPInputError, match="share a float dtype"):
+        kernel.forward(q, k.float(), v, Varlen([0, 6]), causal=True, scale=0.1)
+    with pytest.raises(CPInputError, match="seqs cover 5 queries"):
+        kernel.forward(q, k, v, Varlen([0, 5], [0, 6]), causal=True, scale=0.1)
+    with pytest.raises(CPInputError, match="scale must be a Python float"):
+        kernel.forward(q, k, v, Varlen([0, 6]), causal=True, scale=torch.tensor(0.1))
+    with pytest.raises(CPInputError, match="softmax_layout"):
+        NpuKernel(ops=NpuOpsDouble(), softmax_layout="BNSD")
+    with pytest.raises(CPInputError, match="max_seqs_per_call"):
+        NpuKernel(ops=NpuOpsDouble(), max_seqs_per_call=4096)
+    with pytest.raises(CPInputError, match="no function npu_fusion_attention"):
+        NpuKernel(ops=object())
+
+
+def test_the_harness_passes_on_the_cpu_with_the_double(capsys):
+    """`make test-npu`'s case list and table, run through the double in float64 (no NPU needed)."""
+    names = ("packed-mla-causal", "no-key-rows", "empty-sequences-full", "ring-global-lse", "ring-stats-TND")
+    cases = [c for c in sim.npu_check.CASES if c.name in names]
+    rows = sim.npu_check.run_cases(lambda layout: NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout),
+                                   torch.device("cpu"), [torch.float64], cases=cases, small=True)  # fmt: skip
+    print(sim.npu_check.format_table(rows))
+    assert len(rows) == len(names) and all(r.status == "pass" for r in rows), capsys.readouterr().out
+
+
+def test_make_test_npu_without_an_npu_prints_one_line(capsys):
+    assert sim.npu_check.main([]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("no Ascend NPU found")
