@@ -2,8 +2,11 @@
 
 For a packed batch (default: the field's `cu_seqlens = [0, 120, 1248, 4232]`, padded to the
 layout's granularity), every rank's share of the attention, forward + backward, is timed
-with `TorchKernel` using exactly that rank's metadata (`kv_index`, sequence lengths), one
-rank after the other on this process. Printed per layout and CP size:
+one rank after the other on this process, by running the mode's own
+`all_gather_forward` / `all_gather_backward` with that rank's plan against a *replay*
+communicator: its all-gather returns every rank's shard (what the real one would), its
+reduce-scatter keeps this rank's rows, so only the rank's own work is timed. Printed per
+layout and CP size:
 
 * each rank's measured time, the measured imbalance (max / mean) beside the counted one
   (`work = sum(q_len * kv_len)`);
@@ -25,8 +28,10 @@ import time
 import torch
 
 import cpref
+from cpref.cache import CACHE
 from cpref.kernels import Varlen
-from cpref.metadata import get_thd_load_balanced_cp_metadata
+from cpref.metadata import all_gather_plan
+from cpref.modes.all_gather import all_gather_backward, all_gather_forward
 
 
 def _time(fn, repeats: int) -> float:
@@ -40,6 +45,7 @@ def _time(fn, repeats: int) -> float:
 
 
 def _fwd_bwd(kernel, q, k, v, dout, seqs, scale):
+    """Forward + backward of one kernel call over the whole batch (the no-CP baseline)."""
     def step():
         out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
         kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
@@ -47,17 +53,35 @@ def _fwd_bwd(kernel, q, k, v, dout, seqs, scale):
     return step
 
 
+class ReplayComm:
+    """One rank's view of the all-gather mode's collectives, answered from precomputed shards."""
+
+    def __init__(self, rank: int, shards: list[list[torch.Tensor]]) -> None:
+        self.rank, self.size, self._shards = rank, len(shards), shards
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        which = 1 if x is self._shards[self.rank][1] else 2  # this rank's K shard, else its V shard
+        return torch.cat([s[which] for s in self._shards])  # (P T_l, Hkv, .): rank-major, as the real one
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return x.tensor_split(self.size)[self.rank].clone()  # this rank's rows (the sum is not timed)
+
+
 def rank_seconds(cu, q, k, v, dout, P: int, layout: str, repeats: int) -> list[float]:
-    """Measured forward + backward kernel seconds of every rank's all-gather CP share."""
+    """Measured forward + backward seconds of every rank's all-gather CP share (its compute only)."""
     kernel, scale = cpref.TorchKernel(), q.shape[-1] ** -0.5
     shards = [[cpref.shard(t, cu, cp_size=P, rank=r, layout=layout) for t in (q, k, v, dout)] for r in range(P)]
-    k_all = torch.cat([s[1] for s in shards])  # what the all-gather of K produces, rank-major
-    v_all = torch.cat([s[2] for s in shards])
+    entry = CACHE.entry(cu)
     out = []
     for r in range(P):
-        meta = get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout)
-        k_sel, v_sel = k_all[meta["kv_index"]], v_all[meta["kv_index"]]
-        step = _fwd_bwd(kernel, shards[r][0], k_sel, v_sel, shards[r][3], meta["seqs"], scale)
+        plan = all_gather_plan(entry, P, r, layout, True, torch.device("cpu"))
+        comm = ReplayComm(r, shards)
+        ql, kl, vl, dl = shards[r]
+
+        def step():
+            o, lse, k_sel, v_sel = all_gather_forward(ql, kl, vl, plan, comm, kernel, causal=True, scale=scale)
+            all_gather_backward(dl, ql, k_sel, v_sel, o, lse, plan, comm, kernel, causal=True, scale=scale)
+
         out.append(_time(step, repeats))
     return out
 

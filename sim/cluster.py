@@ -184,7 +184,10 @@ class SimComm:
         size: the number of ranks `P` in the group.
         global_rank: this rank's index in the cluster.
         group: the group's global ranks, in group rank order (`group[rank] == global_rank`).
+        unsupported_ops: empty: the simulated cluster runs every collective at every size.
     """
+
+    unsupported_ops: frozenset[str] = frozenset()
 
     def __init__(
         self, rdv: Rendezvous, trace: list, group: tuple[int, ...], global_rank: int, gid: Hashable = "world",

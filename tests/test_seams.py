@@ -1,4 +1,4 @@
-"""The seams hold: cpref never imports sim; no algorithm imports torch.distributed or torch_npu."""
+"""The seams hold: cpref never imports sim or torch_npu; only cpref.backends imports torch.distributed."""
 
 import ast
 import subprocess
@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "cpref"
+BACKENDS = SRC / "backends"  # the one package that may import torch.distributed
 
 
 def imported_modules(file: Path) -> set[str]:
@@ -26,10 +27,63 @@ def test_no_cpref_module_imports_sim_torch_distributed_or_torch_npu():
             root = name.split(".")[0]
             assert root != "sim", f"{file} imports {name}"
             assert root != "torch_npu", f"{file} imports {name} (import it lazily, by name)"
-            assert not name.startswith("torch.distributed"), f"{file} imports {name}"
+            if BACKENDS not in file.parents:
+                assert not name.startswith("torch.distributed"), f"{file} imports {name} (only cpref.backends may)"
+                assert not name.startswith("cpref.backends"), f"{file} imports {name} (pass the comm in instead)"
 
 
 def test_importing_cpref_loads_neither_sim_nor_torch_npu():
     code = "import sys, cpref; print(sorted(m for m in sys.modules if m.split('.')[0] in ('sim', 'torch_npu')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "[]"
+
+
+def test_the_torch_distributed_allowance_is_used_by_the_backend():
+    """The allowance above is used where meant: the torch.distributed backend imports it."""
+    assert any(n.startswith("torch.distributed") for n in imported_modules(BACKENDS / "torch_dist.py"))
+
+
+def test_importing_cpref_leaves_the_backends_unloaded():
+    code = "import sys, cpref; print(sorted(m for m in sys.modules if m.startswith('cpref.backends')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
+FORBIDDEN_ROOTS = ("torch.distributed", "torch_npu", "sim")
+
+
+def reaches(source: str) -> list[str]:
+    """What `source` reaches of torch.distributed, torch_npu or sim, by import, attribute or name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            parts, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                parts.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name):
+                dotted = ".".join([cur.id, *reversed(parts)])
+                found += [dotted for root in FORBIDDEN_ROOTS if dotted == root or dotted.startswith(root + ".")]
+        elif isinstance(node, ast.Name) and node.id in ("torch_npu", "sim", "dist", "__import__"):
+            found.append(node.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module":
+            found.append("importlib.import_module")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [n for n in names for root in FORBIDDEN_ROOTS if n == root or n.startswith(root + ".")]
+    return found
+
+
+def test_the_checker_sees_attribute_access_and_dynamic_imports():
+    assert reaches("import torch\ntorch.distributed.all_reduce(x)") == ["torch.distributed.all_reduce", "torch.distributed"]
+    assert reaches("getattr(torch, 'x')\nimportlib.import_module('torch_npu')") == ["importlib.import_module"]
+    assert reaches("x = sim.SimCluster") == ["sim.SimCluster", "sim"]
+    assert reaches("from torch.distributed import all_reduce") == ["torch.distributed"]
+    assert reaches("import torch\ny = torch.cat([x])") == []
+
+
+def test_no_mode_reaches_torch_distributed_torch_npu_or_sim_at_all():
+    files = sorted((SRC / "modes").glob("*.py"))
+    assert files
+    for file in files:
+        assert reaches(file.read_text()) == [], f"{file} reaches {reaches(file.read_text())}"

@@ -146,7 +146,7 @@ def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, so
     spec = MODES[mode]
     if spec.check is not None:
         spec.check(call)
-    missing = spec.collectives & frozenset(getattr(comm, "unsupported_ops", ()))
+    missing = spec.collectives & frozenset(comm.unsupported_ops)
     if missing:
         raise CPInputError(
             f"mode={mode!r} needs {sorted(missing)}, which this communicator ({type(comm).__name__}, size {P}) "

@@ -64,10 +64,14 @@ class Collectives(Protocol):
     Attributes:
         rank: this rank's index in the group, `0 <= rank < size`.
         size: the number of ranks `P` in the group.
+        unsupported_ops: the collectives this backend cannot run for this group (e.g. tensor
+            all-gather on HCCL groups of 3, 5, 6 or 7 ranks); `cpref.attention` refuses a mode
+            that needs one before any communication.
     """
 
     rank: int
     size: int
+    unsupported_ops: frozenset[str]
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""

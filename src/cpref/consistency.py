@@ -80,7 +80,7 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives) -> None:
     if call.entry.checked(key):
         return
     mine = torch.tensor([[code for _, code in fields]], dtype=torch.int64, device=call.device)  # (1, F)
-    if "all_gather" in getattr(comm, "unsupported_ops", ()):
+    if "all_gather" in comm.unsupported_ops:
         table = torch.cat([comm.all_reduce(mine, "min"), comm.all_reduce(mine, "max")])  # (2, F)
         who = ["lowest code", "highest code"]
     else:

@@ -31,6 +31,13 @@ needs no positional offset at all.
 log-sum-exp of the scaled logits, float32 (float64 for float64 inputs). A row that sees no
 key gives `out = 0` and `lse = -inf`, never NaN, and zero gradients.
 
+**Partial results in float32.** A caller that sums a kernel's results with others (ring
+attention merges `P` partial outputs; dK/dV partials are accumulated) asks for them in the
+compute dtype, `forward(..., out_dtype=torch.float32)` and
+`backward(..., grad_dtype=torch.float32)`, so that nothing is rounded to bf16 before the
+sum is complete. A kernel that computes in float32 returns its accumulators as they are; one
+whose hardware op rounds to the input dtype (the NPU) returns that result upcast.
+
 **Backward.** `backward(dout, q, k, v, out, lse, seqs, ...)` returns `(dq, dk, dv)` with the
 shapes and dtypes of `q, k, v`. `lse` may be the log-sum-exp of a *longer* row than this
 call sees (ring attention passes the row's global lse); the gradients are then those of this
@@ -188,8 +195,9 @@ class AttentionKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(out (T, Hq, Dv), lse (T, Hq))`."""
+        """Return `(out (T, Hq, Dv), lse (T, Hq))`; `out` in `out_dtype` (default: the input dtype)."""
         ...
 
     def backward(
@@ -205,6 +213,10 @@ class AttentionKernel(Protocol):
         causal: bool,
         scale: float,
         full_rows: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`; `full_rows`: see the module docstring."""
+        """Return `(dq, dk, dv)` shaped like `(q, k, v)`, in `grad_dtype` (default: their dtypes).
+
+        `full_rows`: see the module docstring.
+        """
         ...

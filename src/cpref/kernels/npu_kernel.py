@@ -136,14 +136,17 @@ class NpuKernel:
         return f"NpuKernel(softmax_layout={self.softmax_layout!r}, max_seqs_per_call={self.max_seqs_per_call})"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, causal: bool, scale: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
+        """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`.
+
+        The op rounds `out` to the input dtype; with `out_dtype` it is returned upcast.
+        """
         calls = self._plan(q, k, v, seqs, causal, scale)
         parts = [self._forward_call(q[c.rows], k[c.keys], v[c.keys], c, causal, scale) for c in calls]  # row slices: views
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])  # (T, Hq, Dv), (T, Hq)
+        out, lse = parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts]), torch.cat([m for _, m in parts]))
+        return out.to(out_dtype or out.dtype), lse  # (T, Hq, Dv), (T, Hq)
 
     def backward(
         self,
@@ -158,19 +161,21 @@ class NpuKernel:
         causal: bool,
         scale: float,
         full_rows: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`; see `AttentionKernel.backward`.
+        """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`.
 
         `full_rows` is accepted and ignored: the grad op computes its row sums from `out`.
+        The op rounds the gradients to the input dtype; with `grad_dtype` they are returned upcast.
         """
         calls = self._plan(q, k, v, seqs, causal, scale)
+        out = out.to(q.dtype)  # the op takes attention_in in the input dtype
         parts = [
             self._backward_call(dout[c.rows], q[c.rows], k[c.keys], v[c.keys], out[c.rows], lse[c.rows], c, causal, scale)
             for c in calls
         ]
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(torch.cat(g) for g in zip(*parts))  # (T, Hq, D), (T', Hkv, D), (T', Hkv, Dv)
+        grads = parts[0] if len(parts) == 1 else tuple(torch.cat(g) for g in zip(*parts))  # (T, Hq, D), (T', Hkv, D|Dv)
+        return tuple(g.to(grad_dtype or g.dtype) for g in grads)
 
     def _forward_call(self, q, k, v, call: Call, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(q.dtype)

@@ -210,6 +210,7 @@ class TorchKernel:
         *,
         causal: bool,
         scale: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
@@ -218,7 +219,7 @@ class TorchKernel:
         qh, kh, vh = (_heads_major(x, hkv, cdt) for x in (q, k, v))  # (Hkv, T*G, D), (Hkv, T', D|Dv)
         buf = torch.empty(size, dtype=cdt, device=q.device)  # scores of a block
         # 2) rows that see no key keep out = 0 and lse = -inf
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # (T, Hq, Dv)
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=out_dtype or q.dtype)  # (T, Hq, Dv)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)  # (T, Hq)
         # 3) one exact softmax per block
         for blk in blocks:
@@ -241,8 +242,9 @@ class TorchKernel:
         causal: bool,
         scale: float,
         full_rows: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return `(dq, dk, dv)` shaped and typed like `(q, k, v)`; see `AttentionKernel.backward`."""
+        """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`."""
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
         blocks, size = self._blocks(q, k, v, seqs, causal)
         # 1) head-major operands; Delta = rowsum(dO o O) once for all rows (unless rows are whole); lse2 = lse / ln2
@@ -252,7 +254,7 @@ class TorchKernel:
         sizes = (size, size, k.numel(), v.numel())  # S, dP, dK, dV of a block
         bufs = [torch.empty(n, dtype=cdt, device=q.device) for n in sizes]
         # 2) rows that see no key keep zero gradients
-        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D)
+        dq = torch.zeros(q.shape, dtype=grad_dtype or q.dtype, device=q.device)  # (T, Hq, D)
         dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)  # (Hkv, T', D), (Hkv, T', Dv)
         # 3) per block: dQ of its rows, dK and dV accumulated over its key range
         for blk in blocks:
@@ -265,8 +267,8 @@ class TorchKernel:
             _store(dq[blk.rows], dq_b, hkv)  # (R, Hq, D)
             dk[:, blk.keys] += dk_b  # (Hkv, L, D)
             dv[:, blk.keys] += dv_b  # (Hkv, L, Dv)
-        # 4) back to token-major, in the input dtypes
-        return dq, dk.transpose(0, 1).to(k.dtype), dv.transpose(0, 1).to(v.dtype)  # (T', Hkv, .)
+        # 4) back to token-major, in the input dtypes (or grad_dtype)
+        return dq, dk.transpose(0, 1).to(grad_dtype or k.dtype), dv.transpose(0, 1).to(grad_dtype or v.dtype)  # (T', Hkv, .)
 
     def _blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, causal: bool) -> tuple[list[_Block], int]:
         """Check the inputs (host-side only); the blocks of every sequence and the largest buffer size.

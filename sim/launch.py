@@ -1,0 +1,279 @@
+r"""`launch`: run one function on N local processes joined in a `torch.distributed` world.
+
+The simulated cluster (`sim.cluster`) runs ranks as threads; the hardware path needs real
+processes, each with its own process group. `launch(fn, nproc)` starts `nproc` processes
+(`multiprocessing`, spawn start method), joins them in one world over the backend (gloo by
+default), runs `fn(*args)` on each, and returns the results, indexed by rank:
+
+```python
+from sim.launch import launch
+results = launch(my_module.check_rank, 4, timeout=30.0)   # fn: a module-level function
+```
+
+`fn` must be picklable, i.e. a module-level function of an importable module (spawned
+processes import it by name); inside it, `cpref.backends.TorchComm()` is the world group.
+Each process runs one thread (`torch.set_num_threads(1)`, so that N ranks share N cores as
+on a cluster), binds the device of its rank when given one (`device="cuda"` or `"npu"`, for
+NCCL or HCCL), and meets the others through a `TCPStore` that the parent serves on a port the
+operating system picks (no port is guessed, so parallel launches do not collide).
+
+## Faults never hang
+
+Each rank reports through its own pipe: `("ok", result)`, or its exception's type, message
+and traceback. The parent waits on all pipes at once; a pipe that closes without a report is
+a rank that died (`os._exit`, a signal, a crash in C++), and the process's exit code says how
+("killed by signal 9 (SIGKILL)"). After the first failure the parent collects reports for a
+short grace period, terminates the survivors, and raises `LaunchFailure`, which names the
+root cause: a rank that died if there is one, else the earliest exception (peers that lost
+it typically raise gloo's "Connection closed by peer" a moment later).
+
+A rank waiting in a collective for a peer that neither calls it nor dies (a mismatched
+program) is released by the process-group `timeout`; with `check_calls=True` (the default)
+torch compares every collective's op, shapes and dtypes across the group first
+(`TORCH_DISTRIBUTED_DEBUG=DETAIL`), so mismatched calls raise "Detected mismatch between
+collectives" at once instead of returning garbage, which gloo otherwise can. It costs one
+small extra collective per call: pass `check_calls=False` for timings.
+
+## Under torchrun
+
+When `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set (`torchrun --nproc-per-node N -m ...`),
+`launch` starts nothing: it initializes the process group from that environment (unless it
+already is), runs `fn(*args)` in this process, and returns `[result]`, this rank's result
+only. `nproc` is then ignored; the world is torchrun's, which is how a run goes multi-node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["launch", "under_torchrun", "LaunchFailure", "RankFailure"]
+
+_GRACE_S = 2.0  # after the first failure, how long to collect the other ranks' reports
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed: it `raised`, it `died`, or the launcher `terminated` it."""
+
+    rank: int
+    kind: str
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    exitcode: int | None = None
+    at: float = field(default=0.0, compare=False)  # time.time() of the failure
+
+    def summary(self) -> str:
+        """One line: `rank 1 raised ValueError: boom`, `rank 1 was killed by signal 9 (SIGKILL)`."""
+        if self.kind == "raised":
+            first = self.message.strip().splitlines()[0] if self.message.strip() else ""
+            return f"rank {self.rank} raised {self.exc_type}: {first}"
+        if self.kind == "died":
+            return f"rank {self.rank} {_exit_reason(self.exitcode)} without reporting a result"
+        return f"rank {self.rank} was terminated by the launcher after another rank failed"
+
+
+class LaunchFailure(RuntimeError):
+    """Some ranks of a `launch` failed.
+
+    Attributes:
+        failures: `{rank: RankFailure}` for every rank that raised, died or was terminated.
+        root: the root cause: the first rank that died, else the earliest exception.
+        results: `{rank: result}` of the ranks that finished.
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], nproc: int, results: dict[int, Any]) -> None:
+        self.failures, self.nproc, self.results = failures, nproc, results
+        causes = [f for f in failures.values() if f.kind != "terminated"]
+        self.root = min(causes, key=lambda f: (f.kind != "died", f.at, f.rank))
+        lines = [f"{self.root.summary()} (of {nproc} ranks)"]
+        if self.root.traceback:
+            lines += [f"traceback of rank {self.root.rank}:", self.root.traceback.rstrip()]
+        others = [f.summary() for r, f in sorted(failures.items()) if r != self.root.rank]
+        lines += (["other ranks:"] + [f"  {line}" for line in others]) if others else []
+        super().__init__("\n".join(lines))
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK` set)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    args: Sequence[Any] = (),
+    threads: int = 1,
+    check_calls: bool = True,
+    device: str = "cpu",
+) -> list[Any]:
+    """Run `fn(*args)` on `nproc` local processes joined in one `torch.distributed` world.
+
+    Args:
+        fn: a module-level (picklable) function; it runs with the world process group
+            initialized, e.g. `comm = cpref.backends.TorchComm()`.
+        nproc: number of processes (ranks) `>= 1`; ignored under torchrun.
+        backend: the `torch.distributed` backend.
+        timeout: seconds a rank may wait in a collective (the process-group timeout).
+        args: positional arguments for `fn`, picklable.
+        threads: torch intra-op threads per process.
+        check_calls: compare every collective's signature across ranks first
+            (`TORCH_DISTRIBUTED_DEBUG=DETAIL`); turn off for timings.
+        device: `"cpu"`, or the accelerator type (`"cuda"`, `"npu"`): each process then binds
+            the device of its local rank before joining (NCCL and HCCL need one device a rank).
+
+    Returns:
+        `[fn(*args) on rank 0, ..., on rank nproc-1]`; under torchrun, `[this rank's result]`.
+
+    Raises:
+        LaunchFailure: if a rank raised or died: which, why, and its traceback.
+        ValueError: if `nproc < 1` or `timeout <= 0`.
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"launch: nproc must be an int >= 1, got {nproc!r}")
+    if not timeout > 0:
+        raise ValueError(f"launch: timeout must be > 0 seconds, got {timeout!r}")
+    setup = (backend, float(timeout), threads, check_calls, device)
+    if under_torchrun():
+        return [_run_in_torchrun(fn, tuple(args), setup)]
+    return _launch_local(fn, tuple(args), nproc, setup)
+
+
+def _setup(local_rank: int, threads: int, check_calls: bool, device: str) -> None:
+    """What every rank does before joining: threads, the call checks, its device."""
+    torch.set_num_threads(threads)
+    if check_calls:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)  # must precede init_process_group
+    if device != "cpu":
+        if device == "npu" and not hasattr(torch, "npu"):
+            __import__("torch_npu")  # registers torch.npu and the hccl backend
+        getattr(torch, device).set_device(local_rank)
+
+
+def _run_in_torchrun(fn: Callable[..., Any], args: tuple, setup: tuple) -> Any:
+    backend, timeout, threads, check_calls, device = setup
+    _setup(int(os.environ["LOCAL_RANK"]), threads, check_calls, device)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))  # env:// from torchrun
+    try:
+        return fn(*args)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _rank_main(payload: bytes, rank: int, nproc: int, port: int, setup: tuple, conn: Connection) -> None:
+    """One spawned rank: join the world, run `fn`, report the result or the failure, exit."""
+    backend, timeout, threads, check_calls, device = setup
+    try:
+        fn, args = pickle.loads(payload)  # here, so that a failing import is reported too
+        _setup(rank, threads, check_calls, device)
+        wait_s = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, nproc + 1, is_master=False, timeout=wait_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=wait_s)
+        # plain pickle, not multiprocessing's: torch would share tensors through this process's
+        # memory, which is gone once it exits
+        conn.send_bytes(pickle.dumps(("ok", fn(*args))))
+    except BaseException as exc:  # noqa: BLE001 -- reported to the parent, never lost
+        conn.send_bytes(pickle.dumps(("raised", type(exc).__name__, str(exc), traceback.format_exc(), time.time())))
+        conn.close()
+        os._exit(1)  # skip teardown: peers may be mid-collective with us; the parent reports
+    conn.close()
+    dist.destroy_process_group()
+
+
+def _launch_local(fn: Callable[..., Any], args: tuple, nproc: int, setup: tuple) -> list[Any]:
+    # 1) the function (unpicklable: fail here, not in N children), and the rendezvous store,
+    #    served by this process on a port the OS picks
+    payload = pickle.dumps((fn, args))
+    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], {}
+    results: dict[int, Any] = {}
+    failures: dict[int, RankFailure] = {}
+    finished = False
+    try:
+        # 2) one process per rank, each with a pipe back to us
+        for rank in range(nproc):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, args=(payload, rank, nproc, store.port, setup, send),
+                               name=f"cpref-rank-{rank}", daemon=True)  # fmt: skip
+            proc.start()
+            send.close()  # the child holds the only write end: EOF means it is gone
+            procs.append(proc)
+            conns[recv] = rank
+        # 3) collect every outcome; the first failure starts the grace period
+        results, failures = _collect(conns, procs)
+        finished = not failures
+    finally:
+        # 4) no process outlives the launch: after a failure, survivors are terminated at once
+        for proc in procs:
+            _stop(proc, patience=10.0 if finished else 0.0)
+        del store
+    if failures:
+        raise LaunchFailure(failures, nproc, results)
+    return [results[rank] for rank in range(nproc)]
+
+
+def _collect(conns: dict[Connection, int], procs: list) -> tuple[dict[int, Any], dict[int, RankFailure]]:
+    """Wait on all pipes; return `(results, failures)`, ranks still running marked terminated."""
+    results: dict[int, Any] = {}
+    failures: dict[int, RankFailure] = {}
+    first_failure = None
+    while conns:
+        left = None if first_failure is None else first_failure + _GRACE_S - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        for conn in wait(list(conns), timeout=left):
+            rank = conns.pop(conn)
+            try:
+                report = pickle.loads(conn.recv_bytes())
+            except EOFError:  # closed without a report: the process died
+                procs[rank].join(timeout=5.0)
+                report = ("died", procs[rank].exitcode)
+            if report[0] == "ok":
+                results[rank] = report[1]
+                continue
+            first_failure = first_failure or time.monotonic()
+            if report[0] == "raised":
+                failures[rank] = RankFailure(rank, "raised", *report[1:4], at=report[4])
+            else:
+                failures[rank] = RankFailure(rank, "died", exitcode=report[1], at=time.time())
+    for rank in conns.values():
+        failures[rank] = RankFailure(rank, "terminated", at=time.time())
+    return results, failures
+
+
+def _stop(proc, patience: float) -> None:
+    """Give a process `patience` seconds to exit; then terminate it (and kill it if that fails)."""
+    proc.join(timeout=patience)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"

@@ -1,0 +1,325 @@
+r"""`TorchComm`: the collectives protocol over a `torch.distributed` process group.
+
+The CP algorithms are written once against [`cpref.comm`][cpref.comm]; `TorchComm` is the
+protocol on real process groups, with the semantics of the simulated cluster's `SimComm`:
+functional (every call returns a new tensor and never modifies its input), rank-major along
+dim 0, no autograd history through a collective (inputs are detached).
+
+| protocol call | `torch.distributed` call on the group `pg` |
+| --- | --- |
+| `all_gather(x)` | `all_gather_single` (`all_gather_into_tensor` before torch 2.13) |
+| `reduce_scatter(x)` | `reduce_scatter_single` (`reduce_scatter_tensor`), sum |
+| `all_to_all(x)` | `all_to_all_single`, equal dim-0 chunks to the ranks in group order |
+| `send_recv(x, shift)` | `batch_isend_irecv`: send to `r + shift`, receive from `r - shift` |
+| `send_recv_async(x, shift)` | the same ops, posted; `wait()` on the handle completes them |
+| `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN` |
+| `barrier()` | `barrier` |
+| `split(groups)` | `new_group(ranks, use_local_synchronization=True, sort_ranks=False)` |
+
+## Group ranks and global ranks
+
+A CP group is rarely the whole world: in a DP $\times$ CP mesh of 4 processes the CP groups
+may be $\{0, 2\}$ and $\{1, 3\}$. Algorithms speak **group ranks** $r \in [0, P)$; the
+backend addresses peers by **global rank**. `comm.group` is the group's global ranks in
+group-rank order (from `get_process_group_ranks`), so `group[r]` is the one mapping used
+everywhere; ring neighbours are computed in group ranks and only then mapped:
+
+$$ \text{dst} = \text{group}[(r + \text{shift}) \bmod P], \qquad
+   \text{src} = \text{group}[(r - \text{shift}) \bmod P]. $$
+
+## Splitting a group
+
+`split` is collective over the group, as in `SimComm`: every member passes the same
+partition, checked with one all-reduce of its digest (a mismatch raises `ValueError` on
+every rank instead of a rendezvous that never completes). Each rank then creates only its
+own part with `new_group(..., use_local_synchronization=True, sort_ranks=False)`: only that
+part's members meet in the rendezvous, processes outside the group take no part, and the
+ranks keep the listed order. `split_group`, the other way to split, is refused in torch 2.13
+on a gloo world without a bound accelerator ("No device associated with the default pg").
+Sub-groups are made once per partition and cached in the communicator (keep one `TorchComm`
+per group); the digest check runs on every call, as `split` stays a collective, so call it
+once and keep the sub-communicators. With local synchronization torch names a group after its ranks and the
+number of groups the process has already made, so every process must create its groups in
+the same order and number (true when all run the same program, as CP training does).
+
+## Backend facts this relies on (probed on torch 2.13, gloo, CPU)
+
+* gloo runs every op above in float16, bfloat16, float32 and float64 (`tests/backends`
+  probe them). Older gloo builds lacked bfloat16 (pytorch#111131, fixed by #113557 around
+  torch 2.2); there, bfloat16 travels and reduces as float32 and is rounded back once, which
+  reduces *more* precisely than NCCL or HCCL would. No other dtype is ever changed.
+* gloo's sums are not a rank-order fold (its ring reduces each chunk in a different order),
+  and fp16/bf16 partial sums are rounded at every step, like NCCL's and HCCL's: compare with
+  the simulator at the dtype's tolerance, not bitwise.
+* gloo's reduce-scatter is an all-reduce followed by a chunk (pytorch#118911): correct, but
+  twice the traffic of a real reduce-scatter.
+* gloo does not check that the ranks' calls match: mismatched shapes can return garbage
+  silently. `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.launch` turns on by default) makes
+  every collective compare fingerprints first and raise "Detected mismatch between
+  collectives".
+* HCCL rejects tensor all-gather and reduce-scatter on groups of 3, 5, 6 or 7 ranks. Such a
+  communicator lists them in `unsupported_ops`, `cpref.attention` refuses modes that need
+  them before any communication, and calling one anyway raises `CPInputError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpref.comm import REDUCE_OPS
+from cpref.errors import CPInputError
+
+__all__ = ["TorchComm", "TorchPendingShift", "unsupported_ops"]
+
+_REDUCE_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_HCCL_BAD_SIZES = frozenset({3, 5, 6, 7})
+# torch 2.13 renamed the tensor all-gather / reduce-scatter; older builds have the old names
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def unsupported_ops(backend: str, size: int) -> frozenset[str]:
+    """The protocol calls that `backend` cannot run on a group of `size` ranks."""
+    if str(backend).lower() == "hccl" and size in _HCCL_BAD_SIZES:
+        return frozenset({"all_gather", "reduce_scatter"})
+    return frozenset()
+
+
+def _widened_dtypes(backend: str) -> dict[torch.dtype, torch.dtype]:
+    """`{dtype: wider dtype}` for the dtypes `backend` cannot carry (see the module docstring)."""
+    if str(backend).lower() == "gloo" and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 3):
+        return {torch.bfloat16: torch.float32}
+    return {}
+
+
+class TorchPendingShift:
+    """A ring shift in flight, returned by `TorchComm.send_recv_async`."""
+
+    def __init__(self, works: list, send: torch.Tensor, recv: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+        self._works, self._send, self._recv, self._dtype = works, send, recv, dtype
+        self.where, self.done = where, False
+
+    def wait(self) -> torch.Tensor:
+        """Block until the shift has completed; return the received tensor (call exactly once).
+
+        Raises:
+            RuntimeError: on a second call.
+        """
+        if self.done:
+            raise RuntimeError(f"{self.where}: wait() called twice on one handle")
+        for work in self._works:
+            work.wait()
+        self.done = True
+        recv, self._works, self._send, self._recv = self._recv, [], None, None
+        return recv.to(self._dtype)
+
+
+class TorchComm:
+    """One rank's view of a `torch.distributed` process group; a `cpref.comm.Collectives`.
+
+    Args:
+        process_group: the group; `None` for the default (world) group, which must exist
+            (`torch.distributed.init_process_group`).
+
+    Attributes:
+        rank: this rank's index in the group, `0 <= rank < size`.
+        size: the number of ranks `P` in the group.
+        global_rank: this rank's index in the world.
+        group: the group's global ranks, in group rank order (`group[rank] == global_rank`).
+        backend: the backend's name (`"gloo"`, `"nccl"`, `"hccl"`, ...).
+        unsupported_ops: the protocol calls the backend cannot run on this group size.
+        process_group: the underlying `ProcessGroup`.
+
+    Raises:
+        RuntimeError: if `torch.distributed` is not initialized.
+        ValueError: if this process is not a member of `process_group`.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchComm needs an initialized torch.distributed: call torch.distributed.init_process_group "
+                "first (torchrun sets its environment), or run the function with sim.launch"
+            )
+        pg = dist.group.WORLD if process_group is None else process_group
+        if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError("TorchComm: this process is not a member of the process group it was given")
+        self.process_group = pg
+        self.group = tuple(dist.get_process_group_ranks(pg))  # group rank -> global rank
+        self.global_rank, self.size = dist.get_rank(), len(self.group)
+        if self.global_rank not in self.group:
+            raise ValueError(f"TorchComm: global rank {self.global_rank} is not in the process group {self.group}")
+        self.rank = self.group.index(self.global_rank)
+        self.backend = str(dist.get_backend(pg)).lower()
+        self.unsupported_ops = unsupported_ops(self.backend, self.size)
+        self._widen = _widened_dtypes(self.backend)
+        self._splits: dict[tuple[tuple[int, ...], ...], TorchComm] = {}
+        self._seq = 0  # calls so far, to name handles in messages
+
+    @classmethod
+    def from_mesh(cls, mesh, axis: str) -> TorchComm:
+        """The communicator of this rank's group along the named `axis` of a `DeviceMesh`.
+
+        Args:
+            mesh: a `torch.distributed.device_mesh.DeviceMesh` with named axes.
+            axis: the mesh axis name, e.g. `"cp"`.
+
+        Raises:
+            ValueError: if `mesh` has no axis called `axis`.
+
+        Examples:
+            ```python
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+            cp = TorchComm.from_mesh(mesh, "cp")   # world ranks {0, 1} and {2, 3}
+            ```
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        if axis not in names:
+            raise ValueError(f"TorchComm.from_mesh: the mesh has axes {names}, not {axis!r}; pass one of them")
+        return cls(mesh.get_group(axis))
+
+    def __repr__(self) -> str:
+        return f"TorchComm(rank={self.rank}, size={self.size}, group={self.group}, backend={self.backend!r})"
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
+        send = self._wire("all_gather", x, 1, 1)
+        out = send.new_empty((self.size * send.shape[0], *send.shape[1:]))  # (P n, ...)
+        _all_gather_base(out, send, group=self.process_group)
+        return out.to(x.dtype)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over ranks and keep chunk `rank`: `(P n, ...) -> (n, ...)`.
+
+        Raises:
+            ValueError: if dim 0 of `x` is not divisible by `size`.
+        """
+        send = self._wire("reduce_scatter", x, 1, self.size)
+        out = send.new_empty((send.shape[0] // self.size, *send.shape[1:]))  # (n, ...)
+        _reduce_scatter_base(out, send, op=dist.ReduceOp.SUM, group=self.process_group)
+        return out.to(x.dtype)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Send chunk `j` of dim 0 to rank `j`; return the chunks received, in rank order.
+
+        Raises:
+            ValueError: if dim 0 of `x` is not divisible by `size`.
+        """
+        send = self._wire("all_to_all", x, 1, self.size)
+        out = torch.empty_like(send)  # (P n, ...): chunk s came from rank s
+        dist.all_to_all_single(out, send, group=self.process_group)
+        return out.to(x.dtype)
+
+    def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
+        return self.send_recv_async(x, shift).wait()
+
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> TorchPendingShift:
+        """Start the ring shift of `send_recv`; `wait()` on the handle returns the received tensor.
+
+        Both the send and the receive are posted at once (`batch_isend_irecv`), so a rank can
+        compute while they travel. Do not modify `x` in place before `wait()`: like any
+        asynchronous send, the backend may still be reading it.
+        """
+        shift = operator.index(shift)
+        send = self._wire("send_recv", x)
+        where = f"send_recv_async #{self._seq - 1} on group {self.group}"
+        if shift % self.size == 0:  # every rank keeps its own block: nothing travels
+            return TorchPendingShift([], send, send.clone(), x.dtype, where)
+        recv = torch.empty_like(send)
+        # --8<-- [start:ring-peers]
+        # ring neighbours in group ranks, then mapped to global ranks
+        dst = self.group[(self.rank + shift) % self.size]
+        src = self.group[(self.rank - shift) % self.size]
+        ops = [dist.P2POp(dist.isend, send, dst, self.process_group),
+               dist.P2POp(dist.irecv, recv, src, self.process_group)]  # fmt: skip
+        # --8<-- [end:ring-peers]
+        return TorchPendingShift(dist.batch_isend_irecv(ops), send, recv, x.dtype, where)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `x` elementwise over ranks with `op` in `REDUCE_OPS`; every rank gets the result.
+
+        Raises:
+            ValueError: if `op` is not `"sum"`, `"max"` or `"min"`.
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+        out = self._wire("all_reduce", x, copy=True)  # reduced in place: never the caller's tensor
+        dist.all_reduce(out, op=_REDUCE_OP[op], group=self.process_group)
+        return out.to(x.dtype)
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has called `barrier`."""
+        self._seq += 1
+        dist.barrier(group=self.process_group)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> TorchComm:
+        """Partition the group; return the sub-group that holds this rank (collective call).
+
+        Args:
+            groups: a partition of `range(size)`, the same on every rank; each part lists its
+                ranks in the order that numbers them `0..len-1` in the sub-group.
+
+        Returns:
+            The `TorchComm` of the part holding this rank (made once per partition, cached).
+
+        Raises:
+            ValueError: if `groups` is not a partition of `range(size)`, or if the ranks
+                passed different partitions.
+        """
+        parts = _partition(groups, self.size)
+        self._check_same_partition(parts)  # every time: split is a collective, cached or not
+        if parts not in self._splits:
+            mine = next(part for part in parts if self.rank in part)
+            ranks = [self.group[r] for r in mine]  # group ranks -> global ranks, listed order
+            pg = dist.new_group(ranks, use_local_synchronization=True, sort_ranks=False)
+            self._splits[parts] = TorchComm(pg)
+        return self._splits[parts]
+
+    def _check_same_partition(self, parts: tuple[tuple[int, ...], ...]) -> None:
+        """Compare a digest of `parts` over the group; raise the same `ValueError` on every rank if they differ."""
+        digest = int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=7).digest(), "little")
+        # max over ranks of (d, -d) = (max d, -min d): all equal iff max d == min d (one all-reduce, any backend)
+        hi, neg_lo = self.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64), "max").tolist()
+        if hi != -neg_lo:
+            raise ValueError(
+                f"split: the ranks of group {self.group} passed different partitions (rank {self.rank} passed "
+                f"{[list(p) for p in parts]}); every rank must pass the same groups"
+            )
+
+    def _wire(self, op: str, x: torch.Tensor, min_dim: int = 0, divisor: int = 1, copy: bool = False) -> torch.Tensor:
+        """Check `x` locally (every rank alike), then detach it into a dense tensor the backend can carry."""
+        self._seq += 1
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+        if op in self.unsupported_ops:
+            raise CPInputError(
+                f"{op}: the {self.backend} backend does not support {op} on a group of {self.size} ranks "
+                f"(HCCL's tensor all-gather and reduce-scatter reject group sizes {sorted(_HCCL_BAD_SIZES)}); "
+                f"use a CP size of 2, 4 or 8, or a mode that does not need {op} (see comm.unsupported_ops)"
+            )
+        if x.dim() < min_dim:
+            raise ValueError(f"{op}: needs a dim 0 to split or concatenate, got a 0-d tensor; reshape it to (1,)")
+        if min_dim and x.shape[0] % divisor:
+            raise ValueError(
+                f"{op}: dim 0 of shape {tuple(x.shape)} must be divisible by the group size P={divisor}; "
+                f"pad dim 0 to a multiple of {divisor}"
+            )
+        wire = x.detach().to(self._widen.get(x.dtype, x.dtype)).contiguous()  # a copy unless x already fits
+        return wire.clone() if copy and wire.data_ptr() == x.data_ptr() else wire
+
+
+def _partition(groups: Sequence[Sequence[int]], size: int) -> tuple[tuple[int, ...], ...]:
+    """Validate that `groups` partitions `range(size)`; return it as a tuple of tuples."""
+    parts = tuple(tuple(operator.index(r) for r in part) for part in groups)
+    flat = [r for part in parts for r in part]
+    if any(not part for part in parts) or sorted(flat) != list(range(size)):
+        raise ValueError(
+            f"split: groups {parts} must partition the ranks 0..{size - 1}, each exactly once, in non-empty groups"
+        )
+    return parts

@@ -1,0 +1,275 @@
+"""The per-rank programs of the gloo tests: module-level functions, importable by spawned ranks.
+
+`run_all_cases` runs every semantic case of `CASES` (and the structural checks of `EXTRA`) on
+one world of 4 processes, so that the whole suite pays for one process start-up. Every
+member builds every other member's input from its *global* rank, so the expected tensors are
+built independently of the backend, and a group-rank / global-rank mix-up shows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from cpref.backends import TorchComm, TorchPendingShift, unsupported_ops
+from cpref.errors import CPInputError
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# a fraction each dtype holds exactly next to integers up to ~40, and that a narrower one loses
+FINE = {torch.float64: 2.0**-30, torch.float32: 2.0**-10, torch.float16: 2.0**-3, torch.bfloat16: 2.0**-1}
+
+# the groups every semantic case runs on: name -> how to make it from the world (same on every rank)
+GROUPS = {
+    "world": lambda w, m: w,  # size 4
+    "split-02-13": lambda w, m: w.split([[0, 2], [1, 3]]),  # non-consecutive ranks
+    "split-20-31": lambda w, m: w.split([[2, 0], [3, 1]]),  # listed order numbers the ranks
+    "split-01-23": lambda w, m: w.split([[0, 1], [2, 3]]),
+    "split-012-3": lambda w, m: w.split([[0, 1, 2], [3]]),  # sizes 3 and 1
+    "mesh-dp,cp": lambda w, m: TorchComm.from_mesh(m["dp,cp"], "cp"),  # CP ranks {0, 1}, {2, 3}
+    "mesh-cp,dp": lambda w, m: TorchComm.from_mesh(m["cp,dp"], "cp"),  # CP ranks {0, 2}, {1, 3}
+}
+
+
+def member_input(comm, s: int, salt: int, rows: int, dtype, *, exact=False, strided=False) -> torch.Tensor:
+    """Group rank `s`'s input, from its global rank: `(rows, 3, 2)`; exact sums if `exact`."""
+    g = torch.Generator().manual_seed(1000 * comm.group[s] + salt)
+    if exact:  # small integers plus a multiple of FINE: every sum is exact, in any order
+        ints, steps = torch.randint(-8, 9, (rows, 2, 3), generator=g), torch.randint(0, 4, (rows, 2, 3), generator=g)
+        x = ints + steps * FINE[dtype]
+    else:
+        x = torch.randn(rows, 2, 3, generator=g, dtype=torch.float64)
+    x = x.to(dtype)  # (rows, 2, 3)
+    return x.transpose(1, 2) if strided else x.transpose(1, 2).contiguous()  # (rows, 3, 2)
+
+
+def inputs(comm, salt, rows, dtype, **kw) -> list[torch.Tensor]:
+    return [member_input(comm, s, salt, rows, dtype, **kw) for s in range(comm.size)]
+
+
+def call(op, x, *args):
+    """Call `op(x, ...)` on a leaf that requires grad; check it stays untouched and out is fresh."""
+    x = x.detach().clone().requires_grad_(True)  # keeps x's strides
+    before = x.detach().clone()
+    out = op(x, *args)
+    out = out.wait() if isinstance(out, TorchPendingShift) else out
+    assert torch.equal(x.detach(), before), f"{op.__name__} modified its input in place"
+    assert not out.requires_grad and out.grad_fn is None, f"{op.__name__} carried autograd history"
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), f"{op.__name__} returned a view of x"
+    return out
+
+
+def expect(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    got, want = f"{out.dtype}{tuple(out.shape)}", f"{ref.dtype}{tuple(ref.shape)}"
+    assert got == want, f"{what}: {got} != {want}"
+    assert torch.equal(out, ref), f"{what}: values differ\n{out}\n!=\n{ref}"
+
+
+def _sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([x.double() for x in xs]).sum(0).to(xs[0].dtype)  # exact for exact inputs
+
+
+def case_all_gather(comm, dtype):
+    xs = inputs(comm, 1, 2, dtype)  # P x (2, 3, 2)
+    expect(call(comm.all_gather, xs[comm.rank]), torch.cat(xs), "all_gather")  # (2P, 3, 2)
+
+
+def case_reduce_scatter(comm, dtype):
+    xs = inputs(comm, 2, 2 * comm.size, dtype, exact=True, strided=True)  # P x (2P, 3, 2)
+    ref = _sum(xs).chunk(comm.size)[comm.rank]  # (2, 3, 2): chunk r of the sum
+    expect(call(comm.reduce_scatter, xs[comm.rank]), ref, "reduce_scatter")
+
+
+def case_all_to_all(comm, dtype):
+    xs = inputs(comm, 3, 2 * comm.size, dtype, strided=True)  # P x (2P, 3, 2)
+    ref = torch.cat([xs[s].chunk(comm.size)[comm.rank] for s in range(comm.size)])  # chunk r of every x_s
+    expect(call(comm.all_to_all, xs[comm.rank]), ref, "all_to_all")
+
+
+def case_all_reduce(comm, dtype):
+    xs = inputs(comm, 4, 3, dtype, exact=True)
+    expect(call(comm.all_reduce, xs[comm.rank]), _sum(xs), "all_reduce sum")
+    expect(call(comm.all_reduce, xs[comm.rank], "max"), torch.stack(xs).amax(0), "all_reduce max")
+    expect(call(comm.all_reduce, xs[comm.rank], "min"), torch.stack(xs).amin(0), "all_reduce min")
+
+
+def case_all_reduce_agrees(comm, dtype):
+    """A rounding sum still gives every rank the same bits, close to the exact sum."""
+    xs = inputs(comm, 5, 64, dtype)
+    out = comm.all_reduce(xs[comm.rank])
+    rows = comm.all_gather(out.unsqueeze(0))  # (P, 64, 3, 2)
+    assert all(torch.equal(row, out) for row in rows), "ranks got different all_reduce results"
+    tol = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
+    ref = torch.stack(xs).double().sum(0)
+    # |out - ref| <= atol + rtol |ref| (torch.testing.assert_close would import DTensor: 1 s a rank)
+    assert ((out.double() - ref).abs() <= tol * comm.size + tol * ref.abs()).all(), f"all_reduce sum far from {ref}"
+
+
+def case_send_recv(comm, dtype):
+    P, r = comm.size, comm.rank
+    for shift in (1, -1, 2, P, P + 1, -3):
+        xs = inputs(comm, 10 + shift, 2, dtype, strided=True)
+        expect(call(comm.send_recv, xs[r], shift), xs[(r - shift) % P], f"send_recv shift={shift}")
+
+
+def case_send_recv_async(comm, dtype):
+    """Post two shifts, work (even a collective) while they travel, wait in reverse order."""
+    P, r = comm.size, comm.rank
+    xs, ys, zs = inputs(comm, 20, 2, dtype), inputs(comm, 21, 2, dtype), inputs(comm, 22, 2, dtype, exact=True)
+    fwd, bwd = comm.send_recv_async(xs[r], 1), comm.send_recv_async(ys[r], -1)
+    total = comm.all_reduce(zs[r])  # communication on the same group meanwhile
+    work = xs[r].double().flatten() @ ys[r].double().flatten()  # and compute
+    comm.barrier()
+    expect(bwd.wait(), ys[(r + 1) % P], "send_recv_async shift=-1")
+    expect(fwd.wait(), xs[(r - 1) % P], "send_recv_async shift=1")
+    expect(total, _sum(zs), "all_reduce between post and wait")
+    assert torch.isfinite(work)
+    expect(call(comm.send_recv_async, xs[r], 2), xs[(r - 2) % P], "send_recv_async shift=2")
+    try:
+        fwd.wait()
+    except RuntimeError as exc:
+        assert "twice" in str(exc)
+    else:
+        raise AssertionError("a second wait() on one handle did not raise")
+
+
+CHECKS = {f.__name__[5:]: f for f in (case_all_gather, case_reduce_scatter, case_all_to_all, case_all_reduce,
+                                      case_all_reduce_agrees, case_send_recv, case_send_recv_async)}  # fmt: skip
+CASES = [f"{g}/{c}/{str(d)[6:]}" for g in GROUPS for c in CHECKS for d in DTYPES]
+
+
+def extra_structure(world, comms, meshes):
+    """Attributes and split structure: group[rank] is the global rank, listed order renumbers, cached."""
+    g = world.global_rank
+    assert (world.rank, world.size, world.group, world.backend) == (g, 4, (0, 1, 2, 3), "gloo")
+    assert world.unsupported_ops == frozenset()
+    expected = {"split-02-13": [(0, 2), (1, 3)], "split-20-31": [(2, 0), (3, 1)], "split-01-23": [(0, 1), (2, 3)],
+                "split-012-3": [(0, 1, 2), (3,)], "mesh-dp,cp": [(0, 1), (2, 3)],
+                "mesh-cp,dp": [(0, 2), (1, 3)]}  # fmt: skip
+    for name, parts in expected.items():
+        part = next(p for p in parts if g in p)
+        c = comms[name]
+        assert (c.group, c.rank, c.size, c.global_rank) == (part, part.index(g), len(part), g), (name, c)
+    assert world.split([[0, 2], [1, 3]]) is comms["split-02-13"], "split made a second group for one partition"
+    assert TorchComm.from_mesh(meshes["dp,cp"], "dp").group == ((0, 2) if g % 2 == 0 else (1, 3))
+
+
+def extra_split_errors(world, comms, meshes):
+    for bad in ([[0, 1], [1, 2, 3]], [[0, 1, 2]], [[0, 1, 2, 3], []]):
+        _raises(ValueError, "partition", world.split, bad)
+    mine = [[0, 1], [2, 3]] if world.rank == 0 else [[0, 2], [1, 3]]  # ranks disagree (both cached)
+    _raises(ValueError, "different partitions", world.split, mine)
+    mine = [[0, 3], [1, 2]] if world.rank == 0 else [[0, 3], [2, 1]]  # (neither made yet)
+    _raises(ValueError, "different partitions", world.split, mine)
+    _raises(ValueError, "axes", TorchComm.from_mesh, meshes["dp,cp"], "tp")
+
+
+def extra_validation(world, comms, meshes):
+    """Bad calls raise on every rank before any communication (the next collective still works)."""
+    _raises(ValueError, "divisible", world.reduce_scatter, torch.ones(6))
+    _raises(ValueError, "divisible", world.all_to_all, torch.ones(5, 2))
+    _raises(ValueError, "0-d", world.all_gather, torch.tensor(1.0))
+    _raises(ValueError, "op must be", world.all_reduce, torch.ones(2), "mean")
+    _raises(TypeError, "torch.Tensor", world.all_gather, [1.0])
+    expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after errors")
+
+
+def extra_hccl_limits(world, comms, meshes):
+    """A size-3 group told it is HCCL refuses tensor all-gather / reduce-scatter, naming the fix."""
+    c = comms["split-012-3"]
+    if c.size != 3:
+        return
+    c.backend, c.unsupported_ops = "hccl", unsupported_ops("hccl", 3)
+    try:
+        for op in (c.all_gather, c.reduce_scatter):
+            _raises(CPInputError, "hccl backend does not support", op, torch.ones(3))
+        expect(c.all_to_all(torch.ones(3)), torch.ones(3), "all_to_all is not limited")
+    finally:
+        c.backend, c.unsupported_ops = "gloo", frozenset()
+
+
+def extra_widened_dtype(world, comms, meshes):
+    """Where a backend lacks a dtype, it travels wider and comes back in the caller's dtype."""
+    world._widen = {torch.float16: torch.float32}
+    try:
+        for check in CHECKS.values():
+            check(world, torch.float16)
+    finally:
+        world._widen = {}
+
+
+EXTRA = {f.__name__[6:]: f for f in (extra_structure, extra_split_errors, extra_validation, extra_hccl_limits,
+                                     extra_widened_dtype)}  # fmt: skip
+
+
+def _raises(kind, text, fn, *args):
+    try:
+        fn(*args)
+    except kind as exc:
+        assert text in str(exc), f"{kind.__name__} without {text!r}: {exc}"
+    else:
+        raise AssertionError(f"{getattr(fn, '__name__', fn)}{args} did not raise {kind.__name__}")
+
+
+def run_all_cases(tag: str) -> dict[str, str | None]:
+    """Every case of `CASES` and `EXTRA` on this rank: `{name: None or the failure's traceback}`.
+
+    The entry `"whoami"` is `whoami(tag)`, for the launcher's own test.
+    """
+    world = TorchComm()
+    # two 2 x 2 meshes over the world: CP ranks {0, 1}, {2, 3} and {0, 2}, {1, 3}
+    meshes = {axes: init_device_mesh("cpu", (2, 2), mesh_dim_names=tuple(axes.split(",")))
+              for axes in ("dp,cp", "cp,dp")}  # fmt: skip
+    comms = {name: make(world, meshes) for name, make in GROUPS.items()}
+    outcome: dict = {"whoami": whoami(tag)}
+    for name in CASES:
+        group, check, dtype = name.split("/")
+        outcome[name] = _outcome(CHECKS[check], comms[group], getattr(torch, dtype))
+    for name, extra in EXTRA.items():
+        outcome[name] = _outcome(extra, world, comms, meshes)
+    return outcome
+
+
+def _outcome(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except AssertionError:
+        return traceback.format_exc()
+    return None
+
+
+# --- programs for the launcher's own tests ---------------------------------------------------
+
+
+def whoami(tag: str) -> tuple:
+    """Rank, world size, threads and the argument: what launch must return, rank by rank."""
+    return dist.get_rank(), dist.get_world_size(), torch.get_num_threads(), tag
+
+
+def raise_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 rejects its input")
+    TorchComm().barrier()
+
+
+def killed_mid_collective() -> None:
+    comm = TorchComm()
+    if comm.rank == 1:  # die while rank 0 waits in the all-reduce
+        time.sleep(0.5)
+        os.kill(os.getpid(), 9)
+    comm.all_reduce(torch.ones(4))
+
+
+def mismatched_shapes() -> None:
+    TorchComm().all_gather(torch.ones(2 + dist.get_rank()))
+
+
+def silent_peer() -> None:
+    """Rank 1 never calls the barrier and never dies: only the process-group timeout ends it."""
+    if dist.get_rank() == 1:
+        time.sleep(120)
+    TorchComm().barrier()

@@ -1,0 +1,92 @@
+"""`sim.launch` on gloo: every fault ends in a clear report, fast; torchrun runs it unchanged.
+
+(That results come back by rank is checked by the one launch of `test_torch_dist.py`.)
+
+The fault tests run with a process-group timeout of 120 s and must end in under 60 s (start-up
+included, on a loaded machine), so a launcher that waited for the timeout instead of watching
+its children fails them; except the one fault only a timeout can end (a peer that neither
+calls nor dies), which runs with a 3 s timeout and must end within the grace period after it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sim.launch import _GRACE_S, LaunchFailure, launch, under_torchrun
+from tests.backends import gloo_cases
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def failing_launch(fn, nproc=2, timeout=120.0, **kw) -> tuple[LaunchFailure, float]:
+    start = time.monotonic()
+    with pytest.raises(LaunchFailure) as info:
+        launch(fn, nproc, timeout=timeout, **kw)
+    return info.value, time.monotonic() - start
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback():
+    failure, elapsed = failing_launch(gloo_cases.raise_on_rank_1)
+    assert (failure.root.rank, failure.root.kind, failure.root.exc_type) == (1, "raised", "ValueError")
+    assert str(failure).startswith("rank 1 raised ValueError: rank 1 rejects its input (of 2 ranks)")
+    assert "in raise_on_rank_1" in str(failure)  # the failing rank's traceback
+    assert 0 in failure.failures and failure.results == {}
+    assert elapsed < 60.0  # ended by the failure, not by the 120 s timeout
+
+
+def test_a_rank_killed_mid_collective_is_reported_by_signal():
+    failure, elapsed = failing_launch(gloo_cases.killed_mid_collective)
+    assert (failure.root.rank, failure.root.kind, failure.root.exitcode) == (1, "died", -9)
+    assert str(failure).startswith("rank 1 was killed by signal 9 (SIGKILL) without reporting a result")
+    assert failure.failures[0].kind in ("raised", "terminated")  # the survivor lost its peer
+    assert elapsed < 60.0
+
+
+def test_mismatched_calls_raise_on_every_rank():
+    failure, elapsed = failing_launch(gloo_cases.mismatched_shapes)
+    assert {f.kind for f in failure.failures.values()} == {"raised"}
+    assert "Detected mismatch between collectives" in str(failure)
+    assert elapsed < 60.0
+
+
+def test_a_silent_peer_ends_within_the_timeout():
+    failure, elapsed = failing_launch(gloo_cases.silent_peer, timeout=3.0)
+    assert (failure.root.rank, failure.root.kind) == (0, "raised")  # rank 0 timed out in the barrier
+    assert "3000" in failure.root.message  # after the configured 3 s (in ms)
+    assert failure.failures[1].kind == "terminated"  # the sleeping rank was stopped, not waited for
+    assert time.time() - failure.root.at < _GRACE_S + 5.0
+    assert elapsed < 60.0  # the silent rank sleeps for 120 s
+
+
+def test_bad_arguments_fail_before_any_process_starts():
+    with pytest.raises(ValueError, match="nproc"):
+        launch(gloo_cases.whoami, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        launch(gloo_cases.whoami, 2, timeout=0)
+    with pytest.raises(Exception, match="pickle|local object"):
+        launch(lambda: None, 2)
+
+
+def test_runs_in_process_under_torchrun(tmp_path):
+    """`torchrun` sets RANK/WORLD_SIZE/LOCAL_RANK: launch runs fn in that process only."""
+    assert not under_torchrun()
+    script = tmp_path / "main.py"
+    script.write_text(
+        "from sim.launch import launch\n"
+        "from tests.backends import gloo_cases\n"
+        "if __name__ == '__main__':\n"
+        "    print('result', launch(gloo_cases.whoami, 99, args=('torchrun',), timeout=30.0), flush=True)\n"
+    )
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("result"))
+    assert lines == [f"result [({r}, 2, 1, 'torchrun')]" for r in range(2)]
