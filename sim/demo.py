@@ -1,63 +1,84 @@
 """`make demo`: shard a packed batch over a CP group and run every CP mode on the simulated cluster.
 
 Part 1 shards three documents over a CP group of 4 in both layouts and prints, per rank, the
-tokens held, the causal attention work `sum(q_len * kv_len)` and the imbalance (max / mean).
-Part 2 runs each CP mode on the simulated cluster in FP64, forward and backward, and prints
-per rank the tokens, attention work, bytes sent and received (from the cluster's trace) and
-the largest error of the output and of dQ/dK/dV against the dense FP64 oracle.
+tokens held and the causal attention work, as exact score counts and as the block metric
+`sum(q_len * kv_len)`, with the imbalance (max / mean) of each.
+Part 2 runs every CP mode in both layouts on the simulated cluster in FP64, forward and
+backward, and prints one row per mode and layout: the largest error of out, dQ, dK, dV on
+any rank against the dense FP64 oracle, the imbalance of the kernel work actually done, the
+bytes each rank sent (from the cluster's trace), the bytes each rank saved for backward
+(saved-tensor hooks), the kernel calls and the collectives a rank took part in, forward +
+backward (a range where ranks differ).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
 import torch
 
 import cpref
-from sim.harness import max_error, oracle_shards, run_attention
+from sim.harness import CountingKernel, max_error, oracle_shards, run_attention, saved_bytes
 from sim.trace import summarize
 
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
 P = 4
 HQ, HKV, D = 4, 2, 16
+MODE_ARGS = {"a2a+p2p": {"a2a_size": 2}}  # the hierarchical mode: 2 x 2
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
 
 
+def _imbalance(work: list[int]) -> float:
+    return max(work) / (sum(work) / len(work))
+
+
 def part1_layouts(cu: torch.Tensor) -> None:
     print(f"Part 1: {len(LENGTHS)} documents of {LENGTHS} tokens over a CP group of {P}\n")
     for layout in cpref.LAYOUTS:
-        work = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
+        exact = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout, exact=True) for r in range(P)]
+        block = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
         tokens = [len(cpref.global_index(cu, cp_size=P, rank=r, layout=layout)) for r in range(P)]
         print(f"  layout={layout}")
-        print(f"    {'rank':>4} {'tokens':>7} {'causal work':>12}")
+        print(f"    {'rank':>4} {'tokens':>7} {'exact scores':>13} {'block metric':>13}")
         for r in range(P):
-            print(f"    {r:>4} {tokens[r]:>7} {work[r]:>12}")
-        print(f"    imbalance (max/mean work) = {max(work) / (sum(work) / P):.3f}\n")
+            print(f"    {r:>4} {tokens[r]:>7} {exact[r]:>13} {block[r]:>13}")
+        print(f"    imbalance (max/mean): exact scores = {_imbalance(exact):.3f}, block metric = {_imbalance(block):.3f}\n")
+
+
+def _same(values: list[int]) -> str:
+    return str(values[0]) if len(set(values)) == 1 else f"{min(values)}-{max(values)}"
 
 
 def part2_modes(cu: torch.Tensor, layouts: list[str]) -> float:
     T = int(cu[-1])
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
+    print(f"Part 2: every CP mode, FP64 on the simulated cluster, P={P} Hq={HQ} Hkv={HKV} D={D}, causal, "
+          f"forward + backward, per rank\n")  # fmt: skip
+    head = f"  {'mode':<11} {'layout':<11} {'max |err|':>9} {'work max/mean':>13} {'bytes sent':>10} {'saved bytes':>11} {'kernel calls':>12}  collectives"
+    print(head + "\n  " + "-" * (len(head) + 10))
     worst = 0.0
-    print(f"Part 2: every CP mode, FP64 on the simulated cluster, Hq={HQ} Hkv={HKV} D={D}, causal\n")
     for mode in sorted(cpref.MODES):
+        extra = MODE_ARGS.get(mode, {})
         for layout in layouts:
-            results, cluster = run_attention(q, k, v, dout, cu, P=P, mode=mode, layout=layout)
-            refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout)
+            kernels = [CountingKernel() for _ in range(P)]
+            results, cluster = run_attention(q, k, v, dout, cu, P=P, mode=mode, layout=layout, kernels=kernels,
+                                             check_ranks=False, **extra)  # fmt: skip
+            err = max_error(results, oracle_shards(q, k, v, dout, cu, P=P, layout=layout))
+            worst = max(worst, err)
             summary = summarize(cluster.trace)
-            print(f"  mode={mode} layout={layout}")
-            print(f"    {'rank':>4} {'tokens':>7} {'work':>7} {'bytes sent':>11} {'bytes recv':>11} {'max |err|':>10}")
-            for r, res in enumerate(results):
-                err = max_error([res], [refs[r]])
-                worst = max(worst, err)
-                work = cpref.attention_work(cu, cp_size=P, rank=r, layout=layout)
-                print(f"    {r:>4} {res[0].shape[0]:>7} {work:>7} {summary.bytes_sent[r]:>11} {summary.bytes_recv[r]:>11} {err:>10.2e}")
-            counts = ", ".join(f"{op} x{n}" for op, n in sorted(summary.counts.items()))
-            print(f"    collectives (forward + backward): {counts}\n")
+            sent = [summary.bytes_sent[r] for r in range(P)]
+            saved = saved_bytes(q, k, v, cu, P=P, mode=mode, layout=layout, check_ranks=False, **extra)
+            calls = [kern.forward_calls + kern.backward_calls for kern in kernels]
+            ops = Counter(ev.op for ev in cluster.trace if 0 in ev.group and ev.op != "split")  # rank 0's calls
+            print(f"  {mode:<11} {layout:<11} {err:>9.2e} {_imbalance([kern.forward_work() for kern in kernels]):>13.3f} "
+                  f"{_same(sent):>10} {_same(saved):>11} {_same(calls):>12}  "
+                  + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))  # fmt: skip
+    print()
     return worst
 
 

@@ -19,7 +19,37 @@ import cpref
 from sim import oracle
 from sim.cluster import SimCluster
 
-__all__ = ["run_attention", "oracle_shards", "oracle_padded", "max_error"]
+__all__ = ["CountingKernel", "run_attention", "oracle_shards", "oracle_padded", "max_error", "saved_bytes", "trace_split"]
+
+
+class CountingKernel:
+    """Wraps a kernel and records its calls (one instance per rank): counts, sequences, masks.
+
+    Attributes:
+        forward_calls, backward_calls: how many calls each way.
+        calls: `(direction, seqs, causal)` of every call, in order.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner or cpref.TorchKernel()
+        self.forward_calls = self.backward_calls = 0
+        self.calls: list[tuple[str, cpref.Varlen, bool]] = []
+
+    def forward(self, q, k, v, seqs, **kwargs):
+        """Record, then call the wrapped kernel's forward."""
+        self.forward_calls += 1
+        self.calls.append(("forward", seqs, kwargs["causal"]))
+        return self.inner.forward(q, k, v, seqs, **kwargs)
+
+    def backward(self, dout, q, k, v, out, lse, seqs, **kwargs):
+        """Record, then call the wrapped kernel's backward."""
+        self.backward_calls += 1
+        self.calls.append(("backward", seqs, kwargs["causal"]))
+        return self.inner.backward(dout, q, k, v, out, lse, seqs, **kwargs)
+
+    def forward_work(self) -> int:
+        """Exact score entries per head of the forward calls made."""
+        return sum(seqs.work(causal) for kind, seqs, causal in self.calls if kind == "forward")
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -101,3 +131,40 @@ def oracle_shards(q, k, v, dout, cu_seqlens, *, P, layout, cu_seqlens_padded=Non
 def max_error(results, refs) -> float:
     """The largest absolute difference over every rank and tensor (compared in float64)."""
     return max((a.double() - b.double()).abs().max().item() for got, want in zip(results, refs) for a, b in zip(got, want))
+
+
+def saved_bytes(q, k, v, cu_seqlens, *, P: int, mode: str, layout: str = "zigzag", **kwargs: Any) -> list[int]:
+    """Bytes each rank's `cpref.attention` saves for its backward, measured with saved-tensor hooks."""
+    shard_cu = kwargs.get("cu_seqlens_padded") if kwargs.get("cu_seqlens_padded") is not None else cu_seqlens
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout=layout).requires_grad_() for t in (q, k, v)]
+        packed: list[int] = []
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            packed.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            cpref.attention(*local, cu_seqlens, comm=comm, mode=mode, layout=layout, **kwargs)
+        return sum(packed)
+
+    return SimCluster(P, timeout=60.0).run(rank_fn)
+
+
+def trace_split(trace, rank: int) -> tuple[tuple[int, dict[str, int]], tuple[int, dict[str, int]]]:
+    """`((bytes, ops), (bytes, ops))` of one global rank before and after the first barrier.
+
+    The barrier is what `run_attention(..., between=lambda comm: comm.barrier())` puts at the
+    end of the forward; `split` and `barrier` events are not counted as ops.
+    """
+    cut = next(i for i, ev in enumerate(trace) if ev.op == "barrier")
+    halves = []
+    for events in (trace[:cut], trace[cut + 1 :]):
+        total, ops = 0, {}
+        for ev in events:
+            if rank in ev.group and ev.op not in ("split", "barrier"):
+                total += ev.bytes_sent[ev.group.index(rank)]
+                ops[ev.op] = ops.get(ev.op, 0) + 1
+        halves.append((total, ops))
+    return halves[0], halves[1]

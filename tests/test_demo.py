@@ -1,5 +1,9 @@
-"""`make demo` runs, checks itself against the oracle, and prints the balance the theory predicts."""
+"""`make demo` runs, checks itself against the oracle, and prints what the theory predicts."""
 
+import torch
+
+import cpref
+from cpref.costs import mode_costs
 from sim import demo
 
 
@@ -7,8 +11,18 @@ def test_demo_runs_and_reports(capsys):
     assert demo.main([]) == 0
     out = capsys.readouterr().out
     P = demo.P
-    # contiguous: rank r does (r + 1) c^2 per document, so max/mean = 2P / (P + 1); zigzag: 1
-    assert f"imbalance (max/mean work) = {2 * P / (P + 1):.3f}" in out
-    assert "imbalance (max/mean work) = 1.000" in out
-    assert "mode=all_gather layout=zigzag" in out and "mode=all_gather layout=contiguous" in out
+    # block metric: contiguous rank r does (r + 1) c^2 per document, so max/mean = 2P / (P + 1); zigzag: 1
+    assert f"block metric = {2 * P / (P + 1):.3f}" in out
+    assert "exact scores = 1.000, block metric = 1.000" in out
+    rows = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.strip().split()[:1] and line.split()[0] in cpref.MODES}
+    assert set(rows) == {(m, lay) for m in cpref.MODES for lay in cpref.LAYOUTS}
+    t_l = sum(demo.LENGTHS) // P
+    for (mode, layout), cols in rows.items():
+        assert float(cols[2]) <= 1e-10  # max |err| against the oracle
+        if layout == "zigzag":
+            assert cols[3] == "1.000"  # every rank does the same kernel work
+        costs = mode_costs(mode, P=P, local_tokens=t_l, heads=(demo.HQ, demo.HKV, demo.D, demo.D), dtype=torch.float64,
+                           **demo.MODE_ARGS.get(mode, {}))  # fmt: skip
+        assert int(cols[4]) == costs.forward_bytes + costs.backward_bytes  # bytes sent per rank
+        assert int(cols[5]) == costs.saved_bytes
     assert "within 1e-10" in out

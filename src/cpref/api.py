@@ -47,6 +47,9 @@ from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, check_heads
 from cpref.layout import LAYOUTS
 from cpref.modes.all_gather import run_all_gather
+from cpref.modes.hierarchical import check_hierarchical, run_hierarchical
+from cpref.modes.ring import run_ring
+from cpref.modes.ulysses import check_ulysses, run_ulysses
 
 __all__ = ["attention", "MODES", "Mode", "prepare"]
 
@@ -72,6 +75,9 @@ class Mode:
 
 MODES: dict[str, Mode] = {
     "all_gather": Mode(run_all_gather, frozenset({"all_gather", "reduce_scatter"}), (("save_gathered_kv", False),)),
+    "p2p": Mode(run_ring, frozenset({"send_recv"})),
+    "a2a": Mode(run_ulysses, frozenset({"all_to_all"}), check=check_ulysses),
+    "a2a+p2p": Mode(run_hierarchical, frozenset({"all_to_all", "send_recv"}), (("a2a_size", None),), check_hierarchical),
 }
 
 

@@ -21,7 +21,13 @@ from tests.cp.conftest import oracle_shards, run_cp
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 
 MODES = sorted(cpref.MODES)
-HEADS = {"mha": (4, 4, 8, 8), "gqa": (4, 2, 8, 8), "mqa": (4, 1, 8, 8), "mla": (4, 2, 12, 8)}
+# head counts every mode accepts at P = 1, 2, 3, 4 (Ulysses splits heads: 12 | Hq, and Hkv | 12 or Hkv = 1)
+HEADS = {"mha": (12, 12, 8, 8), "gqa": (24, 12, 8, 8), "mqa": (12, 1, 8, 8), "mla": (12, 1, 12, 8)}
+
+
+def extra(mode: str, P: int) -> dict:
+    """The mode's own arguments: the hierarchical mode's a2a group size."""
+    return {"a2a_size": 2 if P % 2 == 0 else 1} if mode == "a2a+p2p" else {}
 
 
 def padded_batch(lengths, P, layout, heads, seed=0, dtype=torch.float64):
@@ -46,7 +52,8 @@ def padded_batch(lengths, P, layout, heads, seed=0, dtype=torch.float64):
 )
 def test_padding_is_invisible_to_real_tokens(mode, P, lengths, layout, causal, heads):
     cu, cu_pad, q, k, v, dout = padded_batch(lengths, P, layout, heads, seed=len(lengths))
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
+    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad,
+                        **extra(mode, P))  # fmt: skip
     refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
     for r, (got, want) in enumerate(zip(results, refs)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
@@ -64,7 +71,8 @@ def test_padding_rows_are_exactly_zero_and_real_rows_ignore_padding_values(mode,
     runs = []
     for fill in (0.0, 1e4):
         qf, kf, vf, df = (t.masked_fill(pad[:, None, None], fill) for t in (q, k, v, dout))
-        runs.append(run_cp(qf, kf, vf, df, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)[0])
+        runs.append(run_cp(qf, kf, vf, df, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad,
+                           **extra(mode, P))[0])  # fmt: skip
     for r in range(P):
         local_pad = cpref.shard(pad, cu_pad, cp_size=P, rank=r, layout=layout)
         for a, b in zip(runs[0][r], runs[1][r]):
@@ -105,7 +113,9 @@ def test_no_host_sync_after_the_first_layer(mode, padded, monkeypatch):
         shard = lambda x: cpref.shard(x, shard_cu, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
         ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
         d = shard(dout)
-        attend = lambda x: cpref.attention(x, kl, vl, cu, comm=comm, mode=mode, layout=layout, cu_seqlens_padded=cu_pad)  # noqa: E731
+        attend = lambda x: cpref.attention(  # noqa: E731
+            x, kl, vl, cu, comm=comm, mode=mode, layout=layout, cu_seqlens_padded=cu_pad, **extra(mode, P)
+        )
         outs = [attend(ql)]
         comm.barrier()
         if comm.rank == 0:
@@ -142,7 +152,7 @@ def disagreeing(mode, what):
         cu, lay = kw.pop("cu"), kw.pop("layout")
         shard_cu = cu if kw["cu_seqlens_padded"] is None else kw["cu_seqlens_padded"]
         local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout=lay) for t in (q, k, v)]
-        return cpref.attention(*local, cu, comm=comm, mode=mode, layout=lay, check_ranks=check_ranks, **kw)
+        return cpref.attention(*local, cu, comm=comm, mode=mode, layout=lay, check_ranks=check_ranks, **kw, **extra(mode, P))
 
     return P, rank_fn
 
@@ -181,7 +191,7 @@ def test_double_backward_is_refused_clearly_on_every_rank(mode):
 
     def rank_fn(comm):
         local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag").requires_grad_() for t in (q, k, v)]
-        out = cpref.attention(*local, cu, comm=comm, mode=mode)
+        out = cpref.attention(*local, cu, comm=comm, mode=mode, **extra(mode, P))
         before = len(cluster.trace)
         try:
             torch.autograd.grad(out.sum(), local, create_graph=True)
@@ -191,3 +201,40 @@ def test_double_backward_is_refused_clearly_on_every_rank(mode):
     cluster = SimCluster(P, timeout=30.0)
     with pytest.raises(ValueError, match="differentiable once.*create_graph"):
         cluster.run(rank_fn)
+
+
+class LimitedComm:
+    """A communicator like HCCL with 3, 5, 6 or 7 ranks: no tensor all-gather or reduce-scatter."""
+
+    unsupported_ops = frozenset({"all_gather", "reduce_scatter"})
+
+    def __init__(self, comm):
+        self._comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    def __getattr__(self, name):
+        if name in self.unsupported_ops:
+            def missing(*args, **kwargs):
+                raise AssertionError(f"{name} called on a backend without it")
+
+            return missing
+        return getattr(self._comm, name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backend_limits_refuse_a_mode_before_any_communication(mode):
+    P = 2
+    cu, q, k, v = cu_from_lengths([8, 24]), *random_qkv(32, 4, 2, 8)
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        return cpref.attention(*local, cu, comm=LimitedComm(comm), mode=mode, **extra(mode, P))
+
+    cluster = SimCluster(P, timeout=30.0)
+    needs = cpref.MODES[mode].collectives & LimitedComm.unsupported_ops
+    if needs:
+        with pytest.raises(ValueError, match=rf"mode='{mode}' needs \['all_gather', 'reduce_scatter'\], which this communicator"):
+            cluster.run(rank_fn)
+        assert cluster.trace == []
+    else:  # the mode runs; the rank check uses two all-reduces instead of its all-gather
+        cluster.run(rank_fn)
+        check = [ev.op for ev in cluster.trace if ev.dtype == torch.int64]
+        assert check == ["all_reduce", "all_reduce"]

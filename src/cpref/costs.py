@@ -1,0 +1,110 @@
+r"""What each CP mode costs per rank and layer: bytes moved, collectives, bytes saved for backward.
+
+These are the analytic figures the mode pages state; the test suite checks every one of them
+against the simulated cluster's trace (bytes and collectives) and against saved-tensor hooks
+(memory), for every mode, layout and head configuration, and the docs render their tables from
+this module, so a page cannot drift from the code.
+
+Notation: $T_l = T / P$ tokens per rank, $b$ bytes per element of the input dtype, $f$ bytes
+per element of the compute dtype (4, or 8 for float64), $H'_{kv}$ the key/value heads after
+the replication an all-to-all over $a$ ranks needs ($H_{kv}$ if $a \mid H_{kv}$, else $a$).
+
+| mode | forward bytes | backward bytes | saved for backward |
+| --- | --- | --- | --- |
+| `all_gather` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | twice the forward (once with `save_gathered_kv`) | $T_l (b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + f H_q)$ |
+| `p2p` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward $+\ P\, T_l H_{kv} (D + D_v)\, f$ | as `all_gather` |
+| `a2a` | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ | as forward | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
+| `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a` |
+
+The first call on a new batch adds the rank check's fingerprint all-gather
+(`cpref.consistency`), and the hierarchical mode's first call on a communicator two `split`s;
+neither moves payload, and neither is in the table.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from cpref.kernels.contract import compute_dtype
+
+__all__ = ["ModeCosts", "mode_costs", "replicated_kv_heads"]
+
+
+@dataclass(frozen=True)
+class ModeCosts:
+    """Per-rank costs of one forward and backward of one layer.
+
+    Attributes:
+        forward_bytes, backward_bytes: bytes each rank sends (= receives).
+        forward_ops, backward_ops: collectives called, by name.
+        saved_bytes: bytes saved for the backward (the autograd Function's saved tensors).
+    """
+
+    forward_bytes: int
+    backward_bytes: int
+    forward_ops: Counter = field(default_factory=Counter)
+    backward_ops: Counter = field(default_factory=Counter)
+    saved_bytes: int = 0
+
+
+def replicated_kv_heads(hkv: int, a: int) -> int:
+    """Key/value heads entering an all-to-all over `a` ranks: `Hkv`, or `a` if each head is replicated."""
+    return hkv if hkv % a == 0 else a
+
+
+def mode_costs(
+    mode: str,
+    *,
+    P: int,
+    local_tokens: int,
+    heads: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    a2a_size: int | None = None,
+    save_gathered_kv: bool = False,
+    selected_kv_rows: int | None = None,
+) -> ModeCosts:
+    """The per-rank costs of `mode` (see the table in the module docstring).
+
+    Args:
+        mode: a name in `cpref.MODES`.
+        P: the CP size.
+        local_tokens: `T / P`.
+        heads: `(Hq, Hkv, D, Dv)`.
+        dtype: the input dtype.
+        a2a_size: `a` of the hierarchical mode.
+        save_gathered_kv: the all-gather mode's other schedule.
+        selected_kv_rows: `sum(kv_len)` of the all-gather plan, needed with `save_gathered_kv`.
+    """
+    hq, hkv, d, dv = heads
+    t, b = local_tokens, torch.empty(0, dtype=dtype).element_size()
+    f = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
+    kv_row = lambda h: h * (d + dv)  # noqa: E731  elements of one token's K and V
+    shards = t * (b * (hq * d + hkv * d + hkv * dv + hq * dv) + f * hq)  # q, k, v, out and lse, local
+    if mode == "all_gather":
+        fwd = (P - 1) * t * kv_row(hkv) * b
+        saved = shards
+        if save_gathered_kv:
+            saved = t * (b * (hq * d + hq * dv) + f * hq) + selected_kv_rows * kv_row(hkv) * b
+        bwd_ops = Counter(reduce_scatter=2) + (Counter() if save_gathered_kv else Counter(all_gather=2))
+        return ModeCosts(fwd, fwd * (1 if save_gathered_kv else 2), Counter(all_gather=2), bwd_ops, saved)
+    if mode == "p2p":
+        return _ring(P, t, kv_row(hkv), b, f, Counter(), Counter(), 0, shards)
+    a = P if mode == "a2a" else a2a_size
+    h = replicated_kv_heads(hkv, a)
+    a2a_bytes = (a - 1) * t * (hq * d + kv_row(h) + hq * dv) * b // a
+    a2a_ops = Counter(all_to_all=4) if a > 1 else Counter()
+    saved = t * (b * (hq * d + kv_row(h) + hq * dv) + f * hq)
+    if mode == "a2a":
+        return ModeCosts(a2a_bytes, a2a_bytes, a2a_ops, Counter(a2a_ops), saved)
+    return _ring(P // a, t, kv_row(h), b, f, a2a_ops, Counter(a2a_ops), a2a_bytes, saved)
+
+
+def _ring(p: int, t: int, row: int, b: int, f: int, fwd_ops: Counter, bwd_ops: Counter, extra: int, saved: int) -> ModeCosts:
+    """A ring of `p` ranks on blocks of `t` tokens of `row` K/V elements, on top of `extra` bytes."""
+    fwd = (p - 1) * t * row * b
+    bwd = fwd + (p * t * row * f if p > 1 else 0)  # the float32 dK/dV accumulators take p shifts
+    fwd_ops, bwd_ops = fwd_ops + Counter(send_recv=p - 1), bwd_ops + Counter(send_recv=2 * p - 1 if p > 1 else 0)
+    return ModeCosts(extra + fwd, extra + bwd, +fwd_ops, +bwd_ops, saved)

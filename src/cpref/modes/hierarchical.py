@@ -1,0 +1,134 @@
+r"""Hierarchical a2a+p2p CP: Ulysses inside groups of `a` ranks, a ring across the `p` groups.
+
+Ulysses is limited by the head count and moves a lot when `P` is small relative to the GQA
+group; the ring moves only K/V but needs `P` steps. The hierarchy (USP, Fang & Zhao 2024)
+takes a bit of each: a CP group of $P = a \cdot p$ ranks is cut into `p` **a2a groups** of
+`a` consecutive ranks, and the ranks at the same place in every a2a group form a **ring** of
+`p` ranks:
+
+$$ \text{a2a group } g = \{g a, \dots, g a + a - 1\}, \qquad
+   \text{ring } j = \{j, j + a, \dots, j + (p - 1) a\}, \qquad r = g a + j . $$
+
+Inside its a2a group a rank exchanges heads for tokens (`cpref.modes.ulysses`): it then holds
+every token of its group for $\frac{H}{a}$ heads. Across the ring it runs ring attention
+(`cpref.modes.ring`) on those tokens, in `p` steps. The output takes the way back. The
+sub-groups are made once per communicator with `comm.split` and reused.
+
+## Zigzag nests
+
+After the exchange, a2a group `g` holds the chunks of its `a` ranks. Under zigzag over
+`P`, rank $ga + j$ holds chunks $ga + j$ and $2P - 1 - ga - j$ of every document, so the
+group holds
+
+$$ \{ga, \dots, ga + a - 1\} \cup \{2P - (g + 1) a, \dots, 2P - 1 - ga\}, $$
+
+two runs of `a` consecutive chunks. With chunks `a` times larger (a document cut into $2p$
+pieces) these are pieces $g$ and $2p - 1 - g$: **exactly the zigzag layout over `p` ranks**,
+rank `g`. (Contiguous nests the same way: the group holds piece `g` of `p`.) So a precomputed
+permutation turns the gathered tokens into that layout's local order, and the ring level runs
+the zigzag ring over `p` ranks unchanged: every ring step is balanced too. The permutation is
+built from global token ids and checks the nesting as it is built.
+
+With `a = 1` the exchange does nothing and this is the ring (`p2p`); with `a = P` the ring
+has one step and this is Ulysses (`a2a`): both reduce exactly, bit for bit.
+
+## Cost per rank
+
+Forward: the a2a traffic of Ulysses over `a` ranks,
+$\frac{a - 1}{a} \frac{T}{P} (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)$ elements, plus the
+ring's over `p` ranks on the gathered blocks, $(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$, with
+$H'_{kv} = \max(H_{kv}, a)$. Backward: the same a2a volume, and the ring's
+$(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$ in the input dtype plus $p \frac{T}{P} H'_{kv} (D + D_v)$
+float32 elements of dK/dV. Saved for backward: the gathered q, k, v, out and lse, as many
+elements as the local shards.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from cpref.call import CPCall
+from cpref.checks import as_int
+from cpref.comm import Collectives
+from cpref.errors import CPInputError
+from cpref.modes.all_gather import no_double_backward
+from cpref.modes.ring import ring_backward, ring_forward, ring_plan
+from cpref.modes.ulysses import A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, replicate, unreplicate
+
+__all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical"]
+
+_SUBGROUPS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Collectives, Collectives]]]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def subgroups(comm: Collectives, a: int) -> tuple[Collectives, Collectives]:
+    """`(a2a group, ring)` of this rank for `a2a_size = a`: made once per communicator (two splits)."""
+    with _LOCK:
+        cached = _SUBGROUPS.get(comm, {}).get(a)
+    if cached is not None:
+        return cached
+    P, p = comm.size, comm.size // a
+    a2a = comm.split([list(range(g * a, (g + 1) * a)) for g in range(p)])  # consecutive ranks
+    ring = comm.split([list(range(j, P, a)) for j in range(a)])  # one rank of every a2a group
+    with _LOCK:
+        _SUBGROUPS.setdefault(comm, {})[a] = (a2a, ring)
+    return a2a, ring
+
+
+class HierarchicalFunc(torch.autograd.Function):
+    """Autograd Function: a2a in, ring across, a2a out; the backward takes the same way back."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float):
+        # 1) inside the a2a group: all the group's tokens for H/a heads, in the zigzag-over-p order
+        qg = a2a_gather(q, a2a, a2a_comm)  # (a T_l, Hq/a, D)
+        kg = a2a_gather(replicate(k, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, D)
+        vg = a2a_gather(replicate(v, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, Dv)
+        # 2) across the groups: ring attention over p ranks
+        out_g, lse_g = ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale)  # (a T_l, Hq/a, Dv)
+        ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
+        ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
+        ctx.dtypes = (k.dtype, v.dtype)
+        # 3) back to sequence shards of all heads
+        return a2a_scatter(out_g, a2a, a2a_comm)  # (T_l, Hq, Dv)
+
+    @staticmethod
+    def backward(ctx: Any, dout):
+        no_double_backward()
+        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
+        (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms
+        dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
+        dqg, dkg, dvg = ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale)
+        dq = a2a_scatter(dqg, a2a, a2a_comm)  # (T_l, Hq, D)
+        dk = unreplicate(a2a_scatter(dkg, a2a, a2a_comm), a2a.replicas, ctx.dtypes[0])  # (T_l, Hkv, D)
+        dv = unreplicate(a2a_scatter(dvg, a2a, a2a_comm), a2a.replicas, ctx.dtypes[1])  # (T_l, Hkv, Dv)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def check_hierarchical(call: CPCall) -> None:
+    """`MODES["a2a+p2p"]`'s constraints: `a2a_size` divides P, and `a` ranks can split the heads."""
+    a = call.options["a2a_size"]
+    if a is None:
+        raise CPInputError(
+            f"mode 'a2a+p2p' needs a2a_size, the all-to-all group size dividing P = {call.P} "
+            f"(e.g. a2a_size={2 if call.P % 2 == 0 else 1}); a2a_size=1 is the ring, a2a_size=P is Ulysses"
+        )
+    a = as_int("a2a_size", a, lo=1)
+    if call.P % a:
+        sizes = [d for d in range(1, call.P + 1) if call.P % d == 0]
+        raise CPInputError(f"a2a_size={a} does not divide the CP size P = {call.P}; choose one of {sizes}")
+    check_a2a_heads(call.heads[0], call.heads[1], a, call.P, f"mode 'a2a+p2p' with a2a_size={a}")
+
+
+def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
+    """`MODES["a2a+p2p"]`: the sub-groups, the exchange and ring plans, then the Function."""
+    a = call.options["a2a_size"]
+    p, g = call.P // a, call.rank // a
+    a2a_comm, ring_comm = subgroups(comm, a)
+    exchange = a2a_plan(call, a, g, call.heads[1], with_attention=False)
+    ring = ring_plan(call, p, g, call.layout if p > 1 else "contiguous")
+    return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)

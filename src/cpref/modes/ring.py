@@ -1,0 +1,161 @@
+r"""Ring attention (p2p): K and V travel around the CP ring, partial results merge by their lse.
+
+Each rank keeps its queries; the K/V blocks circulate. At step $t = 0, \dots, P - 1$ rank
+$r$ holds the block that started on rank $(r - t) \bmod P$, computes its queries' attention
+against it (the step's plan, `cpref.modes.ring_plan`: one varlen kernel call for every
+document, with the causal work skipping of the layout), and merges the partial result into a
+running output by log-sum-exp (`cpref.modes.merge`):
+
+$$ O \leftarrow O - \sigma(\ell_b - \ell)\,(O - O_b), \qquad
+   \ell \leftarrow \ell - \log\sigma(\ell - \ell_b) . $$
+
+Between steps every rank sends its block to rank $r + 1$ and receives the block of rank
+$r - 1$ (`send_recv`, shift 1). No rank ever holds more than two blocks: memory stays at
+$\frac{T}{P}$ rows whatever `P` is, the point of ring attention (Liu et al. 2023).
+
+## Overlap
+
+The shift of step $t + 1$ is **posted before** step $t$ computes (`send_recv_async`), and
+waited for only after: on real process groups the transfer of the next block runs while the
+kernel works on the current one. The block being sent is never modified, as the protocol
+requires.
+
+--8<-- "src/cpref/modes/ring.py:forward"
+
+## Backward
+
+The backward recomputes every block from the saved **global** lse (the kernel contract's
+backward with the row's full lse gives this call's share of the gradients). $dQ$ stays home
+and accumulates. $dK$ and $dV$ travel with their block: at step $t$ the rank adds its share to
+the block's accumulator, which then moves on with the block; after the last step one more
+shift brings every accumulator home, holding the contributions of all `P` ranks. The
+accumulators are float32 (float64 for float64 inputs) and are rounded to the input dtype
+once, at their owner, so bf16 error does not grow with `P`.
+
+--8<-- "src/cpref/modes/ring.py:backward"
+
+## Cost per rank
+
+Forward: $P - 1$ shifts of the packed K/V block, $(P - 1) \frac{T}{P} H_{kv} (D + D_v)$ elements
+in the input dtype, and one kernel call per step that has work ($P$ zigzag, $r + 1$ contiguous
+causal). Backward: $P - 1$ K/V shifts again plus $P$ shifts of the float32 dK/dV accumulators,
+$P \frac{T}{P} H_{kv} (D + D_v)$ elements of 4 bytes. Saved for backward: the local `q, k, v`,
+`out` and the float32 lse, $\frac{T}{P}\big(b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + 4 H_q\big)$
+bytes, falling as $1/P$.
+
+**Precision.** The block outputs come from the kernel in float32 (`out_dtype`), the merge runs
+in float32, and the output is rounded once. The backward's $\Delta = \mathrm{rowsum}(dO \circ O)$
+uses the saved output, rounded to the input dtype, because no call sees a whole row; in bf16
+that makes gradient errors grow with the logit scale (the tolerance table holds at the default
+$D^{-1/2}$, see `TorchKernel`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cpref.call import CPCall
+from cpref.comm import Collectives
+from cpref.kernels.contract import AttentionKernel, compute_dtype
+from cpref.modes.all_gather import no_double_backward
+from cpref.modes.merge import merge_partial
+from cpref.modes.ring_plan import RingPlan, RingStep, build_ring_plan
+
+__all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring"]
+
+
+def _block(kv: torch.Tensor, step: RingStep, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's keys and values from the packed block `(T_l, Hkv, D + Dv)`."""
+    kv = kv if step.kv_index is None else kv.index_select(0, step.kv_index)  # (T', Hkv, D + Dv)
+    return kv[..., :d], kv[..., d:]  # (T', Hkv, D), (T', Hkv, Dv)
+
+
+# --8<-- [start:forward]
+def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float):
+    """Forward of ring attention. Returns `(out (T_l, Hq, Dv), lse (T_l, Hq))`, out in the input dtype."""
+    acc, d, P = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)  # (T_l, Hq, Dv), running output
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)  # (T_l, Hq), no key seen yet
+    kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv): one block travels
+    for t, step in enumerate(plan.steps):
+        # 1) post the shift that brings the next block, before computing on this one
+        pending = comm.send_recv_async(kv) if t + 1 < P else None
+        # 2) this block's share of every query's attention (nothing if the step is skipped)
+        if step.seqs is not None:
+            kb, vb = _block(kv, step, d)
+            out_b, lse_b = kernel.forward(q, kb, vb, step.seqs, causal=step.causal, scale=scale, out_dtype=acc)
+            # 3) merge by log-sum-exp, in float32
+            merge_partial(out, lse, out_b, lse_b)
+        # 4) the block of rank (r - t - 1) mod P
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype), lse
+# --8<-- [end:forward]
+
+
+# --8<-- [start:backward]
+def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float):
+    """Backward of ring attention. Returns `(dq, dk, dv)` for the local shards."""
+    acc, d, P = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (T_l, Hq, D), stays home
+    kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)
+    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # the own block's accumulator
+    pending_dkv = None
+    for t, step in enumerate(plan.steps):
+        # 1) post the next K/V block
+        pending_kv = comm.send_recv_async(kv) if t + 1 < P else None
+        # 2) this block's share of the gradients, recomputed from the global lse
+        if step.seqs is not None:
+            kb, vb = _block(kv, step, d)
+            dq_b, dk_b, dv_b = kernel.backward(
+                dout, q, kb, vb, out, lse, step.seqs, causal=step.causal, scale=scale, grad_dtype=acc,
+                full_rows=P == 1,  # a ring of one rank sees whole rows
+            )  # (T_l, Hq, D), (T', Hkv, D), (T', Hkv, Dv)
+            dq += dq_b
+            dkv_b = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
+            if step.kv_index is not None:  # back to the block's rows, adding up duplicated rows
+                dkv_b = dkv_b.new_zeros(kv.shape).index_add_(0, step.kv_index, dkv_b)  # (T_l, Hkv, D + Dv)
+        # 3) the accumulator of the block held now arrives from the previous rank; add this share
+        if pending_dkv is not None:
+            dkv = pending_dkv.wait()
+        if step.seqs is not None:
+            dkv += dkv_b
+        # 4) pass it on with the block; after the last step this brings it home
+        pending_dkv = comm.send_recv_async(dkv) if P > 1 else None
+        if pending_kv is not None:
+            kv = pending_kv.wait()
+    if pending_dkv is not None:
+        dkv = pending_dkv.wait()  # (T_l, Hkv, D + Dv): every rank's contributions to the own block
+    return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype)
+# --8<-- [end:backward]
+
+
+class RingFunc(torch.autograd.Function):
+    """Autograd Function: K/V around the ring forward; K/V and dK/dV around the ring backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, plan, comm, kernel, scale: float):
+        out, lse = ring_forward(q, k, v, plan, comm, kernel, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.comm, ctx.kernel, ctx.scale = plan, comm, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout):
+        no_double_backward()
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.comm, ctx.kernel, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_plan(call: CPCall, P: int, rank: int, layout: str) -> RingPlan:
+    """The cached ring plan of `rank` in a ring of `P` over the call's batch."""
+    key = ("ring", P, rank, layout, call.causal, str(call.device))
+    return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))
+
+
+def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
+    """`MODES["p2p"]`: this rank's ring plan from the batch cache, then the Function."""
+    return RingFunc.apply(q, k, v, ring_plan(call, call.P, call.rank, call.layout), comm, call.kernel, call.scale)

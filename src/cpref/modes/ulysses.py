@@ -1,0 +1,197 @@
+r"""Ulysses (a2a): trade the sequence split for a head split, attend locally, trade back.
+
+Attention is independent per head. So instead of moving keys to queries, DeepSpeed-Ulysses
+(Jacobs et al. 2023) moves **heads**: an all-to-all turns "every rank holds $\frac{T}{P}$
+tokens of all $H$ heads" into "every rank holds all $T$ tokens of $\frac{H}{P}$ heads". Each
+rank then computes ordinary attention over the whole packed stream for its heads, with no
+further communication, and a second all-to-all turns the output back into sequence shards.
+
+$$ (\tfrac{T}{P}, H, D) \xrightarrow{\text{all-to-all}} (T, \tfrac{H}{P}, D)
+   \xrightarrow{\text{attention}} (T, \tfrac{H}{P}, D_v) \xrightarrow{\text{all-to-all}} (\tfrac{T}{P}, H, D_v) $$
+
+## The exchange
+
+Rank $r$ splits its heads into `P` groups and sends group $j$ of all its tokens to rank $j$;
+it receives, from every rank $s$, its own head group for rank $s$'s tokens. The received
+tokens are **rank-major**: rank 0's local tokens, then rank 1's. Under the zigzag or the
+contiguous layout that is not document order, so a permutation computed once per batch puts
+them in natural order (and its inverse puts the output back), and one varlen kernel call
+covers every document, each sequence seeing whole rows (`full_rows=True`).
+
+--8<-- "src/cpref/modes/ulysses.py:exchange"
+
+## Heads
+
+The head split needs `P` to divide $H_q$. Key/value heads must be split alike: with
+$H_{kv} \bmod P = 0$ each rank gets $\frac{H_{kv}}{P}$ of them, exactly those its query heads
+read. With fewer key/value heads than ranks (GQA, MQA) each is **replicated** $\frac{P}{H_{kv}}$
+times before the exchange (requires $P \bmod H_{kv} = 0$), so every rank receives the one
+key/value head of its query heads; the gradients of the replicas are summed back. Any other
+combination raises `ValueError` before any communication, naming the CP sizes that work.
+
+## Cost per rank
+
+Forward: all-to-alls of `q`, `k`, `v` and of the output, each moving $\frac{P - 1}{P}$ of the
+tensor: $\frac{P-1}{P} \frac{T}{P} (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)$ elements, with
+$H'_{kv} = \max(H_{kv}, P)$ when heads are replicated. With $D = D_v$ and GQA group size
+$G = H_q / H_{kv}$, that is $\frac{G + 1}{P}$ times the traffic of all-gather or ring: Ulysses
+moves less exactly when $G + 1 < P$. The backward moves the same volume (dout in; dq, dk, dv
+out, in the input dtype; the gradients of replicated heads are summed in float32 after it).
+Saved for backward: the gathered `q, k, v`, the head-split output and its lse, as many elements
+as the local shards, so memory falls as $1/P$, except for replicated key/value heads: with
+$H_{kv} < P$ every rank keeps $T (D + D_v)$ elements of K/V whatever `P` is. One kernel call
+each way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpref.call import CPCall
+from cpref.comm import Collectives
+from cpref.errors import CPInputError
+from cpref.kernels.contract import compute_dtype
+from cpref.layout import global_index
+from cpref.modes.all_gather import no_double_backward
+from cpref.modes.ring_plan import RingStep, build_ring_plan
+from cpref.seqlens import Boundaries
+
+__all__ = ["A2APlan", "UlyssesFunc", "a2a_gather", "a2a_scatter", "a2a_plan", "check_a2a_heads", "run_ulysses"]
+
+
+def check_a2a_heads(hq: int, hkv: int, a: int, P: int, what: str) -> None:
+    """Raise unless `a` ranks can split `hq` query heads and `hkv` key/value heads (see the docstring)."""
+    if hq % a == 0 and (hkv % a == 0 or a % hkv == 0):
+        return
+    works = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)]
+    raise CPInputError(
+        f"{what} splits heads over {a} ranks (P = {P}), but Hq = {hq}, Hkv = {hkv} cannot be split so: "
+        f"it needs Hq % {a} == 0 and Hkv % {a} == 0 or {a} % Hkv == 0; sizes that work: {works}"
+    )
+
+
+@dataclass(frozen=True)
+class A2APlan:
+    """The permutation of one a2a group's gathered tokens, and the attention on them.
+
+    Attributes:
+        perm: `(a T_l,)` positions in the rank-major gathered buffer, in the wanted order.
+        inv_perm: the inverse permutation.
+        replicas: how many times each key/value head is replicated before the exchange.
+        attend: the kernel call over the gathered stream (Ulysses: whole documents).
+    """
+
+    perm: torch.Tensor
+    inv_perm: torch.Tensor
+    replicas: int
+    attend: RingStep | None = None
+
+
+def a2a_permutation(b: Boundaries, P: int, a: int, g: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(perm, inv_perm)`: gathered tokens of a2a group `g` (ranks `g a .. g a + a - 1`) into the
+    local order of the layout over `P / a` ranks at rank `g` (natural order when `a == P`)."""
+    p = P // a
+    received = torch.cat([global_index(b, cp_size=P, rank=g * a + j, layout=layout) for j in range(a)])  # (a T_l,)
+    wanted = global_index(b, cp_size=p, rank=g, layout=layout if p > 1 else "contiguous")  # (a T_l,)
+    where = torch.full((b.total,), -1, dtype=torch.int64)
+    where[received] = torch.arange(len(received))  # global token -> row of the gathered buffer
+    perm = where[wanted]
+    assert (perm >= 0).all(), "the group's tokens are exactly the chunks of the layout over P / a ranks"
+    return perm.to(device), torch.argsort(perm).to(device)
+
+
+def a2a_plan(call: CPCall, a: int, g: int, hkv: int, with_attention: bool) -> A2APlan:
+    """The cached exchange plan of a2a group `g` (and, for Ulysses, its attention call)."""
+
+    def build() -> A2APlan:
+        perm, inv = a2a_permutation(call.bounds, call.P, a, g, call.layout, call.device)
+        attend = build_ring_plan(call.bounds, 1, 0, "contiguous", call.causal, call.device).steps[0] if with_attention else None
+        return A2APlan(perm, inv, 1 if hkv % a == 0 else a // hkv, attend)
+
+    return call.plan(("a2a", call.P, a, g, call.layout, call.causal, hkv, with_attention, str(call.device)), build)
+
+
+# --8<-- [start:exchange]
+def a2a_gather(x: torch.Tensor, plan: A2APlan, comm: Collectives) -> torch.Tensor:
+    """Sequence shards of all heads -> all tokens of this rank's heads: `(T_l, H, X) -> (a T_l, H/a, X)`."""
+    a = comm.size
+    if a == 1:
+        return x.index_select(0, plan.perm)
+    t_l, h, d = x.shape
+    x = x.reshape(t_l, a, h // a, d).transpose(0, 1).reshape(a * t_l, h // a, d)  # chunk j: head group j
+    return comm.all_to_all(x).index_select(0, plan.perm)  # rank-major -> wanted order, (a T_l, H/a, X)
+
+
+def a2a_scatter(y: torch.Tensor, plan: A2APlan, comm: Collectives) -> torch.Tensor:
+    """Inverse of `a2a_gather`: `(a T_l, H/a, X) -> (T_l, H, X)`."""
+    a = comm.size
+    y = y.index_select(0, plan.inv_perm)  # wanted order -> rank-major, (a T_l, H/a, X)
+    if a == 1:
+        return y
+    n, h, d = y.shape
+    y = comm.all_to_all(y.contiguous())  # chunk s: my tokens, head group s
+    return y.reshape(a, n // a, h, d).transpose(0, 1).reshape(n // a, a * h, d)  # (T_l, H, X)
+# --8<-- [end:exchange]
+
+
+def replicate(x: torch.Tensor, replicas: int) -> torch.Tensor:
+    """Each key/value head `replicas` times, adjacent: `(T, Hkv, X) -> (T, Hkv * replicas, X)`."""
+    return x if replicas == 1 else x.repeat_interleave(replicas, dim=1)
+
+
+def unreplicate(dx: torch.Tensor, replicas: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum the replicas' gradients back (in float32, then rounded once): `(T, Hkv * R, X) -> (T, Hkv, X)`."""
+    if replicas == 1:
+        return dx.to(dtype)
+    t, h, d = dx.shape
+    return dx.reshape(t, h // replicas, replicas, d).to(compute_dtype(dtype)).sum(2).to(dtype)
+
+
+class UlyssesFunc(torch.autograd.Function):
+    """Autograd Function: all-to-all q, k, v and out forward; all-to-all dout, dq, dk, dv backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float):
+        step = plan.attend
+        # 1) heads out, tokens in: every rank holds the whole stream for H/P heads, in natural order
+        qg = a2a_gather(q, plan, comm)  # (T, Hq/P, D)
+        kg = a2a_gather(replicate(k, plan.replicas), plan, comm)  # (T, Hkv'/P, D)
+        vg = a2a_gather(replicate(v, plan.replicas), plan, comm)  # (T, Hkv'/P, Dv)
+        # 2) one varlen call over every document, padding seen by no query
+        out_g, lse_g = kernel.forward(qg, kg, vg, step.seqs, causal=step.causal, scale=scale)  # (T, Hq/P, Dv)
+        # 3) tokens out, heads in
+        ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
+        ctx.plan, ctx.comm, ctx.kernel, ctx.scale = plan, comm, kernel, scale
+        ctx.dtypes = (k.dtype, v.dtype)
+        return a2a_scatter(out_g, plan, comm)  # (T_l, Hq, Dv)
+
+    @staticmethod
+    def backward(ctx: Any, dout):
+        no_double_backward()
+        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
+        plan, comm, step = ctx.plan, ctx.comm, ctx.plan.attend
+        # 1) the upstream gradient takes the same way as q
+        dout_g = a2a_gather(dout.contiguous(), plan, comm)  # (T, Hq/P, Dv)
+        # 2) one backward call; every row is whole, so Delta comes from float32 probabilities
+        dqg, dkg, dvg = ctx.kernel.backward(
+            dout_g, qg, kg, vg, out_g, lse_g, step.seqs, causal=step.causal, scale=ctx.scale, full_rows=True
+        )  # (T, Hq/P, D), (T, Hkv'/P, D), (T, Hkv'/P, Dv), in the input dtype: what the exchange moves
+        # 3) back to sequence shards; replicated key/value heads sum their gradients (in float32)
+        dq = a2a_scatter(dqg, plan, comm)  # (T_l, Hq, D)
+        dk = unreplicate(a2a_scatter(dkg, plan, comm), plan.replicas, ctx.dtypes[0])  # (T_l, Hkv, D)
+        dv = unreplicate(a2a_scatter(dvg, plan, comm), plan.replicas, ctx.dtypes[1])  # (T_l, Hkv, Dv)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def check_ulysses(call: CPCall) -> None:
+    """`MODES["a2a"]`'s own constraint: the heads split over all P ranks."""
+    check_a2a_heads(call.heads[0], call.heads[1], call.P, call.P, "mode 'a2a'")
+
+
+def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
+    """`MODES["a2a"]`: the group's exchange plan from the batch cache, then the Function."""
+    plan = a2a_plan(call, call.P, 0, call.heads[1], with_attention=True)
+    return UlyssesFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale)

@@ -1,0 +1,96 @@
+"""Counted, not timed: every mode's bytes, collectives, kernel calls and saved memory per rank equal
+the analytic figures its page states (`cpref.costs`), for every layout and head configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpref
+from cpref.costs import mode_costs
+from sim.harness import saved_bytes, trace_split
+from tests.cp.conftest import CountingKernel, run_cp
+from tests.helpers import cu_from_lengths, random_qkv
+
+HEADS = {"mha": (8, 8, 8, 8), "gqa": (8, 2, 8, 8), "mqa": (8, 1, 8, 8), "mla": (8, 2, 12, 8)}
+CONFIGS = [  # (mode, options, P)
+    ("all_gather", {}, 4),
+    ("all_gather", {"save_gathered_kv": True}, 4),
+    ("p2p", {}, 2),
+    ("p2p", {}, 4),
+    ("a2a", {}, 4),
+    ("a2a", {}, 8),
+    ("a2a+p2p", {"a2a_size": 2}, 4),
+    ("a2a+p2p", {"a2a_size": 2}, 8),
+    ("a2a+p2p", {"a2a_size": 4}, 8),
+]
+IDS = [f"{m}-P{P}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, o, P in CONFIGS]
+
+
+def steps_with_work(mode, options, P, rank, layout, causal):
+    """Kernel calls each way: one for all-gather and Ulysses, one per ring step that has work."""
+    if mode in ("all_gather", "a2a"):
+        return 1
+    a = options.get("a2a_size", 1)
+    p, g = P // a, rank // a
+    return g + 1 if layout == "contiguous" and causal else p
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)
+def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, options, P, heads, layout, causal):
+    cu = cu_from_lengths([2 * P * 3, 2 * P])
+    hq, hkv, d, dv = HEADS[heads]
+    dtype = torch.bfloat16  # 2-byte payload, 4-byte float32 accumulators: the formulas must tell them apart
+    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype)
+    dout = random_qkv(int(cu[-1]), hq, hq, dv, dtype=dtype, seed=1)[0]
+    kernels = [CountingKernel() for _ in range(P)]
+    _, cluster = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, kernels=kernels,
+                        check_ranks=False, between=lambda comm: comm.barrier(), **options)  # fmt: skip
+    t_l = int(cu[-1]) // P
+    for r in range(P):
+        rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout, causal=causal)["actual_seq_kvlen"][-1]
+        want = mode_costs(mode, P=P, local_tokens=t_l, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows, **options)
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), f"rank {r}"
+        assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), f"rank {r}"
+        calls = steps_with_work(mode, options, P, r, layout, causal)
+        assert (kernels[r].forward_calls, kernels[r].backward_calls) == (calls, calls), f"rank {r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)
+def test_saved_bytes_for_backward_equal_the_formula(mode, options, P, heads, dtype):
+    cu = cu_from_lengths([2 * P * 3, 2 * P])
+    hq, hkv, d, dv = HEADS[heads]
+    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype)
+    measured = saved_bytes(q, k, v, cu, P=P, mode=mode, check_ranks=False, **options)
+    for r in range(P):
+        rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, r)["actual_seq_kvlen"][-1]
+        want = mode_costs(mode, P=P, local_tokens=int(cu[-1]) // P, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows, **options)
+        assert measured[r] == want.saved_bytes, f"rank {r}"
+
+
+@pytest.mark.parametrize("mode, options", [("p2p", {}), ("a2a", {}), ("a2a+p2p", {"a2a_size": 2}), ("all_gather", {})])
+def test_saved_memory_falls_as_one_over_p(mode, options):
+    """Memory is what CP is for: each rank saves 1/P of the layer's activations (MHA: no head replicated)."""
+    per_rank = {}
+    for P in (2, 4, 8):
+        cu = cu_from_lengths([128])
+        q, k, v = random_qkv(128, 8, 8, 8)
+        per_rank[P] = saved_bytes(q, k, v, cu, P=P, mode=mode, check_ranks=False, **options)[0]
+    assert per_rank[2] == 2 * per_rank[4] == 4 * per_rank[8]
+
+
+def test_ulysses_replicated_kv_heads_do_not_shrink_with_p():
+    """With Hkv < P every rank keeps P replicated heads of T/P tokens: K/V memory stays T Hkv' / P = T."""
+    kv = {}
+    for P in (2, 4, 8):
+        q, k, v = random_qkv(128, 8, 1, 8)  # MQA: one key/value head, replicated P times
+        total = saved_bytes(q, k, v, cu_from_lengths([128]), P=P, mode="a2a", check_ranks=False)[0]
+        q_out_lse = (128 // P) * (8 * (8 * 8 + 8 * 8) + 8 * 8)  # q, out (fp64) and lse: fall as 1/P
+        kv[P] = total - q_out_lse
+    assert kv[2] == kv[4] == kv[8] == 128 * (8 + 8) * 8  # T (D + Dv) elements of 8 bytes, whatever P
