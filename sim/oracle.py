@@ -6,8 +6,8 @@ packed stream, computes every score in float64, and lets autograd differentiate 
 here is blocked, fused, merged or rescaled, so there is nothing to get subtly wrong.
 
 **Packed self-attention (THD).** A stream of $T$ tokens holds $N$ documents cut by
-`cu_seqlens` $= [c_0 = 0, c_1, \dots, c_N = T]$. Token $i$ has document
-$\mathrm{doc}(i) = n$ for $c_n \le i < c_{n+1}$ and position $\mathrm{pos}(i) = i - c_n$.
+`cu_seqlens` $= [b_0 = 0, b_1, \dots, b_N = T]$. Token $i$ has document
+$\mathrm{doc}(i) = n$ for $b_n \le i < b_{n+1}$ and position $\mathrm{pos}(i) = i - b_n$.
 Query token $i$ sees key token $j$ iff
 
 $$ M_{ij} = [\mathrm{doc}(i) = \mathrm{doc}(j)] \wedge

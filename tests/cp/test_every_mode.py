@@ -238,3 +238,23 @@ def test_backend_limits_refuse_a_mode_before_any_communication(mode):
         cluster.run(rank_fn)
         check = [ev.op for ev in cluster.trace if ev.dtype == torch.int64]
         assert check == ["all_reduce", "all_reduce"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_metadata_is_built_once_per_batch_not_per_layer(mode):
+    """Layer 1 builds every plan a rank needs; layers 2..4 only hit the cache."""
+    P = 4
+    cu, q, k, v = cu_from_lengths([16, 48]), *random_qkv(64, 12, 12, 8)
+    built = {}
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        for layer in range(4):
+            cpref.attention(*local, cu, comm=comm, mode=mode, **extra(mode, P))
+            comm.barrier()
+            if comm.rank == 0:
+                built[layer] = cpref.cache_info().misses
+            comm.barrier()
+
+    SimCluster(P, timeout=30.0).run(rank_fn)
+    assert built[0] >= 1 and built[0] == built[1] == built[2] == built[3]  # Ulysses: one plan for the group
