@@ -73,10 +73,15 @@ def run_attention(
     """Shard the global tensors, run forward (+ backward) on `P` simulated ranks.
 
     Args:
-        q, k, v: global `(T, H, D)` tensors over the padded stream.
+        q: global `(T, Hq, D)` queries over the padded stream.
+        k: global `(T, Hkv, D)` keys.
+        v: global `(T, Hkv, Dv)` values.
         dout: the upstream gradient `(T, Hq, Dv)`, or None for a forward only.
-        cu_seqlens, cu_seqlens_padded: as for `cpref.attention`; shards follow the padded ones.
-        P, mode, layout: the CP group size, mode and layout.
+        cu_seqlens: as for `cpref.attention`.
+        P: the CP group size.
+        mode: the CP mode.
+        layout: the layout.
+        cu_seqlens_padded: as for `cpref.attention`; the shards follow the padded boundaries.
         kernels: one kernel per rank (default: `TorchKernel`).
         cluster: the cluster to run on (default: a new `SimCluster(P, timeout=60)`).
         between: called with the rank's comm between forward and backward (e.g. a barrier

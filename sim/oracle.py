@@ -6,22 +6,22 @@ packed stream, computes every score in float64, and lets autograd differentiate 
 here is blocked, fused, merged or rescaled, so there is nothing to get subtly wrong.
 
 **Packed self-attention (THD).** A stream of $T$ tokens holds $N$ documents cut by
-`cu_seqlens` $= [b_0 = 0, b_1, \dots, b_N = T]$. Token $i$ has document
-$\mathrm{doc}(i) = n$ for $b_n \le i < b_{n+1}$ and position $\mathrm{pos}(i) = i - b_n$.
-Query token $i$ sees key token $j$ iff
+`cu_seqlens` $= [\mathrm{cu}_0 = 0, \mathrm{cu}_1, \dots, \mathrm{cu}_N = T]$. Token $x$ has document
+$\mathrm{doc}(x) = i$ for $\mathrm{cu}_i \le x < \mathrm{cu}_{i+1}$ and position $\mathrm{pos}(x) = x - \mathrm{cu}_i$.
+Query token $x$ sees key token $y$ iff
 
-$$ M_{ij} = [\mathrm{doc}(i) = \mathrm{doc}(j)] \wedge
-   \big(\neg\,\mathrm{causal} \vee \mathrm{pos}(j) \le \mathrm{pos}(i)\big). $$
+$$ M_{xy} = [\mathrm{doc}(x) = \mathrm{doc}(y)] \wedge
+   \big(\neg\,\mathrm{causal} \vee \mathrm{pos}(y) \le \mathrm{pos}(x)\big). $$
 
 **GQA.** With $H_q$ query heads and $H_{kv}$ key/value heads, $G = H_q / H_{kv}$ query heads
 share one key/value head: query head $h$ reads key/value head $\lfloor h / G \rfloor$.
 
 **Attention.** With scale $s$ (default $D^{-1/2}$), for every query head $h$:
 
-$$ S_{hij} = s\, q_{ih} \cdot k_{j,\lfloor h/G \rfloor}, \qquad
-   \mathrm{lse}_{ih} = \log \sum_{j : M_{ij}} e^{S_{hij}}, $$
+$$ S_{hxy} = s\, q_{xh} \cdot k_{y,\lfloor h/G \rfloor}, \qquad
+   \mathrm{lse}_{xh} = \log \sum_{y : M_{xy}} e^{S_{hxy}}, $$
 
-$$ o_{ih} = \sum_{j : M_{ij}} e^{S_{hij} - \mathrm{lse}_{ih}}\, v_{j,\lfloor h/G \rfloor}. $$
+$$ o_{xh} = \sum_{y : M_{xy}} e^{S_{hxy} - \mathrm{lse}_{xh}}\, v_{y,\lfloor h/G \rfloor}. $$
 
 The log-sum-exp uses the natural log and is what context-parallel algorithms need to merge
 partial results. In self-attention every token sees itself, so no row is empty.
@@ -38,7 +38,7 @@ __all__ = ["attention", "forward_backward", "visibility_mask"]
 
 
 def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
-    """The `(T, T)` boolean mask `M`: `M[i, j]` is True iff query `i` sees key `j`.
+    """The `(T, T)` boolean mask `M`: `M[x, y]` is True iff query `x` sees key `y`.
 
     Args:
         cu_seqlens: document boundaries with a leading 0, shape `(N + 1,)`.
@@ -51,10 +51,10 @@ def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True) -> torch.T
     doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # (T,)
     starts = cu_seqlens.cpu().long()[:-1][doc]  # (T,)
     pos = torch.arange(len(doc)) - starts  # (T,)
-    # M_ij = [doc(i) = doc(j)]
+    # M_xy = [doc(x) = doc(y)]
     mask = doc[:, None] == doc[None, :]  # (T, T)
     if causal:
-        # ... and pos(j) <= pos(i)
+        # ... and pos(y) <= pos(x)
         mask &= pos[None, :] <= pos[:, None]  # (T, T)
     return mask
 
@@ -96,15 +96,15 @@ def attention(
     q64 = q.double()  # (T, Hq, D)
     k64 = k.double().repeat_interleave(group, dim=1)  # (T, Hkv, D) -> (T, Hq, D)
     v64 = v.double().repeat_interleave(group, dim=1)  # (T, Hkv, Dv) -> (T, Hq, Dv)
-    # 2) S_hij = s q_ih . k_jh, masked to -inf where token i does not see token j
-    scores = scale * torch.einsum("ihd,jhd->hij", q64, k64)  # (Hq, T, T)
+    # 2) S_hxy = s q_xh . k_yh, masked to -inf where token x does not see token y
+    scores = scale * torch.einsum("xhd,yhd->hxy", q64, k64)  # (Hq, T, T)
     mask = visibility_mask(cu_seqlens, causal=causal).to(q.device)  # (T, T)
     scores = scores.masked_fill(~mask, float("-inf"))  # (Hq, T, T)
-    # 3) lse_ih = log sum_j exp(S_hij)
+    # 3) lse_xh = log sum_y exp(S_hxy)
     lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)  # (Hq, T) -> (T, Hq)
-    # 4) o_ih = sum_j softmax_j(S_hij) v_jh
+    # 4) o_xh = sum_y softmax_y(S_hxy) v_yh
     probs = torch.softmax(scores, dim=-1)  # (Hq, T, T)
-    out = torch.einsum("hij,jhd->ihd", probs, v64)  # (T, Hq, Dv)
+    out = torch.einsum("hxy,yhd->xhd", probs, v64)  # (T, Hq, Dv)
     return out, lse
 
 

@@ -1,13 +1,18 @@
-r"""What each CP mode costs per rank and layer: bytes moved, collectives, bytes saved for backward.
+r"""Which mode when: what each CP mode costs per rank and layer, and what it needs.
 
-These are the analytic figures the mode pages state; the test suite checks every one of them
-against the simulated cluster's trace (bytes and collectives) and against saved-tensor hooks
-(memory), for every mode, layout and head configuration, and the docs render their tables from
-this module, so a page cannot drift from the code.
+Every mode computes the same attention (the test suite checks each rank's output and
+gradients against the FP64 oracle); they differ in what they move, what they keep, what they
+demand of the head counts, and how they spread the work. The formulas below are this module's
+functions, which the test suite checks against the simulated cluster's trace (bytes and
+collectives) and against saved-tensor hooks (memory), for every mode, layout and head
+configuration; the mode pages' measured tables are checked against them at build time.
+
+## Traffic and memory
 
 Notation: $T_l = T / P$ tokens per rank, $b$ bytes per element of the input dtype, $f$ bytes
 per element of the compute dtype (4, or 8 for float64), $H'_{kv}$ the key/value heads after
-the replication an all-to-all over $a$ ranks needs ($H_{kv}$ if $a \mid H_{kv}$, else $a$).
+the replication an all-to-all over $a$ ranks needs ($H_{kv}$ if $a \mid H_{kv}$, else $a$),
+$p = P / a$ the ring of the hierarchical mode.
 
 | mode | forward bytes | backward bytes | saved for backward |
 | --- | --- | --- | --- |
@@ -19,6 +24,30 @@ the replication an all-to-all over $a$ ranks needs ($H_{kv}$ if $a \mid H_{kv}$,
 The first call on a new batch adds the rank check's fingerprint all-gather
 (`cpref.consistency`), and the hierarchical mode's first call on a communicator two `split`s;
 neither moves payload, and neither is in the table.
+
+## Choosing
+
+* **`all_gather`** is the simplest and makes one kernel call each way. It moves
+  $(P - 1) T_l H_{kv} (D + D_v)$ elements forward, which grows with `P` towards the whole
+  stream's K/V: cheap with strong GQA (few key/value heads), costly for MHA at large `P`.
+  It has no constraint on head counts, and zigzag balances its work exactly.
+* **`p2p`** (the ring) moves as much as all-gather forward, more backward (its dK/dV
+  accumulators travel in float32 so bf16 errors do not grow with `P`), but in `P - 1` shifts
+  that overlap with compute, and never holds more than two K/V blocks at once. Zigzag balances
+  every step. No head constraint. The choice when the network is slow relative to compute and
+  memory is tight.
+* **`a2a`** (Ulysses) moves $\frac{G + 1}{P}$ times all-gather's forward traffic (with
+  $D = D_v$, $G = H_q / H_{kv}$): the least of all once $P > G + 1$, and the least for MHA from
+  `P = 3` on. Its kernel sees whole documents for $H_q / P$ heads, so its work is balanced
+  whatever the layout. But `P` must divide $H_q$, and key/value heads with
+  $H_{kv} < P$ are replicated, so their memory stops falling with `P`.
+* **`a2a+p2p`** splits the difference: Ulysses inside groups of `a` ranks (typically a node,
+  where all-to-all is fast), the ring across the `P / a` groups. It needs only `a` to fit the
+  heads, so it scales past the head count, and with `a = 1` or `a = P` it *is* the ring or
+  Ulysses.
+
+The tables below give the numbers for two reference layers; every figure comes from this
+module's formulas.
 """
 
 from __future__ import annotations

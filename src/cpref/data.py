@@ -24,7 +24,7 @@ The loss must be normalised by the **global** number of loss tokens, not by each
 count, or the loss would depend on how tokens fall on ranks (and a rank holding only padding
 would divide by zero):
 
-$$ \mathcal{L} = \frac{\sum_r \sum_{t \in r} m_t \ell_t}{\sum_r \sum_{t \in r} m_t} $$
+$$ \mathcal{L} = \frac{\sum_r \sum_{x \in r} \mathrm{mask}_x\, \mathrm{loss}_x}{\sum_r \sum_{x \in r} \mathrm{mask}_x} $$
 
 [`cp_loss`][cpref.data.cp_loss] returns rank `r`'s share of this sum, so the shares add up
 to $\mathcal{L}$. Each rank back-propagates its own share through its replica of the model,

@@ -6,8 +6,8 @@ A batch is a *packed stream* of documents. Tensors are THD: `q (T, Hq, D)`,
 `k (T, Hkv, D)`, `v (T, Hkv, Dv)`, where `T` is the total number of tokens, and
 `cu_seqlens` holds the document boundaries with a leading 0: `[0, 8, 20]` is two documents
 of 8 and 12 tokens. A token attends only inside its own document (EOD reset), and with a
-causal mask only to positions at or before its own. A fixed-length batch `(B, S, H, D)` is
-the special case of `B` documents of `S` tokens each ([`bshd_to_thd`][cpref.layout.bshd_to_thd]).
+causal mask only to positions at or before its own. A fixed-length batch in the BSHD format
+(batch, sequence, heads, dim) is the special case of equal documents ([`bshd_to_thd`][cpref.layout.bshd_to_thd]).
 
 ## Layouts over a CP group of `P` ranks
 
@@ -33,13 +33,13 @@ contiguous:
 * the **block metric** `sum(q_len * kv_len)` over a rank's query chunks, with the causal
   prefix as `kv_len` (the MindSpeed RFC's measure, and what a kernel that computes whole
   blocks spends);
-* the **exact count**: query position $p$ of a document sees $p + 1$ keys, so the rank's
-  work is the sum of $p + 1$ over its query tokens (what a kernel that skips masked scores
+* the **exact count**: the query at position $\mathrm{pos}$ of a document sees $\mathrm{pos} + 1$
+  keys, so the rank's work is the sum of $\mathrm{pos} + 1$ over its query tokens (what a kernel that skips masked scores
   spends).
 
 Query chunk `j` of a document (0-based, chunk size $c$) covers positions $[jc, (j+1)c)$:
 
-$$ W^{block}_j = c \cdot (j + 1) c, \qquad W^{exact}_j = \sum_{p = jc}^{(j+1)c - 1} (p + 1)
+$$ W^{\mathrm{block}}_j = c \cdot (j + 1) c, \qquad W^{\mathrm{exact}}_j = \sum_{\mathrm{pos} = jc}^{(j+1)c - 1} (\mathrm{pos} + 1)
    = j c^2 + \tfrac{c (c + 1)}{2} . $$
 
 With the contiguous layout rank `r` holds chunk `r` of `P`: the last rank does the most

@@ -10,14 +10,15 @@ attention call for all of the rank's chunks.
 ## Where a chunk lives in the rank-major buffer
 
 Let `T_l = T / P` be the local token count, `c_i` the chunk size of document `i`, and
-`o_i` the offset of document `i` inside every rank's local buffer ($o_i = m \sum_{i' < i}
-c_{i'}$, with `m` local chunks per document: 2 for zigzag, 1 for contiguous). Chunk `j` of
-document `i` is owned by rank `s(j)` at slot `k(j)` of that rank's chunks for the document:
+`o_i` the offset of document `i` inside every rank's local buffer: every rank holds $L/P$
+tokens of a document of $L$ tokens, so $o_i = \sum_{i' < i} L_{i'} / P$. Chunk `j` of
+document `i` is owned by rank $r'$, at slot $\kappa$ (0 or 1) of that rank's chunks of the
+document:
 
-$$ \text{zigzag: } (s, k) = \begin{cases} (j, 0) & j < P \\ (2P - 1 - j, 1) & j \ge P
-\end{cases} \qquad \text{contiguous: } (s, k) = (j, 0) $$
+$$ \text{zigzag: } (r', \kappa) = \begin{cases} (j, 0) & j < P \\ (2P - 1 - j, 1) & j \ge P
+\end{cases} \qquad \text{contiguous: } (r', \kappa) = (j, 0) $$
 
-and starts at row $s\,T_l + o_i + k\,c_i$ of the gathered buffer.
+and starts at row $r' T_l + o_i + \kappa\, c_i$ of the gathered buffer.
 
 --8<-- "src/cpref/metadata.py:chunk_start"
 

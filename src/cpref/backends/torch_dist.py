@@ -162,7 +162,7 @@ class TorchComm:
         self._seq = 0  # calls so far, to name handles in messages
 
     @classmethod
-    def from_mesh(cls, mesh, axis: str) -> TorchComm:
+    def from_mesh(cls, mesh: "torch.distributed.device_mesh.DeviceMesh", axis: str) -> TorchComm:
         """The communicator of this rank's group along the named `axis` of a `DeviceMesh`.
 
         Args:

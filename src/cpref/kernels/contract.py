@@ -19,9 +19,9 @@ The NPU takes host lists itself (`actual_seq_qlen`). A `Varlen` is built once pe
 CP metadata and reused by every layer, and a kernel may cache what it derives from it
 (blocks, masks, index tensors) with [`Varlen.cached`][cpref.kernels.contract.Varlen.cached].
 
-**Bottom-right causal.** With `causal=True`, query $j$ of sequence $i$ sees key $t$ iff
+**Bottom-right causal.** With `causal=True`, query $x$ of a sequence sees key $y$ iff
 
-$$ t \le j + \mathrm{kv\_len}_i - \mathrm{q\_len}_i , $$
+$$ y \le x + \mathrm{kv\_len} - \mathrm{q\_len} , $$
 
 i.e. the *last* query is aligned with the *last* key (NPU `sparse_mode=3`,
 FlashAttention >= 2.1). A CP rank whose query chunk ends a causal prefix of keys therefore
@@ -41,10 +41,10 @@ whose hardware op rounds to the input dtype (the NPU) returns that result upcast
 **Backward.** `backward(dout, q, k, v, out, lse, seqs, ...)` returns `(dq, dk, dv)` with the
 shapes and dtypes of `q, k, v`. `lse` may be the log-sum-exp of a *longer* row than this
 call sees (ring attention passes the row's global lse); the gradients are then those of this
-call's share of the row, and they need $\Delta_i = \sum_d dO_{id} O_{id}$ of the *whole* row,
+call's share of the row, and they need $\Delta_x = \sum_d dO_{xd} O_{xd}$ of the *whole* row,
 which only `out` carries. When every row of the call is whole (all-gather, Ulysses), the
 caller says so with `full_rows=True`, and a kernel may compute the same quantity as
-$\Delta_i = \sum_t P_{it}\, dP_{it}$ from its own float32 probabilities instead: `out` is
+$\Delta_x = \sum_y P_{xy}\, dP_{xy}$ from its own float32 probabilities instead: `out` is
 rounded to the input dtype, and in bf16 that rounding is what makes gradient errors grow
 with the logit scale. A kernel that cannot (the NPU op takes `out`) ignores the flag.
 """

@@ -17,8 +17,8 @@ context-parallel code; nothing here has been run on an NPU by its author (see *U
 | `causal=True` | `sparse_mode=3` (bottom-right) with the compressed mask below |
 | `causal=False` | `atten_mask=None`: no masking at all, whatever `sparse_mode` says |
 
-**Mask rules.** Bottom-right causal means query $j$ of a sequence with $n_q$ queries and
-$n_k$ keys sees key $t$ iff $t \le j + n_k - n_q$. The op takes it as `sparse_mode=3` plus the
+**Mask rules.** Bottom-right causal means query $x$ of a sequence with $n_q$ queries and
+$n_k$ keys sees key $y$ iff $y \le x + n_k - n_q$. The op takes it as `sparse_mode=3` plus the
 *compressed* mask `torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)` (True = hidden),
 whatever the sequence lengths; the kernel builds it once per device and reuses it. Rows with
 $j < n_q - n_k$ see no key, and the op's documentation disagrees with itself about them, so
@@ -38,7 +38,7 @@ a zero-length sequence, which the op allows.
 $\ell$ of the *scaled* logits $S = s\, q k^\top$ as float32, each value replicated 8 times in
 the last dim:
 
-$$ m = \max_t S_t, \qquad \ell = \sum_t e^{S_t - m}, \qquad \mathrm{lse} = m + \ln \ell . $$
+$$ m = \max_y S_y, \qquad \ell = \sum_y e^{S_y - m}, \qquad \mathrm{lse} = m + \ln \ell . $$
 
 For `TND` the tensors have shape `(T, Hq, 8)`, but by default the data is stored *per
 sequence, head-major*: sequence $b$ with $n_b$ rows fills a block laid out `(Hq, n_b, 8)`,

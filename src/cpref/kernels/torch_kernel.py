@@ -7,16 +7,16 @@ the *compute dtype* (float32, or float64 for float64 inputs); every sum accumula
 
 **Blocks instead of a $T \times T$ matrix.** Sequences are independent, so the kernel loops
 over them, and within a sequence over blocks of $R$ query rows. Under bottom-right causal
-masking query $j$ of a sequence with $n_q$ queries and $n_k$ keys sees key $t$ iff
-$t \le j + \delta$ with $\delta = n_k - n_q$, so the rows $[a, b)$ of a block see at most the
+masking query $x$ of a sequence with $n_q$ queries and $n_k$ keys sees key $y$ iff
+$y \le x + \delta$ with $\delta = n_k - n_q$, so the rows $[a, b)$ of a block see at most the
 key *prefix* $[0, b + \delta)$. Every row sees the keys $[0, a + \delta]$; only the last $R$
 columns of the prefix form the triangle that needs a mask. Without `causal` every row sees
 all $n_k$ keys. Either way a block's keys are one contiguous range, so the block's scores are
 one batched matrix product and its softmax is *exact*: no online rescaling is needed.
-$R$ is chosen so that a block's score matrix, $R \cdot L \cdot H_q$ elements for $L$ keys,
+$R$ is chosen so that a block's score matrix, $R \cdot n_b \cdot H_q$ elements for its $n_b$ keys,
 stays under `max_block_elements`.
 
-Rows $j < -\delta$ see no key at all (more queries than keys). They are never computed:
+Rows $x < -\delta$ see no key at all (more queries than keys). They are never computed:
 their `out` stays 0, their `lse` stays $-\infty$ and their gradients stay 0, so no NaN can
 appear.
 
@@ -25,14 +25,14 @@ with $G = H_q / H_{kv}$, so a block of queries is a $(H_{kv}, R G, D)$ view whos
 heads all multiply the same $(H_{kv}, L, D)$ key block; K and V are never repeated.
 
 **Base 2.** Since $e^x = 2^{x \log_2 e}$, the kernel works with logits in base 2,
-$S_2 = c\, Q K^\top$ with $c = s \log_2 e$, because `exp2` is much cheaper than `exp` on a
+$S_2 = s_2\, Q K^\top$ with $s_2 = s \log_2 e$, because `exp2` is much cheaper than `exp` on a
 CPU (FlashAttention does the same on GPUs). The natural-log lse of the contract is
 $\mathrm{lse} = \ln 2 \cdot \mathrm{lse}_2$.
 
 **Forward**, for one block, with the row maximum $m$ for stability:
 
-$$ S_2 = c\, Q K^\top, \quad m = \max_t S_{2,t}, \quad \tilde P = 2^{S_2 - m}, \quad
-   \ell = \textstyle\sum_t \tilde P_t, \quad O = \tilde P V / \ell, \quad
+$$ S_2 = s_2\, Q K^\top, \quad m = \max_y S_{2,y}, \quad \tilde P = 2^{S_2 - m}, \quad
+   \ell = \textstyle\sum_y \tilde P_y, \quad O = \tilde P V / \ell, \quad
    \mathrm{lse} = \ln 2\, (m + \log_2 \ell). $$
 
 **Backward** recomputes $P = 2^{S_2 - \mathrm{lse}_2}$ from the saved lse (which, under
@@ -40,8 +40,8 @@ context parallelism, is the lse of the *whole* row, not of this block) and, with
 $\Delta = \mathrm{rowsum}(dO \circ O)$ computed once for all rows (FlashAttention-2,
 Dao 2023, https://arxiv.org/abs/2307.08691):
 
-$$ dV \mathrel{+}= P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - \Delta), \quad
-   dQ = s\, dS\, K, \quad dK \mathrel{+}= s\, dS^\top Q. $$
+$$ dV \leftarrow dV + P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - \Delta), \quad
+   dQ = s\, dS\, K, \quad dK \leftarrow dK + s\, dS^\top Q. $$
 
 With `full_rows=True` (the caller guarantees that each row's keys are all in this call) a
 block holds whole rows, and $\Delta = \mathrm{rowsum}(P \circ dP)$ is computed from the
@@ -100,12 +100,12 @@ def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
     return buf[: math.prod(shape)].view(shape)
 
 
-def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, c: float, buf: torch.Tensor) -> torch.Tensor:
-    """Masked base-2 logits `S2 = c Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`."""
+def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor) -> torch.Tensor:
+    """Masked base-2 logits `S2 = s2 Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`."""
     hkv, n = qb.shape[0], kb.shape[1]
     s = _take(buf, hkv, qb.shape[1], n)  # (Hkv, R*G, L)
-    # S2 = c Q K^T
-    torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=c, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
+    # S2 = s2 Q K^T
+    torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
     if blk.mask is not None:
         # S2_jt = -inf where t > j + delta: only the last R keys can be hidden
         rows = blk.mask.shape[0]
@@ -114,14 +114,14 @@ def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, c: float, buf: torc
 
 
 def _forward_block(
-    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blk: _Block, c: float, buf: torch.Tensor
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(O (Hkv, R*G, Dv), lse (Hkv, R*G))` of one block; `buf` holds its scores."""
-    # 1) S2 = c Q K^T, masked
-    s = _logits(qb, kb, blk, c, buf)  # (Hkv, R*G, L)
-    # 2) m = max_t S2_t
+    # 1) S2 = s2 Q K^T, masked
+    s = _logits(qb, kb, blk, s2, buf)  # (Hkv, R*G, L)
+    # 2) m = max_y S2_y
     m = s.amax(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
-    # 3) P~ = 2^(S2 - m), in place; l = sum_t P~_t
+    # 3) P~ = 2^(S2 - m), in place; l = sum_y P~_y
     p = s.sub_(m).exp2_()  # (Hkv, R*G, L)
     el = p.sum(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
     # 4) O = P~ V / l
@@ -139,7 +139,7 @@ def _backward_block(
     lse2b: torch.Tensor,
     deltab: torch.Tensor | None,
     blk: _Block,
-    c: float,
+    s2: float,
     scale: float,
     bufs: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,7 +150,7 @@ def _backward_block(
     """
     hkv, n = kb.shape[0], kb.shape[1]
     # 1) P = 2^(S2 - lse2), recomputed in place
-    p = _logits(qb, kb, blk, c, bufs[0]).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
+    p = _logits(qb, kb, blk, s2, bufs[0]).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
     # 2) dV = P^T dO
     dv = torch.bmm(p.transpose(1, 2), dob, out=_take(bufs[3], hkv, n, dob.shape[2]))  # (Hkv, L, R*G) x (Hkv, R*G, Dv)
     # 3) dP = dO V^T
@@ -298,7 +298,7 @@ class TorchKernel:
 
 def _sequence_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tuple[int, int, int]]:
     """Yield `(a, b, hi)`: query rows `[a, b)` of one sequence see keys `[0, hi)` of it."""
-    # query j sees key t iff t <= j + delta (causal); rows j < -delta see nothing
+    # query x sees key y iff y <= x + delta (causal); rows x < -delta see nothing
     delta = n_k - n_q
     first = max(0, -delta) if causal else (0 if n_k > 0 else n_q)
     for a in range(first, n_q, rows):

@@ -1,26 +1,26 @@
 r"""Merging partial attention results by their log-sum-exp: how ring attention adds up blocks.
 
 A query row's softmax runs over all its keys, but a ring step sees only one block of them.
-The step's kernel call returns the block's output $O_b$ and log-sum-exp $\ell_b$; the
-row's output over the keys seen so far, $(O, \ell)$, and the block's combine exactly:
+The step's kernel call returns the block's output $O_b$ and log-sum-exp $\mathrm{lse}_b$; the
+row's output over the keys seen so far, $(O, \mathrm{lse})$, and the block's combine exactly:
 
-$$ \ell' = \log\left(e^{\ell} + e^{\ell_b}\right), \qquad
-   O' = \frac{e^{\ell} O + e^{\ell_b} O_b}{e^{\ell} + e^{\ell_b}} . $$
+$$ \mathrm{lse}' = \log\left(e^{\mathrm{lse}} + e^{\mathrm{lse}_b}\right), \qquad
+   O' = \frac{e^{\mathrm{lse}} O + e^{\mathrm{lse}_b} O_b}{e^{\mathrm{lse}} + e^{\mathrm{lse}_b}} . $$
 
 Written naively the exponentials overflow. The stable form divides through by
-$e^{\ell} + e^{\ell_b}$: the weight of the block is $\sigma(\ell_b - \ell)$, and
+$e^{\mathrm{lse}} + e^{\mathrm{lse}_b}$: the weight of the block is $\sigma(\mathrm{lse}_b - \mathrm{lse})$, and
 
-$$ O' = O - \sigma(\ell_b - \ell)\,(O - O_b), \qquad
-   \ell' = \ell - \log\sigma(\ell - \ell_b) , $$
+$$ O' = O - \sigma(\mathrm{lse}_b - \mathrm{lse})\,(O - O_b), \qquad
+   \mathrm{lse}' = \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b) , $$
 
 with $\sigma$ the logistic function: no exponential of a large number is ever formed.
 
-**Rows that have seen no key** carry $\ell = -\infty$ and $O = 0$; a block in which a row
-sees no key has $\ell_b = -\infty$. The formulas then meet $\infty - \infty$, so these cases
-are taken explicitly: a block with $\ell_b = -\infty$ changes nothing, and a row with
-$\ell = -\infty$ takes the block as it is. No NaN ever appears.
+**Rows that have seen no key** carry $\mathrm{lse} = -\infty$ and $O = 0$; a block in which a row
+sees no key has $\mathrm{lse}_b = -\infty$. The formulas then meet $\infty - \infty$, so these cases
+are taken explicitly: a block with $\mathrm{lse}_b = -\infty$ changes nothing, and a row with
+$\mathrm{lse} = -\infty$ takes the block as it is. No NaN ever appears.
 
-The running $(O, \ell)$ are float32 (float64 for float64 inputs) from the first block to
+The running $(O, \mathrm{lse})$ are float32 (float64 for float64 inputs) from the first block to
 the last; the output is cast to the input dtype once, at the end, by the caller.
 """
 

@@ -6,8 +6,8 @@ against it (the step's plan, `cpref.modes.ring_plan`: one varlen kernel call for
 document, with the causal work skipping of the layout), and merges the partial result into a
 running output by log-sum-exp (`cpref.modes.merge`):
 
-$$ O \leftarrow O - \sigma(\ell_b - \ell)\,(O - O_b), \qquad
-   \ell \leftarrow \ell - \log\sigma(\ell - \ell_b) . $$
+$$ O \leftarrow O - \sigma(\mathrm{lse}_b - \mathrm{lse})\,(O - O_b), \qquad
+   \mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b) . $$
 
 Between steps every rank sends its block to rank $r + 1$ and receives the block of rank
 $r - 1$ (`send_recv`, shift 1). No rank ever holds more than two blocks: memory stays at

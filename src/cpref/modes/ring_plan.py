@@ -1,7 +1,7 @@
 r"""Per-step metadata of ring attention on packed documents: which queries see which keys at step `t`.
 
 At ring step `t` rank `r` holds its own queries and the K/V block that started on rank
-$s = (r - t) \bmod P$. Both buffers hold, document by document, the rank's chunks of that
+$r' = (r - t) \bmod P$. Both buffers hold, document by document, the rank's chunks of that
 document (`cpref.layout.chunk_ids`), so a document occupies the same rows in every rank's
 buffer. For every document, query chunk $j$ and key chunk $j'$ relate in one of three ways:
 
@@ -16,9 +16,9 @@ group's key chunks as the sender holds them, and puts every sequence of every do
 where the block is the rank's own), and full otherwise, which is why the kernel contract's
 single `causal` flag suffices.
 
-| layout | own block (`t = 0`) | earlier rank ($s < r$) | later rank ($s > r$) |
+| layout | own block (`t = 0`) | earlier rank ($r' < r$) | later rank ($r' > r$) |
 | --- | --- | --- | --- |
-| contiguous | chunk $r$ causally | chunk $r$ against chunk $s$, full | nothing: skipped |
+| contiguous | chunk $r$ causally | chunk $r$ against chunk $r'$, full | nothing: skipped |
 | zigzag | front against front; back against front + back, causal | both local chunks against the sender's front, full | the local back against both sender chunks, full |
 | any, not causal | everything, full | everything, full | everything, full |
 
@@ -29,7 +29,7 @@ diagonal's halves), again on every rank. Contiguous causal ring gives rank `r` w
 `r + 1` steps only.
 
 **Key rows.** Every key set is a prefix of the sender's chunks of the document (a query
-chunk sees sender chunk $2P-1-s$ only if it also sees chunk $s$), so a sequence's keys are
+chunk sees sender chunk $2P-1-r'$ only if it also sees chunk $r'$), so a sequence's keys are
 contiguous rows. Where the sequences of a step use disjoint, increasing key ranges, the
 kernel reads the block as it arrived, and unused key rows become sequences with no queries;
 only the zigzag own block (front and back both see the front) needs its keys selected with

@@ -12,7 +12,7 @@ $$ (\tfrac{T}{P}, H, D) \xrightarrow{\text{all-to-all}} (T, \tfrac{H}{P}, D)
 ## The exchange
 
 Rank $r$ splits its heads into `P` groups and sends group $j$ of all its tokens to rank $j$;
-it receives, from every rank $s$, its own head group for rank $s$'s tokens. The received
+it receives, from every rank $r'$, its own head group for rank $r'$'s tokens. The received
 tokens are **rank-major**: rank 0's local tokens, then rank 1's. Under the zigzag or the
 contiguous layout that is not document order, so a permutation computed once per batch puts
 them in natural order (and its inverse puts the output back), and one varlen kernel call
