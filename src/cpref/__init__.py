@@ -24,7 +24,7 @@ out = sim.SimCluster(4).run(
 
 from cpref.api import MODES, attention
 from cpref.cache import cache_info, clear_cache
-from cpref.comm import Collectives
+from cpref.comm import Collectives, SingleRank
 from cpref.data import cp_loss, get_batch_on_this_cp_rank
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, Varlen
@@ -49,6 +49,7 @@ __all__ = [
     "attention",
     "MODES",
     "Collectives",
+    "SingleRank",
     "CPInputError",
     "AttentionKernel",
     "TorchKernel",

@@ -7,7 +7,9 @@ satisfies [`Collectives`][cpref.comm.Collectives]. Two implementations exist:
   collective is computed in a fixed rank order (bitwise deterministic) and recorded as a
   trace event;
 * `cpref.backends.torch_dist.TorchComm`, over `torch.distributed` process groups (gloo,
-  NCCL, HCCL).
+  NCCL, HCCL);
+* [`SingleRank`][cpref.comm.SingleRank], the group of one rank: no communication, so the same
+  model code runs without context parallelism.
 
 The protocol is *functional*: each collective takes a tensor and returns a new one, so an
 algorithm reads like the mathematics and never manages output buffers. Tensors are split
@@ -43,7 +45,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Collectives", "PendingShift", "REDUCE_OPS"]
+__all__ = ["Collectives", "PendingShift", "REDUCE_OPS", "SingleRank"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -104,3 +106,74 @@ class Collectives(Protocol):
     def split(self, groups: Sequence[Sequence[int]]) -> "Collectives":
         """Partition the group; return the sub-group that holds this rank (collective call)."""
         ...
+
+
+class SingleRank:
+    """The group of one rank: every collective is the identity (a fresh copy), nothing is communicated.
+
+    A model written against `cpref.attention` runs unchanged without context parallelism by
+    passing `comm=SingleRank()`: every mode then reduces to attention over the whole packed
+    stream (`P = 1`).
+
+    Examples:
+        >>> import torch
+        >>> comm = SingleRank()
+        >>> comm.all_gather(torch.ones(2)).tolist(), comm.all_reduce(torch.ones(1), "max").tolist()
+        ([1.0, 1.0], [1.0])
+    """
+
+    rank, size = 0, 1
+    global_rank, group = 0, (0,)
+    unsupported_ops: frozenset[str] = frozenset()
+
+    def __repr__(self) -> str:
+        return "SingleRank()"
+
+    def _copy(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().clone()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` itself (a copy): the only rank's contribution."""
+        return self._copy(x)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` itself (a copy): the sum over one rank, chunk 0 of 1."""
+        return self._copy(x)
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` itself (a copy): the one chunk goes to the only rank."""
+        return self._copy(x)
+
+    def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
+        """`x` itself (a copy): every shift of a ring of one comes back home."""
+        return self._copy(x)
+
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> "_Done":
+        """A handle whose `wait()` returns `x` (a copy)."""
+        return _Done(self._copy(x))
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`x` itself (a copy), for any `op` in `REDUCE_OPS`."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+        return self._copy(x)
+
+    def barrier(self) -> None:
+        """Nothing to wait for."""
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "SingleRank":
+        """The only partition of one rank, `[[0]]`: this group again."""
+        if [list(g) for g in groups] != [[0]]:
+            raise ValueError(f"split: groups {groups} must partition the ranks [0] of a single-rank group")
+        return self
+
+
+class _Done:
+    """A completed shift."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self._x = x
+
+    def wait(self) -> torch.Tensor:
+        """The received tensor."""
+        return self._x

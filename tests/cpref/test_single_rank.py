@@ -1,0 +1,35 @@
+"""`SingleRank`: the protocol for a group of one; every mode then is attention over the whole stream."""
+
+import pytest
+import torch
+
+import cpref
+from cpref.comm import Collectives
+from sim.harness import oracle_shards
+from tests.helpers import assert_close, cu_from_lengths, random_qkv
+
+
+def test_is_a_collectives_and_copies():
+    comm = cpref.SingleRank()
+    assert isinstance(comm, Collectives) and (comm.rank, comm.size) == (0, 1)
+    x = torch.arange(4.0, requires_grad=True)
+    for out in (comm.all_gather(x), comm.reduce_scatter(x), comm.all_to_all(x), comm.send_recv(x, 3),
+                comm.send_recv_async(x).wait(), comm.all_reduce(x, "min")):  # fmt: skip
+        assert torch.equal(out, x.detach()) and out.data_ptr() != x.data_ptr() and not out.requires_grad
+    assert comm.split([[0]]) is comm
+    with pytest.raises(ValueError, match="must partition the ranks"):
+        comm.split([[0, 1]])
+    with pytest.raises(ValueError, match="op must be one of"):
+        comm.all_reduce(x, "avg")
+
+
+@pytest.mark.parametrize("mode, extra", [("all_gather", {}), ("p2p", {}), ("a2a", {}), ("a2a+p2p", {"a2a_size": 1})])
+def test_every_mode_at_cp1_is_attention_over_the_stream(mode, extra):
+    cu, cup = cu_from_lengths([5, 13]), cu_from_lengths([8, 16])
+    q, k, v = (t.requires_grad_() for t in random_qkv(24, 4, 2, 8))
+    dout = random_qkv(24, 4, 4, 8, seed=1)[0]
+    out = cpref.attention(q, k, v, cu, cu_seqlens_padded=cup, comm=cpref.SingleRank(), mode=mode, **extra)
+    out.backward(dout)
+    want = oracle_shards(q.detach(), k.detach(), v.detach(), dout, cu, P=1, layout="zigzag", cu_seqlens_padded=cup)[0]
+    for got, ref in zip((out.detach(), q.grad, k.grad, v.grad), want):
+        assert_close(got, ref, torch.float64)
