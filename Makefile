@@ -11,8 +11,11 @@ TORCH_SPEC ?= torch==2.13.0
 VENV_FLAGS ?=
 PY         := $(VENV)/bin/python
 PYTEST_ARGS ?= -n auto
+# docs-check drives Debian's headless Chromium, installed with apt where neither it nor
+# chromium is on PATH (sudo unless root).
+SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: demo test test-sim test-npu docs bench clean
+.PHONY: demo test test-sim test-npu docs docs-check bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -39,14 +42,23 @@ test-sim: $(VENV)/.dev
 	$(PY) -m pytest $(PYTEST_ARGS) tests/sim
 
 test-npu: $(VENV)/.dev
-	$(PY) -m cpref.npu_check
+	$(PY) -m sim.npu_check
 
 docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict
 
+# Build, then open every page offline in headless Chromium (docs/check_site.py); screenshots
+# go to site-check/.
+docs-check: docs
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || { \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium-headless-shell; }
+	$(PY) docs/check_site.py site --shots site-check
+
 bench: $(VENV)/.base
 	$(PY) -m bench.kernel
 	$(PY) -m bench.all_gather
+	$(PY) -m bench.scaling
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .hypothesis
+	rm -rf $(VENV) site site-check .pytest_cache .hypothesis

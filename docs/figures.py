@@ -3,6 +3,12 @@
 Every function takes no input, computes what it draws with cpref's public functions
 (`global_index`, `local_chunks`, `attention_work`, `get_thd_load_balanced_cp_metadata`) and
 returns a matplotlib `Figure`; `docs/gen_pages.py` saves it as PNG into the site.
+
+Readable at the column width: the site's content column is about `COLUMN_PX` CSS pixels wide
+at a 1280 px window (`make docs-check` screenshots it), and a figure wider than that is scaled
+down to fit. Every figure is `WIDTH` inches wide, so one point of font size in the figure is
+about one point on screen; `check_readable` fails the build if any text would show below
+`MIN_PT`.
 """
 
 from __future__ import annotations
@@ -14,8 +20,18 @@ matplotlib.use("Agg")  # no display: figures are only ever saved
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 import cpref  # noqa: E402
+
+COLUMN_PX = 688  # content column at a 1280 px window (material: 61rem grid, two 12.1rem sidebars)
+DPI = 130  # saved resolution: sharper than the screen, scaled down by the browser
+WIDTH = 7.0  # inches: every figure
+MIN_PT = 10.0  # smallest text size on screen
+FONT = 10.5  # default text size in the figure, in points
+
+plt.rcParams.update({"font.size": FONT, "axes.titlesize": FONT, "legend.fontsize": FONT,
+                     "xtick.labelsize": FONT, "ytick.labelsize": FONT, "figure.titlesize": FONT + 1})
 
 # One small packed batch for the layout figures: 3 documents of 16, 24 and 8 tokens, P = 4.
 # Every length is a multiple of 2P = 8, so both layouts can split it.
@@ -33,14 +49,40 @@ def rank_color(rank: int):
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
+def display_pt(fig: Figure, fontsize: float) -> float:
+    """A font size of `fig`, in points as shown in the content column (96 CSS px per inch)."""
+    natural_px = fig.get_figwidth() * DPI
+    scale = min(1.0, COLUMN_PX / natural_px)  # the browser shrinks a wider image to the column
+    return fontsize * DPI / 72 * scale * 72 / 96
+
+
+def check_readable(fig: Figure, name: str) -> None:
+    """Raise if any visible text of `fig` would show below MIN_PT at the column width."""
+    fig.canvas.draw()  # tick labels exist only once drawn
+    small = {
+        t.get_text(): round(display_pt(fig, t.get_fontsize()), 1)
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip() and display_pt(fig, t.get_fontsize()) < MIN_PT
+    }
+    if small:
+        raise RuntimeError(f"{name}: text below {MIN_PT} pt at the column width (shown size in pt): {small}")
+
+
 def owner_of_tokens(cu: list[int], cp_size: int, layout: str) -> list[int]:
     """`owner[t]`: the rank that holds global token `t` (from `cpref.global_index`)."""
+    if layout == "striped":  # not a cpref layout: token t on rank t mod P, for comparison only
+        return [t % cp_size for t in range(cu[-1])]
     owner = [-1] * cu[-1]
     for r in range(cp_size):
         for t in cpref.global_index(cu, cp_size=cp_size, rank=r, layout=layout).tolist():
             owner[t] = r
     assert -1 not in owner, "every token has exactly one owner"
     return owner
+
+
+def _rank_legend(fig: Figure, cp_size: int, label: str = "rank {r}") -> None:
+    handles = [Patch(color=rank_color(r), label=label.format(r=r)) for r in range(cp_size)]
+    fig.legend(handles=handles, loc="outside lower center", ncols=cp_size, frameon=False)
 
 
 def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
@@ -54,51 +96,108 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
             c = end - start
             j = (start - cu[doc]) // c
             ax.add_patch(Rectangle((start, 0), c, 1, fill=False, edgecolor="0.25", linewidth=0.8))
-            ax.text((start + end) / 2, 0.5, str(j), ha="center", va="center", fontsize=8, color="white",
-                    fontweight="bold")
+            ax.text((start + end) / 2, 0.5, str(j), ha="center", va="center", color="white", fontweight="bold")
     # Document boundaries and names.
     for i in range(len(cu) - 1):
         ax.axvline(cu[i], color="black", linewidth=2.5)
-        ax.text((cu[i] + cu[i + 1]) / 2, 1.15, f"doc {i} ({cu[i + 1] - cu[i]} tokens)", ha="center",
-                va="bottom", fontsize=9)
+        ax.text((cu[i] + cu[i + 1]) / 2, 1.12, f"doc {i}: {cu[i + 1] - cu[i]}", ha="center", va="bottom")
     ax.axvline(cu[-1], color="black", linewidth=2.5)
     mult = cpref.layout.layout_multiple(layout, cp_size)
-    ax.set_title(f"{layout}: every document in {mult} chunks (numbers: chunk j)", fontsize=10, loc="left")
+    ax.set_title(f"{layout}: every document in {mult} chunks (number: chunk j)", loc="left")
     ax.set_xlim(-0.5, cu[-1] + 0.5)
-    ax.set_ylim(-0.1, 1.6)
+    ax.set_ylim(-0.1, 1.7)
     ax.set_yticks([])
     ax.set_xticks(cu)
-    ax.set_xlabel("global token index")
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
 
 
 def layouts() -> Figure:
     """`figures/layouts.png`: which rank holds which chunk, contiguous vs zigzag."""
-    fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), constrained_layout=True)
+    fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 3.9), constrained_layout=True)
     for ax, layout in zip(axes, cpref.LAYOUTS):
         _draw_stream(ax, LAYOUT_CU, LAYOUT_P, layout)
-    handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(LAYOUT_P)]
-    fig.legend(handles=handles, loc="outside right center", frameon=False)
-    fig.suptitle(f"cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}", fontsize=11)
+    axes[-1].set_xlabel("global token index (doc i: its length in tokens)")
+    _rank_legend(fig, LAYOUT_P)
+    fig.suptitle(f"cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}")
     return fig
 
 
 def work() -> Figure:
-    """`figures/work.png`: causal attention work per rank, contiguous vs zigzag."""
-    fig, ax = plt.subplots(figsize=(7, 3.4), constrained_layout=True)
-    width = 0.38
-    for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//"))):
-        w = [cpref.attention_work(LAYOUT_CU, cp_size=LAYOUT_P, rank=r, layout=layout) for r in range(LAYOUT_P)]
-        xs = [r + (k - 0.5) * width for r in range(LAYOUT_P)]
-        bars = ax.bar(xs, w, width, color=[rank_color(r) for r in range(LAYOUT_P)], hatch=hatch,
-                      edgecolor="0.2", label=f"{layout} (max/mean = {max(w) / (sum(w) / len(w)):.2f})")
-        ax.bar_label(bars, fontsize=8)
-    ax.set_xticks(range(LAYOUT_P), [f"rank {r}" for r in range(LAYOUT_P)])
-    ax.set_ylabel("work: sum(q_len * kv_len)")
-    ax.set_title(f"causal attention work per rank, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}", fontsize=10)
-    ax.legend(frameon=False, fontsize=9, loc="upper left")
-    ax.spines[["top", "right"]].set_visible(False)
+    """`figures/work.png`: causal attention work per rank under both metrics, contiguous vs zigzag."""
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.6), sharey=True, constrained_layout=True)
+    width = 0.4
+    metrics = [("block metric: sum(q_len * kv_len)", False), ("exact count of visible scores", True)]
+    for ax, (title, exact) in zip(axes, metrics):
+        for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//"))):
+            w = [cpref.attention_work(LAYOUT_CU, cp_size=LAYOUT_P, rank=r, layout=layout, exact=exact)
+                 for r in range(LAYOUT_P)]
+            xs = [r + (k - 0.5) * width for r in range(LAYOUT_P)]
+            bars = ax.bar(xs, w, width, color=[rank_color(r) for r in range(LAYOUT_P)], hatch=hatch,
+                          edgecolor="0.2", label=f"{layout}: max/mean {max(w) / (sum(w) / len(w)):.2f}")
+            ax.bar_label(bars, rotation=90, padding=2)
+        ax.set_xticks(range(LAYOUT_P), [f"rank {r}" for r in range(LAYOUT_P)])
+        ax.set_title(title)
+        ax.legend(frameon=False, loc="upper left")
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0].set_ylabel("scores per head")
+    axes[0].set_ylim(0, 1.45 * axes[0].get_ylim()[1])  # room for the legend above the bars
+    fig.suptitle(f"causal attention work per rank, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}")
+    return fig
+
+
+def _max_over_mean(work: list) -> str:
+    """The slowest rank's work over the mean, or "-" where there is no value."""
+    if "-" in work:
+        return "-"
+    return f"{max(work) / (sum(work) / len(work)):.2f}"
+
+
+def _mask_panel(ax, cu: list[int], cp_size: int, layout: str) -> None:
+    """The T x T causal mask with EOD reset, each visible score in the colour of its query's rank."""
+    T, owner = cu[-1], owner_of_tokens(cu, cp_size, layout)
+    doc = [i for i in range(len(cu) - 1) for _ in range(cu[i], cu[i + 1])]
+    image = [[(1.0, 1.0, 1.0)] * T for _ in range(T)]
+    exact = [0] * cp_size  # visible scores per rank, counted from the mask itself
+    for i in range(T):  # query row
+        for j in range(i + 1):  # key column, causal: j <= i
+            if doc[j] == doc[i]:
+                image[i][j] = rank_color(owner[i])
+                exact[owner[i]] += 1
+    ax.imshow(image, interpolation="nearest", extent=(0, T, T, 0))
+    for b in cu[1:-1]:  # document boundaries
+        ax.axhline(b, color="black", linewidth=1.2)
+        ax.axvline(b, color="black", linewidth=1.2)
+    ax.set_xticks(cu)
+    ax.set_yticks(cu)
+    ax.xaxis.tick_top()  # keys on top: the work table goes below
+    ax.xaxis.set_label_position("top")
+    ax.set_xlabel("key token")
+    ax.set_title(layout if layout != "striped" else "striped (comparison)")
+
+    # Per-rank work: the exact count (checked against cpref) and cpref's block metric.
+    if layout == "striped":
+        block = ["-"] * cp_size  # cpref's block metric is defined for its chunked layouts only
+    else:
+        kwargs = dict(cp_size=cp_size, layout=layout)
+        assert exact == [cpref.attention_work(cu, rank=r, exact=True, **kwargs) for r in range(cp_size)]
+        block = [cpref.attention_work(cu, rank=r, **kwargs) for r in range(cp_size)]
+    rows = [f"{'rank':>8} {'exact':>5} {'block':>5}"]
+    rows += [f"{r:>8} {exact[r]:>5} {block[r]:>5}" for r in range(cp_size)]
+    rows.append(f"{'max/mean':>8} {_max_over_mean(exact):>5} {_max_over_mean(block):>5}")
+    ax.text(0.5, -0.04, "\n".join(rows), transform=ax.transAxes, ha="center", va="top", family="monospace")
+
+
+def attention_mask() -> Figure:
+    """`figures/attention_mask.png`: who computes which score, contiguous vs zigzag vs striped."""
+    layouts_drawn = [*cpref.LAYOUTS, "striped"]
+    fig, axes = plt.subplots(1, len(layouts_drawn), figsize=(WIDTH, 4.4), constrained_layout=True)
+    for ax, layout in zip(axes, layouts_drawn):
+        _mask_panel(ax, LAYOUT_CU, LAYOUT_P, layout)
+    axes[0].set_ylabel("query token")
+    _rank_legend(fig, LAYOUT_P)
+    fig.suptitle(f"causal mask with EOD reset, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}:\n"
+                 "each score in the colour of the rank that computes it; work in scores per head")
     return fig
 
 
@@ -111,18 +210,18 @@ def rank_major_index() -> Figure:
     doc_of = {t: i for i in range(len(cu) - 1) for t in range(cu[i], cu[i + 1])}
     n = len(rows)
 
-    fig, axes = plt.subplots(1, P + 1, figsize=(3.2 + 3.2 * P, 0.28 * n + 2.2), sharey=True,
-                             gridspec_kw={"width_ratios": [1.2] + [2] * P}, constrained_layout=True)
+    fig, axes = plt.subplots(1, P + 1, figsize=(WIDTH, 0.3 * n + 2.4), sharey=True,
+                             gridspec_kw={"width_ratios": [1.6] + [2] * P}, constrained_layout=True)
 
     # Panel 0: the buffer itself.
     ax = axes[0]
     for k, (t, r) in enumerate(zip(rows, owner)):
         ax.add_patch(Rectangle((0, k), 1, 1, facecolor=rank_color(r), edgecolor="white"))
-        ax.text(0.5, k + 0.5, f"token {t} (doc {doc_of[t]})", ha="center", va="center", fontsize=8, color="white")
+        ax.text(0.5, k + 0.5, f"token {t} (doc {doc_of[t]})", ha="center", va="center", color="white")
     ax.set_xlim(0, 1)
     ax.set_xticks([])
-    ax.set_yticks([k + 0.5 for k in range(n)], [f"row {k}" for k in range(n)], fontsize=8)
-    ax.set_title("K/V after all_gather\n(rank-major)", fontsize=10)
+    ax.set_yticks([k + 0.5 for k in range(n)], [f"row {k}" for k in range(n)])
+    ax.set_title("K/V after all_gather\n(rank-major)")
 
     # Panels 1..P: for each local query chunk of rank r, the rows kv_index selects, numbered
     # by their position in the chunk's key sequence (natural order 0, 1, 2, ...).
@@ -136,22 +235,23 @@ def rank_major_index() -> Figure:
         for col, (doc, start, end) in enumerate(chunks):
             for pos, row in enumerate(kv_index[cu_kv[col] : cu_kv[col + 1]]):
                 ax.add_patch(Rectangle((col, row), 1, 1, facecolor=rank_color(owner[row]), edgecolor="white"))
-                ax.text(col + 0.5, row + 0.5, str(pos), ha="center", va="center", fontsize=8, color="white")
-        labels = [f"doc {d}\nchunk {(s - cu[d]) // (e - s)}\nq: tokens\n{s}-{e - 1}" for d, s, e in chunks]
-        ax.set_xticks([c + 0.5 for c in range(len(chunks))], labels, fontsize=8)
+                ax.text(col + 0.5, row + 0.5, str(pos), ha="center", va="center", color="white")
+        labels = [f"doc {d}\nch {(s - cu[d]) // (e - s)}\n{s}-{e - 1}" for d, s, e in chunks]
+        ax.set_xticks([c + 0.5 for c in range(len(chunks))], labels)
         ax.set_xlim(0, len(chunks))
         for c in range(1, len(chunks)):  # one column per local query chunk
             ax.axvline(c, color="0.8", linewidth=0.8)
-        ax.set_title(f"rank {r}: rows its kv_index picks\n(number: position in the chunk's keys)", fontsize=10)
+        ax.set_title(f"rank {r}: the rows\nits kv_index picks")
+        ax.set_xlabel("its query chunks")
         ax.tick_params(axis="x", length=0)
 
     for ax in axes:
         ax.set_ylim(n, 0)  # row 0 at the top
         for k in range(1, P):  # the boundary between ranks' blocks of the buffer
             ax.axhline(k * n // P, color="black", linewidth=2)
-    handles = [Patch(color=rank_color(r), label=f"owned by rank {r}") for r in range(P)]
-    fig.legend(handles=handles, loc="outside lower center", ncols=P, frameon=False)
-    fig.suptitle(f"KV all-gather, zigzag, cu_seqlens = {cu}, P = {P}", fontsize=11)
+    _rank_legend(fig, P, "owned by rank {r}")
+    fig.suptitle(f"KV all-gather, zigzag, cu_seqlens = {cu}, P = {P}\n"
+                 "(number in a cell: its position in the query chunk's keys)")
     return fig
 
 
@@ -159,5 +259,6 @@ def rank_major_index() -> Figure:
 FIGURES = {
     "figures/layouts.png": layouts,
     "figures/work.png": work,
+    "figures/attention_mask.png": attention_mask,
     "figures/rank_major_index.png": rank_major_index,
 }

@@ -4,8 +4,10 @@
    code it explains. The summary line becomes the title, figures are appended, and a footer
    names the source file.
 2. API reference: one page per module of `src/cpref` and `sim`, found by walking the files.
-3. Figures: drawn with matplotlib from cpref itself (`docs/figures.py`).
-4. `SUMMARY.md`: the navigation, read by mkdocs-literate-nav.
+3. Source pages: every file of `src/cpref` and `sim`, highlighted (`docs/source_pages.py`);
+   the "Source:" footers and the header's repository link point to them.
+4. Figures: drawn with matplotlib from cpref itself (`docs/figures.py`).
+5. `SUMMARY.md`: the navigation, read by mkdocs-literate-nav.
 
 A module that fails to import fails the build: there is no silent skipping.
 """
@@ -32,36 +34,79 @@ from mkdocs.structure.files import InclusionLevel  # noqa: E402
 # The guide, in nav order: (page, nav title, module). Add a module with one line.
 GUIDE = [
     ("layout.md", "Data model and layouts", "cpref.layout"),
-    ("comm.md", "The collectives protocol", "cpref.comm"),
+    ("oracle.md", "The FP64 oracle", "sim.oracle"),
     ("kernel-contract.md", "The attention kernel contract", "cpref.kernels.contract"),
     ("torch-kernel.md", "TorchKernel", "cpref.kernels.torch_kernel"),
-    ("oracle.md", "The FP64 oracle", "sim.oracle"),
+    ("npu-kernel.md", "NpuKernel (Ascend NPU)", "cpref.kernels.npu_kernel"),
+    ("comm.md", "The collectives protocol", "cpref.comm"),
     ("cluster.md", "The simulated cluster", "sim.cluster"),
-    ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
+    ("seqlens.md", "Real and padded boundaries", "cpref.seqlens"),
+    ("cache.md", "The batch cache", "cpref.cache"),
     ("metadata.md", "Load-balanced metadata", "cpref.metadata"),
+    ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
+    ("merge.md", "Merging partial results", "cpref.modes.merge"),
+    ("ring-plan.md", "The ring's steps", "cpref.modes.ring_plan"),
+    ("ring.md", "Ring attention (p2p)", "cpref.modes.ring"),
+    ("ulysses.md", "Ulysses (a2a)", "cpref.modes.ulysses"),
+    ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
+    ("which-mode.md", "Which mode when", "cpref.costs"),
     ("api.md", "The attention API", "cpref.api"),
+    ("consistency.md", "Do the ranks agree?", "cpref.consistency"),
     ("data.md", "The data path and loss", "cpref.data"),
+    ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
+    ("verify.md", "Rank-by-rank verification", "sim.verify"),
 ]
 
-# Figures appended to the bottom of a guide page: page -> [(figure path, caption)].
+# Figures appended to the bottom of a guide page: page -> [(figure path, caption)]. Each figure
+# appears once. A caption is inline Markdown (it renders in <figcaption>); its alt text is the
+# caption without backticks.
 PAGE_FIGURES = {
     "layout.md": [
         ("figures/layouts.png", "Which rank holds which chunk of each document, contiguous vs zigzag."),
-        ("figures/work.png", "Causal attention work per rank: zigzag makes every rank's work equal."),
+        ("figures/work.png", "Causal attention work per rank under both metrics: zigzag makes every rank's work equal."),
+        ("figures/attention_mask.png",
+         "The causal mask of a packed batch, each visible score coloured by the rank that computes it "
+         "(the rank holding its query); black lines are document boundaries. Below each panel, every "
+         "rank's work as the exact count of visible scores and as the block metric `sum(q_len * kv_len)`. "
+         "Striped (token `t` on rank `t mod P`) is drawn for comparison only: cpref has no striped "
+         "layout, so it has no block metric."),
     ],
     "all-gather.md": [
         ("figures/rank_major_index.png",
          "The gathered K/V stay rank-major; `kv_index` picks each query chunk's causal prefix in natural order."),
     ],
-    "metadata.md": [
-        ("figures/rank_major_index.png",
-         "`kv_index` of each rank: the rows of the rank-major buffer each local query chunk sees, in order."),
+    "ring.md": [
+        ("figures/ring_schedule.png",
+         "What each rank's kernel computed at each ring step of a real run on the simulated cluster: whose K/V "
+         "block it held and how many scores it computed (identified from the kernel's inputs). Zigzag does the "
+         "same work on every rank at every step; contiguous skips the blocks of later ranks."),
+    ],
+    "ulysses.md": [
+        ("figures/ulysses_exchange.png",
+         "Which rank holds which (token, head) of `q` before the all-to-all (its zigzag shard of every head) and "
+         "after it (all tokens of one head), read from what each rank's kernel call received."),
+    ],
+    "hierarchical.md": [
+        ("figures/hierarchical_schedule.png",
+         "A real run with `a2a_size = 2` at `P = 4`: each rank's kernel calls at the two ring steps, and whose "
+         "a2a group's K/V they saw (identified from the kernel's inputs)."),
     ],
 }
 
 # Hand-written pages (in docs/) placed around the generated guide pages.
-GUIDE_FIRST = ("index.md", "What context parallelism is and why")
-GUIDE_LAST = ("glossary.md", "Glossary")
+GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart")]
+GUIDE_LAST = [("glossary.md", "Glossary"), ("references.md", "References")]
+# Pages with a reserved nav slot that may not be written yet: left out of the nav until they are.
+PLANNED = {"quickstart.md"}
+
+
+def written(pages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The hand-written pages that exist in docs/; a missing page that is not PLANNED is an error."""
+    missing = [page for page, _ in pages if not (ROOT / "docs" / page).exists()]
+    if set(missing) - PLANNED:
+        raise RuntimeError(f"hand-written pages missing from docs/: {sorted(set(missing) - PLANNED)}")
+    return [(page, title) for page, title in pages if page not in missing]
+
 
 # The packages walked for the API reference: (directory, dotted prefix).
 REFERENCE_PACKAGES = [(ROOT / "src" / "cpref", "cpref"), (ROOT / "sim", "sim")]
@@ -75,8 +120,7 @@ def _load_docs_module(name: str):
     return module
 
 
-def source_path(module) -> str:
-    return Path(module.__file__).resolve().relative_to(ROOT).as_posix()
+SOURCES = _load_docs_module("source_pages")
 
 
 SNIPPET = re.compile(r'^--8<-- "[^"]+\.py(:[\w-]+)?"\s*$')
@@ -99,7 +143,14 @@ def fence_python_snippets(lines: list[str]) -> list[str]:
     return out
 
 
-def guide_page(module_name: str, figures: list[tuple[str, str]], tables=()) -> str:
+def figure_html(path: str, caption: str) -> str:
+    """A figure with its caption; the caption is inline Markdown, its alt text is plain."""
+    alt = caption.replace("`", "")
+    return (f'<figure markdown="span">\n  ![{alt}]({path})\n'
+            f'  <figcaption markdown="span">{caption}</figcaption>\n</figure>')
+
+
+def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_path: str = "") -> str:
     """A module's docstring as a page: summary line as `# title`, tables, figures, source footer."""
     module = importlib.import_module(module_name)  # an import error fails the build
     if not module.__doc__:
@@ -108,14 +159,16 @@ def guide_page(module_name: str, figures: list[tuple[str, str]], tables=()) -> s
     if not lines[0].startswith("#"):
         lines[0] = "# " + lines[0].strip().rstrip(".")
     lines = fence_python_snippets(lines)
+    # An autorefs anchor, so that `[cpref.comm][]` in any docstring links to this page: the
+    # module's reference page lists its members only.
+    lines.insert(1, f"\n[](){{#{module_name}}}")
     parts = ["\n".join(lines)]
     for title, table in tables:
         parts += [f"## {title}", table()]
     if figures:
         parts.append("## Figures")
-        for path, caption in figures:
-            parts.append(f'<figure markdown="span">\n  ![{caption}]({path})\n  <figcaption>{caption}</figcaption>\n</figure>')
-    parts.append(f"---\n\nSource: `{source_path(module)}`")
+        parts += [figure_html(path, caption) for path, caption in figures]
+    parts.append(f"---\n\nSource: {SOURCES.link_from(doc_path, Path(module.__file__).resolve())}")
     return "\n\n".join(parts) + "\n"
 
 
@@ -157,45 +210,85 @@ def reference_page(name: str, file: Path, guide: dict[str, tuple[str, str]], doc
         parts.append(f"::: {name}\n    options:\n      show_root_heading: false\n      members: false")
     else:
         parts.append(f"::: {name}\n    options:\n      show_root_heading: false")
-    parts.append(f"Source: `{file.relative_to(ROOT).as_posix()}`")
+    parts.append(f"Source: {SOURCES.link_from(doc_path, file)}")
     return "\n\n".join(parts) + "\n"
 
 
+def quickstart_page() -> str:
+    """`docs/quickstart.md` with the example's output and the demo's (simulated parts) filled in."""
+    import contextlib
+    import runpy
+
+    demo = importlib.import_module("sim.demo")
+    outputs = {}
+    for name, run in (("quickstart_output", lambda: runpy.run_module("examples.quickstart", run_name="__main__")),
+                      ("demo_output", lambda: (demo.part1_layouts(demo._cu(demo.LENGTHS)),
+                                               demo.part2_modes(demo._cu(demo.LENGTHS), list(demo.cpref.LAYOUTS))))):  # fmt: skip
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            run()
+        outputs[name] = buf.getvalue().rstrip()
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    for name, text in outputs.items():
+        page = page.replace("{{ " + name + " }}", text)
+    if "{{" in page:
+        raise RuntimeError("docs/quickstart.md has a placeholder the build does not fill")
+    return page
+
+
 def main() -> None:
+    # 0) The quickstart, with outputs produced now.
+    with mkdocs_gen_files.open("quickstart.md", "w") as f:
+        f.write(quickstart_page())
+
     # 1) Guide pages, with their measured tables.
     tables = _load_docs_module("tables").TABLES
     for page, _title, module_name in GUIDE:
         with mkdocs_gen_files.open(page, "w") as f:
-            f.write(guide_page(module_name, PAGE_FIGURES.get(page, []), tables.get(page, [])))
+            f.write(guide_page(module_name, PAGE_FIGURES.get(page, []), tables.get(page, []), page))
 
     # 2) API reference.
     guide = {module_name: (page, title) for page, title, module_name in GUIDE}
-    reference = []  # (dotted name, doc path)
+    reference = []  # (dotted name, doc path, file)
     for name, file in reference_modules():
         # cpref.layout -> reference/cpref/layout.md; the package cpref -> reference/cpref/index.md
         stem = "/".join(name.split("."))
         doc_path = f"reference/{stem}/index.md" if file.name == "__init__.py" else f"reference/{stem}.md"
         with mkdocs_gen_files.open(doc_path, "w") as f:
             f.write(reference_page(name, file, guide, doc_path))
-        reference.append((name, doc_path))
+        reference.append((name, doc_path, file))
 
-    # 3) Figures.
+    # 3) Source pages, linked from the footers above and from the header.
+    for file in SOURCES.source_files():
+        with mkdocs_gen_files.open(SOURCES.page_of(file), "w") as f:
+            f.write(SOURCES.source_page(file))
+    with mkdocs_gen_files.open(SOURCES.INDEX, "w") as f:
+        f.write(SOURCES.index_page({file: (name, path) for name, path, file in reference}))
+
+    # 4) Figures, each checked for labels readable at the column width.
     figures = _load_docs_module("figures")
-    for path, draw in figures.FIGURES.items():
+    drawn = {**figures.FIGURES, **_load_docs_module("mode_figures").FIGURES}
+    used = [path for entries in PAGE_FIGURES.values() for path, _ in entries]
+    if sorted(used) != sorted(drawn):
+        raise RuntimeError(f"every figure must appear exactly once: drawn {sorted(drawn)}, used {sorted(used)}")
+    for path, draw in drawn.items():
         fig = draw()
+        figures.check_readable(fig, path)  # raises if a label would show below 10 pt
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=130)
+        fig.savefig(buf, format="png", dpi=figures.DPI)
         figures.plt.close(fig)
         with mkdocs_gen_files.open(path, "wb") as f:
             f.write(buf.getvalue())
 
-    # 4) Navigation.
-    nav = ["* Guide", f"    * [{GUIDE_FIRST[1]}]({GUIDE_FIRST[0]})"]
+    # 5) Navigation.
+    nav = ["* Guide"]
+    nav += [f"    * [{title}]({page})" for page, title in written(GUIDE_FIRST)]
     nav += [f"    * [{title}]({page})" for page, title, _ in GUIDE]
-    nav += [f"    * [{GUIDE_LAST[1]}]({GUIDE_LAST[0]})", "* API reference"]
+    nav += [f"    * [{title}]({page})" for page, title in written(GUIDE_LAST)]
+    nav.append("* API reference")
     for package in ("cpref", "sim"):
         nav.append(f"    * {package}")
-        nav += [f"        * [{name}]({path})" for name, path in reference if name.split(".")[0] == package]
+        nav += [f"        * [{name}]({path})" for name, path, _ in reference if name.split(".")[0] == package]
     with mkdocs_gen_files.open("SUMMARY.md", "w") as f:
         f.write("\n".join(nav) + "\n")
     # literate-nav reads SUMMARY.md; it is not a page of the site.

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 import cpref
+from cpref.costs import mode_costs
 from sim import summarize
-from sim.harness import run_attention
+from sim.harness import run_attention, saved_bytes, trace_split
 
 # The all-gather trace example: 2 documents of 16 and 48 tokens, P = 4, GQA, float32.
 TRACE_CU = torch.tensor([0, 16, 64])
@@ -58,5 +59,110 @@ def all_gather_trace() -> str:
     return "\n".join(rows)
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def all_gather_memory() -> str:
+    """Bytes saved for backward per rank under both schedules, measured, next to the formulas."""
+    hq, hkv, d = TRACE_HQ, TRACE_HKV, TRACE_D
+    rows = [
+        f"Measured with saved-tensor hooks on the simulated cluster: two documents of 64 and 192 tokens, "
+        f"`Hq = {hq}`, `Hkv = {hkv}`, `D = Dv = {d}`, float32 (b = 4), zigzag, causal. Bytes per rank.",
+        "",
+        "| P | default, measured | default, formula | `save_gathered_kv`, measured | `save_gathered_kv`, formula |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for P in (2, 4, 8):
+        cu = torch.tensor([0, 64, 256])
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(256, hq, d, generator=g)
+        k, v = (torch.randn(256, hkv, d, generator=g) for _ in range(2))
+        kv_rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, 0)["actual_seq_kvlen"][-1]
+        cells = []
+        for save in (False, True):
+            got = saved_bytes(q, k, v, cu, P=P, mode="all_gather", check_ranks=False, save_gathered_kv=save)[0]
+            want = mode_costs("all_gather", P=P, local_tokens=256 // P, heads=(hq, hkv, d, d), dtype=torch.float32,
+                              save_gathered_kv=save, selected_kv_rows=kv_rows).saved_bytes  # fmt: skip
+            if got != want:
+                raise RuntimeError(f"all-gather at P={P} saved {got} bytes, the formula says {want}")
+            cells += [str(got), str(want)]
+        rows.append(f"| {P} | " + " | ".join(cells) + " |")
+    rows += ["", "The default falls as $1/P$; keeping the selected K/V does not: it is more than the whole stream's K/V."]
+    return "\n".join(rows)
+
+
+MODE_EXAMPLES = {"p2p": ("p2p", {}), "a2a": ("a2a", {}), "a2a+p2p": ("a2a+p2p", {"a2a_size": 2})}
+
+
+def mode_trace(name: str):
+    """A table function: one forward + backward of a mode, its collectives and bytes per rank, checked."""
+
+    def table() -> str:
+        mode, extra = MODE_EXAMPLES[name]
+        P, T = TRACE_P, int(TRACE_CU[-1])
+        g = torch.Generator().manual_seed(0)
+        q, dout = (torch.randn(T, TRACE_HQ, TRACE_D, generator=g) for _ in range(2))
+        k, v = (torch.randn(T, TRACE_HKV, TRACE_D, generator=g) for _ in range(2))
+        _, cluster = run_attention(q, k, v, dout, TRACE_CU, P=P, mode=mode, layout="zigzag", check_ranks=False,
+                                   between=lambda comm: comm.barrier(), **extra)  # fmt: skip
+        want = mode_costs(mode, P=P, local_tokens=T // P, heads=(TRACE_HQ, TRACE_HKV, TRACE_D, TRACE_D),
+                          dtype=torch.float32, **extra)  # fmt: skip
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, 0)
+        if (fwd, bwd, fwd_ops, bwd_ops) != (want.forward_bytes, want.backward_bytes, dict(want.forward_ops), dict(want.backward_ops)):
+            raise RuntimeError(f"{mode}: the trace says {fwd}/{bwd} bytes {fwd_ops}/{bwd_ops}; cpref.costs says {want}")
+        args = ", ".join(f"`{key}={value}`" for key, value in extra.items())
+        rows = [
+            f"Measured on the simulated cluster: `cu_seqlens = {TRACE_CU.tolist()}`, `P = {P}`{', ' + args if args else ''}, "
+            f"`Hq = {TRACE_HQ}`, `Hkv = {TRACE_HKV}`, `D = Dv = {TRACE_D}`, float32, zigzag, causal: the collectives "
+            "rank 0 takes part in, in order.",
+            "",
+            "| # | pass | collective | group (global ranks) | shape per rank | dtype | bytes sent by rank 0 |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        cut = [ev.op for ev in cluster.trace].index("barrier")
+        mine = [(i, ev) for i, ev in enumerate(cluster.trace) if 0 in ev.group and ev.op not in ("barrier", "split")]
+        for n, (i, ev) in enumerate(mine):
+            rows.append(f"| {n} | {'forward' if i < cut else 'backward'} | `{ev.op}` | {ev.group} | `{tuple(ev.shape)}` | "
+                        f"{str(ev.dtype).replace('torch.', '')} | {ev.bytes_sent[ev.group.index(0)]} |")  # fmt: skip
+        rows += ["", f"Per rank: {fwd} bytes forward and {bwd} backward, exactly what `cpref.costs` (the formulas of "
+                 "this page) gives; the build fails if they disagree."]  # fmt: skip
+        return "\n".join(rows)
+
+    return table
+
+
+# A transformer layer of a Llama-3-8B-like model, and an MHA one, at 128K tokens in bf16.
+REFERENCE = {"GQA: Hq = 32, Hkv = 8, D = Dv = 128": (32, 8, 128, 128), "MHA: Hq = Hkv = 16, D = Dv = 128": (16, 16, 128, 128)}
+REFERENCE_T = 131072
+
+
+def which_mode() -> str:
+    """Per-rank traffic and memory of every mode at P = 2 .. 16 for two reference layers (from cpref.costs)."""
+    out = []
+    for title, heads in REFERENCE.items():
+        out += [f"**{title}**, T = {REFERENCE_T:,} tokens, bf16; MiB per rank and layer, forward + backward "
+                "traffic / saved for backward (`-`: the heads cannot be split so).", "",
+                "| P | all_gather | p2p | a2a | a2a+p2p, a = 2 |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for P in (2, 4, 8, 16):
+            cells = []
+            for mode, extra in (("all_gather", {}), ("p2p", {}), ("a2a", {}), ("a2a+p2p", {"a2a_size": 2})):
+                a = P if mode == "a2a" else extra.get("a2a_size", 1)
+                if heads[0] % a or (heads[1] % a and a % heads[1]) or P % a:
+                    cells.append("-")
+                    continue
+                c = mode_costs(mode, P=P, local_tokens=REFERENCE_T // P, heads=heads, dtype=torch.bfloat16, **extra)
+                cells.append(f"{_mib(c.forward_bytes + c.backward_bytes)} / {_mib(c.saved_bytes)}")
+            out.append(f"| {P} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 # page -> [(section title, table function)]
-TABLES = {"all-gather.md": [("Communication, measured", all_gather_trace)]}
+TABLES = {
+    "all-gather.md": [("Communication, measured", all_gather_trace), ("Memory, measured", all_gather_memory)],
+    "ring.md": [("Communication, measured", mode_trace("p2p"))],
+    "ulysses.md": [("Communication, measured", mode_trace("a2a"))],
+    "hierarchical.md": [("Communication, measured", mode_trace("a2a+p2p"))],
+    "which-mode.md": [("Per-rank costs of two reference layers", which_mode)],
+}

@@ -10,6 +10,8 @@ A mini-guide:
 * Faults never hang ([`sim.rendezvous`][sim.rendezvous]): `CollectiveMismatch`,
   `PeerFailure` and `CollectiveTimeout` inside a rank; `ClusterFailure` out of `run`.
 * The FP64 single-device reference lives in `sim.oracle` (import it explicitly).
+* `python -m sim verify` ([`sim.verify`][sim.verify]) checks the production path on real
+  processes (gloo, NCCL, HCCL) rank by rank against the simulated cluster in FP64.
 
 Example:
     >>> import torch

@@ -20,8 +20,9 @@ loudly if the guess is wrong:
 | at most 2048 sequences per call | `2100-sequences` |
 
 **Multi-rank verification.** After the single-device table, `make test-npu` runs the command
-lines of [`multi_rank_commands`][sim.npu_check.multi_rank_commands]: the hook where issue 8's
-rank-by-rank check (`python -m sim verify --backend hccl --kernel npu`) is added.
+lines of [`multi_rank_commands`][sim.npu_check.multi_rank_commands]: the rank-by-rank check
+of every mode (`python -m sim verify --backend hccl --kernel npu`, see `sim.verify`) in fp16
+and bf16 at CP 2, 4 and 8, as far as the machine has NPUs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import importlib
 import math
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -219,14 +221,25 @@ def format_table(rows: list[Row]) -> str:
 
 
 def multi_rank_commands(device_count: int) -> list[list[str]]:
-    """The multi-rank runs `make test-npu` adds after the single-device table: the hook for issue 8.
+    """The multi-rank runs `make test-npu` adds after the single-device table.
 
-    The rank-by-rank verification (`python -m sim verify --backend hccl --kernel npu`, fp16
-    and bf16, CP 2/4/8 where `device_count` allows) is being built separately; once it lands,
-    return its argument lists here (e.g. `[sys.executable, "-m", "sim", "verify", ...]`). Each
-    runs in order and a non-zero exit fails the target. Until then there is nothing to run.
+    The rank-by-rank verification of `sim.verify` with HCCL and `NpuKernel`: every mode and
+    layout, fp16 and bf16, unpadded and padded, at CP 2, 4 and 8 where `device_count` NPUs
+    exist (the hierarchical mode as 2 x P/2). Each runs in order and a non-zero exit fails the
+    target.
+
+    Example:
+        >>> " ".join(cmd[cmd.index("--nproc") + 1] for cmd in multi_rank_commands(4))  # CP sizes
+        '2 2 4 4'
     """
-    return []
+    commands = []
+    for cp in (2, 4, 8):
+        if cp > device_count:
+            break
+        base = [sys.executable, "-m", "sim", "verify", "--backend", "hccl", "--kernel", "npu", "--nproc", str(cp),
+                "--mode", "all", "--layout", "all", "--dtype", "fp16,bf16", "--timeout", "600"]  # fmt: skip
+        commands += [base, base + ["--padded"]]
+    return commands
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from sim import demo
 
 def test_demo_runs_and_reports(capsys):
     assert demo.main([]) == 0
-    out = capsys.readouterr().out
+    out, verified = capsys.readouterr().out.split("Part 3:")
     P = demo.P
     # block metric: contiguous rank r does (r + 1) c^2 per document, so max/mean = 2P / (P + 1); zigzag: 1
     assert f"block metric = {2 * P / (P + 1):.3f}" in out
@@ -26,3 +26,9 @@ def test_demo_runs_and_reports(capsys):
         assert int(cols[4]) == costs.forward_bytes + costs.backward_bytes  # bytes sent per rank
         assert int(cols[5]) == costs.saved_bytes
     assert "within 1e-10" in out
+    # part 3: the production path on 2 gloo processes: a passing row per mode, layout and rank
+    rows = [line.split() for line in verified.splitlines() if line.split()[:1] and line.split()[0] in cpref.MODES]
+    seen = {(r[0], next(w for w in r if w in cpref.LAYOUTS), int(r[-10])) for r in rows}  # ... rank dp r out dq dk dv tol oracle result
+    assert seen == {(m, lay, rank) for m in cpref.MODES for lay in cpref.LAYOUTS for rank in (0, 1)}
+    assert len(rows) == len(seen) and all(r[-1] == "pass" for r in rows)
+    assert "verification passed" in verified

@@ -31,10 +31,13 @@ to $\mathcal{L}$. Each rank back-propagates its own share through its replica of
 so the gradient of $\mathcal{L}$ with respect to a replicated parameter is the **sum** of the
 ranks' gradients: all-reduce the parameter gradients over the CP group with a **sum**.
 Averaging them, as data parallelism does with its per-replica means, would make them `P`
-times too small. With data parallelism as well (a DP x CP grid), each DP replica's loss is
-its own CP group's $\mathcal{L}$; sum over the CP group and average over the DP groups, i.e.
-all-reduce over the whole DP x CP group with a sum and divide by the DP size. When no rank
-holds a loss token the count is 0, and the loss is 0 with zero gradients, not NaN.
+times too small. With data parallelism as well (a DP x CP grid) the same reasoning covers
+the whole grid: normalise by the number of loss tokens over **every** rank of the DP x CP
+group (and every micro-batch of the step: pass the total as `count`), and all-reduce the
+gradients over that group with a **sum**. The loss is then the mean over every token the step
+trains on, whatever the DP and CP sizes, which is what makes a run at any DP x CP match a run
+on one device that sees the same packs. When no rank holds a loss token the count is 0, and
+the loss is 0 with zero gradients, not NaN.
 """
 
 from __future__ import annotations
@@ -97,14 +100,19 @@ def get_batch_on_this_cp_rank(
     return out
 
 
-def cp_loss(token_loss: torch.Tensor, loss_mask: torch.Tensor, comm: Collectives) -> torch.Tensor:
+def cp_loss(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor, comm: Collectives, *, count: torch.Tensor | None = None
+) -> torch.Tensor:
     """This rank's share of the globally normalised masked mean loss.
 
     Args:
         token_loss: `(T_l,)` per-token losses of this rank (floating).
         loss_mask: `(T_l,)` 1 for tokens that count, 0 for padding and ignored tokens; the
             same shape as `token_loss` (no broadcasting).
-        comm: the CP group (one all-reduce of a scalar count).
+        comm: the group the loss is normalised over (one all-reduce of a scalar count): the
+            CP group, or the whole DP x CP group to make the loss the mean over every replica.
+        count: the global number of loss tokens, if the caller has it already (e.g. over several
+            micro-batches); then nothing is communicated.
 
     Returns:
         A scalar whose sum over the CP ranks is the mean loss over all loss tokens; 0 (with
@@ -125,5 +133,7 @@ def cp_loss(token_loss: torch.Tensor, loss_mask: torch.Tensor, comm: Collectives
     if not token_loss.is_floating_point():
         raise CPInputError(f"token_loss has dtype {token_loss.dtype}; it must be floating")
     mask = loss_mask.to(token_loss.dtype)
-    count = comm.all_reduce(mask.sum().detach().reshape(1))  # global number of loss tokens
-    return (token_loss * mask).sum() / count.clamp_min(1).squeeze(0)
+    if count is None:
+        count = comm.all_reduce(mask.sum().detach().reshape(1))  # global number of loss tokens
+    count = torch.as_tensor(count, dtype=token_loss.dtype, device=token_loss.device).reshape(())
+    return (token_loss * mask).sum() / count.clamp_min(1)

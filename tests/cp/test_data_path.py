@@ -147,3 +147,13 @@ def test_cp_loss_sums_to_the_global_masked_mean():
     masks = [torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0.0, 0.0, 1.0])]
     shares = SimCluster(2).run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm))
     assert sum(shares).item() == pytest.approx((1 + 3 + 6) / 3)
+
+
+def test_cp_loss_with_a_known_count_communicates_nothing():
+    """Gradient accumulation passes the step's total: the same share, no all-reduce."""
+    losses, masks = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0])]
+    cluster = SimCluster(2)
+    shares = cluster.run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm, count=torch.tensor(3.0)))
+    assert cluster.trace == [] and sum(shares).item() == pytest.approx((1 + 2 + 4) / 3)
+    shares_counted = SimCluster(2).run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm))
+    assert [s.item() for s in shares] == [s.item() for s in shares_counted]

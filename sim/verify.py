@@ -1,0 +1,262 @@
+r"""Rank-by-rank verification: `python -m sim verify`.
+
+The production path (`cpref.attention` over [`TorchComm`][cpref.backends.torch_dist.TorchComm]
+on real processes, gloo on CPUs, NCCL on GPUs, HCCL on Ascend NPUs) is checked **rank by
+rank** against the simulated cluster's FP64 ground truth:
+
+```bash
+python -m sim verify --backend gloo --nproc 2 --mode all --layout all
+```
+
+starts 2 processes, runs every mode of `cpref.MODES` in both layouts, forward and backward,
+and prints one row per case and rank: the largest error of `out`, `dQ`, `dK`, `dV`, the
+tolerance, the largest error against the oracle, and pass/fail:
+
+```text
+mode        layout  dtype  pad  cp rank  dp   r       out        dq        dk        dv      tol    oracle  result
+p2p         zigzag  fp32   no    2    0   0   0  6.71e-07  8.22e-07  2.00e-06  4.87e-06  1.0e-05  4.87e-06  pass
+p2p         zigzag  fp32   no    2    1   0   1  5.55e-07  8.75e-07  8.57e-07  6.15e-07  1.0e-05  8.75e-07  pass
+```
+
+(`rank` is the world rank, `dp` its CP group, `r` its rank in the group.) The exit status is
+0 if every row passes, 1 on any failure, 2 on bad arguments.
+
+## What is compared
+
+Every rank builds the same global batch from a seed (documents of unequal length, GQA heads,
+normal entries rounded to the dtype), takes its shard, and runs forward and backward with an
+upstream gradient from the same seed ([`sim.verify_rank`][sim.verify_rank]); only the
+results travel back. The ground truth is computed once, by the process that prints the table
+(the launching process, or rank 0 under torchrun), while the ranks run only the production
+path: it rebuilds each batch, upcasts it to float64 and computes, per rank
+([`sim.verify_truth`][sim.verify_truth]):
+
+1. the **simulated cluster** (`sim.harness.run_attention` in float64): the same mode, layout,
+   padding and options, on `SimCluster(P)`: each rank's `out, dq, dk, dv`;
+2. the **oracle** (dense FP64 attention), cut into the same shards.
+
+**Pass/fail uses the simulated cluster**, compared as `torch.testing.assert_close` with
+`atol = rtol = tol`; the oracle error is reported beside it. The simulated cluster runs the
+*same algorithm* as the rank, so a difference beyond rounding is a fault of the real
+path (the backend, the device kernel, the dtype), in the rank and tensor where it shows; the
+algorithm itself is checked against the oracle by the test suite (`make test-sim`). The
+simulated cluster and the oracle agree to float64 rounding ($\sim 10^{-14}$); should they ever differ by more
+than $10^{-10}$, the row reads `BAD-REF` (the ground truth is wrong, not the rank).
+
+| dtype | tol (atol = rtol) |
+| --- | --- |
+| fp64 | 1e-10 |
+| fp32 | 1e-5 |
+| fp16 | 5e-3 |
+| bf16 | 2.5e-2; 3.5e-2 with $H_{kv} < H_q$ |
+
+**Inputs.** `--docs 1000,3000,500` (default) are the document lengths, each rounded up to
+the layout's granularity ($P$ contiguous, $2P$ zigzag); with `--padded` every document ends
+in padding instead (`cu_seqlens_padded`; see [`sim.verify_cases`][sim.verify_cases]).
+Heads default to $H_q = 8$, $H_{kv} = 4$ (`--heads`), head dim 32 (`--head-dim`); the mask is
+causal (`--no-causal` for full attention). `--dtype`, `--mode` and `--layout` take a comma
+list or `all`; a sweep runs in **one** launch, with a progress bar on stderr.
+
+## Running it
+
+| where | command |
+| --- | --- |
+| CPU, gloo | `python -m sim verify --backend gloo --nproc 4` |
+| GPUs, NCCL | `python -m sim verify --backend nccl --nproc 8 --dtype bf16` |
+| Ascend NPUs | `python -m sim verify --backend hccl --kernel npu --nproc 8 --dtype fp16,bf16` |
+| torchrun | `torchrun --nproc-per-node 8 -m sim verify --backend nccl` |
+
+`make test-npu` runs the HCCL line for CP 2, 4 and 8 (as many as the machine has NPUs), in
+fp16 and bf16, unpadded and `--padded` (`sim.npu_check.multi_rank_commands`).
+
+Each rank runs on its device (cpu for gloo, `cuda:<local rank>`, `npu:<local rank>`).
+Under torchrun (also multi-node) the world is torchrun's and `--nproc` is ignored; rank 0
+gathers the results, computes the ground truth and prints the table.
+
+**DP x CP.** `--nproc` is the world size and `--cp` the CP size: the world holds
+`nproc / cp` CP groups, each running its own batch (seed + 1000 per DP index), each checked
+against its own ground truth. `--cp-ranks strided` places CP groups on non-consecutive
+ranks: with `--nproc 4 --cp 2` the groups are $\{0, 2\}$ and $\{1, 3\}$ instead of
+$\{0, 1\}$ and $\{2, 3\}$. The groups are made once per run with `TorchComm.split`
+(`new_group`s of the listed global ranks). The hierarchical mode's all-to-all group size is `--a2a-size`,
+passed only to the modes whose options take it (default: 2 for an even CP size, so
+`--cp 4` runs it as 2 x 2; 1, the ring, for an odd one).
+
+## Checking another implementation: `--impl`
+
+```bash
+python -m sim verify --nproc 2 --impl mypackage.cp:attention
+```
+
+verifies any function with cpref's signature that takes the process group instead of
+`comm`, against the same ground truth:
+
+```python
+def attention(q, k, v, cu_seqlens, *, process_group, mode, layout, causal,
+              cu_seqlens_padded=None, **options) -> torch.Tensor: ...
+```
+
+It gets this rank's shards (`cpref.shard` of the layout) on the rank's device, requiring
+grad, and returns this rank's output shard; the harness backpropagates through it. `options`
+holds the mode options (`a2a_size`); `--kernel` applies to cpref only. `--impl` may be
+repeated; `--impl cpref` is cpref itself. `tests/backends/verify_impls.py` has a correct
+example (a `TorchComm` over the group, then `cpref.attention`) and a wrong one.
+
+## Faults never hang
+
+Processes are started by `sim.launch.launch`. A rank that fails validation, raises, or is
+killed ends the run with the launcher's report (which rank, how, its traceback; a raising
+rank names the case it was running) and exit status 1, within the process-group timeout
+(`--timeout`, default 300 s); the survivors are stopped after a short grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+import cpref
+from sim.launch import LaunchFailure, launch, under_torchrun
+from sim.verify_cases import DTYPES, Case, Setup, build_cases
+from sim.verify_rank import DEVICE_TYPES, Plan, load_impl, rank_main
+from sim.verify_truth import Report, check
+
+__all__ = ["run", "main", "parse_args", "cases_from_args"]
+
+
+def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backend: str = "gloo",
+        timeout: float = 300.0, progress: bool | None = None) -> Report | None:  # fmt: skip
+    """Run `cases` on `nproc` processes (one launch) and compare every rank with its ground truth.
+
+    Args:
+        cases: the cases, run in order by every rank.
+        setup: what the cases share (documents, heads, seed, kernel).
+        nproc: the world size; ignored under torchrun.
+        backend: `"gloo"`, `"nccl"` or `"hccl"`.
+        timeout: the process-group timeout in seconds.
+        progress: progress bars on stderr (None: if stderr is a terminal).
+
+    Returns:
+        The report; under torchrun, None on every rank but 0.
+
+    Raises:
+        ValueError: on cases that cannot run (unknown mode, CP size not dividing the world,
+            an `--impl` that does not import), before any process starts.
+        LaunchFailure: if a rank raised or died.
+    """
+    # 1) everything that can be checked before a process starts
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    _check(cases, world, backend)
+    # 2) the production path, on every rank
+    plan = Plan(setup, tuple(cases), backend, progress)
+    per_rank = launch(rank_main, nproc, backend=backend, timeout=timeout, args=(plan,), device=plan.device_type)
+    if under_torchrun():
+        per_rank = per_rank[0]  # every rank's results on rank 0, None elsewhere
+        if per_rank is None:
+            return None
+    # 3) the ground truth, rank by rank
+    return check(setup, list(cases), per_rank, progress=progress)
+
+
+def _check(cases: Sequence[Case], world: int, backend: str) -> None:
+    if backend not in DEVICE_TYPES:
+        raise ValueError(f"backend must be one of {sorted(DEVICE_TYPES)}, got {backend!r}")
+    if not cases:
+        raise ValueError("no cases to run")
+    for case in cases:
+        if case.mode not in cpref.MODES or case.layout not in cpref.LAYOUTS or case.dtype not in DTYPES:
+            raise ValueError(f"case {case.label}: mode, layout or dtype unknown; modes are {sorted(cpref.MODES)}")
+        if case.cp < 1 or world % case.cp:
+            raise ValueError(f"case {case.label}: CP size {case.cp} does not divide the world size {world}")
+        if case.impl != "cpref":
+            load_impl(case.impl)
+
+
+def _names(value: str, allowed: Sequence[str], what: str) -> list[str]:
+    """`all` or a comma list of names from `allowed`."""
+    names = list(allowed) if value == "all" else [n.strip() for n in value.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{what} {bad or value!r} unknown; choose from {', '.join(allowed)} or all")
+    return names
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> argparse.Namespace:
+    """The command line of `python -m sim verify` (`--help` lists it)."""
+    p = argparse.ArgumentParser(prog=prog, description="Rank-by-rank verification of CP attention against the "
+                                "simulated cluster's FP64 ground truth (see the sim.verify docs page).")  # fmt: skip
+    p.add_argument("--backend", choices=sorted(DEVICE_TYPES), default="gloo")
+    p.add_argument("--nproc", type=int, default=2, help="world size: processes to start (ignored under torchrun)")
+    p.add_argument("--cp", type=int, help="CP size (default: the world size); the world holds nproc / cp CP groups")
+    p.add_argument("--cp-ranks", choices=("consecutive", "strided"), default="consecutive",
+                   help="CP groups {0..cp-1}, ... or {0, nproc/cp, ...}, ... (non-consecutive ranks)")
+    p.add_argument("--mode", default="all", help=f"comma list or all; of {', '.join(sorted(cpref.MODES))}")
+    p.add_argument("--layout", default="all", help=f"comma list or all; of {', '.join(cpref.LAYOUTS)}")
+    p.add_argument("--dtype", default="fp32", help=f"comma list or all; of {', '.join(DTYPES)}")
+    p.add_argument("--a2a-size", type=int, help="all-to-all group size, for the modes that take a2a_size (default: 2 for an even CP size, else 1)")
+    p.add_argument("--docs", type=_ints, default=Setup.docs, help="document lengths (default 1000,3000,500)")
+    p.add_argument("--heads", type=_ints, default=Setup.heads, help="Hq,Hkv (default 8,4)")
+    p.add_argument("--head-dim", type=int, default=Setup.head_dim)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernel", choices=("torch", "npu"), default="torch", help="cpref's attention kernel")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")
+    p.add_argument("--impl", action="append", metavar="package.module:function", help="verify this function (repeatable)")
+    p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: if stderr is a tty")
+    args = p.parse_args(argv)
+    try:
+        args.modes = _names(args.mode, sorted(cpref.MODES), "mode")
+        args.layouts = _names(args.layout, list(cpref.LAYOUTS), "layout")
+        args.dtypes = _names(args.dtype, list(DTYPES), "dtype")
+        args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel)
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+        p.error(str(exc))
+    return args
+
+
+def cases_from_args(args: argparse.Namespace, world: int) -> list[Case]:
+    """The product of the command line's choices."""
+    cp = args.cp or world
+    return build_cases(args.modes, args.layouts, args.dtypes, cp=cp, strided=args.cp_ranks == "strided",
+                       padded=(args.padded,), causal=args.causal, impls=args.impl or ("cpref",),
+                       a2a_size=args.a2a_size)  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> int:
+    """Parse, run, print the table; return the exit status (0: every row passes)."""
+    args = parse_args(argv, prog)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    cases, printer = cases_from_args(args, world), int(os.environ.get("RANK", 0)) == 0
+    s = args.setup
+    if printer:
+        print(f"rank-by-rank verification: {len(cases)} case(s) on {world} {args.backend} rank(s), kernel {s.kernel}; "
+              f"documents {','.join(map(str, s.docs))}{' padded' if args.padded else ''}, Hq={s.heads[0]} "
+              f"Hkv={s.heads[1]} D={s.head_dim}, seed {s.seed}; errors against the simulated cluster in FP64 "
+              "(pass/fail), oracle column: against the FP64 oracle", flush=True)  # fmt: skip
+    try:
+        report = run(cases, s, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=args.progress)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchFailure as failure:
+        print(f"verification FAILED: a rank failed before every case was compared\n{failure}", file=sys.stderr)
+        return 1
+    if report is None:
+        return 0  # torchrun rank > 0: rank 0 compares and prints
+    print(report.format())
+    print("verification " + ("passed" if report.ok else "FAILED"), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""The cases of `python -m sim verify`, and the inputs every rank and the ground truth build.
+
+A [`Case`][sim.verify_cases.Case] is one CP attention call, forward and backward: the mode,
+layout, dtype, padding, CP size and rank placement, mask and implementation. A
+[`Setup`][sim.verify_cases.Setup] holds what every case of a run shares: the documents, the
+heads and the seed. Inputs never travel: every rank, and the ground truth, build the same
+global tensors from the seed with [`make_batch`][sim.verify_cases.make_batch].
+
+**Document lengths.** A layout needs every document to be a multiple of its granularity
+`g` (`P` contiguous, `2P` zigzag). Without padding each `--docs` length is rounded up to a
+multiple of `g`. With padding every document must end in padding: a length that is already
+a multiple of `g` loses one token, and `cu_seqlens_padded` rounds each real length up to `g`.
+
+Example:
+    >>> case = Case("all_gather", "zigzag", "bf16", cp=4, padded=True)
+    >>> lengths(Setup(docs=(1000, 3000, 500)), case)  # g = 8
+    ((999, 2999, 500), (1000, 3000, 504))
+    >>> case.label, case.tol(Setup())  # GQA in bf16
+    ('all_gather/zigzag/bf16/pad/cp4', 0.035)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from cpref.layout import layout_multiple
+
+__all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "make_batch", "placement",
+           "cp_groups", "build_cases"]  # fmt: skip
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# atol = rtol per dtype, as the issues state them (the test suite's tests/helpers.py.TOL)
+TOL = {"fp64": 1e-10, "fp32": 1e-5, "fp16": 5e-3, "bf16": 2.5e-2}
+TOL_BF16_GQA = 3.5e-2  # bf16 with Hkv < Hq: each key's gradient sums G query heads
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every case of a run shares.
+
+    Attributes:
+        docs: document lengths, before rounding to the layout (see the module docstring).
+        heads: `(Hq, Hkv)`, `Hq % Hkv == 0`; GQA by default.
+        head_dim: `D`, also `Dv`.
+        seed: CP group `d` (its DP index) draws its batch with seed `seed + 1000 d`.
+        kernel: `"torch"` (`TorchKernel`) or `"npu"` (`NpuKernel`), for `cpref` cases.
+    """
+
+    docs: tuple[int, ...] = (1000, 3000, 500)
+    heads: tuple[int, int] = (8, 4)
+    head_dim: int = 32
+    seed: int = 0
+    kernel: str = "torch"
+
+    def __post_init__(self) -> None:
+        if not self.docs or any(not isinstance(n, int) or n < 2 for n in self.docs):
+            raise ValueError(f"docs must be document lengths >= 2, got {self.docs!r}; e.g. --docs 1000,3000,500")
+        if len(self.heads) != 2 or self.heads[1] < 1 or self.heads[0] % self.heads[1]:
+            raise ValueError(f"heads (Hq, Hkv) = {self.heads} need Hkv >= 1 dividing Hq; e.g. --heads 8,4")
+        if self.head_dim < 1 or self.kernel not in ("torch", "npu"):
+            raise ValueError(f"head_dim must be >= 1 and kernel 'torch' or 'npu', got {self.head_dim}, {self.kernel!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One CP attention call, forward and backward: one row per rank in the table.
+
+    Attributes:
+        mode: a key of `cpref.MODES`.
+        layout: `"zigzag"` or `"contiguous"`.
+        dtype: `"fp64"`, `"fp32"`, `"fp16"` or `"bf16"`.
+        cp: the CP size `P`; the world of `W` ranks holds `W / P` CP groups (DP).
+        padded: real lengths that are not multiples of the granularity, with `cu_seqlens_padded`.
+        strided: CP groups of non-consecutive ranks `{d, d + W/P, ...}` instead of
+            `{d P, ..., d P + P - 1}`.
+        causal: causal or full attention inside each document.
+        impl: `"cpref"` (`cpref.attention` over `TorchComm`) or `"package.module:function"`.
+        options: mode options, e.g. `(("a2a_size", 2),)`.
+    """
+
+    mode: str
+    layout: str
+    dtype: str
+    cp: int
+    padded: bool = False
+    strided: bool = False
+    causal: bool = True
+    impl: str = "cpref"
+    options: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def label(self) -> str:
+        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/options][/impl]`."""
+        parts = [self.mode, self.layout, self.dtype] + (["pad"] if self.padded else []) + [f"cp{self.cp}"]
+        parts += (["strided"] if self.strided else []) + ([] if self.causal else ["full"])
+        parts += [f"{k}={v}" for k, v in self.options] + ([] if self.impl == "cpref" else [self.impl])
+        return "/".join(parts)
+
+    def tol(self, setup: Setup) -> float:
+        """atol = rtol of this case's dtype (bf16 with GQA gets `TOL_BF16_GQA`)."""
+        hq, hkv = setup.heads
+        return TOL_BF16_GQA if self.dtype == "bf16" and hkv < hq else TOL[self.dtype]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The global inputs of one CP group: `(T, ...)` tensors over the padded stream, in the case's dtype."""
+
+    q: torch.Tensor  # (T, Hq, D)
+    k: torch.Tensor  # (T, Hkv, D)
+    v: torch.Tensor  # (T, Hkv, D)
+    dout: torch.Tensor  # (T, Hq, D): the upstream gradient
+    cu: torch.Tensor  # (N + 1,) real boundaries
+    cu_padded: torch.Tensor | None  # (N + 1,) padded boundaries, or None without padding
+    real: tuple[int, ...]
+    padded: tuple[int, ...]
+
+    @property
+    def shard_cu(self) -> torch.Tensor:
+        """The boundaries that define the shards."""
+        return self.cu if self.cu_padded is None else self.cu_padded
+
+
+def lengths(setup: Setup, case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(real, padded)` document lengths of `case` (see the module docstring)."""
+    g = layout_multiple(case.layout, case.cp)
+    up = lambda n: -(-n // g) * g  # noqa: E731  ceil to a multiple of g
+    if not case.padded:
+        real = tuple(up(n) for n in setup.docs)
+        return real, real
+    real = tuple(n - 1 if n % g == 0 else n for n in setup.docs)
+    return real, tuple(up(n) for n in real)
+
+
+def _cu(ns: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], dtype=torch.int64)  # (N + 1,)
+
+
+def make_batch(setup: Setup, case: Case, dp: int) -> Batch:
+    """The global batch of CP group `dp` for `case`: N(0, 1) entries rounded to the case's dtype."""
+    real, padded = lengths(setup, case)
+    T, (hq, hkv), d = sum(padded), setup.heads, setup.head_dim
+    gen = torch.Generator().manual_seed(setup.seed + 1000 * dp)
+    q, k, v, dout = (torch.randn(T, h, d, generator=gen, dtype=torch.float64).to(DTYPES[case.dtype])
+                     for h in (hq, hkv, hkv, hq))  # fmt: skip
+    cu_padded = _cu(padded) if case.padded else None
+    return Batch(q, k, v, dout, _cu(real), cu_padded, real, padded)
+
+
+def placement(world_rank: int, world_size: int, cp: int, strided: bool) -> tuple[int, int]:
+    """`(dp, r)`: the CP group (DP index) of a world rank and its rank in that group.
+
+    Example:
+        >>> [placement(g, 4, 2, strided=True) for g in range(4)]  # CP groups {0, 2}, {1, 3}
+        [(0, 0), (1, 0), (0, 1), (1, 1)]
+    """
+    dp_size = world_size // cp
+    return (world_rank % dp_size, world_rank // dp_size) if strided else (world_rank // cp, world_rank % cp)
+
+
+def cp_groups(world_size: int, cp: int, strided: bool) -> list[list[int]]:
+    """Every CP group's world ranks, in CP rank order, indexed by DP index.
+
+    Example:
+        >>> cp_groups(4, 2, strided=False), cp_groups(4, 2, strided=True)
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    groups: list[list[int]] = [[] for _ in range(world_size // cp)]
+    for g in range(world_size):
+        groups[placement(g, world_size, cp, strided)[0]].append(g)
+    return groups
+
+
+def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[str], *, cp: int, strided: bool = False,
+                padded: Sequence[bool] = (False,), causal: bool = True, impls: Sequence[str] = ("cpref",),
+                a2a_size: int | None = None) -> list[Case]:  # fmt: skip
+    """The product of the choices, as cases.
+
+    `a2a_size` goes only to the modes whose options take it (the hierarchical mode); left
+    None, they get 2 for an even `cp` (2 x 2 at `cp = 4`) and 1 (the ring) for an odd one.
+    """
+    import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
+
+    a2a = a2a_size if a2a_size is not None else (2 if cp % 2 == 0 else 1)
+    cases = []
+    for impl in impls:
+        for mode in modes:
+            options = (("a2a_size", a2a),) if "a2a_size" in dict(cpref.MODES[mode].options) else ()
+            for layout in layouts:
+                for dtype in dtypes:
+                    for pad in padded:
+                        cases.append(Case(mode, layout, dtype, cp, pad, strided, causal, impl, options))
+    return cases

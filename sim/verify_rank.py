@@ -1,0 +1,160 @@
+"""What every rank of `python -m sim verify` runs: the production path, forward and backward.
+
+[`rank_main`][sim.verify_rank.rank_main] is the module-level function that `sim.launch`
+starts on every process (or that torchrun's processes run). Per rank:
+
+1. make the CP groups of the run once: the world, or `TorchComm.split` into the CP groups
+   of each `(P, placement)` the cases use (non-consecutive ranks when strided);
+2. for every case, build the CP group's global batch from the seed, take this rank's shard,
+   move it to the rank's device (cpu for gloo, `cuda:<local rank>` for NCCL,
+   `npu:<local rank>` for HCCL), run the implementation, backpropagate the upstream
+   gradient, and keep `out, dq, dk, dv` on the CPU;
+3. return them (under torchrun, gather every rank's results on rank 0, which compares).
+
+A case that raises is not caught and skipped: a rank that raised can no longer be trusted to
+meet its peers in the next collective, so the run ends there, and the exception carries the
+case (`CaseFailed`) to the launcher's report.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import cpref
+from cpref.backends import TorchComm
+from cpref.kernels import NpuKernel, TorchKernel
+from sim.launch import under_torchrun
+from sim.progress import Progress
+from sim.verify_cases import Case, Setup, cp_groups, make_batch, placement
+
+__all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "load_impl", "make_kernel", "DEVICE_TYPES"]
+
+DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
+
+
+class CaseFailed(RuntimeError):
+    """A case raised on this rank; the message names the case, the original exception is chained."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the ranks need, sent to each of them once.
+
+    Attributes:
+        setup: what the cases share.
+        cases: the cases, in the order every rank runs them.
+        backend: the `torch.distributed` backend (`"gloo"`, `"nccl"`, `"hccl"`).
+        progress: draw a progress bar on rank 0 (None: if stderr is a terminal).
+    """
+
+    setup: Setup
+    cases: tuple[Case, ...]
+    backend: str = "gloo"
+    progress: bool | None = None
+
+    @property
+    def device_type(self) -> str:
+        return DEVICE_TYPES[self.backend]
+
+
+def load_impl(spec: str) -> Callable[..., torch.Tensor]:
+    """Import `"package.module:function"`.
+
+    Raises:
+        ValueError: if `spec` is not of that form, does not import, or is not callable.
+    """
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"--impl {spec!r}: expected package.module:function, e.g. tests.backends.verify_impls:cpref_over_group")
+    try:
+        fn = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--impl {spec!r}: {type(exc).__name__}: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"--impl {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def make_kernel(name: str) -> Any:
+    """`TorchKernel()` for `"torch"`, `NpuKernel()` for `"npu"` (imports torch_npu)."""
+    return NpuKernel() if name == "npu" else TorchKernel()
+
+
+def _device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, getattr(torch, device_type).current_device())  # bound by sim.launch
+
+
+def make_groups(plan: Plan) -> dict[tuple[int, bool], tuple[TorchComm, int]]:
+    """`{(P, strided): (this rank's CP communicator, its DP index)}`, made in case order (the same on every rank)."""
+    world = TorchComm()
+    groups: dict[tuple[int, bool], tuple[TorchComm, int]] = {}
+    for case in plan.cases:
+        key = (case.cp, case.strided)
+        if key in groups:
+            continue
+        if world.size % case.cp:
+            raise ValueError(f"case {case.label}: the world of {world.size} ranks does not split into CP groups of {case.cp}")
+        dp, r = placement(world.global_rank, world.size, case.cp, case.strided)
+        comm = world if case.cp == world.size else world.split(cp_groups(world.size, case.cp, case.strided))
+        assert comm.rank == r and comm.size == case.cp, f"{comm} is not CP rank {r} of group {dp}"
+        groups[key] = (comm, dp)
+    return groups
+
+
+def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.device, kernel: Any) -> Result:
+    """One case on this rank: shard, forward, backward; `(out, dq, dk, dv)` on the CPU."""
+    # 1) this CP group's batch, and this rank's shard of it on the rank's device
+    batch = make_batch(setup, case, dp)
+    shard = lambda t: cpref.shard(t, batch.shard_cu, cp_size=comm.size, rank=comm.rank, layout=case.layout).to(device)  # noqa: E731
+    q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
+    dout = shard(batch.dout)  # (T / P, Hq, D)
+    kwargs = dict(mode=case.mode, layout=case.layout, causal=case.causal, **dict(case.options),
+                  cu_seqlens_padded=None if batch.cu_padded is None else batch.cu_padded.to(device))  # fmt: skip
+    # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
+    if case.impl == "cpref":
+        out = cpref.attention(q, k, v, batch.cu.to(device), comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
+    else:
+        out = load_impl(case.impl)(q, k, v, batch.cu.to(device), process_group=comm.process_group, **kwargs)
+    # 3) backward with the upstream gradient
+    out.backward(dout)
+    grads = (None if t.grad is None else t.grad.detach().cpu() for t in (q, k, v))
+    return (out.detach().cpu(), *grads)
+
+
+def rank_main(plan: Plan) -> list[Result] | list[list[Result]] | None:
+    """Run every case of `plan` on this rank (see the module docstring).
+
+    Returns:
+        This rank's results, one per case; under torchrun, every rank's results on rank 0
+        (indexed by world rank) and None on the other ranks.
+
+    Raises:
+        CaseFailed: if a case raised on this rank.
+    """
+    groups, device = make_groups(plan), _device(plan.device_type)
+    kernel = make_kernel(plan.setup.kernel) if any(c.impl == "cpref" for c in plan.cases) else None
+    first = dist.get_rank() == 0
+    bar = Progress(len(plan.cases), "ranks run the cases", enabled=plan.progress if first else False)
+    results: list[Result] = []
+    for case in plan.cases:
+        comm, dp = groups[(case.cp, case.strided)]
+        try:
+            results.append(run_case(case, plan.setup, comm, dp, device, kernel))
+        except Exception as exc:
+            where = f"CP group {dp}, CP rank {comm.rank}, world rank {comm.global_rank}"
+            raise CaseFailed(f"case {case.label} ({where}): {type(exc).__name__}: {exc}") from exc
+        bar.step(case.label)
+    bar.close()
+    if not under_torchrun():
+        return results
+    gathered = [None] * dist.get_world_size() if first else None
+    dist.gather_object(results, gathered, dst=0)  # no parent process: rank 0 compares
+    return gathered

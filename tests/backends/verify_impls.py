@@ -1,0 +1,65 @@
+"""Implementations to put under `python -m sim verify --impl tests.backends.verify_impls:<name>`.
+
+Each has cpref's signature with the process group in place of `comm`:
+`fn(q, k, v, cu_seqlens, *, process_group, mode, layout, causal, cu_seqlens_padded, **options)`.
+
+* `cpref_over_group`: a correct one (a `TorchComm` over the group, then `cpref.attention`);
+* `biased_on_rank_1`: a deliberately wrong one (rank 1's output is off by 0.1);
+* `raises_on_rank_1`, `killed_mid_collective`, `mismatched_causal`: faults the harness must
+  turn into a clear report instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+import cpref
+from cpref.backends import TorchComm
+
+_COMMS: dict[int, TorchComm] = {}
+
+
+def _comm(process_group) -> TorchComm:
+    """One `TorchComm` per group, kept (cpref checks the ranks' arguments once per batch and communicator)."""
+    if id(process_group) not in _COMMS:
+        _COMMS[id(process_group)] = TorchComm(process_group)
+    return _COMMS[id(process_group)]
+
+
+def cpref_over_group(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+    """Correct: cpref.attention over a TorchComm of the group."""
+    return cpref.attention(q, k, v, cu_seqlens, comm=_comm(process_group), **kwargs)
+
+
+def biased_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+    """Wrong: rank 1 adds 0.1 to its output; no gradient changes, so only rank 1's `out` may fail."""
+    out = cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
+    return out + 0.1 if _comm(process_group).rank == 1 else out
+
+
+def raises_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+    """Fault: rank 1 raises before any collective, rank 0 waits for it in the first one."""
+    if _comm(process_group).rank == 1:
+        raise ValueError("rank 1 rejects its input")
+    return cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
+
+
+class _DiesInAllGather(TorchComm):
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rank == 1:  # killed inside the collective that rank 0 is waiting in
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().all_gather(x)
+
+
+def killed_mid_collective(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+    """Fault: rank 1's process is killed (SIGKILL) inside cpref's first all-gather."""
+    return cpref.attention(q, k, v, cu_seqlens, comm=_DiesInAllGather(process_group), **kwargs)
+
+
+def mismatched_causal(q, k, v, cu_seqlens, *, process_group, causal, **kwargs) -> torch.Tensor:
+    """Fault: rank 1 passes the other mask; cpref's rank check raises the same error on every rank."""
+    comm = _comm(process_group)
+    return cpref.attention(q, k, v, cu_seqlens, comm=comm, causal=causal != (comm.rank == 1), **kwargs)

@@ -1,0 +1,53 @@
+"""docs/hooks.py: formulas become MathML at build time, and a formula that cannot fails the build.
+
+Skipped where the docs extra (latex2mathml, mkdocs) is not installed; `make docs` installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("latex2mathml")
+pytest.importorskip("mkdocs")
+
+from mkdocs.exceptions import PluginError  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("cpref_docs_hooks", Path(__file__).resolve().parents[2] / "docs" / "hooks.py")
+hooks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hooks)
+
+
+def test_inline_and_display_math_become_mathml():
+    page = ('<p>cost <span class="arithmatex">\\((P-1) \\frac{T}{P}\\)</span></p>\n'
+            '<div class="arithmatex">\\[ x &lt; y \\]</div>')
+    out = hooks.render_math(page, "page.md")
+    assert '<span class="arithmatex"><math' in out and 'display="inline"' in out
+    assert '<div class="arithmatex"><math' in out and 'display="block"' in out
+    assert "<mfrac>" in out and "&#x0003C;" in out  # the HTML-escaped `<` reached the converter as `<`
+    assert "\\(" not in out and "\\[" not in out
+
+
+def test_text_mode_escapes_are_characters():
+    mathml = hooks.tex_to_mathml(r"\text{save\_gathered\_kv: 5\%}", display=False)
+    assert "<mtext>save_gathered_kv:&#x000A0;5%</mtext>" in mathml
+
+
+@pytest.mark.parametrize(
+    "tex, problem",
+    [
+        (r"\unknowncommand x", "unconverted TeX"),
+        (r"\frac{a", "<mfrac> with 1 children"),
+        (r"x^", "latex2mathml cannot convert it"),
+        (r"\begin{aligned} a &= b \end{aligned}", "not well-formed MathML"),
+        (r"a \\ b", "a line break"),
+    ],
+)
+def test_a_formula_that_does_not_convert_fails_the_build(tex, problem):
+    with pytest.raises(hooks.MathError, match=problem.replace("(", r"\(")):
+        hooks.tex_to_mathml(tex, display=True)
+    page = f'<div class="arithmatex">\\[{tex}\\]</div>'
+    with pytest.raises(PluginError, match="guide.md: formula"):
+        hooks.render_math(page, "guide.md")
