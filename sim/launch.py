@@ -172,7 +172,10 @@ def _run_in_torchrun(fn: Callable[..., Any], args: tuple, setup: tuple) -> Any:
     if owned:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))  # env:// from torchrun
     try:
-        return fn(*args)
+        result = fn(*args)
+        if owned:
+            dist.barrier()  # no rank tears the group down while a peer still has work in flight on it
+        return result
     finally:
         if owned:
             dist.destroy_process_group()
