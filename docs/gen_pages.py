@@ -53,6 +53,7 @@ GUIDE = [
     ("api.md", "The attention API", "cpref.api"),
     ("consistency.md", "Do the ranks agree?", "cpref.consistency"),
     ("data.md", "The data path and loss", "cpref.data"),
+    ("models.md", "Models with CP", "cpref.models"),
     ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
     ("verify.md", "Rank-by-rank verification", "sim.verify"),
 ]

@@ -1,0 +1,85 @@
+"""At CP = 2 and 4, every mode and layout, each rank's logits are its shard of the CP = 1 logits (fp64, 1e-10).
+
+Tokens and positions are padded and sliced by `cpref.get_batch_on_this_cp_rank`, as a training
+loop does. Each rank's logits, padding rows included, must equal its shard of the CP = 1 run on
+the same padded stream; the real rows, put back together, must equal the CP = 1 run on the
+unpadded stream (padding is invisible). The backward as well: parameter gradients summed over
+the ranks (each rank its own replica, the loss `cpref.cp_loss`) equal those at CP = 1.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cpref
+from cpref.models import CPContext
+from sim import SimCluster
+from tests.helpers import assert_close
+from tests.models.cases import FAMILIES, options, packed, run_cp, tiny_model, whole
+
+LENGTHS = [13, 7, 20]  # none a multiple of 2P: every document is padded
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: tiny_model(family) for family in FAMILIES}
+
+
+MODES = sorted(cpref.MODES)
+GRID = [(P, layout) for P in (2, 4) for layout in cpref.LAYOUTS]
+# Qwen3 (GQA, head_dim != E / Hq, q/k norm, RoPE) over the whole grid of P x mode x layout; GPT-2
+# (MHA, learned positions) and LLaMA over every (P, layout) once and every mode once, in a
+# Latin-square pairing (the family only changes per-token work; the mode only the attention).
+CASES = [("qwen3", P, mode, layout) for P, layout in GRID for mode in MODES] + [
+    (family, P, MODES[(i + shift) % len(MODES)], layout)
+    for family, shift in (("gpt2", 0), ("llama", 2))
+    for i, (P, layout) in enumerate(GRID)
+]
+
+
+@pytest.mark.parametrize("family, P, mode, layout", CASES)
+def test_each_rank_gets_its_shard_of_the_cp1_logits(models, family, layout, mode, P):
+    model = models[family]
+    cu, tokens = packed(LENGTHS, seed=P)
+    results = run_cp(model, tokens, cu, P=P, mode=mode, layout=layout)
+    cu_pad = results[0][1]
+    tokens_pad, _ = cpref.pad_to_multiple(tokens, cu, 2 * P if layout == "zigzag" else P)
+    reference = whole(model, tokens_pad, cu, cu_pad)  # (T_pad, V) at CP = 1
+    for r, (logits, _) in enumerate(results):
+        want = cpref.shard(reference, cu_pad, cp_size=P, rank=r, layout=layout)  # (T_pad/P, V)
+        assert_close(logits, want, torch.float64, msg=f"{family} {mode} {layout} P={P} rank {r}")
+    real = cpref.unpad(cpref.unshard([logits for logits, _ in results], cu_pad, layout=layout), cu_pad, cu)
+    assert_close(real, whole(model, tokens, cu), torch.float64, msg="real rows vs the unpadded CP = 1 run")
+
+
+GRAD_CASES = [("qwen3", 4, "a2a+p2p", "zigzag"), ("gpt2", 2, "all_gather", "contiguous")]
+
+
+@pytest.mark.parametrize("family, P, mode, layout", GRAD_CASES)
+def test_gradients_summed_over_ranks_equal_cp1(family, P, mode, layout):
+    """The backward runs through the model at CP > 1 (each rank its own replica, `cpref.cp_loss`)."""
+    model = tiny_model(family)
+    cu, tokens = packed(LENGTHS, seed=5)
+    labels = tokens.roll(-1)
+
+    def rank_grads(comm):
+        replica = copy.deepcopy(model)
+        b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cu, cp_size=P, rank=comm.rank,
+                                            layout=layout)  # fmt: skip
+        cp = CPContext(comm=comm, cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"], mode=mode,
+                       layout=layout, options=options(mode, P))  # fmt: skip
+        logits = replica(b["tokens"], b["position_ids"], cp)  # (T_l, V)
+        token_loss = F.cross_entropy(logits, b["labels"], reduction="none")  # (T_l,)
+        cpref.cp_loss(token_loss, b["loss_mask"].double(), comm).backward()
+        return {n: p.grad for n, p in replica.named_parameters()}
+
+    per_rank = SimCluster(P).run(rank_grads)
+    reference = copy.deepcopy(model)
+    pos = cpref.positions(cu, cp_size=1, rank=0, layout="contiguous")
+    F.cross_entropy(reference(tokens, pos, CPContext.single(cu)), labels).backward()
+    for name, p in reference.named_parameters():
+        assert_close(sum(g[name] for g in per_rank), p.grad, torch.float64, msg=name)

@@ -1,0 +1,65 @@
+"""Packed documents at CP = 1: attention never crosses a document, positions restart at each one.
+
+The logits of every document of a pack equal those of the document run alone (fp64, 1e-10),
+whatever the family; EOD padding (`cu_seqlens_padded`) leaves the real rows unchanged; and
+the positions are an input the model uses (with RoPE, only through their differences).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpref
+from cpref.models import CPContext
+from tests.helpers import assert_close
+from tests.models.cases import FAMILIES, packed, tiny_model, whole
+
+LENGTHS = [5, 11, 1, 8]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_document_of_a_pack_gives_its_logits_alone(family):
+    model = tiny_model(family)
+    cu, tokens = packed(LENGTHS)
+    logits = whole(model, tokens, cu)  # (T, V)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        alone = whole(model, tokens[a:b], torch.tensor([0, b - a]))  # (L_i, V)
+        assert_close(logits[a:b], alone, torch.float64, msg=f"{family} document {i}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eod_padding_leaves_real_rows_unchanged(family):
+    model = tiny_model(family)
+    cu, tokens = packed(LENGTHS)
+    tokens_pad, cu_pad = cpref.pad_to_multiple(tokens, cu, 8, value=3)
+    padded = whole(model, tokens_pad, cu, cu_pad)  # (T_pad, V)
+    assert_close(cpref.unpad(padded, cu_pad, cu), whole(model, tokens, cu), torch.float64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_positions_are_an_input_the_model_uses(family):
+    """Positions reversed inside each document change every document longer than one token."""
+    model = tiny_model(family)
+    cu, tokens = packed(LENGTHS)
+    reversed_pos = torch.cat([torch.arange(n).flip(0) for n in LENGTHS])
+    with torch.no_grad():
+        wrong = model(tokens, reversed_pos, CPContext.single(cu))
+    right = whole(model, tokens, cu)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        assert torch.allclose(wrong[a:b], right[a:b]) == (b - a == 1), f"document {i}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shift_of_a_documents_positions(family):
+    """Positions counted across the pack (a constant shift per document): GPT-2's learned table
+    sees other positions, RoPE only their differences (so LLaMA and Qwen3 give the same logits)."""
+    model = tiny_model(family)
+    cu, tokens = packed(LENGTHS)
+    with torch.no_grad():
+        shifted = model(tokens, torch.arange(tokens.numel()), CPContext.single(cu))
+    right = whole(model, tokens, cu)
+    if family == "gpt2":
+        assert not torch.allclose(shifted[LENGTHS[0] :], right[LENGTHS[0] :])
+    else:
+        assert_close(shifted, right, torch.float64)
