@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         # x / sqrt(mean(x^2) + eps)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
-        return self.weight * h.to(x.dtype)
+        # the input's dtype out: under bf16 autocast a float32 weight must not promote q and k
+        return (self.weight * h.to(x.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

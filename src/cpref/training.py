@@ -1,0 +1,216 @@
+r"""Training with context parallelism: one step over DP x CP, as library code.
+
+A step of data-parallel x context-parallel training does what a step on one device does, on
+`dp x cp` ranks that all hold a replica of the model:
+
+1. **Data.** Every DP replica takes its own packs (`micro_batches` of them); the `cp` ranks of
+   a CP group take the *same* packs and each keeps its shard of every one
+   ([`get_batch_on_this_cp_rank`][cpref.data.get_batch_on_this_cp_rank]: tokens, labels shifted
+   inside each document, loss mask, positions restarting at every document, both boundary
+   lists). Pack `n` of the stream goes to step `n // (dp * micro_batches)`, so the packs a step
+   sees do not depend on `cp`.
+2. **Loss.** The loss is the mean over every loss token of the step, on every rank and in every
+   micro-batch: one all-reduce of the token count over the DP x CP group, then each rank's
+   share with [`cp_loss`][cpref.data.cp_loss], back-propagated micro-batch by micro-batch
+   (gradient accumulation).
+3. **Gradients.** The shares add up to the loss, so the gradient of a replicated parameter is
+   the **sum** of the ranks' gradients: one all-reduce (sum) over the DP x CP group, of all
+   gradients flattened into one buffer.
+4. **Update.** Clip by the global gradient norm (the same on every rank), and step the
+   optimizer. Every replica applies the same update, so the replicas stay identical.
+
+$$ \mathcal{L} = \frac{\sum_{\text{ranks}} \sum_{\text{micro-batches}} \sum_x \mathrm{mask}_x\, \mathrm{loss}_x}
+                      {\sum_{\text{ranks}} \sum_{\text{micro-batches}} \sum_x \mathrm{mask}_x} $$
+
+Because $\mathcal{L}$ is the same function of the same packs for every `dp` and `cp`, a run
+at CP = 4, or at DP 2 x CP 2, matches a run at CP = 1 that sees the same packs (with
+`micro_batches` times `dp` packs per step), step for step, up to floating-point rounding: the
+test suite checks the loss and gradient norm of 10 steps to 1e-5 (fp32).
+
+The loop holds no global state: the communicators, the model and the optimizer are passed in,
+so several runs can live in one process (the simulated cluster runs every rank as a thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from cpref.checks import as_bool, as_choice, as_int
+from cpref.comm import Collectives, SingleRank
+from cpref.data import cp_loss, get_batch_on_this_cp_rank
+from cpref.errors import CPInputError
+from cpref.layout import LAYOUTS
+from cpref.packing import Pack, labels_for, pack_documents
+
+__all__ = ["Topology", "TrainConfig", "PackSource", "StepStats", "step_packs", "train_step", "train"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits in the DP x CP grid.
+
+    Attributes:
+        cp: the CP group: the ranks that share a batch and split its sequence.
+        world: the DP x CP group: every rank holding a replica (losses and gradients).
+        dp_rank: this rank's DP replica, `0 <= dp_rank < dp_size`.
+        dp_size: the number of DP replicas (`world.size == dp_size * cp.size`).
+    """
+
+    cp: Collectives
+    world: Collectives
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world.size != self.dp_size * self.cp.size:
+            raise CPInputError(f"world has {self.world.size} ranks but dp_size {self.dp_size} x cp {self.cp.size} = {self.dp_size * self.cp.size}")
+        as_int("dp_rank", self.dp_rank, lo=0, hi=self.dp_size)
+
+    @classmethod
+    def single(cls) -> "Topology":
+        """One device: no DP, no CP, no communication."""
+        comm = SingleRank()
+        return cls(comm, comm)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train.
+
+    Attributes:
+        mode: the CP mode (`cpref.MODES`).
+        layout: `"zigzag"` or `"contiguous"`.
+        options: the mode's options, e.g. `{"a2a_size": 2}`.
+        micro_batches: packs per DP replica and step (gradient accumulation).
+        lr: AdamW learning rate.
+        grad_clip: clip the global gradient norm to this (None: no clipping).
+        bf16: run the forward under bfloat16 autocast (parameters and gradients stay float32).
+    """
+
+    mode: str = "all_gather"
+    layout: str = "zigzag"
+    options: dict = field(default_factory=dict)
+    micro_batches: int = 1
+    lr: float = 3e-3
+    grad_clip: float | None = 1.0
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        from cpref.api import MODES  # the API module imports the modes; no cycle at import
+
+        as_choice("mode", self.mode, sorted(MODES))
+        as_choice("layout", self.layout, LAYOUTS)
+        as_int("micro_batches", self.micro_batches, lo=1)
+        as_bool("bf16", self.bf16)
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise CPInputError(f"lr must be a positive number, got {self.lr!r}")
+
+
+class PackSource:
+    """Packs of a document stream by index, made on demand and kept (pack `n` is always the same).
+
+    Args:
+        documents: a function returning a fresh iterator of documents (called once).
+        pack_tokens: tokens per pack.
+    """
+
+    def __init__(self, documents: Callable[[], Iterator[torch.Tensor]], pack_tokens: int) -> None:
+        self.pack_tokens = pack_tokens
+        self._packs = pack_documents(documents(), pack_tokens)
+        self._made: list[Pack] = []
+
+    def __getitem__(self, n: int) -> Pack:
+        while len(self._made) <= n:
+            try:
+                self._made.append(next(self._packs))
+            except StopIteration:
+                raise CPInputError(f"the documents fill only {len(self._made)} packs; pack {n} was asked for") from None
+        return self._made[n]
+
+
+def step_packs(source: PackSource, step: int, topo: Topology, micro_batches: int) -> list[Pack]:
+    """The packs of DP replica `topo.dp_rank` at `step`: `micro_batches` of them, disjoint across replicas."""
+    first = step * topo.dp_size * micro_batches
+    return [source[first + m * topo.dp_size + topo.dp_rank] for m in range(micro_batches)]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What a step reports (the same on every rank)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens of every replica's packs trained on per second of this step."""
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: list[Pack], topo: Topology,
+               config: TrainConfig, step: int = 0) -> StepStats:  # fmt: skip
+    """One optimizer step on this rank's packs (see the module docstring for the four parts)."""
+    from cpref.models import CPContext
+
+    start = time.perf_counter()
+    # 1) this rank's shard of every micro-batch
+    batches = []
+    for pack in packs:
+        labels, mask = labels_for(pack)
+        batches.append(get_batch_on_this_cp_rank({"tokens": pack.tokens, "labels": labels, "loss_mask": mask},
+                                                 pack.cu_seqlens, cp_size=topo.cp.size, rank=topo.cp.rank,
+                                                 layout=config.layout))  # fmt: skip
+    # 2) the loss tokens of the whole step, then each micro-batch's share, back-propagated
+    local = torch.stack([b["loss_mask"].double().sum() for b in batches]).sum().reshape(1)
+    count = topo.world.all_reduce(local)  # (1,) every loss token of the step
+    optimizer.zero_grad(set_to_none=False)
+    total = torch.zeros((), dtype=torch.float64)
+    for b in batches:
+        ctx = CPContext(comm=topo.cp, cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"],
+                        mode=config.mode, layout=config.layout, options=dict(config.options))  # fmt: skip
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
+        with autocast:
+            logits = model(b["tokens"], b["position_ids"], ctx)  # (T_l, vocab)
+        token_loss = F.cross_entropy(logits.float(), b["labels"], reduction="none")  # (T_l,)
+        share = cp_loss(token_loss, b["loss_mask"], topo.world, count=count)
+        share.backward()
+        total += share.detach().double()
+    # 3) gradients of replicated parameters: sum over every replica, one buffer
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:  # a parameter this rank's packs did not reach still takes part in the sum
+            p.grad = torch.zeros_like(p)
+    flat = topo.world.all_reduce(torch.cat([p.grad.flatten() for p in params]))  # (n_params,)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p))
+    # 4) clip by the global norm, update
+    norm = flat.double().norm()
+    if config.grad_clip is not None and norm > config.grad_clip:
+        for p in params:
+            p.grad.mul_(config.grad_clip / float(norm))
+    optimizer.step()
+    loss = topo.world.all_reduce(total.reshape(1))  # (1,) the step's mean loss
+    tokens = topo.dp_size * sum(len(p.tokens) for p in packs)
+    return StepStats(step, float(loss), float(norm), tokens, time.perf_counter() - start)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: PackSource, topo: Topology,
+          config: TrainConfig, steps: int, *, start: int = 0,
+          on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:  # fmt: skip
+    """Steps `start .. steps - 1`; `on_step` sees every step's stats (e.g. to print or checkpoint)."""
+    stats = []
+    for step in range(start, steps):
+        s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step)
+        stats.append(s)
+        if on_step is not None:
+            on_step(s)
+    return stats
