@@ -102,6 +102,7 @@ class Row:
 
     @property
     def ok(self) -> bool:
+        """Whether every error is within the tolerance."""
         return self.status in ("pass", "n/a")
 
 
@@ -243,6 +244,7 @@ def multi_rank_commands(device_count: int) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`make test-npu`: the NPU suite where an NPU is present, one line and exit 0 where not."""
     parser = argparse.ArgumentParser(prog="python -m sim.npu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=int, default=0, help="NPU index for the single-device checks")
     args = parser.parse_args(argv)

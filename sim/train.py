@@ -105,9 +105,11 @@ class RunSpec:
     documents: Callable[[], Iterator[torch.Tensor]] = short_documents
 
     def model_config(self) -> ModelConfig:
+        """The preset of `model`, over the byte-level vocabulary."""
         return ModelConfig(vocab_size=BYTE_VOCAB, **PRESETS[self.model])
 
     def meta(self, step: int) -> CheckpointMeta:
+        """What a checkpoint of this run at `step` records."""
         c = self.model_config()
         return CheckpointMeta(step, self.dp, self.cp, self.train.mode, self.train.layout, self.train.micro_batches,
                               {k: v for k, v in c.__dict__.items()})  # fmt: skip

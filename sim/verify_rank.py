@@ -60,6 +60,7 @@ class Plan:
 
     @property
     def device_type(self) -> str:
+        """The torch device type the backend runs on: cpu (gloo), cuda (nccl) or npu (hccl)."""
         return DEVICE_TYPES[self.backend]
 
 

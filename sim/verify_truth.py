@@ -51,6 +51,7 @@ class Row:
 
     @property
     def ok(self) -> bool:
+        """Whether this passed."""
         return self.status == "pass"
 
 
@@ -62,6 +63,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """Whether this passed."""
         return bool(self.rows) and all(r.ok for r in self.rows)
 
     def format(self) -> str:

@@ -58,9 +58,13 @@ class CheckpointMeta:
 class Payload(Protocol):
     """How the model's and optimizer's state are written and read (collective over the world group)."""
 
-    def save(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: Any) -> None: ...
+    def save(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: Any) -> None:
+        """Write the model's and optimizer's state into `directory` (every rank of `world` calls it)."""
+        ...
 
-    def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None: ...
+    def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Read them back into `model` and `optimizer`, checking every tensor's shape first."""
+        ...
 
 
 class TorchPayload:

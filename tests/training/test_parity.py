@@ -70,8 +70,11 @@ def test_fp32_loss_and_grad_norm_match_cp1_for_10_steps(family, mode, layout, to
     assert got[-1][0] < got[0][0]  # and it learns
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_loss_and_grad_norm_match_cp1_within_1e_2(family, mode):
-    got = [(s.loss, s.grad_norm) for s in run_sim(spec(family, 4, 1, mode, "zigzag", bf16=True))]
+BF16_CASES = [(f, m, "cp4") for f in FAMILIES for m in MODES] + [(f, "p2p", t) for f in FAMILIES for t in ("cp2", "dp2xcp2")]
+
+
+@pytest.mark.parametrize("family, mode, topology", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
+def test_bf16_loss_and_grad_norm_match_cp1_within_1e_2(family, mode, topology):
+    cp, dp, _ = TOPOLOGIES[topology]
+    got = [(s.loss, s.grad_norm) for s in run_sim(spec(family, cp, dp, mode, "zigzag", bf16=True))]
     assert_parity(got, reference(family, True), 1e-2)

@@ -34,6 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., dim)` normalised by its root mean square, times the weight."""
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         # x / sqrt(mean(x^2) + eps)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., dim)
@@ -41,6 +42,7 @@ class RMSNorm(nn.Module):
         return (self.weight * h.to(x.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
+        """The size and epsilon, as `print(model)` shows them."""
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
@@ -53,6 +55,7 @@ class GeluMLP(nn.Module):
         self.down = nn.Linear(config.mlp_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(T, E) -> (T, E)`: up, GELU (tanh), down."""
         return self.down(F.gelu(self.up(x), approximate="tanh"))  # (T_l, E) -> (T_l, F) -> (T_l, E)
 
 
@@ -66,6 +69,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(config.mlp_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(T, E) -> (T, E)`: silu(gate) * up, then down."""
         return self.down(F.silu(self.gate(x)) * self.up(x))  # (T_l, E) -> (T_l, F) -> (T_l, E)
 
 

@@ -164,6 +164,7 @@ class AllGatherKVFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan, comm, kernel, causal: bool, scale: float, save_gathered_kv: bool = False):
+        """All-gather K/V, one kernel call; save the local shards (or the selected K/V) for backward."""
         out, lse, k_sel, v_sel = all_gather_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
         # default: keep the local shards and gather again in the backward (memory falls as 1/P)
         ctx.save_for_backward(q, k_sel if save_gathered_kv else k, v_sel if save_gathered_kv else v, out, lse)
@@ -173,6 +174,7 @@ class AllGatherKVFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout):
+        """(Gather K/V again,) one kernel call, index_add_ and reduce-scatter dK/dV."""
         no_double_backward()
         q, k_saved, v_saved, out, lse = ctx.saved_tensors
         k_sel, v_sel = (k_saved, v_saved) if ctx.gathered else gather_selected(k_saved, v_saved, ctx.plan, ctx.comm)

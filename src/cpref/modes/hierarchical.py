@@ -84,6 +84,7 @@ class HierarchicalFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float):
+        """Ulysses' exchange inside the a2a group, ring attention across the groups, exchange back."""
         # 1) inside the a2a group: all the group's tokens for H/a heads, in the zigzag-over-p order
         qg = a2a_gather(q, a2a, a2a_comm)  # (a T_l, Hq/a, D)
         kg = a2a_gather(replicate(k, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, D)
@@ -98,6 +99,7 @@ class HierarchicalFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout):
+        """dout through the exchange, the ring's backward, the gradients back through the exchange."""
         no_double_backward()
         qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms

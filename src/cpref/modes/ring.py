@@ -137,6 +137,7 @@ class RingFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan, comm, kernel, scale: float):
+        """`ring_forward`; save the local q, k, v, the output and the global lse."""
         out, lse = ring_forward(q, k, v, plan, comm, kernel, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.comm, ctx.kernel, ctx.scale = plan, comm, kernel, scale
@@ -144,6 +145,7 @@ class RingFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout):
+        """`ring_backward`: K/V and their dK/dV accumulators around the ring once more."""
         no_double_backward()
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.comm, ctx.kernel, scale=ctx.scale)

@@ -155,6 +155,7 @@ class UlyssesFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float):
+        """Exchange heads for tokens, one kernel call over the whole stream, exchange back."""
         step = plan.attend
         # 1) heads out, tokens in: every rank holds the whole stream for H/P heads, in natural order
         qg = a2a_gather(q, plan, comm)  # (T, Hq/P, D)
@@ -170,6 +171,7 @@ class UlyssesFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout):
+        """The same exchanges for dout, dq, dk, dv around one backward kernel call."""
         no_double_backward()
         qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         plan, comm, step = ctx.plan, ctx.comm, ctx.plan.attend
