@@ -80,7 +80,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
 
-from cpref.comm import REDUCE_OPS
+from cpref.comm import REDUCE_OPS, check_partition, check_payload
 from sim.rendezvous import Call, ClusterFailure, Position, Rendezvous
 from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
 
@@ -203,7 +203,7 @@ class SimComm:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
-        return self._collective("all_gather", _checked("all_gather", x, 1, 1), _all_gather)
+        return self._collective("all_gather", check_payload("all_gather", x, 1, 1), _all_gather)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks (rank order) and keep chunk `rank`: `(P n, ...) -> (n, ...)`.
@@ -212,7 +212,7 @@ class SimComm:
             ValueError: if dim 0 of `x` is not divisible by `size`.
         """
         compute = partial(_reduce_scatter, reduction=self._rdv.reduction)
-        return self._collective("reduce_scatter", _checked("reduce_scatter", x, 1, self.size), compute)
+        return self._collective("reduce_scatter", check_payload("reduce_scatter", x, 1, self.size), compute)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """Send chunk `j` of dim 0 to rank `j`; return the chunks received, in rank order.
@@ -220,13 +220,13 @@ class SimComm:
         Raises:
             ValueError: if dim 0 of `x` is not divisible by `size`.
         """
-        return self._collective("all_to_all", _checked("all_to_all", x, 1, self.size), _all_to_all)
+        return self._collective("all_to_all", check_payload("all_to_all", x, 1, self.size), _all_to_all)
 
     def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
         shift = operator.index(shift)
         compute = partial(_send_recv, shift=shift)
-        return self._collective("send_recv", _checked("send_recv", x), compute, f"shift={shift}", shift)
+        return self._collective("send_recv", check_payload("send_recv", x), compute, f"shift={shift}", shift)
 
     def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> "SimPendingShift":
         """Start the ring shift of `send_recv`; `wait()` on the handle returns the received tensor.
@@ -249,7 +249,7 @@ class SimComm:
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
         compute = partial(_all_reduce, op=op, reduction=self._rdv.reduction)
-        return self._collective("all_reduce", _checked("all_reduce", x), compute, f"op={op}")
+        return self._collective("all_reduce", check_payload("all_reduce", x), compute, f"op={op}")
 
     def barrier(self) -> None:
         """Return once every rank of the group has called `barrier`."""
@@ -275,7 +275,7 @@ class SimComm:
             >>> cols
             [(0, 2), (1, 3), (0, 2), (1, 3)]
         """
-        parts = _partition(groups, self.size)
+        parts = check_partition(groups, self.size)
         seq = self._seq
         self._collective("split", None, _nothing, f"groups={parts}")
         index = next(i for i, part in enumerate(parts) if self.rank in part)
@@ -303,34 +303,6 @@ class SimComm:
         # 3) rendezvous; inputs are detached, as collectives carry no autograd history
         pos = Position(op, seq, self.group, self._gid)
         return self._rdv.arrive(self.global_rank, self.rank, pos, call, None if x is None else x.detach(), complete)
-
-
-def _checked(op: str, x: Any, min_dim: int = 0, divisor: int = 1) -> torch.Tensor:
-    """Check `x` locally, before the rendezvous, so that every rank fails alike."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < min_dim:
-        raise ValueError(f"{op}: needs a dim 0 to split or concatenate, got a 0-d tensor; reshape it to (1,)")
-    if min_dim and x.shape[0] % divisor:
-        raise ValueError(
-            f"{op}: dim 0 of shape {tuple(x.shape)} must be divisible by the group size P={divisor}; "
-            f"pad dim 0 to a multiple of {divisor}"
-        )
-    return x
-
-
-def _partition(groups: Sequence[Sequence[int]], size: int) -> tuple[tuple[int, ...], ...]:
-    """Validate that `groups` partitions `range(size)`; return it as a tuple of tuples."""
-    parts = tuple(tuple(operator.index(r) for r in part) for part in groups)
-    flat = [r for part in parts for r in part]
-    if any(not part for part in parts) or sorted(flat) != list(range(size)):
-        missing = sorted(set(range(size)) - set(flat))
-        extra = sorted({r for r in flat if flat.count(r) > 1 or not 0 <= r < size})
-        raise ValueError(
-            f"split: groups {parts} must partition the ranks 0..{size - 1}, each exactly once, "
-            f"in non-empty groups (missing: {missing}, repeated or out of range: {extra})"
-        )
-    return parts
 
 
 class SimCluster:

@@ -41,11 +41,12 @@ DP x CP meshes.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+import operator
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Collectives", "PendingShift", "REDUCE_OPS", "SingleRank"]
+__all__ = ["Collectives", "PendingShift", "REDUCE_OPS", "SingleRank", "check_payload", "check_partition"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -106,6 +107,44 @@ class Collectives(Protocol):
     def split(self, groups: Sequence[Sequence[int]]) -> "Collectives":
         """Partition the group; return the sub-group that holds this rank (collective call)."""
         ...
+
+
+def check_payload(op: str, x: Any, min_dim: int = 0, divisor: int = 1) -> torch.Tensor:
+    """Check a collective's input locally, before any communication, so that every rank fails alike.
+
+    Raises:
+        TypeError: if `x` is not a tensor.
+        ValueError: if `x` has fewer than `min_dim` dims, or (with `min_dim`) a dim 0 that `divisor`
+            (the group size of a reduce-scatter or all-to-all) does not divide.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{op}: needs a dim 0 to split or concatenate, got a 0-d tensor; reshape it to (1,)")
+    if min_dim and x.shape[0] % divisor:
+        raise ValueError(
+            f"{op}: dim 0 of shape {tuple(x.shape)} must be divisible by the group size P={divisor}; "
+            f"pad dim 0 to a multiple of {divisor}"
+        )
+    return x
+
+
+def check_partition(groups: Sequence[Sequence[int]], size: int) -> tuple[tuple[int, ...], ...]:
+    """`groups` as a tuple of tuples, if it partitions `range(size)` into non-empty groups (for `split`).
+
+    Raises:
+        ValueError: naming the missing, repeated or out-of-range ranks.
+    """
+    parts = tuple(tuple(operator.index(r) for r in part) for part in groups)
+    flat = [r for part in parts for r in part]
+    if any(not part for part in parts) or sorted(flat) != list(range(size)):
+        missing = sorted(set(range(size)) - set(flat))
+        extra = sorted({r for r in flat if flat.count(r) > 1 or not 0 <= r < size})
+        raise ValueError(
+            f"split: groups {parts} must partition the ranks 0..{size - 1}, each exactly once, "
+            f"in non-empty groups (missing: {missing}, repeated or out of range: {extra})"
+        )
+    return parts
 
 
 class SingleRank:

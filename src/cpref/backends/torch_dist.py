@@ -71,7 +71,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from cpref.comm import REDUCE_OPS
+from cpref.comm import REDUCE_OPS, check_partition, check_payload
 from cpref.errors import CPInputError
 
 __all__ = ["TorchComm", "TorchPendingShift", "unsupported_ops"]
@@ -272,7 +272,7 @@ class TorchComm:
             ValueError: if `groups` is not a partition of `range(size)`, or if the ranks
                 passed different partitions.
         """
-        parts = _partition(groups, self.size)
+        parts = check_partition(groups, self.size)
         self._check_same_partition(parts)  # every time: split is a collective, cached or not
         if parts not in self._splits:
             mine = next(part for part in parts if self.rank in part)
@@ -295,31 +295,12 @@ class TorchComm:
     def _wire(self, op: str, x: torch.Tensor, min_dim: int = 0, divisor: int = 1, copy: bool = False) -> torch.Tensor:
         """Check `x` locally (every rank alike), then detach it into a dense tensor the backend can carry."""
         self._seq += 1
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+        check_payload(op, x, min_dim, divisor)
         if op in self.unsupported_ops:
             raise CPInputError(
                 f"{op}: the {self.backend} backend does not support {op} on a group of {self.size} ranks "
                 f"(HCCL's tensor all-gather and reduce-scatter reject group sizes {sorted(_HCCL_BAD_SIZES)}); "
                 f"use a CP size of 2, 4 or 8, or a mode that does not need {op} (see comm.unsupported_ops)"
             )
-        if x.dim() < min_dim:
-            raise ValueError(f"{op}: needs a dim 0 to split or concatenate, got a 0-d tensor; reshape it to (1,)")
-        if min_dim and x.shape[0] % divisor:
-            raise ValueError(
-                f"{op}: dim 0 of shape {tuple(x.shape)} must be divisible by the group size P={divisor}; "
-                f"pad dim 0 to a multiple of {divisor}"
-            )
         wire = x.detach().to(self._widen.get(x.dtype, x.dtype)).contiguous()  # a copy unless x already fits
         return wire.clone() if copy and wire.data_ptr() == x.data_ptr() else wire
-
-
-def _partition(groups: Sequence[Sequence[int]], size: int) -> tuple[tuple[int, ...], ...]:
-    """Validate that `groups` partitions `range(size)`; return it as a tuple of tuples."""
-    parts = tuple(tuple(operator.index(r) for r in part) for part in groups)
-    flat = [r for part in parts for r in part]
-    if any(not part for part in parts) or sorted(flat) != list(range(size)):
-        raise ValueError(
-            f"split: groups {parts} must partition the ranks 0..{size - 1}, each exactly once, in non-empty groups"
-        )
-    return parts
