@@ -14,6 +14,10 @@ explicit backward: autograd never runs through a collective.
 
 ## Validation before communication
 
+Under `torch.autocast`, the inputs arrive in the autocast dtype (bf16 from the projections) and
+attention still computes in its own precision: autocast is switched off for the mode's forward
+(the backward runs outside autocast, where training loops call it).
+
 Every input is validated **before any communication**, by checks that depend only on values
 every rank shares (the global boundaries, the shapes, the arguments), so a bad call fails on
 every rank alike instead of leaving some ranks waiting in a collective. The checks, in order:
@@ -32,6 +36,7 @@ error, never silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable
@@ -214,4 +219,15 @@ def attention(
                    a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
     if check_ranks:
         check_ranks_agree(call, mode, comm)
-    return MODES[mode].run(q, k, v, call, comm)
+    # attention computes in its own precision (float32 sums for bf16/fp16 inputs), autocast or not:
+    # CPU and CUDA autocast would lower the kernel's float32 matmuls to bf16 in the forward only,
+    # and the backward's recomputed probabilities would no longer match the saved lse
+    with _no_autocast(q.device.type):
+        return MODES[mode].run(q, k, v, call, comm)
+
+
+def _no_autocast(device_type: str):
+    """A context in which autocast is off for `device_type` (nothing to do where autocast does not exist)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

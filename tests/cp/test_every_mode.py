@@ -258,3 +258,20 @@ def test_metadata_is_built_once_per_batch_not_per_layer(mode):
 
     SimCluster(P, timeout=30.0).run(rank_fn)
     assert built[0] >= 1 and built[0] == built[1] == built[2] == built[3]  # Ulysses: one plan for the group
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autocast_does_not_lower_the_attention_precision(mode):
+    """Under bf16 autocast the kernel must still sum in float32: bitwise the same as without autocast."""
+    P = 2
+    cu = cu_from_lengths([8, 24])
+    q, k, v = (t.bfloat16() for t in random_qkv(32, 12, 12, 8, dtype=torch.float32))
+
+    def rank_fn(comm, autocast):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return cpref.attention(*local, cu, comm=comm, mode=mode, **extra(mode, P))
+
+    plain = SimCluster(P).run(lambda comm: rank_fn(comm, False))
+    under = SimCluster(P).run(lambda comm: rank_fn(comm, True))
+    assert all(torch.equal(a, b) for a, b in zip(plain, under))
