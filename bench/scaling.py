@@ -1,9 +1,9 @@
 """Benchmark: strong scaling of every CP mode from CP = 1 to CP = 2 over gloo, with a time split.
 
-One causal document (16384 tokens, 8 heads, head dim 64, float32 by default), forward +
-backward, one thread per process:
+Two causal batches of 16384 tokens (one document, and a packed mix of four), 8 heads, head
+dim 64, float32, forward + backward, one thread per process:
 
-* **T(CP=1)**: one process runs `TorchKernel` forward + backward over the whole document,
+* **T(CP=1)**: one process runs `TorchKernel` forward + backward over the whole batch,
   which is what every mode reduces to at CP = 1;
 * **T(CP=2)**: two processes (`sim.launch`, gloo) run `cpref.attention` forward + backward
   for every mode of `cpref.MODES` and both layouts, each rank on its shard; a step lasts
@@ -13,8 +13,17 @@ It prints the speedup T(CP=1) / T(CP=2) (target, printed and never asserted: at 
 for the zigzag layout; contiguous shows its imbalance) and, per mode and rank, the step split
 into **compute** (time inside kernel calls), **comm wait** (time inside collective calls and
 ring-shift waits) and **other** (the rest: validation, plans, merging, copies), measured by
-the timing proxies of `bench.timed` around the communicator and the kernel. Each
-configuration first runs one untimed step on a small document (groups, connections, first
+the timing proxies of `bench.timed` around the communicator and the kernel.
+
+For the ring (`p2p`) it also prints every step of each rank: the kernel's compute time and
+the time then spent waiting for the next block (posting the shifts and waiting on them), and
+the **fraction of communication hidden** behind compute, $1 - \text{exposed} / (n \cdot t_s)$,
+where $t_s$ is the time of one blocking shift of the same block measured alone on the same
+processes, $n$ the number of shifts, and a step's exposed communication its wait up to what
+its shifts take alone (waiting longer is waiting for the other rank's compute: imbalance,
+which the per-step times show).
+
+Each configuration first runs one untimed step on a small document (groups, connections, first
 calls), then `--repeats` timed steps; the fastest is kept. The load average is printed with
 the results: on a shared machine the figures move with it.
 
@@ -38,16 +47,22 @@ from sim.launch import launch
 TARGET = 1.8
 
 
+def batches(tokens: int) -> dict[str, list[int]]:
+    """One document, and a packed mix of four (each a multiple of 4: zigzag over 2 ranks)."""
+    mix = [4 * round(tokens * f / 4) for f in (0.015, 0.137, 0.364)]
+    return {f"1 x {tokens}": [tokens], "4 mixed": [*mix, tokens - sum(mix)]}
+
+
 def _batch(tokens: int, heads: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q, k, v, dout of one document: `(T, H, D)` each, float32."""
+    """q, k, v, dout: `(T, H, D)` each, float32."""
     gen = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(tokens, heads, dim, generator=gen) for _ in range(4))
 
 
-def cp1_rank(tokens: int, heads: int, dim: int, repeats: int) -> list[float]:
-    """Seconds of each forward + backward of one kernel call over the whole document."""
-    kernel, (q, k, v, dout), scale = cpref.TorchKernel(), _batch(tokens, heads, dim), dim**-0.5
-    seqs, times = Varlen.from_lengths((tokens,), (tokens,)), []
+def cp1_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> list[float]:
+    """Seconds of each forward + backward of one kernel call over the whole batch."""
+    kernel, (q, k, v, dout), scale = cpref.TorchKernel(), _batch(sum(lengths), heads, dim), dim**-0.5
+    seqs, times = Varlen.from_lengths(lengths, lengths), []
     for _ in range(repeats):
         start = time.perf_counter()
         out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
@@ -56,10 +71,8 @@ def cp1_rank(tokens: int, heads: int, dim: int, repeats: int) -> list[float]:
     return times
 
 
-def _step(comm, kernel, clock: Clock, batch, mode: str, layout: str) -> dict[str, float]:
-    """One timed forward + backward of `cpref.attention` on this rank: total, compute, comm."""
-    tokens = batch[0].shape[0]
-    cu = torch.tensor([0, tokens])
+def _step(comm, kernel, clock: Clock, batch, cu: torch.Tensor, mode: str, layout: str) -> dict:
+    """One timed forward + backward of `cpref.attention` on this rank: total, compute, comm, events."""
     options = {"a2a_size": 2} if "a2a_size" in dict(cpref.MODES[mode].options) else {}
     q, k, v, dout = (cpref.shard(t, cu, cp_size=comm.size, rank=comm.rank, layout=layout) for t in batch)  # (T / 2, H, D)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -68,27 +81,59 @@ def _step(comm, kernel, clock: Clock, batch, mode: str, layout: str) -> dict[str
     start = time.perf_counter()
     out = cpref.attention(q, k, v, cu, comm=comm, mode=mode, layout=layout, kernel=kernel, **options)
     out.backward(dout)
-    return {"total": time.perf_counter() - start, "compute": clock.compute, "comm": clock.comm}
+    return {"total": time.perf_counter() - start, "compute": clock.compute, "comm": clock.comm, "events": list(clock.events)}
 
 
-def cp2_rank(tokens: int, heads: int, dim: int, repeats: int) -> dict[tuple[str, str], list[dict[str, float]]]:
-    """Every mode and layout on this rank: `{(mode, layout): [one dict per timed step]}`."""
-    clock = Clock()
-    comm, kernel = TimedComm(TorchComm(), clock), TimedKernel(cpref.TorchKernel(), clock)
-    batch, small = _batch(tokens, heads, dim), _batch(256, heads, dim, seed=1)
-    results = {}
+def shift_seconds(comm, tokens: int, heads: int, dim: int, repeats: int = 3) -> float:
+    """The fastest blocking ring shift of one K/V block `(T / 2, H, 2 D)` float32, alone."""
+    kv, times = torch.randn(tokens // comm.size, heads, 2 * dim), []
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        comm.send_recv(kv)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> dict:
+    """Every mode and layout on this rank: `{(mode, layout): [one dict per timed step]}`, and the shift time."""
+    clock, raw = Clock(), TorchComm()
+    comm, kernel = TimedComm(raw, clock), TimedKernel(cpref.TorchKernel(), clock)
+    batch, small = _batch(sum(lengths), heads, dim), _batch(256, heads, dim, seed=1)
+    cu, cu_small = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), torch.tensor([0, 256])
+    results: dict = {"shift": shift_seconds(raw, sum(lengths), heads, dim)}
     for mode in sorted(cpref.MODES):
         for layout in cpref.LAYOUTS:
-            _step(comm, kernel, clock, small, mode, layout)  # warm-up: groups, connections, first calls
-            results[(mode, layout)] = [_step(comm, kernel, clock, batch, mode, layout) for _ in range(repeats)]
+            _step(comm, kernel, clock, small, cu_small, mode, layout)  # warm-up: groups, connections, first calls
+            results[(mode, layout)] = [_step(comm, kernel, clock, batch, cu, mode, layout) for _ in range(repeats)]
     return results
 
 
+def ring_steps(events: list[tuple[str, str, float]]) -> list[dict]:
+    """The ring's steps from a rank's timed calls: each kernel call with the shifts posted before it
+    and the waits after it (until the next kernel call)."""
+    steps: list[dict] = []
+    posted, shifts = 0.0, 0  # posted since the last kernel call: they belong to the next step
+    for which, name, seconds in events:
+        if which == "compute":
+            steps.append({"phase": name, "compute": seconds, "wait": posted, "shifts": shifts})
+            posted, shifts = 0.0, 0
+        elif name == "send_recv_async":
+            posted, shifts = posted + seconds, shifts + 1
+        elif name == "wait" and steps:
+            steps[-1]["wait"] += seconds
+    if steps:  # a shift posted after the last kernel call (the dK/dV coming home)
+        steps[-1]["wait"] += posted
+        steps[-1]["shifts"] += shifts
+    return steps
+
+
 def report(t1: float, per_rank: list[dict]) -> list[str]:
-    """The table: per mode and layout, T(CP=2), the speedup, and each rank's split."""
+    """The table: per mode and layout, T(CP=2), the speedup, each rank's split; the ring's steps."""
     head = f"{'mode':<11} {'layout':<11} {'T(CP=2)':>8} {'speedup':>8} {'target':>7}   rank  {'total':>7} {'compute':>8} {'comm wait':>10} {'other':>7}"
-    lines = [head, "-" * len(head)]
-    for key in per_rank[0]:
+    lines, ring = [head, "-" * len(head)], []
+    t_shift = max(rank["shift"] for rank in per_rank)
+    for key in (k for k in per_rank[0] if k != "shift"):
         steps = list(zip(*(rank[key] for rank in per_rank)))  # per timed step: one dict per rank
         best = min(steps, key=lambda step: max(r["total"] for r in step))  # the fastest step
         t2 = max(r["total"] for r in best)
@@ -98,30 +143,43 @@ def report(t1: float, per_rank: list[dict]) -> list[str]:
             lead = f"{mode:<11} {layout:<11} {t2:>7.2f}s {t1 / t2:>8.2f} {target:>7}" if rank == 0 else " " * 49
             other = r["total"] - r["compute"] - r["comm"]
             lines.append(f"{lead}   {rank:>4}  {r['total']:>6.2f}s {r['compute']:>7.2f}s {r['comm']:>9.2f}s {other:>6.2f}s")
-    return lines
+            if mode == "p2p":
+                ring.append(_ring_line(layout, rank, ring_steps(r["events"]), t_shift))
+    title = f"\nring (p2p) per step: kernel compute / then waiting for the next block (one shift alone: {t_shift * 1e3:.1f} ms)"
+    return [*lines, title, *ring]
+
+
+def _ring_line(layout: str, rank: int, steps: list[dict], t_shift: float) -> str:
+    """One rank's steps, `fwd|bwd compute/wait ms`, and the fraction of its shifts' time hidden behind compute."""
+    cells = [f"{s['phase'][:3]} {s['compute'] * 1e3:.0f}/{s['wait'] * 1e3:.1f} ms" for s in steps]
+    # a step's exposed communication: its waiting, up to what its shifts take alone (beyond: waiting for the peer)
+    exposed, shifts = sum(min(s["wait"], s["shifts"] * t_shift) for s in steps), sum(s["shifts"] for s in steps)
+    hidden = 1 - exposed / (shifts * t_shift) if shifts and t_shift > 0 else float("nan")
+    return f"  {layout:<10} rank {rank}: " + " | ".join(cells) + f"  -> {shifts} shifts, {hidden:.0%} hidden"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="document length (a multiple of 4)")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 4)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=1, help="timed steps per configuration (fastest kept)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (fastest kept)")
     args = parser.parse_args(argv)
     if args.tokens % 4:
         parser.error(f"--tokens {args.tokens}: zigzag over 2 ranks needs a multiple of 4")
-    shape = (args.tokens, args.heads, args.head_dim, args.repeats)
-    print(f"Strong scaling: one causal document of {args.tokens} tokens, {args.heads} heads, head dim "
-          f"{args.head_dim}, float32, forward + backward, 1 thread per process "
-          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")  # fmt: skip
-    # 1) CP = 1: one process, one kernel call over the whole document
-    t1 = min(launch(cp1_rank, 1, args=shape, check_calls=False, timeout=3600.0)[0])
-    print(f"T(CP=1) = {t1:.2f} s (TorchKernel over the whole document, one process)\n")
-    # 2) CP = 2: two gloo processes, every mode and layout
-    per_rank = launch(cp2_rank, 2, args=shape, check_calls=False, timeout=3600.0)
-    print("\n".join(report(t1, per_rank)))
-    print(f"\nspeedup = T(CP=1) / T(CP=2); target >= {TARGET} for zigzag (printed, not asserted); "
-          f"load average now {os.getloadavg()[0]:.1f}")  # fmt: skip
+    for name, lengths in batches(args.tokens).items():
+        shape = (lengths, args.heads, args.head_dim, args.repeats)
+        print(f"## Strong scaling: {name} causal ({lengths}), {args.heads} heads, head dim {args.head_dim}, float32, "
+              f"forward + backward, 1 thread per process (load average {os.getloadavg()[0]:.2f} "
+              f"on {os.cpu_count()} cores)\n")  # fmt: skip
+        # 1) CP = 1: one process, one kernel call over the whole batch
+        t1 = min(launch(cp1_rank, 1, args=shape, check_calls=False, timeout=3600.0)[0])
+        print(f"T(CP=1) = {t1:.2f} s (TorchKernel over the whole batch, one process)\n")
+        # 2) CP = 2: two gloo processes, every mode and layout
+        per_rank = launch(cp2_rank, 2, args=shape, check_calls=False, timeout=3600.0)
+        print("\n".join(report(t1, per_rank)))
+        print(f"\nspeedup = T(CP=1) / T(CP=2); target >= {TARGET} for zigzag (printed, not asserted); "
+              f"load average now {os.getloadavg()[0]:.2f}\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,21 +29,29 @@ __all__ = ["Clock", "TimedComm", "TimedHandle", "TimedKernel"]
 
 @dataclass
 class Clock:
-    """Seconds spent inside kernel calls (`compute`) and collective calls (`comm`)."""
+    """Seconds spent inside kernel calls (`compute`) and collective calls (`comm`).
+
+    `events` lists every timed call in order as `(field, name, seconds)`, e.g.
+    `("compute", "forward", 0.41)` or `("comm", "wait", 0.02)`: the per-step view of a ring.
+    """
 
     compute: float = 0.0
     comm: float = 0.0
+    events: list[tuple[str, str, float]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.compute = self.comm = 0.0
+        self.events = []
 
-    def timed(self, field: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call `fn(*args, **kwargs)`, adding its wall time to `field`."""
+    def timed(self, which: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call `fn(*args, **kwargs)`, adding its wall time to `which` (compute or comm) and to `events`."""
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            setattr(self, which, getattr(self, which) + seconds)
+            self.events.append((which, getattr(fn, "__name__", type(fn).__name__), seconds))
 
 
 class TimedHandle:

@@ -59,6 +59,7 @@ GUIDE = [
     ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
     ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
     ("verify.md", "Rank-by-rank verification", "sim.verify"),
+    ("performance.md", "Performance", "bench.report"),
 ]
 
 # Figures appended to the bottom of a guide page: page -> [(figure path, caption)]. Each figure

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE_DIRS = [ROOT / "src" / "cpref", ROOT / "sim"]
+SOURCE_DIRS = [ROOT / "src" / "cpref", ROOT / "sim", ROOT / "bench"]
 INDEX = "source/index.md"
 
 # A line pymdownx.snippets would expand even inside a code fence (it runs before fences are

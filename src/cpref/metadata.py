@@ -59,6 +59,12 @@ the RFC's keys:
 | `cu_seqlens_q`, `cu_seqlens_kv` | the same with a leading 0, int64 on `device` |
 | `work` | `sum(q_len * kv_len)` over the query sequences: this rank's attention work (block metric) |
 
+**`P = 1`.** A single rank holds every document whole and in natural order (both layouts), so
+its own K/V already are the keys in the right order. The plan then also carries `local_seqs`:
+each document as one sequence over the local stream (its padding keys seen by no query, its
+padding queries seeing no key), which lets the all-gather mode skip the gather, the select and
+the `index_add_`. The RFC keys above are unchanged.
+
 ## The cache
 
 Transformer layers call attention with the same `cu_seqlens` many times per step, so the
@@ -109,6 +115,8 @@ class AllGatherPlan:
         kv_index: `(sum kv_len,)` rows of the rank-major K/V each key sequence reads, on the device.
         seqs: the kernel call's query and key sequences, host lengths.
         work: `sum(q_len * kv_len)` over the sequences.
+        local_seqs: `P = 1` only (else None): the documents as sequences over the local K/V
+            themselves, for a call without gather or select.
     """
 
     local_tokens: int
@@ -116,6 +124,12 @@ class AllGatherPlan:
     kv_index: torch.Tensor
     seqs: Varlen
     work: int
+    local_seqs: Varlen | None = None
+
+    @property
+    def kernel_seqs(self) -> Varlen:
+        """The sequences of the mode's kernel call: `local_seqs` at `P = 1`, else `seqs`."""
+        return self.seqs if self.local_seqs is None else self.local_seqs
 
     def as_mapping(self) -> Mapping[str, Any]:
         """A read-only view with the MindSpeed RFC's keys."""
@@ -180,7 +194,21 @@ def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal:
     # --8<-- [end:kv_index]
 
     seqs = Varlen.from_lengths(q_lens, kv_lens)
-    return AllGatherPlan(T_l, b.total, kv_index, seqs, sum(a * z for a, z in zip(q_lens, kv_lens)))
+    local_seqs = _whole_documents(b) if P == 1 else None
+    return AllGatherPlan(T_l, b.total, kv_index, seqs, sum(a * z for a, z in zip(q_lens, kv_lens)), local_seqs)
+
+
+def _whole_documents(b: Boundaries) -> Varlen:
+    """Every document as one sequence of the local stream (`P = 1`): real queries see its real keys."""
+    q_lens, kv_lens = [], []
+    for i in range(b.num_docs):
+        n, pad = b.real_len(i), b.padded_len(i) - b.real_len(i)
+        # (n, n): the document; (0, pad): its padding keys, seen by no query; (pad, 0): its padding queries
+        for n_q, n_k in ((n, n), (0, pad), (pad, 0)):
+            if n_q or n_k:
+                q_lens.append(n_q)
+                kv_lens.append(n_k)
+    return Varlen.from_lengths(q_lens, kv_lens)
 
 
 def as_device(device: Any) -> torch.device:

@@ -1,4 +1,7 @@
-"""`TorchKernel` against the FP64 oracle: forward (out, lse) and backward (dq, dk, dv).
+"""`TorchKernel`'s explicit path (`fast=False`) against the FP64 oracle: forward (out, lse) and backward (dq, dk, dv).
+
+The fast path is tested against the oracle and this path in `test_fast_kernel.py`, with the
+helpers below.
 
 The oracle only knows packed self-attention, so `reference` below embeds every sequence's
 queries into a self-attention document made of that sequence's keys: under bottom-right
@@ -91,19 +94,19 @@ def test_satisfies_the_contract():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_packed_documents_match_oracle(dtype, heads, causal):
     lengths = [120, 128, 1, 151, 1]
-    check(TorchKernel(), lengths, lengths, heads, dtype, causal=causal)
+    check(TorchKernel(fast=False), lengths, lengths, heads, dtype, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_fewer_queries_than_keys_is_bottom_right(dtype, causal):
-    check(TorchKernel(block_size=16), [10, 1, 33], [40, 25, 33], HEADS["gqa"], dtype, causal=causal)
+    check(TorchKernel(block_size=16, fast=False), [10, 1, 33], [40, 25, 33], HEADS["gqa"], dtype, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_that_see_no_key_give_zero_and_minus_inf(dtype):
     q_lens, kv_lens = [12, 5], [5, 5]  # first 7 rows of sequence 0 see no key
-    out, lse, dq, dk, dv = check(TorchKernel(block_size=4), q_lens, kv_lens, HEADS["gqa"], dtype, causal=True)
+    out, lse, dq, dk, dv = check(TorchKernel(block_size=4, fast=False), q_lens, kv_lens, HEADS["gqa"], dtype, causal=True)
     assert (out[:7] == 0).all() and (lse[:7] == float("-inf")).all() and (dq[:7] == 0).all()
     assert lse[7:].isfinite().all()
     for g in (dq, dk, dv):
@@ -113,17 +116,17 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(dtype):
 @pytest.mark.parametrize("causal", [True, False])
 def test_empty_sequences(causal):
     # q_len 0, kv_len 0 (its queries see nothing), both 0, and a normal sequence
-    out, lse, *_ = check(TorchKernel(), [0, 4, 0, 6], [3, 0, 0, 6], HEADS["gqa"], torch.float64, causal=causal)
+    out, lse, *_ = check(TorchKernel(fast=False), [0, 4, 0, 6], [3, 0, 0, 6], HEADS["gqa"], torch.float64, causal=causal)
     assert (out[:4] == 0).all() and (lse[:4] == float("-inf")).all()
 
 
 def test_no_tokens_at_all():
-    check(TorchKernel(), [0], [0], HEADS["gqa"], torch.float64, causal=True)
+    check(TorchKernel(fast=False), [0], [0], HEADS["gqa"], torch.float64, causal=True)
 
 
 @pytest.mark.parametrize(
     "kernel",
-    [TorchKernel(block_size=1), TorchKernel(block_size=7), TorchKernel(max_block_elements=1000)],
+    [TorchKernel(block_size=1, fast=False), TorchKernel(block_size=7, fast=False), TorchKernel(max_block_elements=1000)],
     ids=["rows=1", "rows=7", "budget=1000"],
 )
 @pytest.mark.parametrize("causal", [True, False])
@@ -139,7 +142,7 @@ def test_cu_seqlens_int32_and_noncontiguous_inputs(index_dtype):
     big = random_qkv(20, 4, 2, 24, seed=9)
     q, k, v = (x[..., :16] for x in big)  # non-contiguous (T, H, 16) views
     dout = torch.randn(20, 4, 16, dtype=torch.float64)
-    got = run_kernel(TorchKernel(block_size=4), q, k, v, cu, cu, dout, causal=True, scale=0.25)
+    got = run_kernel(TorchKernel(block_size=4, fast=False), q, k, v, cu, cu, dout, causal=True, scale=0.25)
     want = oracle.forward_backward(q, k, v, cu, dout, causal=True, scale=0.25)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert_close(g, w, torch.float64, name)
@@ -172,7 +175,7 @@ def test_bad_inputs_raise_cp_input_error():
 def test_property_matches_oracle(lens, hkv, group, dims, causal, block_size, seed):
     q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
     heads = (hkv * group, hkv, *dims)
-    check(TorchKernel(block_size=block_size), q_lens, kv_lens, heads, torch.float64, causal=causal, seed=seed)
+    check(TorchKernel(block_size=block_size, fast=False), q_lens, kv_lens, heads, torch.float64, causal=causal, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
@@ -186,7 +189,7 @@ def test_large_logits_stay_finite_because_the_row_max_is_subtracted(dtype):
     cu = cu_from_lengths(q_lens)
     q, k, v = random_qkv(sum(q_lens), hq, hkv, d, dv, dtype=dtype, seed=4)
     dout = random_qkv(sum(q_lens), hq, hkv, dv, dtype=dtype, seed=5)[0]
-    scale, seqs, kernel = 30 * d**-0.5, Varlen(cu.tolist()), TorchKernel(block_size=16)
+    scale, seqs, kernel = 30 * d**-0.5, Varlen(cu.tolist()), TorchKernel(block_size=16, fast=False)
     out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
     grads = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
     assert lse.max() > 100 and all(t.isfinite().all() for t in (out, lse, *grads))
@@ -222,13 +225,13 @@ def test_max_block_elements_bounds_the_working_memory(causal):
     hq, hkv, d, dv = 4, 2, 4, 4
     q, k, v = random_qkv(n, hq, hkv, d, dv, dtype=torch.float32)
     dout = random_qkv(n, hq, hq, dv, dtype=torch.float32, seed=1)[0]
-    seqs, kernel = Varlen([0, n]), TorchKernel(max_block_elements=budget)
+    seqs, kernel = Varlen([0, n]), TorchKernel(max_block_elements=budget)  # below a fused tile: the explicit path
     out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=0.5)
     inputs = q.numel()  # the largest O(T) tensor: head-major copies and gradients
     fwd = largest_allocation(lambda: kernel.forward(q, k, v, seqs, causal=causal, scale=0.5))
     bwd = largest_allocation(lambda: kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=0.5))
     assert max(fwd, bwd) <= max(budget, inputs)
-    unbounded = TorchKernel()  # the default budget fits the whole 256 x 256 x 4 score block
+    unbounded = TorchKernel(fast=False)  # the default budget fits the whole 256 x 256 x 4 score block
     assert largest_allocation(lambda: unbounded.forward(q, k, v, seqs, causal=causal, scale=0.5)) >= n * n * hq // 2
 
 
@@ -238,13 +241,13 @@ def test_blocks_and_masks_are_built_once_per_varlen(monkeypatch):
     real = TorchKernel._plan
     monkeypatch.setattr(TorchKernel, "_plan", lambda self, *a: calls.append(a) or real(self, *a))
     q, k, v = random_qkv(20, 4, 2, 8)
-    seqs, kernel = Varlen([0, 9, 20]), TorchKernel(block_size=4)
+    seqs, kernel = Varlen([0, 9, 20]), TorchKernel(block_size=4, fast=False)
     for _ in range(3):
         out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.3)
         kernel.backward(out, q, k, v, out, lse, seqs, causal=True, scale=0.3)
     assert len(calls) == 1
     kernel.forward(q, k, v, Varlen([0, 9, 20]), causal=True, scale=0.3)  # a new batch: a new plan
-    TorchKernel(block_size=8).forward(q, k, v, seqs, causal=True, scale=0.3)  # another kernel config
+    TorchKernel(block_size=8, fast=False).forward(q, k, v, seqs, causal=True, scale=0.3)  # another kernel config
     kernel.forward(q, k, v, seqs, causal=False, scale=0.3)  # another mask
     assert len(calls) == 4
 
@@ -256,14 +259,14 @@ def test_integer_inputs_are_refused_not_truncated(dtype):
         TorchKernel().forward(q, k, v, Varlen([0, 4]), causal=True, scale=0.5)
 
 
-def bf16_gradient_error(full_rows: bool, factor: float) -> float:
+def bf16_gradient_error(full_rows: bool, factor: float, kernel: TorchKernel | None = None) -> float:
     """Largest |error| / (1 + |reference|) of dq, dk, dv in bf16 at `factor` times the default scale."""
     lens = [120, 128, 151]
     hq, hkv, d, dv = HEADS["gqa"]
     cu = cu_from_lengths(lens)
     q, k, v = random_qkv(sum(lens), hq, hkv, d, dv, dtype=torch.bfloat16, seed=1)
     dout = random_qkv(sum(lens), hq, hq, dv, dtype=torch.bfloat16, seed=2)[0]
-    scale, seqs, kernel = factor * d**-0.5, Varlen(cu.tolist()), TorchKernel()
+    scale, seqs, kernel = factor * d**-0.5, Varlen(cu.tolist()), kernel or TorchKernel(fast=False)
     out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
     got = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale, full_rows=full_rows)
     want = oracle.forward_backward(q, k, v, cu, dout, causal=True, scale=scale)[2:]

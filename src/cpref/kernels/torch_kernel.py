@@ -54,6 +54,12 @@ The score-sized buffers are allocated once per call and reused by every block. T
 list and the diagonal masks depend only on the sequence lengths, so they are built once per
 [`Varlen`][cpref.kernels.contract.Varlen] (once per batch, not once per layer) and read from
 its cache afterwards; the kernel never reads a device tensor back to the host.
+
+**The fast path.** This explicit path is the reference. On a CPU, `TorchKernel()` runs the
+same contract through PyTorch's fused attention instead
+([`cpref.kernels.torch_fused`][cpref.kernels.torch_fused]: bottom-right causal blocks split
+and merged by lse, one call per run of equal sequences), which the tests check against this
+path and the oracle; `TorchKernel(fast=False)` always takes the explicit path.
 """
 
 from __future__ import annotations
@@ -64,7 +70,9 @@ from typing import Iterator, NamedTuple
 import torch
 
 from cpref.errors import CPInputError
-from cpref.kernels.contract import Varlen, check_heads, compute_dtype
+from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.torch_checks import check_inputs
+from cpref.kernels.torch_fused import fused_available, fused_backward, fused_forward
 
 __all__ = ["TorchKernel"]
 
@@ -171,14 +179,19 @@ class TorchKernel:
     """The attention contract in explicit, blocked PyTorch; see the module docstring.
 
     Args:
-        block_size: at most this many query rows per block (None: only the budget decides).
+        block_size: at most this many query rows per block of the explicit path (None: only
+            the budget decides).
         max_block_elements: memory budget of one block, in elements of the compute dtype:
             query rows are chosen so that `rows * kv_len * Hq` stays under it (at least one
             row). Forward holds one such buffer, backward two. The default `2**24` is 64 MiB
-            per float32 buffer.
+            per float32 buffer. The fast path's blocks are the fused op's tiles, taken only
+            when the budget holds one per thread (`torch_fused.FUSED_TILE_ELEMENTS`).
+        fast: on a CPU, run the fused path (`cpref.kernels.torch_fused`); `False`: always
+            the explicit path, the readable reference.
 
     Raises:
-        CPInputError: if `block_size` or `max_block_elements` is not a positive int.
+        CPInputError: if `block_size` or `max_block_elements` is not a positive int, or
+            `fast` not a bool.
 
     Examples:
         >>> import torch
@@ -189,17 +202,20 @@ class TorchKernel:
         (torch.Size([6, 2, 4]), torch.Size([6, 2]))
     """
 
-    def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24) -> None:
+    def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24, fast: bool = True) -> None:
         for name, value in (("block_size", block_size), ("max_block_elements", max_block_elements)):
             if value is None and name == "block_size":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CPInputError(f"{name}={value!r} must be a positive int" + (", or None" if name == "block_size" else ""))
+        if not isinstance(fast, bool):
+            raise CPInputError(f"fast={fast!r} must be True (the fused path on a CPU) or False (the explicit path)")
         self.block_size = block_size
         self.max_block_elements = max_block_elements
+        self.fast = fast
 
     def __repr__(self) -> str:
-        return f"TorchKernel(block_size={self.block_size}, max_block_elements={self.max_block_elements})"
+        return f"TorchKernel(block_size={self.block_size}, max_block_elements={self.max_block_elements}, fast={self.fast})"
 
     def forward(
         self,
@@ -213,8 +229,11 @@ class TorchKernel:
         out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
+        check_inputs(q, k, v, seqs)
+        if self.fast and fused_available(q.device, self.max_block_elements):
+            return fused_forward(q, k, v, seqs, causal=causal, scale=scale, out_dtype=out_dtype)
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
-        blocks, size = self._blocks(q, k, v, seqs, causal)
+        blocks, size = self._blocks(q, seqs, causal)
         # 1) head-major operands in the compute dtype, one score buffer for every block
         qh, kh, vh = (_heads_major(x, hkv, cdt) for x in (q, k, v))  # (Hkv, T*G, D), (Hkv, T', D|Dv)
         buf = torch.empty(size, dtype=cdt, device=q.device)  # scores of a block
@@ -245,8 +264,13 @@ class TorchKernel:
         grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`."""
+        check_inputs(q, k, v, seqs)
+        if self.fast and fused_available(q.device, self.max_block_elements):
+            return fused_backward(
+                dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, full_rows=full_rows, grad_dtype=grad_dtype
+            )
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
-        blocks, size = self._blocks(q, k, v, seqs, causal)
+        blocks, size = self._blocks(q, seqs, causal)
         # 1) head-major operands; Delta = rowsum(dO o O) once for all rows (unless rows are whole); lse2 = lse / ln2
         qh, kh, vh, doh = (_heads_major(x, hkv, cdt) for x in (q, k, v, dout))  # (Hkv, T*G|T', .)
         delta = None if full_rows else _heads_major((dout.to(cdt) * out.to(cdt)).sum(-1, keepdim=True), hkv, cdt)
@@ -270,13 +294,12 @@ class TorchKernel:
         # 4) back to token-major, in the input dtypes (or grad_dtype)
         return dq, dk.transpose(0, 1).to(grad_dtype or k.dtype), dv.transpose(0, 1).to(grad_dtype or v.dtype)  # (T', Hkv, .)
 
-    def _blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, causal: bool) -> tuple[list[_Block], int]:
-        """Check the inputs (host-side only); the blocks of every sequence and the largest buffer size.
+    def _blocks(self, q: torch.Tensor, seqs: Varlen, causal: bool) -> tuple[list[_Block], int]:
+        """The blocks of every sequence and the largest buffer size.
 
         The block list depends only on `seqs`, the head count, the budget and the device, so
         it is built once per `Varlen` and cached there.
         """
-        _check(q, k, v, seqs)
         key = ("TorchKernel.blocks", self.block_size, self.max_block_elements, q.shape[1], bool(causal), str(q.device))
         return seqs.cached(key, lambda: self._plan(seqs, q.shape[1], bool(causal), q.device))
 
@@ -304,20 +327,3 @@ def _sequence_blocks(n_q: int, n_k: int, rows: int, causal: bool) -> Iterator[tu
     for a in range(first, n_q, rows):
         b = min(a + rows, n_q)
         yield a, b, (b + delta if causal else n_k)
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen) -> None:
-    """Validate dtypes, shapes and lengths against `seqs`, on the host (no device read)."""
-    check_heads(q, k, v)
-    if not isinstance(seqs, Varlen):
-        raise CPInputError(f"seqs must be a cpref.kernels.Varlen (host lengths), got {type(seqs).__name__}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not t.is_floating_point():
-            raise CPInputError(f"TorchKernel: {name} has dtype {t.dtype}; attention needs a floating dtype")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise CPInputError(f"TorchKernel: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if seqs.total_q != q.shape[0] or seqs.total_kv != k.shape[0]:
-        raise CPInputError(
-            f"TorchKernel: seqs cover {seqs.total_q} queries and {seqs.total_kv} keys, "
-            f"but q has {q.shape[0]} rows and k {k.shape[0]}"
-        )

@@ -72,7 +72,9 @@ $(P - 1) \frac{T}{P} H_{kv} (D + D_v)$ elements, and one kernel call of
 $(2P + 1) \sum_i c_i^2$ score entries per head (block metric, zigzag, causal). Backward: the
 default schedule all-gathers K and V again (the same volume) and reduce-scatters dK and dV
 (the same volume again), in the input dtype; with `save_gathered_kv` only the
-reduce-scatters. One kernel call each way.
+reduce-scatters. One kernel call each way. At $P = 1$ the local K/V already are every key in
+order, so the plan's `local_seqs` (see [Load-balanced metadata][cpref.metadata]) send the
+kernel straight to them: no collective, no `index_select`, no `index_add_`.
 
 ## Precision
 
@@ -110,6 +112,8 @@ __all__ = [
 
 def gather_selected(k, v, plan: AllGatherPlan, comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather K and V (rank-major) and select each query sequence's keys: `(k_sel, v_sel)`."""
+    if plan.local_seqs is not None:  # P = 1: the local K/V are every key, in order (see cpref.metadata)
+        return k, v
     k_all = comm.all_gather(k)  # (T_l, Hkv, D) -> (P T_l, Hkv, D)
     v_all = comm.all_gather(v)  # (T_l, Hkv, Dv) -> (P T_l, Hkv, Dv)
     k_sel = k_all.index_select(0, plan.kv_index)  # (sum kv_len, Hkv, D)
@@ -123,7 +127,7 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
     # 1) gather every rank's K and V, rank-major; 2) pick each query sequence's keys, natural order
     k_sel, v_sel = gather_selected(k, v, plan, comm)  # (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
     # 3) one fused varlen call for all local chunks, bottom-right causal per chunk
-    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
+    out, lse = kernel.forward(q, k_sel, v_sel, plan.kernel_seqs, causal=causal, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
     return out, lse, k_sel, v_sel
 # --8<-- [end:forward]
 
@@ -133,8 +137,10 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
     # 1) one fused backward call for all local chunks
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale, full_rows=True
+        dout, q, k_sel, v_sel, out, lse, plan.kernel_seqs, causal=causal, scale=scale, full_rows=True
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
+    if plan.local_seqs is not None:  # P = 1: nothing was selected, these are the local gradients
+        return dq, dk_sel, dv_sel
     rows, acc = comm.size * plan.local_tokens, compute_dtype(dk_sel.dtype)
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer
     dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:]), dtype=acc).index_add_(0, plan.kv_index, dk_sel.to(acc))

@@ -1,0 +1,109 @@
+"""Benchmark: what the CP path costs at P = 1, every mode against the bare kernel.
+
+A model without context parallelism calls `cpref.attention(..., comm=cpref.SingleRank())`; every
+mode then reduces to attention over the whole packed stream. The difference from calling the
+kernel directly is the CP path: validation, the batch cache and the plan, the autograd
+Function, and whatever the mode does around the kernel (the all-gather mode's gather,
+`index_select`, `index_add_` and backward re-gather, which its `P = 1` plan skips; the ring's
+K/V packing and lse merge; Ulysses' all-to-alls). Per mix of documents (8 heads, head dim 64,
+float32, causal, zigzag, forward + backward), the bare `TorchKernel()` and each mode are
+warmed up (the first call builds the plans and makes the rank check), then timed `--repeats`
+times in alternation; the fastest of each is kept. Target (printed, never asserted): every
+mode within 1.05x of the bare kernel.
+
+Two runs of the same 8192-token call can differ by several percent on a shared machine, more
+than the CP path costs; so each mode's kernel calls are also timed inside its step
+(`bench.timed.TimedKernel`), and the time the mode spends *outside* them, over the bare
+kernel's time, is printed too: the CP path's own cost, free of the kernel's run-to-run noise.
+
+Run it with `python -m bench.overhead` (or `make bench`); `--help` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from itertools import accumulate
+from typing import Callable
+
+import torch
+
+import cpref
+from bench.kernel import MIXES, fastest
+from bench.timed import Clock, TimedKernel
+from cpref.kernels import Varlen
+
+TARGET = 1.05
+DEFAULT_MIXES = ("1 x 8192", "4 mixed", "256 x 32")
+
+
+class ModeStep:
+    """Forward + backward of `cpref.attention` at P = 1 in one mode; keeps `(seconds, kernel seconds)` of every call."""
+
+    def __init__(self, mode: str, leaves: list[torch.Tensor], dout: torch.Tensor, cu: torch.Tensor, kernel) -> None:
+        self.mode, self.leaves, self.dout, self.cu = mode, leaves, dout, cu
+        self.clock = Clock()
+        self.kernel, self.runs = TimedKernel(kernel, self.clock), []
+        self.options = {"a2a_size": 1} if mode == "a2a+p2p" else {}
+
+    def __call__(self) -> None:
+        for x in self.leaves:
+            x.grad = None  # no accumulation into last step's gradients
+        self.clock.reset()
+        start = time.perf_counter()
+        out = cpref.attention(*self.leaves, self.cu, comm=cpref.SingleRank(), mode=self.mode, kernel=self.kernel, **self.options)
+        out.backward(self.dout)
+        self.runs.append((time.perf_counter() - start, self.clock.compute))
+
+
+def cases(lengths: list[int], heads: int, dim: int, seed: int = 0) -> dict[str, Callable[[], object]]:
+    """Forward + backward closures: the bare kernel, then `cpref.attention` at P = 1 in every mode."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    q, k, v, dout = (torch.randn(tokens, heads, dim, generator=g) for _ in range(4))  # (T, H, D)
+    cu = torch.tensor([0, *accumulate(lengths)])  # document boundaries
+    seqs, kernel = Varlen.from_lengths(lengths, lengths), cpref.TorchKernel()
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+
+    def bare() -> object:
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=dim**-0.5)
+        return kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=dim**-0.5)
+
+    return {"kernel": bare, **{mode: ModeStep(mode, leaves, dout, cu, kernel) for mode in sorted(cpref.MODES)}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mixes", nargs="+", default=list(DEFAULT_MIXES), choices=list(MIXES))
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (fastest kept)")
+    args = parser.parse_args(argv)
+    modes = sorted(cpref.MODES)
+    print(f"## CP path at P = 1 (cpref.SingleRank, zigzag): forward + backward, {args.heads} heads, head dim "
+          f"{args.dim}, float32, causal, fastest of {args.repeats} (load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
+    print("| documents | bare kernel | " + " | ".join(f"`{m}`" for m in modes) + " |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in modes) + " |")
+    worst = {}
+    for name in args.mixes:
+        steps = cases(MIXES[name], args.heads, args.dim)
+        t = fastest(steps, args.repeats)
+        cells = []
+        for m in modes:
+            total, kernel = min(steps[m].runs[1:])  # the fastest timed call (the first was the warm-up)
+            seen = worst.get(m, (0.0, 0.0))
+            worst[m] = (max(seen[0], t[m] / t["kernel"]), max(seen[1], (total - kernel) / t["kernel"]))
+            cells.append(f"{t[m] * 1e3:.1f} ms: {t[m] / t['kernel']:.3f}x, outside the kernel {(total - kernel) / t['kernel']:.1%}")
+        print(f"| {name} | {t['kernel'] * 1e3:.1f} ms | " + " | ".join(cells) + " |")
+    print("\nx: the mode's time over the bare kernel's (each the fastest of its runs; two runs of the same call differ by a "
+          "few percent on a busy machine); outside the kernel: the mode's time outside its kernel calls, over the bare kernel's.\n")
+    for m in modes:
+        ratio, outside = worst[m]
+        print(f"{m:>10}: worst {ratio:.3f}x the bare kernel, {outside:.1%} outside the kernel "
+              f"(target <= {TARGET}x: {'met' if ratio <= TARGET else 'NOT met'})")
+    print(f"(load average now {os.getloadavg()[0]:.2f})")
+
+
+if __name__ == "__main__":
+    main()

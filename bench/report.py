@@ -1,0 +1,100 @@
+r"""Performance: what `make bench` measures, how, and against which targets.
+
+cpref is a reference, but one people train with: its kernel and its CP path must be fast
+enough to use. Every figure here is *measured*, side by side in one run on the machine at hand,
+and printed with the load average at the time; none is asserted by a test, because timings
+move with the machine. `make bench` runs each benchmark of `bench/` in turn (under ten minutes
+on 2 cores) and prints its tables; the table at the end of this page is a small version of the
+first one, measured while this page was built.
+
+## 1. The kernel against PyTorch's fused attention (`bench/kernel.py`)
+
+Five mixes of documents in 8192 tokens (one document; 8 of 1024; four of 120, 1128, 2984
+and 3960; 64 of 128; 256 of 32), 8 heads, head dim 64, float32, causal, forward + backward.
+Three implementations run on the same tensors, each warmed up, then timed in alternation three
+times (so that a change of load hits all alike), the fastest run of each kept:
+
+* **fast**: `TorchKernel()`, whose CPU path calls PyTorch's fused attention
+  ([the fast path][cpref.kernels.torch_fused.fused_forward]) once per run of equal
+  sequences, splitting bottom-right causal blocks into a visible part and a causal square
+  merged by lse;
+* **explicit**: `TorchKernel(fast=False)`, the blocked matrix products of the
+  [TorchKernel page](torch-kernel.md), the readable reference the fast path is tested against;
+* **SDPA per document**: `F.scaled_dot_product_attention(is_causal=True)` with autograd,
+  called once per document on contiguous `[1, H, S, D]` tensors: what a caller without a
+  varlen kernel does.
+
+The same run measures the machine's matmul peak, a $4096^3$ float32 matmul, and prints each
+kernel's fraction of it on the single 8192-token document, counting the 7 matrix products of
+forward and backward over half the score square:
+
+$$ \text{flops} = 7 \cdot \tfrac{T^2}{2} \cdot 2 D \cdot H = 7\, T^2 H D \approx 241 \text{ GFLOP at } T = 8192 . $$
+
+Targets: fast at most 1.1 times SDPA on every mix and at most 1.0 on the short-document mixes;
+at least 80% of the matmul peak on the single document.
+
+## 2. The CP path at P = 1 (`bench/overhead.py`)
+
+`cpref.attention(..., comm=cpref.SingleRank())` in every mode against the bare kernel, on
+three of the mixes: what a model pays for the CP path when it runs without CP (validation,
+plans, the autograd Function, and what each mode does around its kernel call). The all-gather
+mode's plan at $P = 1$ names the documents themselves as the kernel's sequences, so it skips the
+gather, the `index_select`, the `index_add_` and the backward's re-gather (see
+[Load-balanced metadata](metadata.md)). Target: within 1.05 times the bare kernel.
+
+## 3. Strong scaling on real process groups (`bench/scaling.py`)
+
+Every mode and layout at CP = 2 over gloo (two processes, one thread each) against CP = 1 (one
+process, one thread), on one causal document of 16384 tokens and on a packed mix of four,
+with each rank's step split into compute (inside kernel calls), waiting for communication
+(inside collectives and ring-shift waits) and the rest. For the ring (`p2p`) every step is
+printed, the kernel's compute time against the wait for the next block, with the fraction of
+communication hidden behind compute, $1 - \text{waited} / (n\, t_s)$ for $n$ shifts of a block
+that takes $t_s$ alone. Target: a speedup of at least 1.8 for the zigzag layout.
+
+## 4. Memory per rank (`bench/memory.py`)
+
+The peak of live tensor bytes allocated by forward + backward on each rank of the simulated
+cluster, at $P = 1, 2, 4$, for every mode, measured with a `TorchDispatchMode` that counts every
+storage an op creates while it is alive (the inputs excluded), next to the bytes saved for
+the backward, measured with saved-tensor hooks and given by
+[`mode_costs`][cpref.costs.mode_costs]. What CP promises is that the saved activations fall
+as $1/P$; the peak of one layer's step adds what a mode holds only during the step (the
+all-gather mode's gathered K/V, $O(T)$ by design).
+
+## 5. Compute balance of the all-gather mode (`bench/all_gather.py`)
+
+Each rank's share of the all-gather mode timed alone, contiguous against zigzag, at $P = 2, 4, 8$:
+the measured imbalance next to the counted one.
+
+## Measured while this page was built
+
+{kernel_table}
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bench.kernel import cases, fastest, markdown
+
+# A small version of the kernel table of `bench.kernel`, fast enough to run at every docs build.
+SMALL_MIXES = {"1 x 1024": [1024], "16 x 64": [64] * 16, "64 x 16": [16] * 64}
+SMALL_HEADS, SMALL_DIM = 4, 64
+
+
+def small_kernel_table(repeats: int = 3) -> str:
+    """The kernel comparison on 1024 tokens (4 heads, head dim 64, float32, causal, fwd + bwd), as Markdown."""
+    rows = [{"mix": name, **fastest(cases(lengths, SMALL_HEADS, SMALL_DIM), repeats)} for name, lengths in SMALL_MIXES.items()]
+    return (
+        f"{markdown(rows)}\n\n{SMALL_HEADS} heads, head dim {SMALL_DIM}, float32, causal forward + backward, "
+        f"{torch.get_num_threads()} threads, fastest of {repeats} after a warm-up, load average "
+        f"{os.getloadavg()[0]:.2f}. Measured while the docs were built, on that machine; the full tables "
+        "(8192 tokens, five mixes, the matmul peak, and the other benchmarks) come from `make bench`."
+    )
+
+
+# The page's table is measured when the docs import this module for its docstring (a few hundred ms).
+__doc__ = __doc__.replace("{kernel_table}", small_kernel_table())

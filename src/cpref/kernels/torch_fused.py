@@ -1,0 +1,245 @@
+r"""The fast path of `TorchKernel`: PyTorch's fused CPU attention, one call per run of equal sequences.
+
+The explicit path of [`TorchKernel`][cpref.kernels.torch_kernel.TorchKernel] writes every
+block's scores to memory and reads them back in each elementwise step. PyTorch's fused CPU
+attention (`torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`, the kernel behind
+`F.scaled_dot_product_attention` on a CPU) computes the same softmax tile by tile, keeping
+each tile in cache (the online softmax of FlashAttention), and returns the log-sum-exp with
+the output; its backward recomputes the probabilities from that lse. It is the same
+mathematics as the explicit path, in fewer memory passes. This module wraps it so that every
+guarantee of the [kernel contract][cpref.kernels.contract] holds:
+
+**Bottom-right causal.** The op's causal mask is *top-left*: query $x$ sees key $y \le x$. For a
+square block the two alignments agree. A sequence with $n_q < n_k$ queries is split into its
+keys $[0, \delta)$, $\delta = n_k - n_q$, which every query sees (no mask), and the square
+$[\delta, n_k)$ with a causal mask; the two partial results are merged by their lse
+(see [Merging partial results][cpref.modes.merge]), both finite since row $x$ sees key $0$ in
+the first and key $\delta + x$ in the second:
+
+$$ \mathrm{lse} = \log\left(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}\right), \qquad
+   O = e^{\mathrm{lse}_a - \mathrm{lse}}\, O_a + e^{\mathrm{lse}_b - \mathrm{lse}}\, O_b . $$
+
+With $n_q > n_k$ the first $n_q - n_k$ rows see no key: they are never computed (`out` 0,
+`lse` $-\infty$, zero gradients) and the last $n_k$ rows form a causal square. The backward
+calls the op's backward on each part with the *merged* `(out, lse)`, which is exactly what a
+part's share of a longer row needs: $P = e^{S - \mathrm{lse}}$ and
+$\Delta = \mathrm{rowsum}(dO \circ O)$ of the whole row. dQ sums over the parts, each part
+owns its keys' dK and dV.
+
+**One call per run of equal sequences.** Sequences of one shape whose starts are equally
+spaced in both streams (a run of equal documents, or the alternating chunks of the all-gather
+plan) are one strided `(B, H, S, D)` view of the packed tensors, made with `unfold`, no copy:
+256 documents of 32 tokens are one call, not 256. When one call covers both streams in order
+(one document, or a run of equal ones), the op's outputs, laid out token-major, already are
+the packed `out`, `lse` and gradients, and are returned as views.
+
+**The rest of the contract.** The op reads key head `h // G` itself (GQA and MQA without
+copies). It needs $D_v = D$, so for $D_v < D$ (MLA) V, and in the backward dO and O, are
+zero-padded to $D$; the padded columns of O and dV are 0 and $\Delta$ is unchanged.
+float16/bfloat16 inputs are upcast once to float32, as in the explicit path, so `out_dtype`
+and `grad_dtype` receive float32 accumulators. With `full_rows` in float16/bfloat16, $\Delta$
+must not come from the rounded `out`; the backward then recomputes the float32 output (one
+more forward) and passes that to the op.
+
+**Memory.** The op keeps its scores in tiles of at most $256 \times 512$ per thread (one in the
+forward, two in the backward) whatever the length; everything else is $O(T)$. A
+`max_block_elements` below one tile per thread selects the explicit path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from cpref.kernels.contract import Varlen, compute_dtype
+
+__all__ = ["FUSED_TILE_ELEMENTS", "fused_available", "fused_forward", "fused_backward"]
+
+# The op's largest score tile per thread: 256 query rows x 512 keys (PyTorch's q/kv split sizes).
+FUSED_TILE_ELEMENTS = 256 * 512
+
+
+def _op(name: str):
+    """`torch.ops.aten.<name>`, or None where this torch lacks it."""
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FORWARD = _op("_scaled_dot_product_flash_attention_for_cpu")
+_BACKWARD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def fused_available(device: torch.device, max_block_elements: int) -> bool:
+    """Whether the fused path applies: on the CPU, with the op, and a budget of one tile per thread."""
+    has_op = _FORWARD is not None and _BACKWARD is not None
+    return has_op and device.type == "cpu" and max_block_elements >= FUSED_TILE_ELEMENTS * torch.get_num_threads()
+
+
+class Run(NamedTuple):
+    """`count` sequence parts of `rows` queries and `keys` keys, equally spaced: one fused call."""
+
+    q0: int  # first query row of the first part
+    q_step: int  # rows between the starts of consecutive parts
+    k0: int  # first key row of the first part
+    k_step: int
+    count: int
+    rows: int
+    keys: int
+    causal: bool  # a causal square (rows == keys), else every key is visible
+    merge: bool  # the visible part of a split sequence: merged into its causal square by lse
+
+
+def _parts(q0: int, q1: int, k0: int, k1: int, causal: bool) -> list[tuple[int, int, int, int, bool, bool]]:
+    """`(q start, k start, rows, keys, causal, merge)` of one sequence's fused calls."""
+    n_q, n_k = q1 - q0, k1 - k0
+    if n_q == 0 or n_k == 0:
+        return []
+    if not causal:
+        return [(q0, k0, n_q, n_k, False, False)]
+    if n_q >= n_k:  # query x sees y <= x - (n_q - n_k): the first n_q - n_k rows see nothing
+        return [(q1 - n_k, k0, n_k, n_k, True, False)]
+    # keys [k1 - n_q, k1): a causal square; keys [k0, k1 - n_q): visible to every row, merged after
+    return [(q0, k1 - n_q, n_q, n_q, True, False), (q0, k0, n_q, n_k - n_q, False, True)]
+
+
+def _progressions(starts: list[tuple[int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Cut `starts` into maximal runs advancing by one `(q, k)` step: `(q0, q_step, k0, k_step, count)`."""
+    runs, i = [], 0
+    while i < len(starts):
+        (q0, k0), j = starts[i], i + 1
+        step = (starts[j][0] - q0, starts[j][1] - k0) if j < len(starts) else (1, 1)
+        while j < len(starts) and (starts[j][0] - starts[j - 1][0], starts[j][1] - starts[j - 1][1]) == step:
+            j += 1
+        runs.append((q0, step[0], k0, step[1], j - i))
+        i = j
+    return runs
+
+
+def plan_runs(seqs: Varlen, causal: bool, max_period: int = 4) -> list[Run]:
+    """The fused calls of `seqs`: parts grouped by shape, cut into equally spaced runs; merges last.
+
+    Parts of one shape that alternate between patterns (the all-gather plan's chunk `j` and
+    chunk `2P - 1 - j` of every document) are split into `period` interleaved lists first;
+    the period from 1 to `max_period` that gives the fewest runs wins.
+    """
+    shapes: dict[tuple[int, int, bool, bool], list[tuple[int, int]]] = {}
+    for q0, q1, k0, k1 in seqs.pairs():
+        for qs, ks, rows, keys, square, merge in _parts(q0, q1, k0, k1, causal):
+            shapes.setdefault((rows, keys, square, merge), []).append((qs, ks))
+    runs = []
+    for (rows, keys, square, merge), starts in shapes.items():
+        periods = range(1, min(max_period, len(starts)) + 1)
+        best = min(([r for p in range(period) for r in _progressions(starts[p::period])] for period in periods), key=len)
+        runs += [Run(q0, q_step, k0, k_step, count, rows, keys, square, merge) for q0, q_step, k0, k_step, count in best]
+    return sorted(runs, key=lambda run: run.merge)  # stable: every causal square before its merge
+
+
+def _view(x: torch.Tensor, start: int, step: int, count: int, n: int) -> torch.Tensor:
+    """`count` windows of `n` rows, `step` apart, of a token-major `x`: `(T, H[, X]) -> (B, H, n[, X])`."""
+    w = x[start : start + (count - 1) * step + n].unfold(0, n, step)  # (B, H, X, n) or (B, H, n)
+    return w.permute(0, 1, 3, 2) if x.dim() == 3 else w  # (B, H, n, X)
+
+
+def _queries(x: torch.Tensor, run: Run) -> torch.Tensor:
+    return _view(x, run.q0, run.q_step, run.count, run.rows)
+
+
+def _keys(x: torch.Tensor, run: Run) -> torch.Tensor:
+    return _view(x, run.k0, run.k_step, run.count, run.keys)
+
+
+def _prepared(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> torch.Tensor:
+    """`x` in the compute dtype, unit stride in its last dim, zero-padded to `dim` columns."""
+    x = x.to(dtype).contiguous()  # no copy for a contiguous input already in `dtype`
+    return x if dim is None or x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))  # (T, H, dim)
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Merge `(o_b, lse_b)` into `(o, lse)` in place; both finite in every row."""
+    # lse' = log(e^lse + e^lse_b)
+    merged = torch.logaddexp(lse, lse_b)  # (B, H, n)
+    # O' = e^(lse - lse') O + e^(lse_b - lse') O_b
+    o.mul_((lse - merged).exp_().unsqueeze(-1)).add_(o_b * (lse_b - merged).exp_().unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _narrow(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `dim` columns of `x` in `dtype`, contiguous (no copy when nothing changes)."""
+    return x[..., :dim].to(dtype, memory_format=torch.contiguous_format)
+
+
+def _runs(seqs: Varlen, causal: bool) -> list[Run]:
+    return seqs.cached(("TorchKernel.fused_runs", bool(causal)), lambda: plan_runs(seqs, bool(causal)))
+
+
+def _whole(runs: list[Run], tokens: int, keys: int) -> bool:
+    """Whether one call covers both streams, in order (one document, or a run of equal ones)."""
+    if len(runs) != 1:
+        return False
+    r = runs[0]
+    in_order = r.count == 1 or (r.q_step, r.k_step) == (r.rows, r.keys)
+    return in_order and (r.q0, r.k0, r.count * r.rows, r.count * r.keys) == (0, 0, tokens, keys)
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """The op's output `(B, H, S[, X])`, laid out token-major in memory, as the packed `(B S, H[, X])` (a view)."""
+    return x.transpose(1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])  # (B, S, H[, X]) -> (T, H[, X])
+
+
+def fused_forward(q, k, v, seqs: Varlen, *, causal: bool, scale: float, out_dtype=None, padded: bool = False):
+    """`(out (T, Hq, Dv), lse (T, Hq))` through the fused op; `padded`: keep out in the compute dtype, D wide."""
+    cdt, d, dv = compute_dtype(q.dtype), q.shape[2], v.shape[2]
+    qc, kc, vc = _prepared(q, cdt), _prepared(k, cdt), _prepared(v, cdt, d)  # (T, Hq, D), (T', Hkv, D) x 2
+    runs = _runs(seqs, causal)
+    if _whole(runs, q.shape[0], k.shape[0]):  # one call: its outputs are the packed tensors, no copy
+        run = runs[0]
+        out, lse = map(_packed, _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale))
+        return (out, lse) if padded else (_narrow(out, dv, out_dtype or q.dtype), lse)
+    # rows no call reaches (they see no key) keep out = 0 and lse = -inf
+    out = q.new_zeros((q.shape[0], q.shape[1], d), dtype=cdt)  # (T, Hq, D)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)  # (T, Hq)
+    for run in runs:
+        o_r, lse_r = _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale)
+        if run.merge:
+            _merge(_queries(out, run), _queries(lse, run), o_r, lse_r)
+        else:
+            _queries(out, run).copy_(o_r)  # (B, Hq, n, D)
+            _queries(lse, run).copy_(lse_r)  # (B, Hq, n)
+    if padded:
+        return out, lse
+    return _narrow(out, dv, out_dtype or q.dtype), lse  # (T, Hq, Dv)
+
+
+def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale: float, full_rows: bool = False, grad_dtype=None):
+    """`(dq, dk, dv)` through the fused op's backward; see the module docstring."""
+    cdt, d, dv = compute_dtype(q.dtype), q.shape[2], v.shape[2]
+    qc, kc, vc = _prepared(q, cdt), _prepared(k, cdt), _prepared(v, cdt, d)
+    doc = _prepared(dout, cdt, d)  # (T, Hq, D)
+    if full_rows and q.dtype != cdt:  # Delta from the float32 output, not from `out` rounded to the input dtype
+        oc = fused_forward(q, k, v, seqs, causal=causal, scale=scale, padded=True)[0]  # (T, Hq, D)
+    else:
+        oc = _prepared(out, cdt, d)  # (T, Hq, D)
+    lse, runs = lse.to(cdt), _runs(seqs, causal)
+
+    def grads(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (B, Hq, n, D), (B, Hkv, n_k, D) x 2
+        inputs = (_queries(doc, run), _queries(qc, run), _keys(kc, run), _keys(vc, run), _queries(oc, run), _queries(lse, run))
+        return _BACKWARD(*inputs, 0.0, run.causal, scale=scale)
+
+    if _whole(runs, q.shape[0], k.shape[0]):  # one call: its gradients are the packed tensors, no copy
+        dq, dk, dvp = map(_packed, grads(runs[0]))
+        return _narrow(dq, d, grad_dtype or q.dtype), _narrow(dk, d, grad_dtype or k.dtype), _narrow(dvp, dv, grad_dtype or v.dtype)
+    # keys and rows no call reaches keep zero gradients
+    dq, dk, dvp = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)  # (T, Hq, D), (T', Hkv, D) x 2
+    for run in runs:
+        dq_r, dk_r, dv_r = grads(run)
+        if run.merge:
+            _queries(dq, run).add_(dq_r)  # (B, Hq, n, D): the second part of these rows
+        else:
+            _queries(dq, run).copy_(dq_r)
+        _keys(dk, run).copy_(dk_r)  # (B, Hkv, n_k, D): every key belongs to one part
+        _keys(dvp, run).copy_(dv_r)
+    return _narrow(dq, d, grad_dtype or q.dtype), _narrow(dk, d, grad_dtype or k.dtype), _narrow(dvp, dv, grad_dtype or v.dtype)
