@@ -321,3 +321,29 @@ def test_a_key_row_is_in_at_most_two_key_sequences_of_a_rank():
         for r in range(P):
             kv_index = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout, causal=causal)["kv_index"]
             assert torch.bincount(kv_index).max() <= (2 if layout == "zigzag" and causal else 1)
+
+
+def test_dk_partials_are_summed_unrounded_and_rounded_once():
+    """A key row in two of a rank's key sequences: its two partials are summed in float32 and the sum is
+    rounded to bf16 once. a = 1 + 3 2^-10 and b = 3 2^-10: round(a + b) = 1 + 2^-7, but rounding
+    each partial first gives round(round(a) + b) = 1."""
+    from types import SimpleNamespace
+
+    from cpref.modes.all_gather import all_gather_backward
+
+    plan = cpref.metadata.all_gather_plan(cpref.cache.CACHE.entry([0, 8]), 2, 0, "zigzag", True, torch.device("cpu"))
+    first, second = [i for i, row in enumerate(plan.kv_index.tolist()) if row == 0]  # key row 0, twice
+
+    class PartialsKernel:
+        def backward(self, dout, q, k, v, out, lse, seqs, *, grad_dtype=None, **kw):
+            dk = torch.zeros(k.shape, dtype=torch.float32)
+            dk[first], dk[second] = 1 + 3 * 2**-10, 3 * 2**-10
+            dk = dk.to(grad_dtype or k.dtype)  # a kernel returns its partials in grad_dtype, else rounded
+            return torch.zeros(q.shape, dtype=grad_dtype or q.dtype), dk, torch.zeros_like(dk)
+
+    local = SimpleNamespace(size=2, reduce_scatter=lambda x: x[: len(x) // 2].clone())  # this rank's rows only
+    bf = lambda *shape: torch.zeros(*shape, dtype=torch.bfloat16)  # noqa: E731
+    q, k_sel = bf(4, 1, 2), bf(len(plan.kv_index), 1, 2)
+    _, dk, _ = all_gather_backward(bf(4, 1, 2), q, k_sel, k_sel, bf(4, 1, 2), torch.zeros(4, 1), plan, local,
+                                   PartialsKernel(), causal=True, scale=1.0)  # fmt: skip
+    assert dk.dtype == torch.bfloat16 and dk[0, 0, 0].item() == 1 + 2**-7

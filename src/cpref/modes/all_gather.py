@@ -82,8 +82,9 @@ Every query sees all its keys in the one kernel call, so the backward asks the k
 `full_rows=True` (see the [kernel contract](kernel-contract.md)): $\Delta$ comes from float32
 probabilities, not from the output rounded to bf16, and bf16 gradient errors do not grow with
 the logit scale. A key row appears in at most two key sequences of one rank (one per local
-chunk); its partial gradients are summed by `index_add_` in float32 (float64 for float64)
-and rounded once to the input dtype. The reduce-scatter then sums the `P` ranks' partials
+chunk); the kernel returns its partial gradients unrounded (`grad_dtype=float32`, float64 for
+float64), `index_add_` sums them in that precision, and the sum is rounded once to the input
+dtype. The reduce-scatter then sums the `P` ranks' partials
 **in the input dtype**, as NCCL and HCCL do; the simulated cluster's `reduction="native"`
 models that rounding, and the low-precision tests use it.
 """
@@ -135,20 +136,20 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
 # --8<-- [start:backward]
 def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale):
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
-    # 1) one fused backward call for all local chunks
+    if plan.local_seqs is not None:  # P = 1: nothing was selected, the kernel's gradients are the local ones
+        return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.kernel_seqs, causal=causal, scale=scale, full_rows=True)
+    acc, rows = compute_dtype(q.dtype), comm.size * plan.local_tokens
+    # 1) one fused backward call for all local chunks; dK/dV partials unrounded (float32)
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, plan.kernel_seqs, causal=causal, scale=scale, full_rows=True
+        dout, q, k_sel, v_sel, out, lse, plan.kernel_seqs, causal=causal, scale=scale, full_rows=True, grad_dtype=acc
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
-    if plan.local_seqs is not None:  # P = 1: nothing was selected, these are the local gradients
-        return dq, dk_sel, dv_sel
-    rows, acc = comm.size * plan.local_tokens, compute_dtype(dk_sel.dtype)
-    # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer
-    dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:]), dtype=acc).index_add_(0, plan.kv_index, dk_sel.to(acc))
-    dv_all = dv_sel.new_zeros((rows, *dv_sel.shape[1:]), dtype=acc).index_add_(0, plan.kv_index, dv_sel.to(acc))
-    # 3) sum over ranks (in the input dtype) and return every row to its owner
-    dk = comm.reduce_scatter(dk_all.to(dk_sel.dtype))  # (P T_l, Hkv, D) -> (T_l, Hkv, D)
-    dv = comm.reduce_scatter(dv_all.to(dv_sel.dtype))  # (P T_l, Hkv, Dv) -> (T_l, Hkv, Dv)
-    return dq, dk, dv
+    # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer, in float32
+    dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:])).index_add_(0, plan.kv_index, dk_sel)  # (P T_l, Hkv, D)
+    dv_all = dv_sel.new_zeros((rows, *dv_sel.shape[1:])).index_add_(0, plan.kv_index, dv_sel)  # (P T_l, Hkv, Dv)
+    # 3) round once, sum over ranks (in the input dtype) and return every row to its owner
+    dk = comm.reduce_scatter(dk_all.to(k_sel.dtype))  # (P T_l, Hkv, D) -> (T_l, Hkv, D)
+    dv = comm.reduce_scatter(dv_all.to(v_sel.dtype))  # (P T_l, Hkv, Dv) -> (T_l, Hkv, Dv)
+    return dq.to(q.dtype), dk, dv
 # --8<-- [end:backward]
 
 

@@ -132,5 +132,5 @@ def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     p, g = call.P // a, call.rank // a
     a2a_comm, ring_comm = subgroups(comm, a)
     exchange = a2a_plan(call, a, g, call.heads[1], with_attention=False)
-    ring = ring_plan(call, p, g, call.layout if p > 1 else "contiguous")
+    ring = ring_plan(call, p, g, call.layout)
     return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)

@@ -76,6 +76,9 @@ def _block(kv: torch.Tensor, step: RingStep, d: int) -> tuple[torch.Tensor, torc
 def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float):
     """Forward of ring attention. Returns `(out (T_l, Hq, Dv), lse (T_l, Hq))`, out in the input dtype."""
     acc, d, P = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
+    if P == 1:  # a ring of one rank is one kernel call: its own block holds every key
+        step = plan.steps[0]
+        return kernel.forward(q, k, v, step.seqs, causal=step.causal, scale=scale)
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)  # (T_l, Hq, Dv), running output
     lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)  # (T_l, Hq), no key seen yet
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv): one block travels
@@ -99,6 +102,9 @@ def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float):
     """Backward of ring attention. Returns `(dq, dk, dv)` for the local shards."""
     acc, d, P = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
+    if P == 1:  # one kernel call, whose rows are whole
+        step = plan.steps[0]
+        return kernel.backward(dout, q, k, v, out, lse, step.seqs, causal=step.causal, scale=scale, full_rows=True)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (T_l, Hq, D), stays home
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)
     dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # the own block's accumulator
@@ -110,8 +116,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
         if step.seqs is not None:
             kb, vb = _block(kv, step, d)
             dq_b, dk_b, dv_b = kernel.backward(
-                dout, q, kb, vb, out, lse, step.seqs, causal=step.causal, scale=scale, grad_dtype=acc,
-                full_rows=P == 1,  # a ring of one rank sees whole rows
+                dout, q, kb, vb, out, lse, step.seqs, causal=step.causal, scale=scale, grad_dtype=acc
             )  # (T_l, Hq, D), (T', Hkv, D), (T', Hkv, Dv)
             dq += dq_b
             dkv_b = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
@@ -154,6 +159,7 @@ class RingFunc(torch.autograd.Function):
 
 def ring_plan(call: CPCall, P: int, rank: int, layout: str) -> RingPlan:
     """The cached ring plan of `rank` in a ring of `P` over the call's batch."""
+    layout = layout if P > 1 else "contiguous"  # one rank: both layouts are natural order, one sequence a document
     key = ("ring", P, rank, layout, call.causal, str(call.device))
     return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))
 

@@ -78,14 +78,15 @@ class A2APlan:
     """The permutation of one a2a group's gathered tokens, and the attention on them.
 
     Attributes:
-        perm: `(a T_l,)` positions in the rank-major gathered buffer, in the wanted order.
-        inv_perm: the inverse permutation.
+        perm: `(a T_l,)` positions in the rank-major gathered buffer, in the wanted order
+            (None where that order already is the wanted one).
+        inv_perm: the inverse permutation (None with `perm`).
         replicas: how many times each key/value head is replicated before the exchange.
         attend: the kernel call over the gathered stream (Ulysses: whole documents).
     """
 
-    perm: torch.Tensor
-    inv_perm: torch.Tensor
+    perm: torch.Tensor | None
+    inv_perm: torch.Tensor | None
     replicas: int
     attend: RingStep | None = None
 
@@ -100,6 +101,8 @@ def a2a_permutation(b: Boundaries, P: int, a: int, g: int, layout: str, device) 
     where[received] = torch.arange(len(received))  # global token -> row of the gathered buffer
     perm = where[wanted]
     assert (perm >= 0).all(), "the group's tokens are exactly the chunks of the layout over P / a ranks"
+    if torch.equal(perm, torch.arange(len(perm))):
+        return None, None  # already in the wanted order (a = 1, or P = 1)
     return perm.to(device), torch.argsort(perm).to(device)
 
 
@@ -118,17 +121,17 @@ def a2a_plan(call: CPCall, a: int, g: int, hkv: int, with_attention: bool) -> A2
 def a2a_gather(x: torch.Tensor, plan: A2APlan, comm: Collectives) -> torch.Tensor:
     """Sequence shards of all heads -> all tokens of this rank's heads: `(T_l, H, X) -> (a T_l, H/a, X)`."""
     a = comm.size
-    if a == 1:
-        return x.index_select(0, plan.perm)
-    t_l, h, d = x.shape
-    x = x.reshape(t_l, a, h // a, d).transpose(0, 1).reshape(a * t_l, h // a, d)  # chunk j: head group j
-    return comm.all_to_all(x).index_select(0, plan.perm)  # rank-major -> wanted order, (a T_l, H/a, X)
+    if a > 1:
+        t_l, h, d = x.shape
+        x = x.reshape(t_l, a, h // a, d).transpose(0, 1).reshape(a * t_l, h // a, d)  # chunk j: head group j
+        x = comm.all_to_all(x)  # (a T_l, H/a, X), rank-major
+    return x if plan.perm is None else x.index_select(0, plan.perm)  # rank-major -> wanted order
 
 
 def a2a_scatter(y: torch.Tensor, plan: A2APlan, comm: Collectives) -> torch.Tensor:
     """Inverse of `a2a_gather`: `(a T_l, H/a, X) -> (T_l, H, X)`."""
     a = comm.size
-    y = y.index_select(0, plan.inv_perm)  # wanted order -> rank-major, (a T_l, H/a, X)
+    y = y if plan.inv_perm is None else y.index_select(0, plan.inv_perm)  # wanted order -> rank-major
     if a == 1:
         return y
     n, h, d = y.shape
