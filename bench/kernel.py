@@ -17,6 +17,10 @@ backward over half the score square, $7 T^2 H D$ flops. Targets (printed, never 
 fast <= 1.1x SDPA on every mix, <= 1.0x on the short-document mixes, >= 80% of peak on 1 x 8192.
 
 Run it with `python -m bench.kernel` (or `make bench`); `--help` lists the options.
+`--device cuda --dtype bf16` runs the same tables on a GPU, where SDPA dispatches to its
+flash or memory-efficient kernel and `TorchKernel` takes its explicit path (the fused path is
+CPU-only); the peak is then the device's matmul rate in that dtype, and every timing
+synchronizes the device.
 """
 
 from __future__ import annotations
@@ -43,7 +47,17 @@ SHORT = ("64 x 128", "256 x 32")  # where fast must be at least as fast as SDPA
 TARGET, PEAK_TARGET = 1.1, 0.8
 
 
-def fastest(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that wall time covers it."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+def fastest(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+            device: torch.device = torch.device("cpu")) -> dict[str, float]:  # fmt: skip
     """The fastest wall seconds of each `fn()`, timed in alternation so that load drift hits all alike."""
     for fn in fns.values():
         for _ in range(warmup):
@@ -51,17 +65,20 @@ def fastest(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            _sync(device)
             start = time.perf_counter()
             fn()
+            _sync(device)
             times[name].append(time.perf_counter() - start)
     return {name: min(ts) for name, ts in times.items()}
 
 
-def matmul_peak(repeats: int = 3, n: int = 4096) -> float:
-    """FLOP/s of the fastest `n x n x n` float32 matmul."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    c = torch.empty(n, n)
-    return 2 * n**3 / fastest({"mm": lambda: torch.mm(a, b, out=c)}, repeats)["mm"]
+def matmul_peak(repeats: int = 3, n: int = 4096, device: torch.device = torch.device("cpu"),
+                dtype: torch.dtype = torch.float32) -> float:  # fmt: skip
+    """FLOP/s of the fastest `n x n x n` matmul in `dtype` on `device`."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / fastest({"mm": lambda: torch.mm(a, b, out=c)}, repeats, device=device)["mm"]
 
 
 def attention_flops(lengths: list[int], heads: int, dim: int) -> int:
@@ -69,11 +86,12 @@ def attention_flops(lengths: list[int], heads: int, dim: int) -> int:
     return sum(7 * n * n * heads * dim for n in lengths)
 
 
-def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0) -> dict[str, Callable[[], object]]:
+def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, device: torch.device = torch.device("cpu"),
+          dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:  # fmt: skip
     """Forward + backward closures of the three implementations over one shared set of tensors."""
     g = torch.Generator().manual_seed(seed)
     tokens = sum(lengths)
-    q, k, v, dout = (torch.randn(tokens, heads, dim, generator=g) for _ in range(4))  # (T, H, D)
+    q, k, v, dout = (torch.randn(tokens, heads, dim, generator=g).to(device, dtype) for _ in range(4))  # (T, H, D)
     seqs, scale = Varlen.from_lengths(lengths, lengths), dim**-0.5
     # SDPA's inputs, one contiguous (1, H, S, D) per document, made before timing
     docs = [tuple(x.transpose(0, 1).unsqueeze(0).contiguous() for x in t.split(lengths)) for t in (q, k, v, dout)]
@@ -94,9 +112,11 @@ def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0) -> d
     return {"fast": kernel_step(TorchKernel()), "explicit": kernel_step(TorchKernel(fast=False)), "sdpa": sdpa}
 
 
-def table(mixes: dict[str, list[int]], heads: int, dim: int, repeats: int) -> list[dict]:
+def table(mixes: dict[str, list[int]], heads: int, dim: int, repeats: int, device: torch.device = torch.device("cpu"),
+          dtype: torch.dtype = torch.float32) -> list[dict]:  # fmt: skip
     """One row per mix: the fastest seconds of each implementation."""
-    return [{"mix": name, **fastest(cases(lengths, heads, dim), repeats)} for name, lengths in mixes.items()]
+    return [{"mix": name, **fastest(cases(lengths, heads, dim, device=device, dtype=dtype), repeats, device=device)}
+            for name, lengths in mixes.items()]  # fmt: skip
 
 
 def markdown(rows: list[dict]) -> str:
@@ -114,11 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (fastest kept)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args(argv)
-    print(f"## Kernel: {args.heads} heads, head dim {args.dim}, float32, causal forward + backward, "
-          f"{torch.get_num_threads()} threads, fastest of {args.repeats} (load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
-    peak = matmul_peak(args.repeats)
-    rows = table(MIXES, args.heads, args.dim, args.repeats)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else _device_name(device)
+    print(f"## Kernel: {args.heads} heads, head dim {args.dim}, {args.dtype}, causal forward + backward, "
+          f"{where}, fastest of {args.repeats} (load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
+    peak = matmul_peak(args.repeats, device=device, dtype=dtype)
+    rows = table(MIXES, args.heads, args.dim, args.repeats, device, dtype)
     print(markdown(rows) + "\n")
     for r in rows:
         target = 1.0 if r["mix"] in SHORT else TARGET
@@ -126,13 +150,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['mix']:>9}: fast / SDPA = {r['fast'] / r['sdpa']:.2f} (target <= {target}: {verdict})")
     flops = attention_flops(MIXES["1 x 8192"], args.heads, args.dim)
     single = rows[0]
-    print(f"\nmatmul peak (4096^3 float32): {peak / 1e9:.0f} GFLOP/s; 1 x 8192 forward + backward = {flops / 1e9:.0f} GFLOP, "
+    print(f"\nmatmul peak (4096^3 {args.dtype}): {peak / 1e9:.0f} GFLOP/s; 1 x 8192 forward + backward = {flops / 1e9:.0f} GFLOP, "
           f"so the floor is {flops / peak * 1e3:.0f} ms")  # fmt: skip
     for name in ("fast", "explicit", "sdpa"):
         frac = flops / single[name] / peak
         mark = f" (target >= {PEAK_TARGET:.0%}: {'met' if frac >= PEAK_TARGET else 'NOT met'})" if name == "fast" else ""
         print(f"  {name:>8}: {flops / single[name] / 1e9:6.1f} GFLOP/s = {frac:.0%} of peak{mark}")
     print(f"(load average now {os.getloadavg()[0]:.2f})")
+
+
+def _device_name(device: torch.device) -> str:
+    """The accelerator's name as its torch module reports it (e.g. `NVIDIA H200`)."""
+    module = getattr(torch, device.type)
+    return module.get_device_name(device) if hasattr(module, "get_device_name") else str(device)
 
 
 if __name__ == "__main__":

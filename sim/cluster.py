@@ -49,6 +49,15 @@ left running as a daemon). `run` re-raises rank 0's exception if every rank rais
 one (e.g. the same validation error), and otherwise raises `ClusterFailure`: every rank's
 exception, and the root cause (see `sim.rendezvous.ClusterFailure`).
 
+## On an accelerator
+
+The ranks' tensors may live on a GPU (`python -m sim.demo --device cuda`): the ranks are
+then threads sharing one device. PyTorch's autograd normally runs the backward of device
+tensors on one engine thread per device, which would run the ranks' backward passes one
+after the other, so a rank blocked in a collective inside its backward would wait forever
+for the others. Each rank therefore runs with multithreaded backward off
+(`torch.autograd.set_multithreading_enabled(False)`): its backward runs on its own thread.
+
 ## Traces
 
 Each completed collective appends one `sim.trace.CollectiveEvent` to `SimCluster.trace`, with
@@ -368,7 +377,10 @@ class SimCluster:
         def rank_main(g: int) -> None:
             try:
                 comm = SimComm(rdv, self.trace, ranks, g)
-                results[g] = fn(comm)
+                # backward on this thread: autograd runs accelerator work on one engine thread per
+                # device, which would serialize the ranks' backward passes and deadlock their collectives
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[g] = fn(comm)
                 if comm.unwaited():
                     raise UnwaitedShift(f"the rank returned without waiting on: {', '.join(comm.unwaited())}")
             except BaseException as exc:  # noqa: BLE001 -- reported by run(), never lost

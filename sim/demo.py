@@ -12,6 +12,8 @@ backward (a range where ranks differ).
 Part 3 runs the production path: every mode and layout at CP 2 on two gloo processes in
 float32 (`cpref.attention` over `TorchComm`), checked rank by rank against the simulated
 cluster's FP64 ground truth (`python -m sim verify`, see `sim.verify`): the per-rank table.
+`python -m sim.demo --device cuda` runs part 2 on a GPU (the simulated ranks are threads that
+share it); parts 1 and 3 are the same on every machine.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def _same(values: list[int]) -> str:
     return str(values[0]) if len(set(values)) == 1 else f"{min(values)}-{max(values)}"
 
 
-def part2_modes(cu: torch.Tensor, layouts: list[str]) -> float:
+def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = torch.device("cpu")) -> float:
     T = int(cu[-1])
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64) for h in (HQ, HKV, HKV, HQ))
-    print(f"Part 2: every CP mode, FP64 on the simulated cluster, P={P} Hq={HQ} Hkv={HKV} D={D}, causal, "
+    q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64).to(device) for h in (HQ, HKV, HKV, HQ))
+    on = "" if device.type == "cpu" else f" on {device}"
+    print(f"Part 2: every CP mode, FP64 on the simulated cluster{on}, P={P} Hq={HQ} Hkv={HKV} D={D}, causal, "
           f"forward + backward, per rank\n")  # fmt: skip
     head = f"  {'mode':<11} {'layout':<11} {'max |err|':>9} {'work max/mean':>13} {'bytes sent':>10} {'saved bytes':>11} {'kernel calls':>12}  collectives"
     print(head + "\n  " + "-" * (len(head) + 10))
@@ -100,10 +103,11 @@ def part3_verify() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=cpref.LAYOUTS, action="append", help="limit part 2 to layouts")
+    parser.add_argument("--device", default="cpu", help="torch device of part 2's tensors, e.g. cuda (default cpu)")
     args = parser.parse_args(argv)
     cu = _cu(LENGTHS)
     part1_layouts(cu)
-    worst = part2_modes(cu, args.layout or list(cpref.LAYOUTS))
+    worst = part2_modes(cu, args.layout or list(cpref.LAYOUTS), torch.device(args.device))
     ok = worst <= 1e-10
     print(f"largest error against the FP64 oracle: {worst:.2e} ({'within' if ok else 'OUTSIDE'} 1e-10)\n")
     verified = part3_verify() == 0

@@ -81,7 +81,8 @@ def test_runs_in_process_under_torchrun(tmp_path):
         "from sim.launch import launch\n"
         "from tests.backends import gloo_cases\n"
         "if __name__ == '__main__':\n"
-        "    print('result', launch(gloo_cases.whoami, 99, args=('torchrun',), timeout=30.0), flush=True)\n"
+        # one write per line: two workers share the pipe, and separate writes of one print interleave
+        "    print(f\"result {launch(gloo_cases.whoami, 99, args=('torchrun',), timeout=30.0)}\", flush=True)\n"
     )
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}

@@ -14,6 +14,7 @@ fault tests of `test_launch.py` run with it.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cpref.backends import TorchComm, unsupported_ops
 from sim.launch import launch
@@ -41,3 +42,37 @@ def test_hccl_limits_are_known_up_front(size):
 def test_torch_comm_needs_an_initialized_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         TorchComm()
+
+
+def test_control_tensors_live_where_the_backend_carries_them(monkeypatch):
+    """NCCL and HCCL carry no CPU tensors: the split digest must travel on the accelerator
+    (seen on CUDA: "No backend type associated with device type cpu")."""
+    from cpref.backends.torch_dist import TorchComm, control_device
+
+    assert control_device("gloo") == torch.device("cpu")
+    assert control_device("cpu:gloo,cuda:nccl") == torch.device("cpu")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    assert control_device("nccl") == torch.device("cuda", 3)
+
+    comm = object.__new__(TorchComm)  # a communicator without a process group: only its all_reduce is called
+    comm.device, comm.rank, comm.group = torch.device("meta"), 0, (0,)
+    seen = []
+    comm.all_reduce = lambda x, op="sum": seen.append(x.device) or torch.zeros(2, dtype=torch.int64)
+    comm._check_same_partition(((0,),))
+    assert seen == [torch.device("meta")]
+
+
+def test_new_group_keeps_the_listed_order_or_refuses():
+    """torch 2.11's new_group has no sort_ranks (seen on the GPU machine): ascending parts still
+    work there, a part that sorting would renumber is refused instead of silently reordered."""
+    from cpref.backends.torch_dist import _NEW_GROUP_PARAMS, new_group_options
+    from cpref.errors import CPInputError
+
+    assert "sort_ranks" in _NEW_GROUP_PARAMS  # the pinned torch keeps any order
+    with_sort = {"ranks", "use_local_synchronization", "sort_ranks"}
+    assert new_group_options([3, 1], with_sort) == {"use_local_synchronization": True, "sort_ranks": False}
+    without = {"ranks", "use_local_synchronization"}
+    assert new_group_options([1, 3], without) == {"use_local_synchronization": True}
+    with pytest.raises(CPInputError, match=r"\[3, 1\].*ascending"):
+        new_group_options([3, 1], without)

@@ -7,6 +7,7 @@ inputs, independently of how `sim.cluster` computes it.
 from __future__ import annotations
 
 import doctest
+import threading
 import time
 
 import pytest
@@ -353,3 +354,36 @@ def test_docstring_examples(module):
     assert result.failed == 0
     if module is not sim.rendezvous:
         assert result.attempted > 0
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient and records the thread it ran on."""
+
+    @staticmethod
+    def forward(ctx, x, comm, threads):
+        ctx.comm, ctx.threads = comm, threads
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.threads[ctx.comm.rank] = threading.current_thread().name
+        return ctx.comm.all_reduce(grad), None, None
+
+
+def test_each_rank_runs_its_own_backward():
+    """On a GPU, autograd runs device work on one engine thread per device: the ranks' backward
+    passes would queue behind a rank blocked in a collective inside its backward (the deadlock
+    seen on CUDA). Every rank runs with multithreaded backward off, so its backward, and the
+    collective in it, runs on the rank's own thread."""
+    threads: dict[int, str] = {}
+
+    def rank_fn(comm):
+        x = torch.ones(3, requires_grad=True)
+        _AllReduceGrad.apply(x, comm, threads).sum().backward()
+        return torch._C._is_multithreading_enabled(), x.grad
+
+    results = SimCluster(3).run(rank_fn)
+    assert [enabled for enabled, _ in results] == [False] * 3
+    assert all(torch.equal(grad, torch.full((3,), 3.0)) for _, grad in results)
+    assert threads == {r: f"sim-rank-{r}" for r in range(3)}
+    assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched

@@ -32,7 +32,8 @@ $$ \text{dst} = \text{group}[(r + \text{shift}) \bmod P], \qquad
 `split` is collective over the group, as in `SimComm`: every member passes the same
 partition, checked with one all-reduce of its digest (a mismatch raises `ValueError` on
 every rank instead of a rendezvous that never completes). Each rank then creates only its
-own part with `new_group(..., use_local_synchronization=True, sort_ranks=False)`: only that
+own part with `new_group(..., use_local_synchronization=True, sort_ranks=False)` (a torch
+without `sort_ranks` sorts the ranks: fine for ascending parts, refused otherwise): only that
 part's members meet in the rendezvous, processes outside the group take no part, and the
 ranks keep the listed order. `split_group`, the other way to split, is refused in torch 2.13
 on a gloo world without a bound accelerator ("No device associated with the default pg").
@@ -65,6 +66,7 @@ the same order and number (true when all run the same program, as CP training do
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 from typing import Sequence
 
@@ -74,7 +76,7 @@ import torch.distributed as dist
 from cpref.comm import REDUCE_OPS, check_partition, check_payload
 from cpref.errors import CPInputError
 
-__all__ = ["TorchComm", "TorchPendingShift", "unsupported_ops"]
+__all__ = ["TorchComm", "TorchPendingShift", "control_device", "new_group_options", "unsupported_ops"]
 
 _REDUCE_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _HCCL_BAD_SIZES = frozenset({3, 5, 6, 7})
@@ -95,6 +97,45 @@ def _widened_dtypes(backend: str) -> dict[torch.dtype, torch.dtype]:
     if str(backend).lower() == "gloo" and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 3):
         return {torch.bfloat16: torch.float32}
     return {}
+
+
+_NEW_GROUP_PARAMS = frozenset(inspect.signature(dist.new_group).parameters)
+
+
+def new_group_options(ranks: Sequence[int], params: frozenset[str] | set[str]) -> dict[str, bool]:
+    """The `new_group` options that make a group of `ranks` in the listed order, among the ones this torch has.
+
+    `sort_ranks=False` keeps the listed order; a torch without it (2.11 has none) sorts the
+    ranks, which is the same group when they are already ascending (every partition cpref
+    makes of an ascending group) and a clear error otherwise, never a silently renumbered group.
+
+    Raises:
+        CPInputError: if `ranks` are not ascending and this torch cannot keep their order.
+    """
+    options = {"use_local_synchronization": True}
+    if "sort_ranks" in params:
+        return {**options, "sort_ranks": False}
+    if list(ranks) != sorted(ranks):
+        raise CPInputError(
+            f"split: the sub-group {list(ranks)} (global ranks) is not in ascending order, and this torch's "
+            f"new_group has no sort_ranks to keep its order; order the CP group's ranks ascending, or use torch >= 2.13"
+        )
+    return options
+
+
+def control_device(backend: str) -> torch.device:
+    """The device a backend carries small control tensors on: CPU where gloo serves it, else the accelerator.
+
+    A backend string may name one backend per device type (`"cpu:gloo,cuda:nccl"`); any with
+    gloo takes CPU tensors. Otherwise (`"nccl"`, `"hccl"`) it is the current accelerator,
+    which `sim.launch` and torchrun bind per local rank before the group is made.
+    """
+    if "gloo" in backend:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 class TorchPendingShift:
@@ -132,6 +173,9 @@ class TorchComm:
         global_rank: this rank's index in the world.
         group: the group's global ranks, in group rank order (`group[rank] == global_rank`).
         backend: the backend's name (`"gloo"`, `"nccl"`, `"hccl"`, ...).
+        device: where the communicator's own small tensors (the `split` digest) live: the
+            CPU for gloo, else the process's current accelerator (NCCL and HCCL carry no
+            CPU tensors).
         unsupported_ops: the protocol calls the backend cannot run on this group size.
         process_group: the underlying `ProcessGroup`.
 
@@ -156,6 +200,7 @@ class TorchComm:
             raise ValueError(f"TorchComm: global rank {self.global_rank} is not in the process group {self.group}")
         self.rank = self.group.index(self.global_rank)
         self.backend = str(dist.get_backend(pg)).lower()
+        self.device = control_device(self.backend)
         self.unsupported_ops = unsupported_ops(self.backend, self.size)
         self._widen = _widened_dtypes(self.backend)
         self._splits: dict[tuple[tuple[int, ...], ...], TorchComm] = {}
@@ -277,7 +322,7 @@ class TorchComm:
         if parts not in self._splits:
             mine = next(part for part in parts if self.rank in part)
             ranks = [self.group[r] for r in mine]  # group ranks -> global ranks, listed order
-            pg = dist.new_group(ranks, use_local_synchronization=True, sort_ranks=False)
+            pg = dist.new_group(ranks, **new_group_options(ranks, _NEW_GROUP_PARAMS))
             self._splits[parts] = TorchComm(pg)
         return self._splits[parts]
 
@@ -285,7 +330,8 @@ class TorchComm:
         """Compare a digest of `parts` over the group; raise the same `ValueError` on every rank if they differ."""
         digest = int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=7).digest(), "little")
         # max over ranks of (d, -d) = (max d, -min d): all equal iff max d == min d (one all-reduce, any backend)
-        hi, neg_lo = self.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64), "max").tolist()
+        pair = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)  # (2,)
+        hi, neg_lo = self.all_reduce(pair, "max").tolist()
         if hi != -neg_lo:
             raise ValueError(
                 f"split: the ranks of group {self.group} passed different partitions (rank {self.rank} passed "
