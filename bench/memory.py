@@ -2,9 +2,12 @@
 
 Each rank of the simulated cluster (a thread) runs `cpref.attention` forward + backward on its
 shard under `LiveBytes`, a `TorchDispatchMode` that counts the bytes of every storage an op
-creates on that thread while the storage is alive, and keeps the peak. The inputs exist before
-the step and are not counted; everything the step allocates is (gathered K/V, kernel
-outputs and temporaries visible to the dispatcher, merges, gradients). A collective's result
+creates on that thread while the storage is alive, and keeps the peak. The count starts at the
+bytes of the rank's input shards (q, k, v and the upstream gradient), which the rank holds
+throughout the step: at $P = 1$ the kernel saves the inputs themselves for its backward, at
+$P > 1$ most modes save exchanged copies, so leaving the inputs out would compare unlike
+things. Everything the step allocates is counted too (gathered K/V, kernel outputs and
+temporaries visible to the dispatcher, merges, gradients). A collective's result
 is counted for the rank that receives it (`CountedComm`), and what the simulator allocates
 while computing a collective for the whole group is not counted for any rank. The fused op's
 own tiles (at most two 256 x 512 float32 tiles per thread) are allocated inside the op and
@@ -142,6 +145,7 @@ def rank_memory(cu: torch.Tensor, heads: tuple[int, int, int, int], P: int, mode
         cpref.attention(ql, kl, vl, cu, comm=comm, mode=mode, **options).backward(local[3])  # warm-up: plans, rank check
         ql.grad = kl.grad = vl.grad = None
         saved, live = [], LiveBytes()
+        live.live = live.peak = sum(t.numel() * t.element_size() for t in local)  # the input shards
         with live, torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel() * x.element_size()) or x, lambda x: x):
             cpref.attention(ql, kl, vl, cu, comm=CountedComm(comm, live), mode=mode, **options).backward(local[3])
         return live.peak, sum(saved)
@@ -158,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     cu, heads = torch.tensor([0, *torch.tensor(args.lengths).cumsum(0).tolist()]), tuple(args.heads)
     print(f"## Memory per rank: forward + backward, documents {args.lengths}, (Hq, Hkv, D, Dv) = {heads}, float32, "
           "causal, zigzag, simulated cluster; MiB, and relative to P = 1\n")  # fmt: skip
-    print("| mode | P | peak, measured (max over ranks) | saved for backward, measured | saved, formula |")
+    print("| mode | P | peak with the input shards, measured (max over ranks) | saved for backward, measured | saved, formula |")
     print("| --- | ---: | ---: | ---: | ---: |")
     mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
     for mode in sorted(cpref.MODES):

@@ -54,9 +54,10 @@ that takes $t_s$ alone. Target: a speedup of at least 1.8 for the zigzag layout.
 
 ## 4. Memory per rank (`bench/memory.py`)
 
-The peak of live tensor bytes allocated by forward + backward on each rank of the simulated
-cluster, at $P = 1, 2, 4$, for every mode, measured with a `TorchDispatchMode` that counts every
-storage an op creates while it is alive (the inputs excluded), next to the bytes saved for
+The peak of live tensor bytes of forward + backward on each rank of the simulated cluster, at
+$P = 1, 2, 4$, for every mode, measured with a `TorchDispatchMode` that counts every storage an
+op creates while it is alive, on top of the rank's input shards (at $P = 1$ the kernel saves
+the inputs themselves, at $P > 1$ most modes save exchanged copies), next to the bytes saved for
 the backward, measured with saved-tensor hooks and given by
 [`mode_costs`][cpref.costs.mode_costs]. What CP promises is that the saved activations fall
 as $1/P$; the peak of one layer's step adds what a mode holds only during the step (the

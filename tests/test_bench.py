@@ -23,3 +23,24 @@ def test_kernel_table_runs_in_the_dtype_asked_for():
     steps = kernel.cases([16], heads=2, dim=8, dtype=torch.bfloat16)
     out = steps["fast"]()  # (dq, dk, dv) of the kernel's backward
     assert all(t.dtype == torch.bfloat16 for t in out)
+
+
+def test_peak_memory_per_rank_falls_with_P():
+    """What CP is for, counted (bytes, not time): every mode's per-rank peak of forward +
+    backward, input shards included, falls from P = 1 to 2 to 4, and the saved bytes are the
+    formula's. Catches a mode that keeps a full-length buffer (e.g. the gathered K/V saved by
+    default, or a ring holding every step's gradients)."""
+    import cpref
+    from bench.memory import rank_memory
+    from cpref.costs import mode_costs
+
+    cu, heads = torch.tensor([0, 128, 512]), (4, 2, 16, 16)
+    for mode in sorted(cpref.MODES):
+        peaks = []
+        for P in (1, 2, 4):
+            per_rank = rank_memory(cu, heads, P, mode)
+            peaks.append(max(p for p, _ in per_rank))
+            formula = mode_costs(mode, P=P, local_tokens=512 // P, heads=heads, dtype=torch.float32,
+                                 a2a_size=min(P, 2) if mode == "a2a+p2p" else None).saved_bytes  # fmt: skip
+            assert max(s for _, s in per_rank) == formula, (mode, P)
+        assert peaks[0] > peaks[1] > peaks[2], (mode, peaks)

@@ -120,6 +120,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
             )  # (T_l, Hq, D), (T', Hkv, D), (T', Hkv, Dv)
             dq += dq_b
             dkv_b = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
+            del dq_b, dk_b, dv_b, kb, vb  # freed before the next step's kernel call
             if step.kv_index is not None:  # back to the block's rows, adding up duplicated rows
                 dkv_b = dkv_b.new_zeros(kv.shape).index_add_(0, step.kv_index, dkv_b)  # (T_l, Hkv, D + Dv)
         # 3) the accumulator of the block held now arrives from the previous rank; add this share
@@ -127,6 +128,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
             dkv = pending_dkv.wait()
         if step.seqs is not None:
             dkv += dkv_b
+            del dkv_b
         # 4) pass it on with the block; after the last step this brings it home
         pending_dkv = comm.send_recv_async(dkv) if P > 1 else None
         if pending_kv is not None:

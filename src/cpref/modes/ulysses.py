@@ -184,8 +184,10 @@ class UlyssesFunc(torch.autograd.Function):
         dqg, dkg, dvg = ctx.kernel.backward(
             dout_g, qg, kg, vg, out_g, lse_g, step.seqs, causal=step.causal, scale=ctx.scale, full_rows=True
         )  # (T, Hq/P, D), (T, Hkv'/P, D), (T, Hkv'/P, Dv), in the input dtype: what the exchange moves
+        del dout_g  # freed before the exchanges
         # 3) back to sequence shards; replicated key/value heads sum their gradients (in float32)
         dq = a2a_scatter(dqg, plan, comm)  # (T_l, Hq, D)
+        del dqg
         dk = unreplicate(a2a_scatter(dkg, plan, comm), plan.replicas, ctx.dtypes[0])  # (T_l, Hkv, D)
         dv = unreplicate(a2a_scatter(dvg, plan, comm), plan.replicas, ctx.dtypes[1])  # (T_l, Hkv, Dv)
         return dq, dk, dv, None, None, None, None, None
