@@ -51,9 +51,10 @@ def test_control_tensors_live_where_the_backend_carries_them(monkeypatch):
 
     assert control_device("gloo") == torch.device("cpu")
     assert control_device("cpu:gloo,cuda:nccl") == torch.device("cpu")
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert control_device("nccl") == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert control_device("ucc") == torch.device("cuda", 3)  # another backend: torch's current accelerator
 
     comm = object.__new__(TorchComm)  # a communicator without a process group: only its all_reduce is called
     comm.device, comm.rank, comm.group = torch.device("meta"), 0, (0,)

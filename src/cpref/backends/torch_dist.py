@@ -123,19 +123,25 @@ def new_group_options(ranks: Sequence[int], params: frozenset[str] | set[str]) -
     return options
 
 
+_ACCELERATORS = {"nccl": "cuda", "hccl": "npu"}  # backend -> the device type it carries
+
+
 def control_device(backend: str) -> torch.device:
     """The device a backend carries small control tensors on: CPU where gloo serves it, else the accelerator.
 
     A backend string may name one backend per device type (`"cpu:gloo,cuda:nccl"`); any with
-    gloo takes CPU tensors. Otherwise (`"nccl"`, `"hccl"`) it is the current accelerator,
-    which `sim.launch` and torchrun bind per local rank before the group is made.
+    gloo takes CPU tensors. NCCL takes the current CUDA device and HCCL the current NPU (bound
+    per local rank by `sim.launch` or the launcher before the group is made); another backend,
+    the current accelerator if torch names one (`torch.accelerator`, torch >= 2.6), else the CPU.
     """
     if "gloo" in backend:
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    if accelerator is None:
+    kind = _ACCELERATORS.get(backend)
+    if kind is None and hasattr(torch, "accelerator") and torch.accelerator.current_accelerator() is not None:
+        kind = torch.accelerator.current_accelerator().type
+    if kind is None:
         return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device(kind, getattr(torch, kind).current_device())
 
 
 class TorchPendingShift:
