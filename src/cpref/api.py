@@ -45,7 +45,7 @@ import torch
 
 from cpref.cache import CACHE
 from cpref.call import CPCall
-from cpref.checks import as_bool, as_choice, as_int, as_scale
+from cpref.checks import as_bool, as_choice, as_int, as_scale, missing_members
 from cpref.comm import Collectives
 from cpref.consistency import check_ranks_agree
 from cpref.errors import CPInputError
@@ -87,9 +87,11 @@ MODES: dict[str, Mode] = {
 
 
 def _check_comm(comm: Any) -> tuple[int, int]:
-    if comm is None or isinstance(comm, type) or not isinstance(comm, Collectives):
+    missing = missing_members(comm, Collectives)
+    if comm is None or missing:
         raise CPInputError(
-            f"comm must be the CP group's collectives (a cpref.comm.Collectives), got {type(comm).__name__}; "
+            f"comm must be the CP group's collectives (a cpref.comm.Collectives), got {type(comm).__name__} "
+            f"(without {', '.join(missing)}); "
             "on the simulated cluster sim.SimCluster(P).run(fn) passes one to fn, over torch.distributed "
             "use cpref.backends.TorchComm"
         )
@@ -133,10 +135,10 @@ def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, so
     options = _check_options(mode, options)
     layout, causal = as_choice("layout", layout, LAYOUTS), as_bool("causal", causal)
     kernel = TorchKernel() if kernel is None else kernel
-    if isinstance(kernel, type) or not isinstance(kernel, AttentionKernel):
+    if missing_members(kernel, AttentionKernel):
         raise CPInputError(
             f"kernel must be an attention kernel instance (forward and backward, see cpref.kernels.AttentionKernel), "
-            f"got {kernel!r:.60}; pass e.g. cpref.TorchKernel()"
+            f"got {kernel!r:.60} (without {', '.join(missing_members(kernel, AttentionKernel))}); pass e.g. cpref.TorchKernel()"
         )
     # 2) the tensors and the scale
     _check_tensors(q, k, v)

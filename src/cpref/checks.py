@@ -21,7 +21,7 @@ import torch
 
 from cpref.errors import CPInputError
 
-__all__ = ["as_int", "as_bool", "as_choice", "as_scale"]
+__all__ = ["as_int", "as_bool", "as_choice", "as_scale", "missing_members"]
 
 
 def _show(value: Any) -> str:
@@ -108,3 +108,23 @@ def as_scale(value: Any, dtype: torch.dtype) -> float:
             f"[{info.tiny:.3g}, {info.max:.3g}], where the logits are computed; pass a scale such as D ** -0.5"
         )
     return scale
+
+
+def missing_members(obj: Any, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks (all of them for a class instead of an instance).
+
+    Looked up with `hasattr`, so an object that forwards to another through `__getattr__`
+    conforms on every Python: `isinstance` against a runtime-checkable protocol looks members
+    up statically from Python 3.12 on, and would refuse such a wrapper there only.
+
+    Examples:
+        >>> from cpref.comm import Collectives, SingleRank
+        >>> missing_members(SingleRank(), Collectives)
+        []
+        >>> missing_members(object(), Collectives)[:3]
+        ['all_gather', 'all_reduce', 'all_to_all']
+    """
+    names = sorted({*getattr(protocol, "__annotations__", {}), *(n for n in vars(protocol) if not n.startswith("_"))})
+    if isinstance(obj, type):
+        return names
+    return [name for name in names if not hasattr(obj, name)]

@@ -78,16 +78,19 @@ def test_runs_in_process_under_torchrun(tmp_path):
     assert not under_torchrun()
     script = tmp_path / "main.py"
     script.write_text(
+        "import os, sys\n"
         "from sim.launch import launch\n"
         "from tests.backends import gloo_cases\n"
         "if __name__ == '__main__':\n"
-        # one write per line: two workers share the pipe, and separate writes of one print interleave
-        "    print(f\"result {launch(gloo_cases.whoami, 99, args=('torchrun',), timeout=30.0)}\", flush=True)\n"
+        # a file per worker: the two workers' writes to one shared stdout pipe interleave
+        "    result = launch(gloo_cases.whoami, 99, args=('torchrun',), timeout=30.0)\n"
+        "    with open(os.path.join(sys.argv[1], 'result-' + os.environ['RANK']), 'w') as f:\n"
+        "        f.write(repr(result))\n"
     )
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
-    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
+    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("result"))
-    assert lines == [f"result [({r}, 2, 1, 'torchrun')]" for r in range(2)]
+    results = [(tmp_path / f"result-{r}").read_text() for r in range(2)]
+    assert results == [f"[({r}, 2, 1, 'torchrun')]" for r in range(2)]

@@ -204,11 +204,7 @@ def test_double_backward_is_refused_clearly_on_every_rank(mode):
 
 
 class LimitedComm:
-    """A communicator like HCCL with 3, 5, 6 or 7 ranks: no tensor all-gather or reduce-scatter.
-
-    Every protocol method is spelled out: from Python 3.12 on, `isinstance(x, Collectives)`
-    looks members up statically, so a proxy that forwards through `__getattr__` is not one.
-    """
+    """A communicator like HCCL with 3, 5, 6 or 7 ranks: no tensor all-gather or reduce-scatter."""
 
     unsupported_ops = frozenset({"all_gather", "reduce_scatter"})
 

@@ -180,3 +180,39 @@ def test_bad_input_gets_a_clear_value_error(name, call, match):
     assert isinstance(info.value, (CPInputError, ValueError))
     if name in dict((n, 1) for n, _, _ in ATTENTION_CASES):
         assert isinstance(info.value, CPInputError), "attention's errors are CPInputError (also AssertionError)"
+
+
+class _Forwarding:
+    """A wrapper that forwards every attribute to the object it wraps (a user's logging proxy, say)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def test_forwarding_wrappers_conform_on_every_python():
+    """`isinstance` against a runtime-checkable protocol looks members up statically from
+    Python 3.12 on and would refuse these wrappers there; cpref checks with `hasattr`."""
+    from cpref.checks import missing_members
+    from cpref.comm import Collectives, SingleRank
+    from cpref.kernels import AttentionKernel
+
+    assert missing_members(_Forwarding(SingleRank()), Collectives) == []
+    assert missing_members(_Forwarding(TorchKernel()), AttentionKernel) == []
+    q = k = v = torch.randn(8, 2, 4)
+    out = cpref.attention(q, k, v, torch.tensor([0, 8]), comm=_Forwarding(SingleRank()), mode="p2p",
+                          kernel=_Forwarding(TorchKernel()))
+    assert torch.equal(out, cpref.attention(q, k, v, torch.tensor([0, 8]), comm=SingleRank(), mode="p2p"))
+
+
+def test_a_comm_missing_members_is_refused_naming_them():
+    class HalfComm:
+        rank, size, unsupported_ops = 0, 1, frozenset()
+
+        def all_gather(self, x):
+            return x
+
+    with pytest.raises(ValueError, match=r"got HalfComm \(without all_reduce, all_to_all, barrier, reduce_scatter, send_recv, send_recv_async, split\)"):
+        cpref.attention(*[torch.randn(8, 2, 4)] * 3, torch.tensor([0, 8]), comm=HalfComm(), mode="p2p")

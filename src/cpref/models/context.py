@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from cpref.api import MODES, attention
-from cpref.checks import as_bool, as_choice
+from cpref.checks import as_bool, as_choice, missing_members
 from cpref.comm import Collectives, SingleRank
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel
@@ -73,9 +73,11 @@ class CPContext:
     kernel: AttentionKernel | None = None
 
     def __post_init__(self) -> None:
-        if self.comm is None or isinstance(self.comm, type) or not isinstance(self.comm, Collectives):
+        missing = missing_members(self.comm, Collectives)
+        if self.comm is None or missing:
             raise CPInputError(
-                f"comm must be the CP group's collectives (a cpref.Collectives), got {type(self.comm).__name__}; "
+                f"comm must be the CP group's collectives (a cpref.Collectives), got {type(self.comm).__name__} "
+                f"(without {', '.join(missing)}); "
                 "for CP = 1 use CPContext.single(cu_seqlens)"
             )
         as_choice("mode", self.mode, sorted(MODES))
