@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpref.backends import TorchComm, unsupported_ops
+from cpref.errors import CPInputError
 from sim.launch import launch
 from tests.backends import gloo_cases
 
@@ -68,7 +69,6 @@ def test_new_group_keeps_the_listed_order_or_refuses():
     """torch 2.11's new_group has no sort_ranks (seen on the GPU machine): ascending parts still
     work there, a part that sorting would renumber is refused instead of silently reordered."""
     from cpref.backends.torch_dist import _NEW_GROUP_PARAMS, new_group_options
-    from cpref.errors import CPInputError
 
     assert "sort_ranks" in _NEW_GROUP_PARAMS  # the pinned torch keeps any order
     with_sort = {"ranks", "use_local_synchronization", "sort_ranks"}
@@ -77,3 +77,17 @@ def test_new_group_keeps_the_listed_order_or_refuses():
     assert new_group_options([1, 3], without) == {"use_local_synchronization": True}
     with pytest.raises(CPInputError, match=r"\[3, 1\].*ascending"):
         new_group_options([3, 1], without)
+
+
+def test_a_part_this_torch_cannot_make_fails_on_every_rank(monkeypatch):
+    """Without sort_ranks, a split whose *other* part is out of order must still fail on this
+    rank too: a rank that went on to its own group would later wait for peers that raised."""
+    import cpref.backends.torch_dist as td
+
+    monkeypatch.setattr(td, "_NEW_GROUP_PARAMS", frozenset({"ranks", "use_local_synchronization"}))
+    monkeypatch.setattr(td.dist, "new_group", lambda *a, **k: pytest.fail("a group was made before the check"))
+    comm = object.__new__(TorchComm)  # rank 0 of a group of 4 whose own part [0, 1] is ascending
+    comm.rank, comm.size, comm.group, comm._splits = 0, 4, (0, 1, 2, 3), {}
+    comm._check_same_partition = lambda parts: None
+    with pytest.raises(CPInputError, match=r"\[3, 2\].*ascending"):
+        comm.split([[0, 1], [3, 2]])

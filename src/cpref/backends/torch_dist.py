@@ -326,9 +326,11 @@ class TorchComm:
         parts = check_partition(groups, self.size)
         self._check_same_partition(parts)  # every time: split is a collective, cached or not
         if parts not in self._splits:
+            # every part's options, so that a part this torch cannot make fails on every rank alike
+            options = {part: new_group_options([self.group[r] for r in part], _NEW_GROUP_PARAMS) for part in parts}
             mine = next(part for part in parts if self.rank in part)
             ranks = [self.group[r] for r in mine]  # group ranks -> global ranks, listed order
-            pg = dist.new_group(ranks, **new_group_options(ranks, _NEW_GROUP_PARAMS))
+            pg = dist.new_group(ranks, **options[mine])
             self._splits[parts] = TorchComm(pg)
         return self._splits[parts]
 
