@@ -17,7 +17,7 @@ from cpref.kernels import TorchKernel, Varlen, torch_fused
 from cpref.modes.merge import merge_partial
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
-from tests.kernels.test_torch_kernel import DTYPES, HEADS, bf16_gradient_error, check, largest_allocation, reference
+from tests.kernels.test_torch_kernel import DTYPES, HEADS, bf16_gradient_error, check, check_large_logits, largest_allocation, reference
 
 FAST, EXPLICIT = TorchKernel(), TorchKernel(fast=False)
 # runs of equal documents, single ones, a 1-token one and an empty one
@@ -157,18 +157,7 @@ def test_out_dtype_and_grad_dtype_return_the_float32_accumulators(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_large_logits_stay_finite_and_float64_matches_the_oracle(dtype):
     """Logits scaled by 30 reach hundreds (see the explicit path's test of the same name)."""
-    lens, (hq, hkv, d, dv) = [37, 64, 5, 64], HEADS["gqa"]
-    cu = cu_from_lengths(lens)
-    q, k, v = random_qkv(sum(lens), hq, hkv, d, dv, dtype=dtype, seed=4)
-    dout = random_qkv(sum(lens), hq, hkv, dv, dtype=dtype, seed=5)[0]
-    scale, seqs = 30 * d**-0.5, Varlen(cu.tolist())
-    out, lse = FAST.forward(q, k, v, seqs, causal=True, scale=scale)
-    grads = FAST.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
-    assert lse.max() > 100 and all(t.isfinite().all() for t in (out, lse, *grads))
-    if dtype == torch.float64:
-        want = oracle.forward_backward(q, k, v, cu, dout, causal=True, scale=scale)
-        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
-            assert_close(g, w, dtype, name)
+    check_large_logits(FAST, [37, 64, 5, 64], dtype)
 
 
 def test_noncontiguous_inputs_and_bitwise_determinism():

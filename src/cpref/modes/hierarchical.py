@@ -57,7 +57,7 @@ from cpref.comm import Collectives
 from cpref.errors import CPInputError
 from cpref.modes.all_gather import no_double_backward
 from cpref.modes.ring import ring_backward, ring_forward, ring_plan
-from cpref.modes.ulysses import A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, replicate, unreplicate
+from cpref.modes.ulysses import A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, replicate, scatter_grads
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical"]
 
@@ -104,11 +104,9 @@ class HierarchicalFunc(torch.autograd.Function):
         qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms
         dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
-        dqg, dkg, dvg = ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale)
-        dq = a2a_scatter(dqg, a2a, a2a_comm)  # (T_l, Hq, D)
-        dk = unreplicate(a2a_scatter(dkg, a2a, a2a_comm), a2a.replicas, ctx.dtypes[0])  # (T_l, Hkv, D)
-        dv = unreplicate(a2a_scatter(dvg, a2a, a2a_comm), a2a.replicas, ctx.dtypes[1])  # (T_l, Hkv, Dv)
-        return dq, dk, dv, None, None, None, None, None, None
+        grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale))
+        del dout_g  # freed before the exchanges
+        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None)
 
 
 def check_hierarchical(call: CPCall) -> None:

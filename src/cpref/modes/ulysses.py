@@ -59,7 +59,7 @@ from cpref.modes.all_gather import no_double_backward
 from cpref.modes.ring_plan import RingStep, build_ring_plan
 from cpref.seqlens import Boundaries
 
-__all__ = ["A2APlan", "UlyssesFunc", "a2a_gather", "a2a_scatter", "a2a_plan", "check_a2a_heads", "run_ulysses"]
+__all__ = ["A2APlan", "UlyssesFunc", "a2a_gather", "a2a_scatter", "a2a_plan", "check_a2a_heads", "run_ulysses", "scatter_grads"]
 
 
 def check_a2a_heads(hq: int, hkv: int, a: int, P: int, what: str) -> None:
@@ -153,6 +153,18 @@ def unreplicate(dx: torch.Tensor, replicas: int, dtype: torch.dtype) -> torch.Te
     return dx.reshape(t, h // replicas, replicas, d).to(compute_dtype(dtype)).sum(2).to(dtype)
 
 
+def scatter_grads(grads: list[torch.Tensor], plan: A2APlan, comm: Collectives, dtypes) -> tuple[torch.Tensor, ...]:
+    """`[dQ, dK, dV]` of this rank's heads back to sequence shards, each freed once sent; replicated K/V heads summed.
+
+    `(a T_l, H/a, X) -> (T_l, H, X)` each; `grads` is emptied, so the caller holds no reference
+    to a gradient already exchanged.
+    """
+    dq = a2a_scatter(grads.pop(0), plan, comm)  # (T_l, Hq, D)
+    dk = unreplicate(a2a_scatter(grads.pop(0), plan, comm), plan.replicas, dtypes[0])  # (T_l, Hkv, D)
+    dv = unreplicate(a2a_scatter(grads.pop(0), plan, comm), plan.replicas, dtypes[1])  # (T_l, Hkv, Dv)
+    return dq, dk, dv
+
+
 class UlyssesFunc(torch.autograd.Function):
     """Autograd Function: all-to-all q, k, v and out forward; all-to-all dout, dq, dk, dv backward."""
 
@@ -181,16 +193,12 @@ class UlyssesFunc(torch.autograd.Function):
         # 1) the upstream gradient takes the same way as q
         dout_g = a2a_gather(dout.contiguous(), plan, comm)  # (T, Hq/P, Dv)
         # 2) one backward call; every row is whole, so Delta comes from float32 probabilities
-        dqg, dkg, dvg = ctx.kernel.backward(
+        grads = list(ctx.kernel.backward(
             dout_g, qg, kg, vg, out_g, lse_g, step.seqs, causal=step.causal, scale=ctx.scale, full_rows=True
-        )  # (T, Hq/P, D), (T, Hkv'/P, D), (T, Hkv'/P, Dv), in the input dtype: what the exchange moves
+        ))  # dQ (T, Hq/P, D), dK (T, Hkv'/P, D), dV (T, Hkv'/P, Dv), in the input dtype: what the exchange moves
         del dout_g  # freed before the exchanges
         # 3) back to sequence shards; replicated key/value heads sum their gradients (in float32)
-        dq = a2a_scatter(dqg, plan, comm)  # (T_l, Hq, D)
-        del dqg
-        dk = unreplicate(a2a_scatter(dkg, plan, comm), plan.replicas, ctx.dtypes[0])  # (T_l, Hkv, D)
-        dv = unreplicate(a2a_scatter(dvg, plan, comm), plan.replicas, ctx.dtypes[1])  # (T_l, Hkv, Dv)
-        return dq, dk, dv, None, None, None, None, None
+        return (*scatter_grads(grads, plan, comm, ctx.dtypes), None, None, None, None, None)
 
 
 def check_ulysses(call: CPCall) -> None:
