@@ -55,13 +55,10 @@ docs-check: docs
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium-headless-shell; }
 	$(PY) docs/check_site.py site --shots site-check
 
-# Each benchmark prints its tables (see bench/report.py, the docs' performance page); nothing is asserted.
+# Each benchmark prints its tables (see bench/report.py, the docs' performance page); nothing is
+# asserted. The tables are also kept in bench/results/, which the performance page includes.
 bench: $(VENV)/.base
-	$(PY) -m bench.kernel
-	$(PY) -m bench.overhead
-	$(PY) -m bench.scaling
-	$(PY) -m bench.memory
-	$(PY) -m bench.all_gather
+	$(PY) -m bench.all
 
 clean:
 	rm -rf $(VENV) site site-check .pytest_cache .hypothesis

@@ -4,8 +4,9 @@ cpref is a reference, but one people train with: its kernel and its CP path must
 enough to use. Every figure here is *measured*, side by side in one run on the machine at hand,
 and printed with the load average at the time; none is asserted by a test, because timings
 move with the machine. `make bench` runs each benchmark of `bench/` in turn (under ten minutes
-on 2 cores) and prints its tables; the table at the end of this page is a small version of the
-first one, measured while this page was built.
+on 2 cores), prints its tables and keeps them in `bench/results/`: the section
+[The last full run](#the-last-full-run-of-make-bench) shows them as they were printed, and the
+table at the very end is a small version of the first one, measured while this page was built.
 
 ## 1. The kernel against PyTorch's fused attention (`bench/kernel.py`)
 
@@ -50,7 +51,11 @@ with each rank's step split into compute (inside kernel calls), waiting for comm
 (inside collectives and ring-shift waits) and the rest. For the ring (`p2p`) every step is
 printed, the kernel's compute time against the wait for the next block, with the fraction of
 communication hidden behind compute, $1 - \text{waited} / (n\, t_s)$ for $n$ shifts of a block
-that takes $t_s$ alone. Target: a speedup of at least 1.8 for the zigzag layout.
+that takes $t_s$ alone. Target: a speedup of at least 1.8 for the zigzag layout. Beside it, the
+machine's ceiling: the CP = 1 step run by two independent processes at once, with no
+communication at all; $2\,T(\text{CP}=1)/T(\text{both})$ bounds what any split over two
+processes can gain on this machine, whose two busy cores share caches, memory bandwidth and
+the virtual machine's host.
 
 ## 4. Memory per rank (`bench/memory.py`)
 
@@ -96,6 +101,57 @@ TFLOP/s measured) against SDPA's 58%, and in bfloat16, which it computes in floa
 the bfloat16 peak (713 TFLOP/s) against SDPA's 25%. Its time grows with the number of
 sequences (one set of kernel launches per block), so short documents cost it most. A CUDA
 fast path (PyTorch's flash attention with the same lse merge as the CPU one) is not built yet.
+
+## 7. gloo's collectives against pairwise sends (`bench/collectives.py`)
+
+`TorchComm` can move the data of `all_gather`, `reduce_scatter` and `all_to_all` with the
+backend's collectives or with one batch of pairwise sends and receives (`exchange`, see
+[TorchComm][cpref.backends.torch_dist]). This benchmark times both on gloo, a 16 MiB block a
+rank, with one ring shift of the same block for scale. Pairwise is gloo's default because it
+wins here; NCCL and HCCL keep their collectives.
+
+## The last full run of `make bench`
+
+`make bench` (`python -m bench.all`) keeps what each benchmark prints in `bench/results/`;
+this section includes those files as they are, each headed by when and where it ran. The
+figures move with the machine: compare the ratios within one table, measured side by side,
+rather than figures across tables or runs.
+
+### Kernel
+
+```text
+--8<-- "bench/results/kernel.txt"
+```
+
+### CP path at P = 1
+
+```text
+--8<-- "bench/results/overhead.txt"
+```
+
+### Strong scaling
+
+```text
+--8<-- "bench/results/scaling.txt"
+```
+
+### Memory per rank
+
+```text
+--8<-- "bench/results/memory.txt"
+```
+
+### All-gather compute balance
+
+```text
+--8<-- "bench/results/all_gather.txt"
+```
+
+### gloo exchanges
+
+```text
+--8<-- "bench/results/collectives.txt"
+```
 
 ## Measured while this page was built
 

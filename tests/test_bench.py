@@ -44,3 +44,26 @@ def test_peak_memory_per_rank_falls_with_P():
                                  a2a_size=min(P, 2) if mode == "a2a+p2p" else None).saved_bytes  # fmt: skip
             assert max(s for _, s in per_rank) == formula, (mode, P)
         assert peaks[0] > peaks[1] > peaks[2], (mode, peaks)
+
+
+def test_every_benchmark_keeps_its_tables_and_the_page_shows_them(tmp_path, monkeypatch, capsys):
+    """`bench.all` prints a benchmark's output and keeps it, headed by when and where, in the
+    file the performance page includes; every benchmark of `make bench` has its kept tables
+    in the repository and its include on the page (a new benchmark without them fails here)."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from bench import all as bench_all
+
+    fake = types.ModuleType("bench.fake")
+    fake.main = lambda argv: print(f"| table | {argv} |")
+    monkeypatch.setitem(sys.modules, "bench.fake", fake)
+    bench_all.run("fake", tmp_path)
+    kept = (tmp_path / "fake.txt").read_text()
+    assert kept.startswith("Measured ") and f"torch {torch.__version__}" in kept and kept.endswith("| table | [] |\n")
+    assert "| table | [] |" in capsys.readouterr().out
+    page = Path(bench_all.__file__).with_name("report.py").read_text()
+    for name in bench_all.BENCHMARKS:
+        assert (bench_all.RESULTS / f"{name}.txt").read_text().startswith("Measured "), name
+        assert f'--8<-- "bench/results/{name}.txt"' in page, name

@@ -19,14 +19,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from cpref.backends import TorchComm, TorchPendingShift, unsupported_ops
 from cpref.backends.torch_dist import _NEW_GROUP_PARAMS
 from cpref.errors import CPInputError
+from sim.cluster import _reduce_scatter
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # a fraction each dtype holds exactly next to integers up to ~40, and that a narrower one loses
 FINE = {torch.float64: 2.0**-30, torch.float32: 2.0**-10, torch.float16: 2.0**-3, torch.bfloat16: 2.0**-1}
 
-# the groups every semantic case runs on: name -> how to make it from the world (same on every rank)
+# the groups every semantic case runs on: name -> how to make it from the world (same on every rank);
+# gloo's default exchange is "p2p" (pairwise sends), the "native" groups run its collectives
 GROUPS = {
     "world": lambda w, m: w,  # size 4
+    "world-native": lambda w, m: TorchComm(exchange="native"),
+    "split-02-13-native": lambda w, m: TorchComm(exchange="native").split([[0, 2], [1, 3]]),
     "split-02-13": lambda w, m: w.split([[0, 2], [1, 3]]),  # non-consecutive ranks
     "split-20-31": lambda w, m: w.split([[2, 0], [3, 1]]),  # listed order numbers the ranks
     "split-01-23": lambda w, m: w.split([[0, 1], [2, 3]]),
@@ -161,6 +165,19 @@ def extra_structure(world, comms, meshes):
     assert TorchComm.from_mesh(meshes["dp,cp"], "dp").group == ((0, 2) if g % 2 == 0 else (1, 3))
 
 
+def extra_exchange(world, comms, meshes):
+    """gloo exchanges pairwise by default (inherited by splits); its reduce-scatter is the simulator's
+    rank-order fold in the input dtype, bit for bit (`reduction="native"`), on groups of 4, 2 and 3."""
+    assert world.exchange == "p2p" and comms["split-02-13"].exchange == "p2p", (world, comms["split-02-13"])
+    assert comms["split-02-13-native"].exchange == "native" and "exchange='p2p'" in repr(world)
+    _raises(ValueError, "exchange must be one of", lambda: TorchComm(exchange="nccl"))
+    for name in ("world", "split-02-13", "split-012-3"):
+        c = comms[name]
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            xs = inputs(c, 30, 64 * c.size, dtype)  # P x (64 P, 3, 2), rounding sums
+            expect(c.reduce_scatter(xs[c.rank]), _reduce_scatter(xs, "native")[c.rank], f"{name} fold {dtype}")
+
+
 def extra_split_errors(world, comms, meshes):
     for bad in ([[0, 1], [1, 2, 3]], [[0, 1, 2]], [[0, 1, 2, 3], []]):
         _raises(ValueError, "partition", world.split, bad)
@@ -205,7 +222,7 @@ def extra_widened_dtype(world, comms, meshes):
         world._widen = {}
 
 
-EXTRA = {f.__name__[6:]: f for f in (extra_structure, extra_split_errors, extra_validation, extra_hccl_limits,
+EXTRA = {f.__name__[6:]: f for f in (extra_structure, extra_exchange, extra_split_errors, extra_validation, extra_hccl_limits,
                                      extra_widened_dtype)}  # fmt: skip
 
 

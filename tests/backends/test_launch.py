@@ -55,6 +55,16 @@ def test_mismatched_calls_raise_on_every_rank():
     assert elapsed < 60.0
 
 
+def test_mismatched_pairwise_exchange_aborts_instead_of_hanging():
+    """Unchecked (`check_calls=False`), gloo's default pairwise all-gather of mismatched sizes
+    does not hang: gloo aborts the receiving rank (its size message goes to that rank's stderr),
+    and the launcher reports the rank killed by SIGABRT."""
+    failure, elapsed = failing_launch(gloo_cases.mismatched_shapes, check_calls=False)
+    assert "died" in {f.kind for f in failure.failures.values()}
+    assert "SIGABRT" in str(failure)
+    assert elapsed < 60.0
+
+
 def test_a_silent_peer_ends_within_the_timeout():
     failure, elapsed = failing_launch(gloo_cases.silent_peer, timeout=3.0)
     assert (failure.root.rank, failure.root.kind) == (0, "raised")  # rank 0 timed out in the barrier

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpref.backends import TorchComm, unsupported_ops
+from cpref.backends import TorchComm, default_exchange, unsupported_ops
 from cpref.errors import CPInputError
 from sim.launch import launch
 from tests.backends import gloo_cases
@@ -30,6 +30,16 @@ def test_every_collective_on_every_group_and_dtype():
     assert [sorted(out) for out in outcomes] == [sorted(names)] * 4
     failed = [f"{name} on rank {rank}:\n{out[name]}" for name in names for rank, out in enumerate(outcomes) if out[name]]
     assert not failed, f"{len(failed)} case(s) failed:\n" + "\n".join(failed)
+
+
+def test_gloo_exchanges_pairwise_unless_torch_checks_the_calls(monkeypatch):
+    """Pairwise on gloo, except under TORCH_DISTRIBUTED_DEBUG=DETAIL, whose mismatch check
+    covers collectives only; NCCL and HCCL keep their collectives."""
+    import torch.distributed as dist
+
+    assert [default_exchange(b) for b in ("gloo", "cpu:gloo,cuda:nccl", "nccl", "hccl")] == ["p2p", "p2p", "native", "native"]
+    monkeypatch.setattr(dist, "get_debug_level", lambda: dist.DebugLevel.DETAIL)
+    assert default_exchange("gloo") == "native"
 
 
 @pytest.mark.parametrize("size", range(1, 10))

@@ -90,6 +90,39 @@ def test_bottom_right_blocks_match_oracle_and_explicit_path(dtype, heads, causal
 
 
 @pytest.mark.parametrize("causal", [True, False])
+def test_only_unreached_rows_are_filled_and_they_are_filled(monkeypatch, causal):
+    """Buffers start uninitialized (poisoned with NaN here); the rows and keys no call writes are
+    exactly those `_unreached` lists, and they come out 0 (lse -inf), as the oracle says."""
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: real(self, *a, **kw).fill_(float("nan")))
+    seqs = Varlen.from_lengths(Q_LENS, KV_LENS)
+    # the 12-query / 5-key sequence's first 7 rows (causal) and the 3 queries without keys; keys of no query
+    rows = [(24, 31), (36, 39)] if causal else [(36, 39)]
+    assert torch_fused._unreached(seqs, causal, sum(Q_LENS), "q") == rows
+    assert torch_fused._unreached(seqs, causal, sum(KV_LENS), "k") == []
+    assert torch_fused._unreached(Varlen.from_lengths([0, 4, 0], [3, 0, 6]), causal, 9, "k") == [(0, 9)]
+    check_both(Q_LENS, KV_LENS, HEADS["gqa"], torch.float64, causal=causal)
+    check_both([0, 4, 0, 6], [3, 0, 0, 6], HEADS["gqa"], torch.float64, causal=causal)
+
+
+def test_column_slices_reach_the_op_without_a_copy(monkeypatch):
+    """K and V as the two halves of one packed `(T, Hkv, D + Dv)` block (how the ring's K/V travel)
+    go to the op as views, and give bitwise what contiguous copies give."""
+    seen = []
+    real = torch_fused._FORWARD
+    monkeypatch.setattr(torch_fused, "_FORWARD", lambda q, k, v, *a, **kw: seen.append((k, v)) or real(q, k, v, *a, **kw))
+    q, kv = random_qkv(24, 4, 2, 8, 16, dtype=torch.float32)[::2]  # (24, 4, 8), (24, 2, 16)
+    k, v, dout = kv[..., :8], kv[..., 8:], torch.randn(24, 4, 8)
+    seqs = Varlen.from_lengths([10, 14], [10, 14])
+    got = FAST.forward(q, k, v, seqs, causal=True, scale=0.3)
+    assert seen and all(x.untyped_storage().data_ptr() == kv.untyped_storage().data_ptr() for pair in seen for x in pair)
+    want = FAST.forward(q, k.contiguous(), v.contiguous(), seqs, causal=True, scale=0.3)
+    grads = FAST.backward(dout, q, k, v, *got, seqs, causal=True, scale=0.3)
+    want_grads = FAST.backward(dout, q, k.contiguous(), v.contiguous(), *want, seqs, causal=True, scale=0.3)
+    assert all(torch.equal(a, b) for a, b in zip((*got, *grads), (*want, *want_grads)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_empty_sequences_and_no_tokens(causal):
     check_both([0, 4, 0, 6], [3, 0, 0, 6], HEADS["gqa"], torch.float64, causal=causal)
     check_both([0], [0], HEADS["gqa"], torch.float64, causal=causal)

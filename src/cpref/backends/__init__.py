@@ -26,6 +26,6 @@ Example:
     ```
 """
 
-from cpref.backends.torch_dist import TorchComm, TorchPendingShift, unsupported_ops
+from cpref.backends.torch_dist import EXCHANGES, TorchComm, TorchPendingShift, default_exchange, unsupported_ops
 
-__all__ = ["TorchComm", "TorchPendingShift", "unsupported_ops"]
+__all__ = ["EXCHANGES", "TorchComm", "TorchPendingShift", "default_exchange", "unsupported_ops"]

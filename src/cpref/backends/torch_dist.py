@@ -7,14 +7,39 @@ dim 0, no autograd history through a collective (inputs are detached).
 
 | protocol call | `torch.distributed` call on the group `pg` |
 | --- | --- |
-| `all_gather(x)` | `all_gather_single` (`all_gather_into_tensor` before torch 2.13) |
-| `reduce_scatter(x)` | `reduce_scatter_single` (`reduce_scatter_tensor`), sum |
-| `all_to_all(x)` | `all_to_all_single`, equal dim-0 chunks to the ranks in group order |
+| `all_gather(x)` | `all_gather_single` (`all_gather_into_tensor` before torch 2.13); gloo: pairwise exchange |
+| `reduce_scatter(x)` | `reduce_scatter_single` (`reduce_scatter_tensor`), sum; gloo: pairwise exchange, rank-order sum |
+| `all_to_all(x)` | `all_to_all_single`, equal dim-0 chunks to the ranks in group order; gloo: pairwise exchange |
 | `send_recv(x, shift)` | `batch_isend_irecv`: send to `r + shift`, receive from `r - shift` |
 | `send_recv_async(x, shift)` | the same ops, posted; `wait()` on the handle completes them |
 | `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN` |
 | `barrier()` | `barrier` |
 | `split(groups)` | `new_group(ranks, use_local_synchronization=True, sort_ranks=False)` |
+
+## Two ways to move the data: `exchange`
+
+`all_gather`, `reduce_scatter` and `all_to_all` move dim-0 chunks between every pair of
+ranks. With `exchange="native"` they are the backend's collectives (the table's left part);
+with `exchange="p2p"` each is **one pairwise exchange**: every rank posts, in one
+`batch_isend_irecv`, a send of chunk $j$ to rank $j$ and a receive from rank $j$ for every
+$j \ne r$, waits, and finishes locally (all-gather and all-to-all keep their own chunk;
+reduce-scatter sums its $P$ chunks in rank order, $(\dots(x_0 + x_1) + \dots) + x_{P-1}$, in
+the input dtype: the fold `reduction="native"` of the simulated cluster models, bit for bit).
+The bytes each rank sends are the same, $(P - 1)\,n$ rows, as for a ring collective.
+
+The default is `"p2p"` on gloo and `"native"` elsewhere. On one machine gloo's point-to-point
+transfers are faster than its collectives: its reduce-scatter is an all-reduce plus a chunk
+(twice the traffic, see below), and with 2 processes on 2 cores and 16 MiB a rank (torch 2.13)
+`bench.collectives` measured all-gather 55 against 30 ms, reduce-scatter 48 against 18 ms and
+all-to-all 29 against 29 ms (native against pairwise; the performance page has the latest run).
+NCCL and HCCL collectives are the tuned path on their hardware, so they stay native. So does
+gloo under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.launch` sets unless `check_calls=False`):
+torch then compares every collective's shapes across ranks and raises "Detected mismatch
+between collectives" on all of them, a check that point-to-point ops do not get. A pairwise
+exchange whose ranks disagree on the size does not hang either: gloo aborts the receiving
+process (SIGABRT, after printing "Received data size doesn't match expected size" on its
+stderr), which `sim.launch` reports; gloo's native collectives, unchecked, may instead return
+garbage silently.
 
 ## Group ranks and global ranks
 
@@ -49,9 +74,10 @@ the same order and number (true when all run the same program, as CP training do
   probe them). Older gloo builds lacked bfloat16 (pytorch#111131, fixed by #113557 around
   torch 2.2); there, bfloat16 travels and reduces as float32 and is rounded back once, which
   reduces *more* precisely than NCCL or HCCL would. No other dtype is ever changed.
-* gloo's sums are not a rank-order fold (its ring reduces each chunk in a different order),
-  and fp16/bf16 partial sums are rounded at every step, like NCCL's and HCCL's: compare with
-  the simulator at the dtype's tolerance, not bitwise.
+* gloo's own sums (`all_reduce`, and `reduce_scatter` with `exchange="native"`) are not a
+  rank-order fold (its ring reduces each chunk in a different order), and fp16/bf16 partial
+  sums are rounded at every step, like NCCL's and HCCL's: compare with the simulator at the
+  dtype's tolerance, not bitwise. The pairwise `reduce_scatter` is the rank-order fold.
 * gloo's reduce-scatter is an all-reduce followed by a chunk (pytorch#118911): correct, but
   twice the traffic of a real reduce-scatter.
 * gloo does not check that the ranks' calls match: mismatched shapes can return garbage
@@ -76,7 +102,8 @@ import torch.distributed as dist
 from cpref.comm import REDUCE_OPS, check_partition, check_payload
 from cpref.errors import CPInputError
 
-__all__ = ["TorchComm", "TorchPendingShift", "control_device", "new_group_options", "unsupported_ops"]
+__all__ = ["EXCHANGES", "TorchComm", "TorchPendingShift", "control_device", "default_exchange", "new_group_options",
+           "unsupported_ops"]
 
 _REDUCE_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _HCCL_BAD_SIZES = frozenset({3, 5, 6, 7})
@@ -121,6 +148,16 @@ def new_group_options(ranks: Sequence[int], params: frozenset[str] | set[str]) -
             f"new_group has no sort_ranks to keep its order; order the CP group's ranks ascending, or use torch >= 2.13"
         )
     return options
+
+
+EXCHANGES = ("native", "p2p")
+
+
+def default_exchange(backend: str) -> str:
+    """`"p2p"` where gloo serves the group (its collectives are slower than its sends), else `"native"`;
+    `"native"` under `TORCH_DISTRIBUTED_DEBUG=DETAIL`, whose call checks cover collectives only."""
+    detail = dist.is_available() and dist.get_debug_level() == dist.DebugLevel.DETAIL
+    return "p2p" if "gloo" in str(backend).lower() and not detail else "native"
 
 
 _ACCELERATORS = {"nccl": "cuda", "hccl": "npu"}  # backend -> the device type it carries
@@ -172,6 +209,9 @@ class TorchComm:
     Args:
         process_group: the group; `None` for the default (world) group, which must exist
             (`torch.distributed.init_process_group`).
+        exchange: how `all_gather`, `reduce_scatter` and `all_to_all` move data: `"native"`
+            (the backend's collectives) or `"p2p"` (one batch of pairwise sends and receives);
+            `None` picks `default_exchange(backend)`. Sub-groups from `split` inherit it.
 
     Attributes:
         rank: this rank's index in the group, `0 <= rank < size`.
@@ -179,6 +219,7 @@ class TorchComm:
         global_rank: this rank's index in the world.
         group: the group's global ranks, in group rank order (`group[rank] == global_rank`).
         backend: the backend's name (`"gloo"`, `"nccl"`, `"hccl"`, ...).
+        exchange: `"native"` or `"p2p"`, see the module docstring.
         device: where the communicator's own small tensors (the `split` digest) live: the
             CPU for gloo, else the process's current accelerator (NCCL and HCCL carry no
             CPU tensors).
@@ -187,10 +228,13 @@ class TorchComm:
 
     Raises:
         RuntimeError: if `torch.distributed` is not initialized.
-        ValueError: if this process is not a member of `process_group`.
+        ValueError: if this process is not a member of `process_group`, or `exchange` is
+            not one of `EXCHANGES`.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, exchange: str | None = None) -> None:
+        if exchange is not None and exchange not in EXCHANGES:
+            raise ValueError(f"TorchComm: exchange must be one of {EXCHANGES} or None (the backend's default), got {exchange!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchComm needs an initialized torch.distributed: call torch.distributed.init_process_group "
@@ -207,6 +251,7 @@ class TorchComm:
         self.rank = self.group.index(self.global_rank)
         self.backend = str(dist.get_backend(pg)).lower()
         self.device = control_device(self.backend)
+        self.exchange = exchange or default_exchange(self.backend)
         self.unsupported_ops = unsupported_ops(self.backend, self.size)
         self._widen = _widened_dtypes(self.backend)
         self._splits: dict[tuple[tuple[int, ...], ...], TorchComm] = {}
@@ -235,13 +280,19 @@ class TorchComm:
         return cls(mesh.get_group(axis))
 
     def __repr__(self) -> str:
-        return f"TorchComm(rank={self.rank}, size={self.size}, group={self.group}, backend={self.backend!r})"
+        return (f"TorchComm(rank={self.rank}, size={self.size}, group={self.group}, backend={self.backend!r}, "
+                f"exchange={self.exchange!r})")  # fmt: skip
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
         send = self._wire("all_gather", x, 1, 1)
         out = send.new_empty((self.size * send.shape[0], *send.shape[1:]))  # (P n, ...)
-        _all_gather_base(out, send, group=self.process_group)
+        if self.exchange == "p2p":  # chunk r is ours; chunk s arrives from rank s
+            chunks = out.chunk(self.size)
+            chunks[self.rank].copy_(send)
+            self._pairwise([send] * self.size, chunks)
+        else:
+            _all_gather_base(out, send, group=self.process_group)
         return out.to(x.dtype)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,6 +302,15 @@ class TorchComm:
             ValueError: if dim 0 of `x` is not divisible by `size`.
         """
         send = self._wire("reduce_scatter", x, 1, self.size)
+        if self.exchange == "p2p":  # chunk s of every rank comes to rank s, which sums them in rank order
+            mine = send.chunk(self.size)  # P x (n, ...): chunk s goes to rank s
+            parts = [mine[s] if s == self.rank else torch.empty_like(mine[s]) for s in range(self.size)]
+            self._pairwise(mine, parts)
+            out = parts[0].clone() if self.rank == 0 else parts[0]  # (n, ...), never a view of x
+            # out <- out + x_s for s = 1 .. P-1, rounded to the dtype each time
+            for part in parts[1:]:
+                out += part
+            return out.to(x.dtype)
         out = send.new_empty((send.shape[0] // self.size, *send.shape[1:]))  # (n, ...)
         _reduce_scatter_base(out, send, op=dist.ReduceOp.SUM, group=self.process_group)
         return out.to(x.dtype)
@@ -263,8 +323,26 @@ class TorchComm:
         """
         send = self._wire("all_to_all", x, 1, self.size)
         out = torch.empty_like(send)  # (P n, ...): chunk s came from rank s
-        dist.all_to_all_single(out, send, group=self.process_group)
+        if self.exchange == "p2p":
+            mine, theirs = send.chunk(self.size), out.chunk(self.size)
+            theirs[self.rank].copy_(mine[self.rank])
+            self._pairwise(mine, theirs)
+        else:
+            dist.all_to_all_single(out, send, group=self.process_group)
         return out.to(x.dtype)
+
+    def _pairwise(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
+        """Send `sends[s]` to group rank `s` and receive `recvs[s]` from it, for every `s != rank`: one batch, waited.
+
+        `recvs[s]` are contiguous dim-0 chunks (or fresh tensors); the own entries are not touched.
+        """
+        ops = []
+        for s in range(self.size):
+            if s != self.rank:
+                ops.append(dist.P2POp(dist.isend, sends[s], self.group[s], self.process_group))
+                ops.append(dist.P2POp(dist.irecv, recvs[s], self.group[s], self.process_group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
 
     def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
@@ -331,7 +409,7 @@ class TorchComm:
             mine = next(part for part in parts if self.rank in part)
             ranks = [self.group[r] for r in mine]  # group ranks -> global ranks, listed order
             pg = dist.new_group(ranks, **options[mine])
-            self._splits[parts] = TorchComm(pg)
+            self._splits[parts] = TorchComm(pg, exchange=self.exchange)
         return self._splits[parts]
 
     def _check_same_partition(self, parts: tuple[tuple[int, ...], ...]) -> None:

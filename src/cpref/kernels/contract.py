@@ -117,7 +117,7 @@ class Varlen:
         if len(self.cu_q) != len(self.cu_kv):
             raise CPInputError(f"Varlen: cu_q has {len(self.cu_q)} entries, cu_kv {len(self.cu_kv)}; need one each per sequence")
         self._derived: dict[Hashable, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a build may use another derived entry
 
     @classmethod
     def from_lengths(cls, q_lens: Sequence[int], kv_lens: Sequence[int]) -> "Varlen":

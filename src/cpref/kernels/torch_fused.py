@@ -153,8 +153,13 @@ def _keys(x: torch.Tensor, run: Run) -> torch.Tensor:
 
 
 def _prepared(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> torch.Tensor:
-    """`x` in the compute dtype, unit stride in its last dim, zero-padded to `dim` columns."""
-    x = x.to(dtype).contiguous()  # no copy for a contiguous input already in `dtype`
+    """`x` in the compute dtype, unit stride in its last dim, zero-padded to `dim` columns.
+
+    The op reads rows and heads at any stride, so a column slice such as the `K` half of a
+    packed `(T, H, D + Dv)` K/V block is passed as it is, without a copy.
+    """
+    x = x.to(dtype)  # no copy for an input already in `dtype`
+    x = x if x.stride(-1) == 1 else x.contiguous()  # (T, H, X), unit stride in X
     return x if dim is None or x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))  # (T, H, dim)
 
 
@@ -174,6 +179,30 @@ def _narrow(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _runs(seqs: Varlen, causal: bool) -> list[Run]:
     return seqs.cached(("TorchKernel.fused_runs", bool(causal)), lambda: plan_runs(seqs, bool(causal)))
+
+
+def _unreached(seqs: Varlen, causal: bool, rows: int, stream: str) -> list[tuple[int, int]]:
+    """Row ranges `[a, b)` of the query (`stream="q"`) or key (`"k"`) stream that no fused call writes.
+
+    Every other row of `out`, `lse`, `dq`, `dk`, `dv` is written by exactly one call (a merged
+    part adds to rows its causal square wrote), so only these are filled: 0, and `lse` = -inf.
+    """
+
+    def build() -> list[tuple[int, int]]:  # host integers only: no tensor, no device
+        reached = sorted(
+            (first + i * step, first + i * step + n)
+            for run in _runs(seqs, causal) if stream == "k" or not run.merge
+            for first, step, n in [(run.k0, run.k_step, run.keys) if stream == "k" else (run.q0, run.q_step, run.rows)]
+            for i in range(run.count)
+        )  # fmt: skip
+        gaps, end = [], 0
+        for a, b in [*reached, (rows, rows)]:
+            if a > end:
+                gaps.append((end, a))
+            end = max(end, b)
+        return gaps
+
+    return seqs.cached(("TorchKernel.fused_unreached", bool(causal), stream, rows), build)
 
 
 def _whole(runs: list[Run], tokens: int, keys: int) -> bool:
@@ -199,9 +228,10 @@ def fused_forward(q, k, v, seqs: Varlen, *, causal: bool, scale: float, out_dtyp
         run = runs[0]
         out, lse = map(_packed, _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale))
         return (out, lse) if padded else (_narrow(out, dv, out_dtype or q.dtype), lse)
-    # rows no call reaches (they see no key) keep out = 0 and lse = -inf
-    out = q.new_zeros((q.shape[0], q.shape[1], d), dtype=cdt)  # (T, Hq, D)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)  # (T, Hq)
+    out = q.new_empty((q.shape[0], q.shape[1], d), dtype=cdt)  # (T, Hq, D)
+    lse = q.new_empty(q.shape[:2], dtype=cdt)  # (T, Hq)
+    for a, b in _unreached(seqs, causal, q.shape[0], "q"):  # rows that see no key: out = 0, lse = -inf
+        out[a:b], lse[a:b] = 0.0, float("-inf")
     for run in runs:
         o_r, lse_r = _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale)
         if run.merge:
@@ -232,8 +262,11 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
     if _whole(runs, q.shape[0], k.shape[0]):  # one call: its gradients are the packed tensors, no copy
         dq, dk, dvp = map(_packed, grads(runs[0]))
         return _narrow(dq, d, grad_dtype or q.dtype), _narrow(dk, d, grad_dtype or k.dtype), _narrow(dvp, dv, grad_dtype or v.dtype)
-    # keys and rows no call reaches keep zero gradients
-    dq, dk, dvp = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)  # (T, Hq, D), (T', Hkv, D) x 2
+    dq, dk, dvp = (x.new_empty(x.shape) for x in (qc, kc, vc))  # (T, Hq, D), (T', Hkv, D) x 2, contiguous
+    for a, b in _unreached(seqs, causal, q.shape[0], "q"):  # rows and keys no call reaches: zero gradients
+        dq[a:b] = 0.0
+    for a, b in _unreached(seqs, causal, k.shape[0], "k"):
+        dk[a:b], dvp[a:b] = 0.0, 0.0
     for run in runs:
         dq_r, dk_r, dv_r = grads(run)
         if run.merge:

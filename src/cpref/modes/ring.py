@@ -79,8 +79,7 @@ def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
     if P == 1:  # a ring of one rank is one kernel call: its own block holds every key
         step = plan.steps[0]
         return kernel.forward(q, k, v, step.seqs, causal=step.causal, scale=scale)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)  # (T_l, Hq, Dv), running output
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)  # (T_l, Hq), no key seen yet
+    out = lse = None  # the running (T_l, Hq, Dv) output and (T_l, Hq) lse: the first block's, then merged
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv): one block travels
     for t, step in enumerate(plan.steps):
         # 1) post the shift that brings the next block, before computing on this one
@@ -89,11 +88,17 @@ def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
         if step.seqs is not None:
             kb, vb = _block(kv, step, d)
             out_b, lse_b = kernel.forward(q, kb, vb, step.seqs, causal=step.causal, scale=scale, out_dtype=acc)
-            # 3) merge by log-sum-exp, in float32
-            merge_partial(out, lse, out_b, lse_b)
+            # 3) merge by log-sum-exp, in float32 (the first block computed is the running result)
+            if out is None:
+                out, lse = out_b, lse_b
+            else:
+                merge_partial(out, lse, out_b, lse_b)
         # 4) the block of rank (r - t - 1) mod P
         if pending is not None:
             kv = pending.wait()
+    if out is None:  # no step computed anything (no query sees a key): out 0, lse -inf
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
     return out.to(q.dtype), lse
 # --8<-- [end:forward]
 
@@ -105,9 +110,9 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
     if P == 1:  # one kernel call, whose rows are whole
         step = plan.steps[0]
         return kernel.backward(dout, q, k, v, out, lse, step.seqs, causal=step.causal, scale=scale, full_rows=True)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (T_l, Hq, D), stays home
+    dq = None  # (T_l, Hq, D), stays home: the first block's share, then summed
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # the own block's accumulator
+    dkv = None  # (T_l, Hkv, D + Dv): the accumulator of the block held now (the own block first)
     pending_dkv = None
     for t, step in enumerate(plan.steps):
         # 1) post the next K/V block
@@ -118,7 +123,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
             dq_b, dk_b, dv_b = kernel.backward(
                 dout, q, kb, vb, out, lse, step.seqs, causal=step.causal, scale=scale, grad_dtype=acc
             )  # (T_l, Hq, D), (T', Hkv, D), (T', Hkv, Dv)
-            dq += dq_b
+            dq = dq_b if dq is None else dq.add_(dq_b)
             dkv_b = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
             del dq_b, dk_b, dv_b, kb, vb  # freed before the next step's kernel call
             if step.kv_index is not None:  # back to the block's rows, adding up duplicated rows
@@ -126,15 +131,18 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
         # 3) the accumulator of the block held now arrives from the previous rank; add this share
         if pending_dkv is not None:
             dkv = pending_dkv.wait()
-        if step.seqs is not None:
+        if dkv is None:  # step 0 without a share: the own block's gradient starts at 0
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device) if step.seqs is None else dkv_b
+        elif step.seqs is not None:
             dkv += dkv_b
-            del dkv_b
+        dkv_b = None  # freed before the next step's kernel call
         # 4) pass it on with the block; after the last step this brings it home
         pending_dkv = comm.send_recv_async(dkv) if P > 1 else None
         if pending_kv is not None:
             kv = pending_kv.wait()
     if pending_dkv is not None:
         dkv = pending_dkv.wait()  # (T_l, Hkv, D + Dv): every rank's contributions to the own block
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device) if dq is None else dq  # no step computed: zero
     return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype)
 # --8<-- [end:backward]
 

@@ -1,0 +1,74 @@
+"""Every benchmark of `make bench`, in turn: each prints its tables, and they are kept for the docs.
+
+Each benchmark's `main()` runs with its defaults; what it prints goes to the terminal and, with
+one header line (when, on what machine, which torch), to `bench/results/<name>.txt`, which the
+docs' performance page (`bench/report.py`) includes as it is. Commit the files after a run, so
+that the page shows the tables of the last full run and says when and where it was measured.
+
+Run it with `python -m bench.all` (what `make bench` does); `--only kernel scaling` runs some.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import io
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = ("kernel", "overhead", "scaling", "memory", "all_gather", "collectives")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class _Tee(io.TextIOBase):
+    """Writes to every stream it was given (the terminal and the kept copy)."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def header() -> str:
+    """When and where: UTC date, cores, processor, torch and Python versions."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cpu = platform.processor() or platform.machine()
+    return f"Measured {now:%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores ({cpu}), torch {torch.__version__}, Python {platform.python_version()}."
+
+
+def run(name: str, results: Path = RESULTS) -> float:
+    """Run `bench.<name>`'s `main([])`, print and keep its output; return its seconds."""
+    module = importlib.import_module(f"bench.{name}")
+    kept, head, start = io.StringIO(), header(), time.perf_counter()  # when it started
+    with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
+        module.main([])
+    seconds = time.perf_counter() - start
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.txt").write_text(f"{head} ({seconds:.0f} s)\n\n{kept.getvalue().strip()}\n")
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    args = parser.parse_args(argv)
+    total = sum(run(name) for name in args.only)
+    print(f"\nall benchmarks: {total:.0f} s; tables kept in {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Benchmark: `TorchComm`'s two exchanges on gloo, the backend's collectives against pairwise sends.
+
+`all_gather`, `reduce_scatter` and `all_to_all` of one `(T_l, 8, 64)` float32 block per rank
+(16 MiB at the default 8192 rows), and for scale one ring shift of the same block
+(`send_recv`), on `--nproc` gloo processes with one thread each. Every call is timed after a
+barrier, `--repeats` times in alternation between the two exchanges, and the fastest kept;
+the slowest rank's time counts. Printed: milliseconds of each way and the ratio
+native / p2p. The default exchange of a gloo `TorchComm` is the pairwise one
+(`cpref.backends.torch_dist`): these figures are why.
+
+Run it with `python -m bench.collectives` (or `make bench`); `--help` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from cpref.backends import TorchComm
+from sim.launch import launch
+
+OPS = ("all_gather", "reduce_scatter", "all_to_all")
+
+
+def rank_times(rows: int, repeats: int) -> dict[str, float]:
+    """This rank's fastest seconds of each `(exchange, op)`, and of one ring shift."""
+    comms = {name: TorchComm(exchange=name) for name in ("native", "p2p")}
+    block = torch.randn(rows, 8, 64)  # (T_l, H, D)
+    wide = torch.randn(comms["p2p"].size * rows, 8, 64)  # (P T_l, H, D): what reduce_scatter and all_to_all take
+    calls = {(ex, op): (lambda c=c, op=op: getattr(c, op)(block if op == "all_gather" else wide))
+             for ex, c in comms.items() for op in OPS}  # fmt: skip
+    calls[("p2p", "send_recv")] = lambda: comms["p2p"].send_recv(block)
+    best = {key: float("inf") for key in calls}
+    for _ in range(repeats + 1):  # the first round warms the connections up and is not kept
+        for key, call in calls.items():
+            comms["p2p"].barrier()
+            start = time.perf_counter()
+            call()
+            best[key] = min(best[key], time.perf_counter() - start) if _ else float("inf")
+    return {f"{ex}/{op}": t for (ex, op), t in best.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8192, help="rows T_l of each rank's (T_l, 8, 64) float32 block")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    mib = args.rows * 8 * 64 * 4 / 2**20
+    print(f"## gloo exchanges: {args.nproc} processes, one thread each, a {mib:.0f} MiB block per rank, "
+          f"fastest of {args.repeats} (load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)\n")  # fmt: skip
+    per_rank = launch(rank_times, args.nproc, args=(args.rows, args.repeats), check_calls=False)
+    slowest = {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
+    print("| call | native (gloo collective) | p2p (pairwise sends) | native / p2p |")
+    print("| --- | ---: | ---: | ---: |")
+    for op in OPS:
+        native, p2p = slowest[f"native/{op}"], slowest[f"p2p/{op}"]
+        print(f"| {op} | {native * 1e3:.1f} ms | {p2p * 1e3:.1f} ms | {native / p2p:.2f} |")
+    print(f"| send_recv (one ring shift, for scale) | | {slowest['p2p/send_recv'] * 1e3:.1f} ms | |\n")
+
+
+if __name__ == "__main__":
+    main()
