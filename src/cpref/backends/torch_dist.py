@@ -29,9 +29,11 @@ The bytes each rank sends are the same, $(P - 1)\,n$ rows, as for a ring collect
 
 The default is `"p2p"` on gloo and `"native"` elsewhere. On one machine gloo's point-to-point
 transfers are faster than its collectives: its reduce-scatter is an all-reduce plus a chunk
-(twice the traffic, see below), and with 2 processes on 2 cores and 16 MiB a rank (torch 2.13)
-`bench.collectives` measured all-gather 55 against 30 ms, reduce-scatter 48 against 18 ms and
-all-to-all 29 against 29 ms (native against pairwise; the performance page has the latest run).
+(twice the traffic, see below). With 2 processes on 2 cores and 16 MiB a rank (torch 2.13),
+`bench.collectives` measured the pairwise all-gather 1.4 to 1.9 times and the pairwise
+reduce-scatter 2.2 to 2.7 times faster than gloo's, over three runs; all-to-all came out even
+(0.87 to 1.16) and is pairwise too, so that one rule covers the three (the performance page
+shows the latest run).
 NCCL and HCCL collectives are the tuned path on their hardware, so they stay native. So does
 gloo under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.launch` sets unless `check_calls=False`):
 torch then compares every collective's shapes across ranks and raises "Detected mismatch
