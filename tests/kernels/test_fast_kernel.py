@@ -122,6 +122,25 @@ def test_column_slices_reach_the_op_without_a_copy(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip((*got, *grads), (*want, *want_grads)))
 
 
+@pytest.mark.parametrize("lengths", [[24], [10, 14]], ids=["one-call", "several-calls"])
+@pytest.mark.parametrize("kernel", [FAST, EXPLICIT], ids=["fast", "explicit"])
+def test_results_belong_to_the_caller(kernel, lengths):
+    """No result shares storage with an input, and writing into one changes nothing later: the
+    ring accumulates into its first block's results in place."""
+    q, k, v = random_qkv(24, 4, 2, 8, dtype=torch.float32)
+    dout, seqs = torch.randn(24, 4, 8), Varlen.from_lengths(lengths, lengths)
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v, dout)}
+    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.3, out_dtype=torch.float32)
+    grads = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=0.3, grad_dtype=torch.float32)
+    assert all(x.untyped_storage().data_ptr() not in inputs for x in (out, lse, *grads))
+    first = [x.clone() for x in (out, lse, *grads)]
+    for x in (out, lse, *grads):
+        x.add_(1.0)
+    again = kernel.forward(q, k, v, seqs, causal=True, scale=0.3, out_dtype=torch.float32)
+    again = (*again, *kernel.backward(dout, q, k, v, *again, seqs, causal=True, scale=0.3, grad_dtype=torch.float32))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_empty_sequences_and_no_tokens(causal):
     check_both([0, 4, 0, 6], [3, 0, 0, 6], HEADS["gqa"], torch.float64, causal=causal)

@@ -29,7 +29,9 @@ needs no positional offset at all.
 
 **Outputs.** `out` is `(T, Hq, Dv)` in the input dtype; `lse` is `(T, Hq)`, the natural-log
 log-sum-exp of the scaled logits, float32 (float64 for float64 inputs). A row that sees no
-key gives `out = 0` and `lse = -inf`, never NaN, and zero gradients.
+key gives `out = 0` and `lse = -inf`, never NaN, and zero gradients. Every returned tensor
+belongs to the caller: new storage, never a view of an input, so a caller may accumulate into
+it in place (the ring's first block becomes its running output and dQ).
 
 **Partial results in float32.** A caller that sums a kernel's results with others (ring
 attention merges `P` partial outputs; dK/dV partials are accumulated) asks for them in the
