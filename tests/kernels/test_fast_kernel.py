@@ -17,7 +17,9 @@ from cpref.kernels import TorchKernel, Varlen, torch_fused
 from cpref.modes.merge import merge_partial
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
-from tests.kernels.test_torch_kernel import DTYPES, HEADS, bf16_gradient_error, check, check_large_logits, largest_allocation, reference
+from tests.kernels.test_torch_kernel import (
+    DTYPES, HEADS, bf16_gradient_error, check, check_large_logits, check_owned_results, largest_allocation, reference,
+)
 
 FAST, EXPLICIT = TorchKernel(), TorchKernel(fast=False)
 # runs of equal documents, single ones, a 1-token one and an empty one
@@ -125,20 +127,7 @@ def test_column_slices_reach_the_op_without_a_copy(monkeypatch):
 @pytest.mark.parametrize("lengths", [[24], [10, 14]], ids=["one-call", "several-calls"])
 @pytest.mark.parametrize("kernel", [FAST, EXPLICIT], ids=["fast", "explicit"])
 def test_results_belong_to_the_caller(kernel, lengths):
-    """No result shares storage with an input, and writing into one changes nothing later: the
-    ring accumulates into its first block's results in place."""
-    q, k, v = random_qkv(24, 4, 2, 8, dtype=torch.float32)
-    dout, seqs = torch.randn(24, 4, 8), Varlen.from_lengths(lengths, lengths)
-    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v, dout)}
-    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.3, out_dtype=torch.float32)
-    grads = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=0.3, grad_dtype=torch.float32)
-    assert all(x.untyped_storage().data_ptr() not in inputs for x in (out, lse, *grads))
-    first = [x.clone() for x in (out, lse, *grads)]
-    for x in (out, lse, *grads):
-        x.add_(1.0)
-    again = kernel.forward(q, k, v, seqs, causal=True, scale=0.3, out_dtype=torch.float32)
-    again = (*again, *kernel.backward(dout, q, k, v, *again, seqs, causal=True, scale=0.3, grad_dtype=torch.float32))
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    check_owned_results(kernel, lengths, torch.float32)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -23,7 +23,7 @@ from cpref.kernels import AttentionKernel, NpuKernel, Varlen
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 from tests.kernels.npu_double import NpuOpsDouble
-from tests.kernels.test_torch_kernel import HEADS, reference
+from tests.kernels.test_torch_kernel import HEADS, check_owned_results, reference
 
 LAYOUTS = ["", "TND"]
 
@@ -60,6 +60,11 @@ def check(q_lens, kv_lens, heads=HEADS["gqa"], dtype=torch.float64, *, causal, s
         assert not g.isnan().any(), name
         assert_close(g, w, dtype, name)
     return got, double
+
+
+@pytest.mark.parametrize("lengths", [[24], [10, 14]], ids=["one-sequence", "several"])
+def test_results_belong_to_the_caller(lengths):
+    check_owned_results(NpuKernel(ops=NpuOpsDouble()), lengths, torch.float64)
 
 
 def test_satisfies_the_contract():

@@ -187,6 +187,25 @@ def test_large_logits_stay_finite_because_the_row_max_is_subtracted(dtype):
     check_large_logits(TorchKernel(block_size=16, fast=False), [37, 64], dtype)
 
 
+def check_owned_results(kernel, lengths: list[int], dtype: torch.dtype) -> None:
+    """The contract's ownership rule: no result shares storage with an input, and writing into one
+    changes nothing later (the ring accumulates into its first block's results in place)."""
+    q, k, v = random_qkv(sum(lengths), 4, 2, 8, dtype=dtype)
+    dout, seqs = torch.randn(sum(lengths), 4, 8, dtype=dtype), Varlen.from_lengths(lengths, lengths)
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v, dout)}
+
+    def both():
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.3, out_dtype=dtype)
+        return out, lse, *kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=0.3, grad_dtype=dtype)
+
+    got = both()
+    assert all(x.untyped_storage().data_ptr() not in inputs for x in got)
+    first = [x.clone() for x in got]
+    for x in got:
+        x.add_(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(first, both()))
+
+
 def check_large_logits(kernel: AttentionKernel, lens: list[int], dtype: torch.dtype) -> None:
     """Causal forward + backward at 30 times the default scale: finite everywhere, the oracle's in float64."""
     hq, hkv, d, dv = HEADS["gqa"]
