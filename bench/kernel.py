@@ -9,9 +9,13 @@ backward) run through
   autograd backward, called once per document on contiguous `[1, H, S, D]` tensors (made
   before timing), which is what a caller without a varlen kernel does.
 
-Each is warmed up, then the three are timed `--repeats` times in alternation (so that a change
-in machine load hits all alike) and the fastest run of each is kept. The same run measures the
-machine's matmul peak (a 4096^3 float32 matmul, the fastest of `--repeats`) and prints, for the
+Each is warmed up, then the three are timed in alternation, round after round (so that a change
+in machine load hits all alike), and the fastest run of each is kept: at least `--repeats`
+rounds, and more while a mix's rounds have taken less than `--budget` seconds (at most 50).
+On a shared machine one call can run 30% slower than the same call a second later; a
+100 ms mix then gets dozens of samples instead of three, the 8k document its three. The
+table's last column gives the rounds. The same run measures the
+machine's matmul peak (a 4096^3 float32 matmul, sampled the same way) and prints, for the
 single long document, each kernel's fraction of that peak, counting the 7 matmuls of forward +
 backward over half the score square, $7 T^2 H D$ flops. Targets (printed, never asserted):
 fast <= 1.1x SDPA on every mix, <= 1.0x on the short-document mixes, >= 80% of peak on 1 x 8192.
@@ -57,28 +61,37 @@ def _sync(device: torch.device) -> None:
 
 
 def fastest(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-            device: torch.device = torch.device("cpu")) -> dict[str, float]:  # fmt: skip
-    """The fastest wall seconds of each `fn()`, timed in alternation so that load drift hits all alike."""
+            device: torch.device = torch.device("cpu"), budget: float = 0.0,
+            max_rounds: int = 50) -> dict[str, float]:  # fmt: skip
+    """The fastest wall seconds of each `fn()`, timed in alternation so that load drift hits all alike.
+
+    Runs `repeats` rounds (each `fn` once, in turn), then more rounds while the timed rounds
+    have lasted less than `budget` seconds (at most `max_rounds`): a cheap case gets more
+    samples, so that its minimum is not one slow phase of a shared machine. Every `fn` gets
+    the same number of samples, in the same rounds. The number of rounds is under `"rounds"`.
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    began, rounds = time.perf_counter(), 0
+    while rounds < repeats or (time.perf_counter() - began < budget and rounds < max_rounds):
         for name, fn in fns.items():
             _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: min(ts) for name, ts in times.items()}
+        rounds += 1
+    return {**{name: min(ts) for name, ts in times.items()}, "rounds": rounds}
 
 
 def matmul_peak(repeats: int = 3, n: int = 4096, device: torch.device = torch.device("cpu"),
-                dtype: torch.dtype = torch.float32) -> float:  # fmt: skip
-    """FLOP/s of the fastest `n x n x n` matmul in `dtype` on `device`."""
+                dtype: torch.dtype = torch.float32, budget: float = 0.0) -> float:  # fmt: skip
+    """FLOP/s of the fastest `n x n x n` matmul in `dtype` on `device` (sampled as `fastest` does)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     c = torch.empty(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / fastest({"mm": lambda: torch.mm(a, b, out=c)}, repeats, device=device)["mm"]
+    return 2 * n**3 / fastest({"mm": lambda: torch.mm(a, b, out=c)}, repeats, device=device, budget=budget)["mm"]
 
 
 def attention_flops(lengths: list[int], heads: int, dim: int) -> int:
@@ -113,19 +126,20 @@ def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, devi
 
 
 def table(mixes: dict[str, list[int]], heads: int, dim: int, repeats: int, device: torch.device = torch.device("cpu"),
-          dtype: torch.dtype = torch.float32) -> list[dict]:  # fmt: skip
-    """One row per mix: the fastest seconds of each implementation."""
-    return [{"mix": name, **fastest(cases(lengths, heads, dim, device=device, dtype=dtype), repeats, device=device)}
+          dtype: torch.dtype = torch.float32, budget: float = 0.0) -> list[dict]:  # fmt: skip
+    """One row per mix: the fastest seconds of each implementation, over at least `repeats` rounds
+    and about `budget` seconds of rounds (see `fastest`), and the number of rounds."""
+    return [{"mix": name, **fastest(cases(lengths, heads, dim, device=device, dtype=dtype), repeats, device=device, budget=budget)}
             for name, lengths in mixes.items()]  # fmt: skip
 
 
 def markdown(rows: list[dict]) -> str:
     """The comparison as a Markdown table (milliseconds and ratios)."""
-    lines = ["| documents | fast | explicit | SDPA per document | fast / SDPA | explicit / SDPA |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| documents | fast | explicit | SDPA per document | fast / SDPA | explicit / SDPA | runs |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['mix']} | {r['fast'] * 1e3:.1f} ms | {r['explicit'] * 1e3:.1f} ms | {r['sdpa'] * 1e3:.1f} ms "
-                     f"| {r['fast'] / r['sdpa']:.2f} | {r['explicit'] / r['sdpa']:.2f} |")  # fmt: skip
+                     f"| {r['fast'] / r['sdpa']:.2f} | {r['explicit'] / r['sdpa']:.2f} | {r['rounds']} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -133,16 +147,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (fastest kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation, at least (fastest kept)")
+    parser.add_argument("--budget", type=float, default=6.0,
+                        help="seconds of timed rounds per mix: a cheap mix runs more rounds than --repeats (at most 50)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else _device_name(device)
     print(f"## Kernel: {args.heads} heads, head dim {args.dim}, {args.dtype}, causal forward + backward, "
-          f"{where}, fastest of {args.repeats} (load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
-    peak = matmul_peak(args.repeats, device=device, dtype=dtype)
-    rows = table(MIXES, args.heads, args.dim, args.repeats, device, dtype)
+          f"{where}, fastest of at least {args.repeats} runs and about {args.budget:g} s per mix "
+          f"(load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
+    peak = matmul_peak(args.repeats, device=device, dtype=dtype, budget=args.budget)  # as many samples: no kinder peak
+    rows = table(MIXES, args.heads, args.dim, args.repeats, device, dtype, budget=args.budget)
     print(markdown(rows) + "\n")
     for r in rows:
         target = 1.0 if r["mix"] in SHORT else TARGET

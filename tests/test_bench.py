@@ -14,12 +14,12 @@ def test_device_timings_wait_for_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", device)))
     times = kernel.fastest({"f": lambda: events.append("call")}, repeats=2, warmup=1, device=torch.device("cuda", 0))
     assert events == ["call"] + [("sync", torch.device("cuda", 0)), "call", ("sync", torch.device("cuda", 0))] * 2
-    assert set(times) == {"f"}
+    assert set(times) == {"f", "rounds"} and times["rounds"] == 2
 
 
 def test_kernel_table_runs_in_the_dtype_asked_for():
     rows = kernel.table({"2 x 32": [32, 32]}, heads=2, dim=8, repeats=1, dtype=torch.bfloat16)
-    assert [set(r) for r in rows] == [{"mix", "fast", "explicit", "sdpa"}]
+    assert [set(r) for r in rows] == [{"mix", "fast", "explicit", "sdpa", "rounds"}]
     steps = kernel.cases([16], heads=2, dim=8, dtype=torch.bfloat16)
     out = steps["fast"]()  # (dq, dk, dv) of the kernel's backward
     assert all(t.dtype == torch.bfloat16 for t in out)
@@ -67,3 +67,20 @@ def test_every_benchmark_keeps_its_tables_and_the_page_shows_them(tmp_path, monk
     for name in bench_all.BENCHMARKS:
         assert (bench_all.RESULTS / f"{name}.txt").read_text().startswith("Measured "), name
         assert f'--8<-- "bench/results/{name}.txt"' in page, name
+
+
+def test_fastest_samples_cheap_cases_more_and_every_case_alike():
+    """`fastest` runs at least `repeats` rounds, more within the time budget, never more than
+    `max_rounds`, and every case once per round: a case timed fewer times than the other
+    would get a kinder (or harsher) minimum."""
+    calls = {"a": 0, "b": 0}
+
+    def count(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    fns = {name: count(name) for name in calls}
+    assert kernel.fastest(fns, repeats=2, warmup=1)["rounds"] == 2 and calls == {"a": 3, "b": 3}
+    calls.update(a=0, b=0)
+    times = kernel.fastest(fns, repeats=2, warmup=0, budget=60.0, max_rounds=7)
+    assert times["rounds"] == 7 and calls == {"a": 7, "b": 7}
+    assert set(times) == {"a", "b", "rounds"} and all(times[n] >= 0.0 for n in ("a", "b"))

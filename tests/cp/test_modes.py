@@ -238,3 +238,27 @@ def test_two_models_with_different_cp_settings_in_one_process_do_not_interfere()
             (mode, _, layout, _), (cu, q, k, v, dout) = setups[i % 4], data[i % 4]
             want = oracle_shards(q, k, v, dout, cu, P=P, layout=layout)[r][0]
             assert_close(out, want, torch.float64, msg=f"call {i} rank {r}")
+
+
+def test_a_ring_rank_whose_steps_see_no_key_returns_zero_rows_and_minus_infinity_lse():
+    """`ring_forward` keeps the kernel contract for rows that see no key (`out` 0, `lse` -inf),
+    also on a rank where no step has work at all (one 1-token document at P = 4: ranks 1-3 hold
+    only padding), so that a caller merging its result by lse gives those rows no weight."""
+    from cpref.kernels import TorchKernel
+    from cpref.modes.ring import ring_forward
+    from cpref.modes.ring_plan import build_ring_plan
+
+    P, b = 4, cpref.Boundaries.parse([0, 1], [0, 8])
+    q, k, v = random_qkv(8, 4, 2, 8, 6)
+
+    def rank_fn(comm):
+        plan = build_ring_plan(b, P, comm.rank, "zigzag", True, q.device)
+        local = [cpref.shard(t, b.padded, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        return plan, ring_forward(*local, plan, comm, TorchKernel(), scale=0.5)
+
+    for r, (plan, (out, lse)) in enumerate(SimCluster(P).run(rank_fn)):
+        if r == 0:  # token 0 sees itself: out = its value, lse = its own logit
+            assert torch.equal(out[0], v[0].repeat_interleave(2, dim=0)) and lse[0].isfinite().all()
+        else:
+            assert all(step.seqs is None for step in plan.steps), r
+            assert out.shape == (2, 4, 6) and (out == 0).all() and (lse == float("-inf")).all(), r

@@ -176,14 +176,17 @@ def test_a_global_lse_gives_each_call_its_share_of_the_gradients(kernel, dtype, 
         assert_close(got, w, dtype, name)
 
 
+@pytest.mark.parametrize("q_lens, kv_lens", [(Q_LENS, KV_LENS), ([24], [24]), ([8] * 4, [8] * 4)],
+                         ids=["packed", "one-document", "equal-documents"])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_out_dtype_and_grad_dtype_return_the_float32_accumulators(dtype):
-    """Both paths compute in float32: asked for float32, they agree to float32 precision, unrounded."""
+def test_out_dtype_and_grad_dtype_return_the_float32_accumulators(dtype, q_lens, kv_lens):
+    """Both paths compute in float32: asked for float32, they agree to float32 precision, unrounded
+    (also where one call covers the whole stream and its outputs are returned as they are)."""
     hq, hkv, d, dv = HEADS["mla"]
-    seqs = Varlen.from_lengths(Q_LENS, KV_LENS)
-    q = random_qkv(sum(Q_LENS), hq, hkv, d, dv, dtype=dtype, seed=4)[0]
-    _, k, v = random_qkv(sum(KV_LENS), hq, hkv, d, dv, dtype=dtype, seed=5)
-    dout = random_qkv(sum(Q_LENS), hq, hkv, dv, dtype=dtype, seed=6)[0]
+    seqs = Varlen.from_lengths(q_lens, kv_lens)
+    q = random_qkv(sum(q_lens), hq, hkv, d, dv, dtype=dtype, seed=4)[0]
+    _, k, v = random_qkv(sum(kv_lens), hq, hkv, d, dv, dtype=dtype, seed=5)
+    dout = random_qkv(sum(q_lens), hq, hkv, dv, dtype=dtype, seed=6)[0]
     results = []
     for kernel in (FAST, EXPLICIT):
         out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=d**-0.5, out_dtype=torch.float32)
@@ -225,6 +228,44 @@ def test_runs_of_equal_sequences_are_one_call_each(op_calls):
     seqs = Varlen.from_lengths([8] * 64, [8] * 64)
     FAST.backward(q, q, k, v, *FAST.forward(q, k, v, seqs, causal=True, scale=0.5), seqs, causal=True, scale=0.5)
     assert op_calls == ["_FORWARD", "_BACKWARD"]
+
+
+@pytest.mark.parametrize("lengths", [[24], [8] * 4], ids=["one-document", "equal-documents"])
+def test_one_call_over_the_whole_stream_returns_the_ops_own_outputs(monkeypatch, lengths):
+    """Where one call covers both streams in order, `out`, `lse` and the gradients are the op's
+    results themselves (no packed buffer, no copy), as the module docstring says; a mixed batch
+    is assembled into new buffers."""
+    made = []
+    for name in ("_FORWARD", "_BACKWARD"):
+        real = getattr(torch_fused, name)
+        monkeypatch.setattr(torch_fused, name, lambda *a, _real=real, **kw: (r := _real(*a, **kw), made.extend(r))[0])
+    q, k, v = random_qkv(sum(lengths), 4, 2, 8, dtype=torch.float32)  # D = Dv: nothing to narrow
+    seqs = Varlen.from_lengths(lengths, lengths)
+    out, lse = FAST.forward(q, k, v, seqs, causal=True, scale=0.3)
+    grads = FAST.backward(out, q, k, v, out, lse, seqs, causal=True, scale=0.3)
+    storages = {t.untyped_storage().data_ptr() for t in made}
+    assert all(t.untyped_storage().data_ptr() in storages for t in (out, lse, *grads))
+    made.clear()
+    seqs = Varlen.from_lengths([*lengths, 3], [*lengths, 3])
+    q, k, v = random_qkv(sum(lengths) + 3, 4, 2, 8, dtype=torch.float32)
+    out, lse = FAST.forward(q, k, v, seqs, causal=True, scale=0.3)
+    assert not {t.untyped_storage().data_ptr() for t in (out, lse)} & {t.untyped_storage().data_ptr() for t in made}
+
+
+def test_the_fused_path_needs_one_tile_per_thread(op_calls):
+    """The op keeps one score tile per thread: a `max_block_elements` that holds fewer tiles than
+    threads takes the explicit path, which honours any budget."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch_fused.fused_available(torch.device("cpu"), 2 * torch_fused.FUSED_TILE_ELEMENTS)
+        assert not torch_fused.fused_available(torch.device("cpu"), 2 * torch_fused.FUSED_TILE_ELEMENTS - 1)
+        assert not torch_fused.fused_available(torch.device("meta"), 2 * torch_fused.FUSED_TILE_ELEMENTS)
+        q, k, v = random_qkv(20, 4, 2, 8)
+        TorchKernel(max_block_elements=2 * torch_fused.FUSED_TILE_ELEMENTS - 1).forward(q, k, v, Varlen([0, 20]), causal=True, scale=0.3)
+        assert op_calls == []
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_runs_are_planned_once_per_varlen(monkeypatch):
