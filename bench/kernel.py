@@ -13,7 +13,7 @@ Each is warmed up, then the three are timed in alternation, round after round (s
 in machine load hits all alike), and the fastest run of each is kept: at least `--repeats`
 rounds, and more while a mix's rounds have taken less than `--budget` seconds (at most 50).
 On a shared machine one call can run 30% slower than the same call a second later; a
-100 ms mix then gets dozens of samples instead of three, the 8k document its three. The
+100 ms mix then gets about twenty samples instead of three, the 8k document still three. The
 table's last column gives the rounds. The same run measures the
 machine's matmul peak (a 4096^3 float32 matmul, sampled the same way) and prints, for the
 single long document, each kernel's fraction of that peak, counting the 7 matmuls of forward +
