@@ -53,7 +53,8 @@ def all_gather_trace() -> str:
         "",
         f"Per rank, the forward's two all-gathers move {forward} bytes: exactly the formula's "
         f"$(P-1) \\frac{{T}}{{P}} H_{{kv}} (D + D_v)$ elements of 4 bytes. The backward gathers K and V "
-        f"again and reduce-scatters dK and dV: {backward} bytes, twice as much. "
+        f"again and reduce-scatters dK and dV: {backward} bytes, twice as much in float32 (with bf16 input "
+        "the gathers move 2 bytes an element and the reduce-scatters still 4, see Precision). "
         f"Total per rank: {summary.bytes_sent[0]} bytes sent, {summary.bytes_recv[0]} received.",
     ]
     return "\n".join(rows)

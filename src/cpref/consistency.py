@@ -13,7 +13,8 @@ The check is on by default; `cpref.attention(..., check_ranks=False)` turns it o
 rank must then pass the same value, or ranks disagree on whether to communicate). It assumes
 every rank calls attention on the same batches in the same order, which CP requires anyway.
 On backends without tensor all-gather for the group size (HCCL with 3, 5, 6 or 7 ranks) it
-uses two all-reduces (max and min) instead.
+uses two all-reduces (max and min) instead. A group of one rank has nothing to compare and
+skips it.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives) -> None:
     Raises:
         CPInputError: the same message on every rank, naming each argument that differs.
     """
+    if comm.size == 1:  # a group of one agrees with itself: no collective, no host copy
+        return
     fields = fingerprint(call, mode)
     key = ("ranks-agree", id(comm), tuple(code for _, code in fields))
     if call.entry.checked(key):

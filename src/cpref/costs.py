@@ -16,7 +16,7 @@ $p = P / a$ the ring of the hierarchical mode.
 
 | mode | forward bytes | backward bytes | saved for backward |
 | --- | --- | --- | --- |
-| `all_gather` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | twice the forward (once with `save_gathered_kv`) | $T_l (b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + f H_q)$ |
+| `all_gather` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward (none with `save_gathered_kv`) $+\ (P-1) T_l H_{kv} (D + D_v)\, f$ | $T_l (b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + f H_q)$ |
 | `p2p` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward $+\ P\, T_l H_{kv} (D + D_v)\, f$ | as `all_gather` |
 | `a2a` | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ | as forward | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
 | `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a` |
@@ -31,8 +31,9 @@ neither moves payload, and neither is in the table.
   $(P - 1) T_l H_{kv} (D + D_v)$ elements forward, which grows with `P` towards the whole
   stream's K/V: cheap with strong GQA (few key/value heads), costly for MHA at large `P`.
   It has no constraint on head counts, and zigzag balances its work exactly.
-* **`p2p`** (the ring) moves as much as all-gather forward, more backward (its dK/dV
-  accumulators travel in float32 so bf16 errors do not grow with `P`), but in `P - 1` shifts
+* **`p2p`** (the ring) moves as much as all-gather forward, and one block more backward (its
+  dK/dV accumulators take `P` shifts, in float32 as all-gather's reduce-scatter, so that bf16
+  errors do not grow with `P`), but in `P - 1` shifts
   that overlap with compute, and never holds more than two K/V blocks at once. Zigzag balances
   every step. No head constraint. The choice when the network is slow relative to compute and
   memory is tight.
@@ -118,7 +119,8 @@ def mode_costs(
         if save_gathered_kv:
             saved = t * (b * (hq * d + hq * dv) + f * hq) + selected_kv_rows * kv_row(hkv) * b
         bwd_ops = Counter(reduce_scatter=2) + (Counter() if save_gathered_kv else Counter(all_gather=2))
-        return ModeCosts(fwd, fwd * (1 if save_gathered_kv else 2), Counter(all_gather=2), bwd_ops, saved)
+        bwd = (0 if save_gathered_kv else fwd) + (P - 1) * t * kv_row(hkv) * f  # re-gather, float32 dK/dV
+        return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved)
     if mode == "p2p":
         return _ring(P, t, kv_row(hkv), b, f, Counter(), Counter(), 0, shards)
     a = P if mode == "a2a" else a2a_size

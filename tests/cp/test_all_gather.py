@@ -120,14 +120,39 @@ def test_second_layer_makes_no_rank_check():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_backward_reduce_scatter_moves_the_input_dtype(dtype):
+def test_backward_gathers_the_input_dtype_and_reduce_scatters_float32_partials(dtype):
+    """K/V travel in the input dtype; the dK/dV partials are summed over ranks in float32 (4 bytes
+    an element) and only the result is rounded to the input dtype (see Precision)."""
     P = 4
     cu, q, k, v, dout = batch(P, "zigzag", "gqa", dtype=dtype)
-    _, cluster = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", check_ranks=False)
+    results, cluster = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", check_ranks=False)
     rs = [ev for ev in cluster.trace if ev.op == "reduce_scatter"]
     t_l, hkv, d = int(cu[-1]) // P, HEADS["gqa"][1], HEADS["gqa"][2]
-    assert len(rs) == 2 and all(ev.dtype == dtype for ev in rs)
-    assert all(ev.bytes_sent == tuple([(P - 1) * t_l * hkv * d * 2] * P) for ev in rs)  # 2 bytes an element
+    assert len(rs) == 2 and all(ev.dtype == torch.float32 for ev in rs)
+    assert all(ev.bytes_sent == tuple([(P - 1) * t_l * hkv * d * 4] * P) for ev in rs)  # 4 bytes an element
+    assert all(ev.dtype == dtype for ev in cluster.trace if ev.op == "all_gather" and ev.dtype.is_floating_point)
+    assert all(g.dtype == dtype for rank in results for g in rank)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_bf16_dk_dv_errors_do_not_grow_with_the_logit_scale_or_P(P):
+    """A key's partial gradients grow with the logit scale and cancel across ranks: summed over
+    ranks in bf16, their rounding errors would survive in the small sum (0.03 at 4x the default
+    scale and P = 4, past the 2.5e-2 tolerance). Summed in float32 and rounded once, every
+    gradient stays within a quarter of the tolerance, as at P = 1 (the kernel's own test)."""
+    cu = cu_from_lengths([120, 128, 152])  # each a multiple of 2P
+    hq, hkv, d, dv = HEADS["gqa"]
+    q, k, v = random_qkv(400, hq, hkv, d, dv, dtype=torch.bfloat16, seed=1)
+    dout = random_qkv(400, hq, hq, dv, dtype=torch.bfloat16, seed=2)[0]
+    for factor in (1.0, 2.5, 4.0):
+        scale = factor * d**-0.5
+        cluster = SimCluster(P, timeout=30.0, reduction="native")
+        results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", cluster=cluster, softmax_scale=scale)
+        refs = oracle_shards(q.double(), k.double(), v.double(), dout.double(), cu, P=P, layout="zigzag", scale=scale)
+        for r, (got, want) in enumerate(zip(results, refs)):
+            for name, a, b in zip(NAMES, got, want):
+                err = ((a.double() - b).abs() / (1 + b.abs())).max().item()
+                assert err < TOL[torch.bfloat16] / 4, (factor, r, name, err)
 
 
 def saved_bytes(P, save, heads="mla", dtype=torch.float64):

@@ -90,6 +90,17 @@ def test_worked_example_cp2():
     assert (m1["actual_seq_qlen"], m1["actual_seq_kvlen"]) == ([2, 4], [4, 10])
 
 
+def test_padding_queries_next_to_each_other_form_one_keyless_sequence():
+    """One real token padded to 8, CP=2, zigzag (chunks of 2). Rank 0: chunk 0 holds t0 and one
+    padding row, chunk 3 only padding; the three padding rows are one sequence without keys, not
+    two. Rank 1 (chunks 1 and 2, all padding): one keyless sequence of 4 rows and nothing to gather.
+    Fewer sequences is fewer (empty) blocks for the kernel, and on the NPU a shorter TND list."""
+    m0 = get_thd_load_balanced_cp_metadata([0, 1], 2, 0, cu_seqlens_padded=[0, 8])
+    m1 = get_thd_load_balanced_cp_metadata([0, 1], 2, 1, cu_seqlens_padded=[0, 8])
+    assert (m0["actual_seq_qlen"], m0["actual_seq_kvlen"], m0["kv_index"].tolist()) == ([1, 4], [1, 1], [0])
+    assert (m1["actual_seq_qlen"], m1["actual_seq_kvlen"], m1["kv_index"].tolist()) == ([4], [0], [])
+
+
 def test_ends_only_form_equals_leading_zero_form():
     a = get_thd_load_balanced_cp_metadata([0, 8, 24], 2, 1)
     b = get_thd_load_balanced_cp_metadata([8, 24], 2, 1)

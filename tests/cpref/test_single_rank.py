@@ -33,3 +33,34 @@ def test_every_mode_at_cp1_is_attention_over_the_stream(mode, extra):
     want = oracle_shards(q.detach(), k.detach(), v.detach(), dout, cu, P=1, layout="zigzag", cu_seqlens_padded=cup)[0]
     for got, ref in zip((out.detach(), q.grad, k.grad, v.grad), want):
         assert_close(got, ref, torch.float64)
+
+
+class CountingRank(cpref.SingleRank):
+    """A group of one that records every collective called on it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if name not in ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "send_recv_async", "all_reduce", "barrier"):
+            return attr
+        calls = object.__getattribute__(self, "calls")
+        return lambda *args, **kwargs: calls.append(name) or attr(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "p2p"])
+def test_all_gather_and_ring_at_cp1_call_no_collective_and_select_no_rows(monkeypatch, mode):
+    """At P = 1 the all-gather plan sends the kernel straight to the local K/V (no gather, no
+    `index_select`, no `index_add_`, no reduce-scatter; see `cpref.metadata`) and a ring of one
+    rank is one kernel call: neither calls its group."""
+    selected = []
+    for name in ("index_select", "index_add_", "index_copy_"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **kw: selected.append(_name) or _real(self, *a, **kw))
+    cu, cup = cu_from_lengths([5, 13]), cu_from_lengths([8, 16])
+    q, k, v = (t.requires_grad_() for t in random_qkv(24, 4, 2, 8))
+    comm = CountingRank()
+    cpref.attention(q, k, v, cu, cu_seqlens_padded=cup, comm=comm, mode=mode).sum().backward()
+    assert comm.calls == [] and selected == []
+    assert q.grad.isfinite().all() and k.grad.abs().sum() > 0
