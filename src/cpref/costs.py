@@ -17,9 +17,9 @@ $p = P / a$ the ring of the hierarchical mode.
 | mode | forward bytes | backward bytes | saved for backward |
 | --- | --- | --- | --- |
 | `all_gather` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward (none with `save_gathered_kv`) $+\ (P-1) T_l H_{kv} (D + D_v)\, f$ | $T_l (b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + f H_q)$ |
-| `p2p` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward $+\ P\, T_l H_{kv} (D + D_v)\, f$ | as `all_gather` |
-| `a2a` | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ | as forward | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
-| `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a` |
+| `p2p` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward $+\ P\, T_l H_{kv} (D + D_v)\, f$ | as `all_gather`, but `out` in $f$ bytes for $P > 1$: $+\,T_l H_q D_v (f - b)$ |
+| `a2a` | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ | as forward; replicated heads ($H'_{kv} \ne H_{kv}$) send dK/dV in $f$ bytes | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
+| `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward (dK/dV as for `a2a`) $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a`, $+\,T_l H_q D_v (f - b)$ for $p > 1$ |
 
 The first call on a new batch adds the rank check's fingerprint all-gather
 (`cpref.consistency`), and the hierarchical mode's first call on a communicator two `split`s;
@@ -121,21 +121,25 @@ def mode_costs(
         bwd_ops = Counter(reduce_scatter=2) + (Counter() if save_gathered_kv else Counter(all_gather=2))
         bwd = (0 if save_gathered_kv else fwd) + (P - 1) * t * kv_row(hkv) * f  # re-gather, float32 dK/dV
         return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved)
+    kept = lambda p: t * hq * dv * (f - b) if p > 1 else 0  # noqa: E731  a ring's output, kept unrounded
     if mode == "p2p":
-        return _ring(P, t, kv_row(hkv), b, f, Counter(), Counter(), 0, shards)
+        return _ring(P, t, kv_row(hkv), b, f, Counter(), Counter(), (0, 0), shards + kept(P))
     a = P if mode == "a2a" else a2a_size
     h = replicated_kv_heads(hkv, a)
     a2a_bytes = (a - 1) * t * (hq * d + kv_row(h) + hq * dv) * b // a
+    # backward: dK/dV of replicated heads travel unrounded, to be summed (cpref.modes.ulysses)
+    a2a_back = (a - 1) * t * ((hq * d + hq * dv) * b + kv_row(h) * (f if h != hkv else b)) // a
     a2a_ops = Counter(all_to_all=4) if a > 1 else Counter()
     saved = t * (b * (hq * d + kv_row(h) + hq * dv) + f * hq)
     if mode == "a2a":
-        return ModeCosts(a2a_bytes, a2a_bytes, a2a_ops, Counter(a2a_ops), saved)
-    return _ring(P // a, t, kv_row(h), b, f, a2a_ops, Counter(a2a_ops), a2a_bytes, saved)
+        return ModeCosts(a2a_bytes, a2a_back, a2a_ops, Counter(a2a_ops), saved)
+    return _ring(P // a, t, kv_row(h), b, f, a2a_ops, Counter(a2a_ops), (a2a_bytes, a2a_back), saved + kept(P // a))
 
 
-def _ring(p: int, t: int, row: int, b: int, f: int, fwd_ops: Counter, bwd_ops: Counter, extra: int, saved: int) -> ModeCosts:
-    """A ring of `p` ranks on blocks of `t` tokens of `row` K/V elements, on top of `extra` bytes."""
+def _ring(p: int, t: int, row: int, b: int, f: int, fwd_ops: Counter, bwd_ops: Counter, extra: tuple[int, int],
+          saved: int) -> ModeCosts:  # fmt: skip
+    """A ring of `p` ranks on blocks of `t` tokens of `row` K/V elements, on top of `extra` (forward, backward) bytes."""
     fwd = (p - 1) * t * row * b
     bwd = fwd + (p * t * row * f if p > 1 else 0)  # the float32 dK/dV accumulators take p shifts
     fwd_ops, bwd_ops = fwd_ops + Counter(send_recv=p - 1), bwd_ops + Counter(send_recv=2 * p - 1 if p > 1 else 0)
-    return ModeCosts(extra + fwd, extra + bwd, +fwd_ops, +bwd_ops, saved)
+    return ModeCosts(extra[0] + fwd, extra[1] + bwd, +fwd_ops, +bwd_ops, saved)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import cpref
 from sim import SimCluster
-from tests.cp.conftest import CountingKernel, oracle_shards, run_cp
+from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
 from tests.helpers import TOL, assert_close, cu_from_lengths, random_qkv
 
 # name -> (mode, extra arguments, CP sizes)
@@ -262,3 +262,24 @@ def test_a_ring_rank_whose_steps_see_no_key_returns_zero_rows_and_minus_infinity
         else:
             assert all(step.seqs is None for step in plan.steps), r
             assert out.shape == (2, 4, 6) and (out == 0).all() and (lse == float("-inf")).all(), r
+
+
+
+@pytest.mark.parametrize("config", ["p2p", "a2a+p2p:a=2"])
+def test_ring_bf16_gradients_do_not_grow_with_the_logit_scale(config):
+    """No backward call of a ring sees a whole row, so the kernel's Delta comes from the output the
+    Function kept. Kept in bf16, dQ's error at 4x the default scale reaches 0.05 at P = 4 (twice
+    the tolerance); kept in float32, every result stays within a quarter of the tolerance, as at
+    P = 1. GQA heads that split over the a2a group without replication."""
+    mode, extra, _ = CONFIGS[config]
+    assert largest_bf16_error_over_logit_scales(mode, 4, HEADS["gqa"], **extra) < BF16_FLAT
+
+
+@pytest.mark.parametrize("config", ["a2a", "a2a+p2p:a=2"])
+def test_replicated_heads_bf16_gradients_do_not_grow_with_the_logit_scale(config):
+    """MQA over an all-to-all: the key/value head is replicated, and its gradient is the sum of
+    the replicas' partials. Rounded to bf16 before the sum, dK's error at 4x the default scale
+    grows to 0.02 (Ulysses, P = 4) and 0.03 (a = 2); sent unrounded and summed in float32, every
+    result stays within a quarter of the tolerance, as at P = 1."""
+    mode, extra, _ = CONFIGS[config]
+    assert largest_bf16_error_over_logit_scales(mode, 4, HEADS["mqa"], **extra) < BF16_FLAT

@@ -301,5 +301,5 @@ def test_whole_rows_keep_bf16_gradients_within_tolerance_at_any_logit_scale():
     tol = 2.5e-2
     for factor in (1.0, 2.5, 4.0):
         assert bf16_gradient_error(True, factor) < tol / 4
-    # the documented limit of the output-based Delta (the ring's case): beyond the table at 2.5x
+    # the documented limit of Delta from a rounded output (why the ring keeps its output in float32): beyond the table at 2.5x
     assert bf16_gradient_error(False, 1.0) < tol < bf16_gradient_error(False, 2.5)

@@ -46,9 +46,11 @@ call sees (ring attention passes the row's global lse); the gradients are then t
 call's share of the row, and they need $\Delta_x = \sum_d dO_{xd} O_{xd}$ of the *whole* row,
 which only `out` carries. When every row of the call is whole (all-gather, Ulysses), the
 caller says so with `full_rows=True`, and a kernel may compute the same quantity as
-$\Delta_x = \sum_y P_{xy}\, dP_{xy}$ from its own float32 probabilities instead: `out` is
-rounded to the input dtype, and in bf16 that rounding is what makes gradient errors grow
-with the logit scale. A kernel that cannot (the NPU op takes `out`) ignores the flag.
+$\Delta_x = \sum_y P_{xy}\, dP_{xy}$ from its own float32 probabilities instead: an `out`
+rounded to bf16 is what makes gradient errors grow with the logit scale. A kernel that cannot
+(the NPU op takes `out`) ignores the flag. `out` may come in the compute dtype (the ring keeps
+its merged output in float32 for this reason); a kernel whose op takes it in the input dtype
+rounds it.
 """
 
 from __future__ import annotations

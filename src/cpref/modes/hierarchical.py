@@ -37,10 +37,11 @@ has one step and this is Ulysses (`a2a`): both reduce exactly, bit for bit.
 Forward: the a2a traffic of Ulysses over `a` ranks,
 $\frac{a - 1}{a} \frac{T}{P} (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)$ elements, plus the
 ring's over `p` ranks on the gathered blocks, $(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$, with
-$H'_{kv} = \max(H_{kv}, a)$. Backward: the same a2a volume, and the ring's
-$(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$ in the input dtype plus $p \frac{T}{P} H'_{kv} (D + D_v)$
+$H'_{kv} = \max(H_{kv}, a)$. Backward: the same a2a volume (dK/dV in float32 when heads are
+replicated, as in Ulysses), and the ring's $(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$ in the input dtype plus $p \frac{T}{P} H'_{kv} (D + D_v)$
 float32 elements of dK/dV. Saved for backward: the gathered q, k, v, out and lse, as many
-elements as the local shards.
+elements as the local shards; `out` in float32 when the ring has more than one step, as the
+ring keeps it (see the ring's Precision).
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ from cpref.checks import as_int
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
 from cpref.modes.all_gather import no_double_backward
-from cpref.modes.ring import ring_backward, ring_forward, ring_plan
-from cpref.modes.ulysses import A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, replicate, scatter_grads
+from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_dtype
+from cpref.modes.ulysses import (
+    A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, kv_grad_dtype, replicate, scatter_grads,
+)
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical"]
 
@@ -90,12 +93,13 @@ class HierarchicalFunc(torch.autograd.Function):
         kg = a2a_gather(replicate(k, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, D)
         vg = a2a_gather(replicate(v, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, Dv)
         # 2) across the groups: ring attention over p ranks
-        out_g, lse_g = ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale)  # (a T_l, Hq/a, Dv)
+        out_g, lse_g = ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale,
+                                    out_dtype=saved_out_dtype(q.dtype, ring))  # (a T_l, Hq/a, Dv), as the ring keeps it
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
         ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
         ctx.dtypes = (k.dtype, v.dtype)
         # 3) back to sequence shards of all heads
-        return a2a_scatter(out_g, a2a, a2a_comm)  # (T_l, Hq, Dv)
+        return a2a_scatter(out_g.to(q.dtype), a2a, a2a_comm)  # (T_l, Hq, Dv)
 
     @staticmethod
     def backward(ctx: Any, dout):
@@ -104,7 +108,8 @@ class HierarchicalFunc(torch.autograd.Function):
         qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms
         dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
-        grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale))
+        grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale,
+                                   kv_grad_dtype=kv_grad_dtype(a2a, kg.dtype)))  # fmt: skip
         del dout_g  # freed before the exchanges
         return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None)
 
