@@ -38,8 +38,8 @@ Forward: the a2a traffic of Ulysses over `a` ranks,
 $\frac{a - 1}{a} \frac{T}{P} (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)$ elements, plus the
 ring's over `p` ranks on the gathered blocks, $(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$, with
 $H'_{kv} = \max(H_{kv}, a)$. Backward: the same a2a volume (dK/dV in float32 when heads are
-replicated, as in Ulysses), and the ring's $(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$ in the input dtype plus $p \frac{T}{P} H'_{kv} (D + D_v)$
-float32 elements of dK/dV. Saved for backward: the gathered q, k, v, out and lse, as many
+replicated, as in Ulysses), and the ring's $(p - 1) \frac{T}{P} H'_{kv} (D + D_v)$ in the
+input dtype plus $p \frac{T}{P} H'_{kv} (D + D_v)$ float32 elements of dK/dV. Saved for backward: the gathered q, k, v, out and lse, as many
 elements as the local shards; `out` in float32 when the ring has more than one step, as the
 ring keeps it (see the ring's Precision).
 """
