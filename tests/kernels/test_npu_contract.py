@@ -278,3 +278,17 @@ def test_make_test_npu_without_an_npu_prints_one_line(capsys):
     assert sim.npu_check.main([]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("no Ascend NPU found")
+
+
+def test_an_output_passed_unrounded_is_rounded_for_the_op():
+    """The contract lets a caller pass `out` in the compute dtype (the ring keeps its merged output
+    in float32); the op takes `attention_in` in the input dtype, so the kernel rounds it first:
+    the gradients are those of the rounded output, bit for bit."""
+    kernel, seqs = NpuKernel(ops=NpuOpsDouble()), Varlen.from_lengths([10, 14], [10, 14])
+    q, k, v = random_qkv(24, 4, 2, 8, dtype=torch.bfloat16)
+    dout = random_qkv(24, 4, 4, 8, dtype=torch.bfloat16, seed=1)[0]
+    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.3, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    wide = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=0.3)
+    rounded = kernel.backward(dout, q, k, v, out.to(torch.bfloat16), lse, seqs, causal=True, scale=0.3)
+    assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(wide, rounded))
