@@ -58,6 +58,7 @@ GUIDE = [
     ("train.md", "Train a model with CP", "sim.train"),
     ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
     ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
+    ("backend-facts.md", "What each backend can do", "cpref.backends.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.verify"),
     ("performance.md", "Performance", "bench.report"),
 ]

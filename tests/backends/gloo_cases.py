@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from cpref.backends import TorchComm, TorchPendingShift, unsupported_ops
-from cpref.backends.torch_dist import _NEW_GROUP_PARAMS
+from cpref.backends.capabilities import NEW_GROUP_PARAMS
 from cpref.errors import CPInputError
 from sim.cluster import _reduce_scatter
 
@@ -38,7 +38,7 @@ GROUPS = {
     "mesh-dp,cp": lambda w, m: TorchComm.from_mesh(m["dp,cp"], "cp"),  # CP ranks {0, 1}, {2, 3}
     "mesh-cp,dp": lambda w, m: TorchComm.from_mesh(m["cp,dp"], "cp"),  # CP ranks {0, 2}, {1, 3}
 }
-if "sort_ranks" not in _NEW_GROUP_PARAMS:  # an older torch refuses a listed order (test_torch_dist checks the error)
+if "sort_ranks" not in NEW_GROUP_PARAMS:  # an older torch refuses a listed order (test_torch_dist checks the error)
     del GROUPS["split-20-31"]
 
 

@@ -50,6 +50,18 @@ def test_hccl_limits_are_known_up_front(size):
     assert unsupported_ops("gloo", size) == unsupported_ops("nccl", size) == frozenset()
 
 
+def test_only_a_gloo_older_than_bfloat16_support_widens_a_dtype(monkeypatch):
+    """gloo gained bfloat16 around torch 2.2: before 2.3 it travels as float32, from then on nothing is widened."""
+    from cpref.backends.capabilities import widened_dtypes
+
+    assert widened_dtypes("gloo") == widened_dtypes("nccl") == {}  # the pinned torch
+    monkeypatch.setattr(torch, "__version__", "2.2.1+cpu")
+    assert widened_dtypes("gloo") == widened_dtypes("GLOO") == {torch.bfloat16: torch.float32}
+    assert widened_dtypes("nccl") == widened_dtypes("hccl") == {}
+    monkeypatch.setattr(torch, "__version__", "2.3.0")
+    assert widened_dtypes("gloo") == {}
+
+
 def test_torch_comm_needs_an_initialized_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         TorchComm()
@@ -58,7 +70,8 @@ def test_torch_comm_needs_an_initialized_process_group():
 def test_control_tensors_live_where_the_backend_carries_them(monkeypatch):
     """NCCL and HCCL carry no CPU tensors: the split digest must travel on the accelerator
     (seen on CUDA: "No backend type associated with device type cpu")."""
-    from cpref.backends.torch_dist import TorchComm, control_device
+    from cpref.backends.capabilities import control_device
+    from cpref.backends.torch_dist import TorchComm
 
     assert control_device("gloo") == torch.device("cpu")
     assert control_device("cpu:gloo,cuda:nccl") == torch.device("cpu")
@@ -78,9 +91,9 @@ def test_control_tensors_live_where_the_backend_carries_them(monkeypatch):
 def test_new_group_keeps_the_listed_order_or_refuses():
     """torch 2.11's new_group has no sort_ranks (seen on the GPU machine): ascending parts still
     work there, a part that sorting would renumber is refused instead of silently reordered."""
-    from cpref.backends.torch_dist import _NEW_GROUP_PARAMS, new_group_options
+    from cpref.backends.capabilities import NEW_GROUP_PARAMS, new_group_options
 
-    assert "sort_ranks" in _NEW_GROUP_PARAMS  # the pinned torch keeps any order
+    assert "sort_ranks" in NEW_GROUP_PARAMS  # the pinned torch keeps any order
     with_sort = {"ranks", "use_local_synchronization", "sort_ranks"}
     assert new_group_options([3, 1], with_sort) == {"use_local_synchronization": True, "sort_ranks": False}
     without = {"ranks", "use_local_synchronization"}
@@ -92,9 +105,10 @@ def test_new_group_keeps_the_listed_order_or_refuses():
 def test_a_part_this_torch_cannot_make_fails_on_every_rank(monkeypatch):
     """Without sort_ranks, a split whose *other* part is out of order must still fail on this
     rank too: a rank that went on to its own group would later wait for peers that raised."""
+    import cpref.backends.capabilities as caps
     import cpref.backends.torch_dist as td
 
-    monkeypatch.setattr(td, "_NEW_GROUP_PARAMS", frozenset({"ranks", "use_local_synchronization"}))
+    monkeypatch.setattr(caps, "NEW_GROUP_PARAMS", frozenset({"ranks", "use_local_synchronization"}))
     monkeypatch.setattr(td.dist, "new_group", lambda *a, **k: pytest.fail("a group was made before the check"))
     comm = object.__new__(TorchComm)  # rank 0 of a group of 4 whose own part [0, 1] is ascending
     comm.rank, comm.size, comm.group, comm._splits = 0, 4, (0, 1, 2, 3), {}

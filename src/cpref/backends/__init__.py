@@ -8,7 +8,9 @@ A mini-guide:
   `ProcessGroup` (`TorchComm(pg)`, or `TorchComm()` for the world) or from a named axis of
   a `DeviceMesh` (`TorchComm.from_mesh(mesh, "cp")`), once, next to the model.
 * `comm.unsupported_ops` names the collectives the backend cannot run on this group size, so
-  that `cpref.attention` refuses a mode before any communication.
+  that `cpref.attention` refuses a mode before any communication. That and the other
+  per-backend choices (dtypes, the default exchange, control tensors' device) are made in
+  [`cpref.backends.capabilities`][cpref.backends.capabilities].
 * To run a function on N local processes, see the repository's `sim.launch`.
 
 This package is the only part of cpref that imports `torch.distributed`; the CP algorithms
@@ -26,6 +28,7 @@ Example:
     ```
 """
 
-from cpref.backends.torch_dist import EXCHANGES, TorchComm, TorchPendingShift, default_exchange, unsupported_ops
+from cpref.backends.capabilities import EXCHANGES, default_exchange, unsupported_ops
+from cpref.backends.torch_dist import TorchComm, TorchPendingShift
 
 __all__ = ["EXCHANGES", "TorchComm", "TorchPendingShift", "default_exchange", "unsupported_ops"]
