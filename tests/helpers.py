@@ -46,3 +46,14 @@ def cu_from_lengths(lengths: list[int]) -> torch.Tensor:
     for n in lengths:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int64)
+
+
+def only_the_comparison(trace) -> bool:
+    """Whether a simulated cluster's trace holds nothing but the ranks' comparison of their arguments
+    (`cpref.consistency`: one all-gather of `(1, F)` int64, or its two all-reduces): an error came
+    before any of the mode's communication."""
+    from cpref.consistency import FIELDS
+
+    row = (torch.int64, (1, len(FIELDS)))
+    events = [(e.op, e.dtype, e.shape) for e in trace]
+    return events in ([], [("all_gather", *row)], [("all_reduce", *row)] * 2)

@@ -18,14 +18,17 @@ Under `torch.autocast`, the inputs arrive in the autocast dtype (bf16 from the p
 attention still computes in its own precision: autocast is switched off for the mode's forward
 (the backward runs outside autocast, where training loops call it).
 
-Every input is validated **before any communication**, by checks that depend only on values
-every rank shares (the global boundaries, the shapes, the arguments), so a bad call fails on
-every rank alike instead of leaving some ranks waiting in a collective. The checks, in order:
+Every input is validated **before any of the mode's communication**, by checks that depend
+mostly on values every rank shares (the global boundaries, the shapes, the arguments), so a
+bad call fails on every rank alike instead of leaving some ranks waiting in a collective. The
+checks, in order:
 the communicator, the mode and its options, the layout and flags, the kernel, the tensors
 (dims, dtypes, heads, head dims), the scale, the boundaries (cached per batch, see
 [`cpref.cache`][cpref.cache]), the shard size, the mode's own constraints, and the
 backend's known limits. Then, once per batch, the ranks compare their arguments with one
-tiny collective ([`cpref.consistency`][cpref.consistency]).
+tiny collective ([`cpref.consistency`][cpref.consistency]). A rank whose own inputs fail
+(its shard's length, say, which only it sees) still meets the others in that comparison,
+marked invalid, before raising: they raise too, naming it, instead of waiting for it.
 
 ## Modes
 
@@ -47,7 +50,7 @@ from cpref.cache import CACHE
 from cpref.call import CPCall
 from cpref.checks import as_bool, as_choice, as_int, as_scale, missing_members
 from cpref.comm import Collectives
-from cpref.consistency import check_ranks_agree
+from cpref.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, check_heads
 from cpref.layout import LAYOUTS
@@ -213,12 +216,18 @@ def attention(
         `(T / P, Hq, Dv)` this rank's output shard, in the layout of `q`.
 
     Raises:
-        ValueError: on any invalid input, before any communication, on every rank alike.
+        ValueError: on any invalid input, before any of the mode's communication, on every rank
+            alike (a rank whose own shard fails first tells the others in the ranks' comparison).
     """
     check_ranks = as_bool("check_ranks", check_ranks)
-    call = prepare(q, k, v, cu_seqlens, comm=comm, mode=mode, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens_padded=cu_seqlens_padded, kernel=kernel,
-                   a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
+    try:
+        call = prepare(q, k, v, cu_seqlens, comm=comm, mode=mode, layout=layout, causal=causal,
+                       softmax_scale=softmax_scale, cu_seqlens_padded=cu_seqlens_padded, kernel=kernel,
+                       a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
+    except CPInputError:
+        if check_ranks and _usable(comm):  # the others may be entering the comparison: meet them there
+            report_invalid_inputs(comm, cu_seqlens, cu_seqlens_padded, q)
+        raise
     if check_ranks:
         check_ranks_agree(call, mode, comm)
     # attention computes in its own precision (float32 sums for bf16/fp16 inputs), autocast or not:
@@ -226,6 +235,15 @@ def attention(
     # and the backward's recomputed probabilities would no longer match the saved lse
     with _no_autocast(q.device.type):
         return MODES[mode].run(q, k, v, call, comm)
+
+
+def _usable(comm: Any) -> bool:
+    """Whether `comm` passed its own validation, so that a failing rank can still reach the others."""
+    try:
+        _check_comm(comm)
+    except CPInputError:
+        return False
+    return True
 
 
 def _no_autocast(device_type: str):

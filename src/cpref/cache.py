@@ -95,6 +95,11 @@ class BatchEntry:
         with self._cache.lock:
             return key in self._checked
 
+    def has_check(self, prefix: tuple) -> bool:
+        """Whether a rank check whose key starts with `prefix` has passed for this batch."""
+        with self._cache.lock:
+            return any(key[: len(prefix)] == prefix for key in self._checked)
+
     def mark_checked(self, key: Hashable, keep: Any = None) -> None:
         """Record that the rank check `key` passed; `keep` is held so that ids in `key` stay unique."""
         with self._cache.lock:
@@ -152,6 +157,13 @@ class BatchCache:
             while len(self.entries) > self.capacity:
                 self.entries.popitem(last=False)
             return entry
+
+    def find(self, cu_seqlens: Any, cu_seqlens_padded: Any = None) -> BatchEntry | None:
+        """The cached entry of this batch, or None; never validates, builds or counts a hit."""
+        key = (_source_key(cu_seqlens), _source_key(cu_seqlens_padded), False)
+        with self.lock:
+            entry = self.entries.get(key)
+            return entry if entry is not None and entry._still_valid() else None
 
     def info(self) -> CacheInfo:
         """Hits, misses, current size and capacity."""

@@ -2,8 +2,10 @@
 
 `CPInputError` is both a `ValueError` (what Python code expects for a bad argument) and an
 `AssertionError` (what the MindSpeed RFC specifies for its metadata interface), so callers
-written against either convention catch it. It is raised before any communication, from
-checks that every rank evaluates on the same values, so all ranks fail alike.
+written against either convention catch it. It is raised before any of a mode's
+communication, from checks that every rank evaluates on the same values, so all ranks fail
+alike; where one rank's own inputs fail, the ranks' comparison tells the others, which raise
+too (see [`cpref.consistency`][cpref.consistency]).
 """
 
 __all__ = ["CPInputError"]

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import cpref
 from cpref.backends import TorchComm, TorchPendingShift, unsupported_ops
 from cpref.backends.capabilities import NEW_GROUP_PARAMS
 from cpref.errors import CPInputError
@@ -222,8 +223,26 @@ def extra_widened_dtype(world, comms, meshes):
         world._widen = {}
 
 
+def extra_one_rank_rejects_its_inputs(world, comms, meshes):
+    """Field bug 12 on real processes: rank 2 alone passes a short shard. Every rank raises at once,
+    the others in the ranks' comparison naming rank 2, instead of waiting for it in a collective
+    until the process group's timeout; the next collective then works."""
+    P, g = world.size, torch.Generator().manual_seed(12)
+    cu = [0, 8 * P, 16 * P]  # two documents, multiples of 2P
+    q, k, v = (torch.randn(16 * P, 2, 4, generator=g) for _ in range(3))
+    local = [cpref.shard(t, cu, cp_size=P, rank=world.rank, layout="zigzag") for t in (q, k, v)]
+    if world.rank == 2:
+        local[0] = local[0][:-2]
+    n = cu[-1] // P  # a shard's tokens
+    text = f"q/k/v hold {n - 2}/{n}/{n} tokens" if world.rank == 2 else "the inputs of rank 2 of the CP group failed validation"
+    start = time.monotonic()
+    _raises(CPInputError, text, lambda: cpref.attention(*local, cu, comm=world, mode="all_gather"))
+    assert time.monotonic() - start < 30, "a rank waited for the failing one"
+    expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after the failure")
+
+
 EXTRA = {f.__name__[6:]: f for f in (extra_structure, extra_exchange, extra_split_errors, extra_validation, extra_hccl_limits,
-                                     extra_widened_dtype)}  # fmt: skip
+                                     extra_widened_dtype, extra_one_rank_rejects_its_inputs)}  # fmt: skip
 
 
 def _raises(kind, text, fn, *args):

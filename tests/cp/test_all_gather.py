@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpref
+from cpref.errors import CPInputError
 from sim.cluster import SimCluster
 from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
-from tests.helpers import TOL, assert_close, cu_from_lengths, random_qkv
+from tests.helpers import TOL, assert_close, cu_from_lengths, only_the_comparison, random_qkv
 
 HEADS = {  # name: (Hq, Hkv, D, Dv)
     "mha": (4, 4, 16, 16),
@@ -215,7 +216,7 @@ def test_bad_input_fails_on_every_rank_before_any_communication(mutate, match):
     cluster = SimCluster(P, timeout=30.0)
     with pytest.raises(ValueError, match=match):
         cluster.run(rank_fn)
-    assert cluster.trace == []
+    assert only_the_comparison(cluster.trace), cluster.trace
 
 
 @pytest.mark.parametrize(
@@ -238,12 +239,14 @@ def test_bad_arguments_fail_before_communication(kwargs, match):
     cluster = SimCluster(P, timeout=30.0)
     with pytest.raises(ValueError, match=match):
         cluster.run(rank_fn)
-    assert cluster.trace == []
+    assert only_the_comparison(cluster.trace), cluster.trace
 
 
-def test_one_rank_with_a_bad_shard_is_surfaced_without_a_hang():
-    """Field bug 12: one rank fails validation while the others enter the all-gather."""
-    from sim import ClusterFailure, PeerFailure
+def test_one_rank_with_a_bad_shard_fails_every_rank_in_the_comparison():
+    """Field bug 12: rank 2 alone fails validation while the others enter the ranks' comparison.
+    It meets them there, marked invalid, so each raises a CPInputError naming rank 2 at once; a
+    rank left waiting would show here as a PeerFailure (the simulator's stand-in for a hang)."""
+    from sim import ClusterFailure
 
     P = 4
     cu, q, k, v, _ = batch(P, "zigzag", "gqa")
@@ -254,13 +257,39 @@ def test_one_rank_with_a_bad_shard_is_surfaced_without_a_hang():
             local[0] = local[0][:-2]
         return cpref.attention(*local, cu, comm=comm, mode="all_gather")
 
+    cluster = SimCluster(P, timeout=20.0)
     start = time.monotonic()
     with pytest.raises(ClusterFailure) as info:
-        SimCluster(P, timeout=20.0).run(rank_fn)
+        cluster.run(rank_fn)
     assert time.monotonic() - start < 10.0
-    errors = info.value.errors
-    assert isinstance(errors[2], ValueError) and "tokens" in str(errors[2])
-    assert all(isinstance(errors[r], PeerFailure) for r in (0, 1, 3))
+    errors, n = info.value.errors, int(cu[-1]) // P  # n: a shard's tokens
+    assert type(errors[2]) is CPInputError and f"q/k/v hold {n - 2}/{n}/{n} tokens" in str(errors[2])
+    for r in (0, 1, 3):
+        assert type(errors[r]) is CPInputError, errors[r]
+        assert "the inputs of rank 2 of the CP group failed validation" in str(errors[r])
+        assert f"rank {r} raises too" in str(errors[r])
+    assert only_the_comparison(cluster.trace) and cluster.trace, cluster.trace
+
+
+def test_a_rank_failing_on_a_compared_batch_raises_alone_without_a_collective():
+    """On a later call of a batch the ranks already compared (the next layer), the others skip the
+    comparison: a failing rank must not enter it either, or it would meet their mode's collectives."""
+    P = 2
+    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+    cu = torch.as_tensor(cu)  # one tensor for both calls: one cache entry
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        cpref.attention(*local, cu, comm=comm, mode="all_gather")  # layer 1: the ranks compare
+        comm.barrier()
+        n = len(cluster.trace)
+        with pytest.raises(CPInputError, match="tokens"):
+            cpref.attention(local[0][:-1], *local[1:], cu, comm=comm, mode="all_gather")  # layer 2, every rank
+        return n
+
+    cluster = SimCluster(P, timeout=20.0)
+    n = cluster.run(rank_fn)[0]
+    assert [e.op for e in cluster.trace[n:]] == []
 
 
 def test_metadata_is_cached_across_layers():
@@ -362,3 +391,69 @@ def test_dk_partials_are_summed_unrounded_and_rounded_once():
     _, dk, _ = all_gather_backward(bf(4, 1, 2), q, k_sel, k_sel, bf(4, 1, 2), torch.zeros(4, 1), plan, local,
                                    PartialsKernel(), causal=True, scale=1.0)  # fmt: skip
     assert dk.dtype == torch.bfloat16 and dk[0, 0, 0].item() == 1 + 2**-7
+
+
+def zigzag_kv_index(cu, P, rank):
+    """The rows of the rank-major gathered K/V that rank `rank`'s queries see, derived from the
+    module docstring: for every document (chunk size c), each local query chunk j (r, then
+    2P - 1 - r) sees the causal prefix of (j + 1) c keys of its document, in natural order."""
+    gathered = torch.cat([cpref.global_index(cu, cp_size=P, rank=s, layout="zigzag") for s in range(P)])  # (T,)
+    row_of = torch.argsort(gathered)  # global token -> its row in the rank-major buffer
+    rows = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        c = (end - start) // (2 * P)
+        for j in (rank, 2 * P - 1 - rank):
+            rows.append(row_of[start : start + (j + 1) * c])
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["regather", "saved"])
+@pytest.mark.parametrize("P", [2, 4])
+def test_the_index_ops_at_p_above_one_are_one_select_and_one_add_per_tensor_of_the_planned_rows(monkeypatch, P, save):
+    """Rank-major direct indexing (the module docstring, idea 2), three packed documents, zigzag:
+    the forward selects K and V once each (`gather_selected`: 2 `index_select`); the backward
+    gathers them again and selects them once each (2 more, none with `save_gathered_kv`) and
+    scatters dK and dV back once each (`all_gather_backward`: 2 `index_add_`). Every index is the
+    rank's causal prefixes, (2P + 1) c rows per document, into the rank-major buffer of all T rows:
+    no full reorder of K/V (a T-row permutation) and no restore of the output (no `index_copy_`,
+    no select on the T/P output rows)."""
+    import threading
+
+    cu, q, k, v, dout = batch(P, "zigzag", "gqa")
+    T = int(cu[-1])
+    # shard before patching: cpref.shard itself is an index_select
+    shards = [[cpref.shard(t, cu, cp_size=P, rank=r, layout="zigzag") for t in (q, k, v, dout)] for r in range(P)]
+    where = threading.local()
+    calls = []  # (rank, pass, op, rows of the tensor indexed, index)
+    for name in ("index_select", "index_add_", "index_copy_"):
+        real = getattr(torch.Tensor, name)
+
+        def logged(self, dim, index, *args, _real=real, _name=name, **kwargs):
+            calls.append((getattr(where, "rank", None), getattr(where, "phase", None), _name, self.shape[dim], index.clone()))
+            return _real(self, dim, index, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, logged)
+
+    def rank_fn(comm):
+        where.rank, where.phase = comm.rank, "forward"
+        ql, kl, vl, dl = (t.clone() for t in shards[comm.rank])
+        ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
+        out = cpref.attention(ql, kl, vl, cu, comm=comm, mode="all_gather", layout="zigzag", save_gathered_kv=save)
+        where.phase = "backward"
+        out.backward(dl)
+        return out.detach()
+
+    SimCluster(P, timeout=30.0).run(rank_fn)
+    # all_gather.py: forward = gather_selected (k_sel, v_sel: 2 index_select); backward = gather_selected
+    # again unless save_gathered_kv (2 or 0), then all_gather_backward's dk_all, dv_all (2 index_add_)
+    expected_ops = {"forward": ["index_select"] * 2, "backward": ["index_select"] * (0 if save else 2) + ["index_add_"] * 2}
+    c = [(int(e) - int(s)) // (2 * P) for s, e in zip(cu[:-1], cu[1:])]  # chunk sizes 2, 5, 1
+    for r in range(P):
+        want = zigzag_kv_index(cu, P, r)
+        assert len(want) == (2 * P + 1) * sum(c)
+        for phase in ("forward", "backward"):
+            mine = [call for call in calls if call[:2] == (r, phase)]
+            assert [op for _, _, op, _, _ in mine] == expected_ops[phase], f"rank {r} {phase}"
+            for _, _, op, rows, index in mine:
+                assert rows == T and torch.equal(index, want), f"rank {r} {phase} {op}"
+    assert {rank for rank, *_ in calls} == set(range(P))  # nothing outside the ranks' calls

@@ -165,6 +165,32 @@ def test_a_rank_holding_only_padding_gives_zeros_not_nan(config):
             assert_close(a, b, torch.float64)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_a_rank_holding_only_padding_gives_exact_zeros_in_low_precision(config, dtype):
+    """Field bug 6 in bf16/fp16 with the sums of NCCL/HCCL (`reduction="native"`): documents of 3
+    and 1 real tokens, each padded to 16, at P = 8 zigzag (chunks of one token): rank r holds
+    tokens r and 15 - r of each, so ranks 3-7 hold only padding. Their output and every gradient
+    are exactly 0 (no query and no key of theirs is seen), with no NaN anywhere on any rank."""
+    mode, extra, sizes = CONFIGS[config]
+    P = max(sizes)
+    cu, cu_pad = cu_from_lengths([3, 1]), cu_from_lengths([16, 16])
+    hq, hkv, d, dv = HEADS["gqa"]
+    q, k, v = random_qkv(32, hq, hkv, d, dv, dtype=dtype)
+    dout = random_qkv(32, hq, hq, dv, dtype=dtype, seed=1)[0]
+    cluster = SimCluster(P, timeout=30.0, reduction="native")
+    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", cu_seqlens_padded=cu_pad, cluster=cluster, **extra)
+    real = torch.zeros(32, dtype=torch.bool)
+    real[[0, 1, 2, 16]] = True  # the real tokens of the padded stream
+    padding_only = [r for r in range(P) if not cpref.shard(real, cu_pad, cp_size=P, rank=r, layout="zigzag").any()]
+    assert padding_only == [3, 4, 5, 6, 7]
+    for r, got in enumerate(results):
+        for name, t in zip(NAMES, got):
+            assert t.dtype == dtype and not t.isnan().any() and t.isfinite().all(), f"rank {r} {name}"
+            if r in padding_only:
+                assert (t == 0).all(), f"rank {r} {name}"
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_a_698_token_document_padded_to_704_at_cp4(config):
     """Field bug 2: tail padding in THD ring attention mis-detected; here exact and deterministic."""
@@ -284,3 +310,84 @@ def test_replicated_heads_bf16_gradients_do_not_grow_with_the_logit_scale(config
     result stays within a quarter of the tolerance, as at P = 1."""
     mode, extra, _ = CONFIGS[config]
     assert largest_bf16_error_over_logit_scales(mode, 4, HEADS["mqa"], **extra) < BF16_FLAT
+
+
+class OrderKernel(CountingKernel):
+    """A `CountingKernel` that also writes its calls into the rank's ordered event log."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, q, k, v, seqs, **kwargs):
+        self.log.append("kernel")
+        return super().forward(q, k, v, seqs, **kwargs)
+
+    def backward(self, dout, q, k, v, out, lse, seqs, **kwargs):
+        self.log.append("kernel")
+        return super().backward(dout, q, k, v, out, lse, seqs, **kwargs)
+
+
+def ring_events(monkeypatch, P, mode, extra):
+    """Run forward and backward on P ranks; per rank, the (forward, backward) event logs: "kernel"
+    for a kernel call, ("post", i) for the i-th `send_recv_async` of the pass, ("wait", i) when its
+    handle is waited on."""
+    from sim.cluster import SimComm
+
+    logs = [[] for _ in range(P)]
+    posted = [0] * P  # send_recv_async calls of the current pass, per rank
+    real_post = SimComm.send_recv_async
+
+    def post(self, x, shift=1):
+        log, i = logs[self.global_rank], posted[self.global_rank]
+        posted[self.global_rank] += 1
+        log.append(("post", i))
+        handle = real_post(self, x, shift)
+        real_wait = handle.wait
+        handle.wait = lambda: log.append(("wait", i)) or real_wait()
+        return handle
+
+    def between(comm):  # end of the forward: the backward numbers its shifts from 0 again
+        logs[comm.global_rank].append("|")
+        posted[comm.global_rank] = 0
+
+    monkeypatch.setattr(SimComm, "send_recv_async", post)
+    cu, q, k, v, dout = batch([16 * P, 8 * P], "gqa")  # zigzag: every ring step has work
+    run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", kernels=[OrderKernel(log) for log in logs],
+           between=between, **extra)  # fmt: skip
+    cut = [log.index("|") for log in logs]
+    return [(log[:c], log[c + 1 :]) for log, c in zip(logs, cut)]
+
+
+POST, WAIT = (lambda i: ("post", i)), (lambda i: ("wait", i))
+# ring.py, forward: at step t < n - 1 post the shift of the next K/V block, compute, then wait
+RING4_FORWARD = [POST(0), "kernel", WAIT(0), POST(1), "kernel", WAIT(1), POST(2), "kernel", WAIT(2), "kernel"]
+# backward, step t: post the next K/V (t < n - 1), compute, wait for the held block's dK/dV
+# accumulator (t > 0), post it on, wait for the K/V; one more wait brings the accumulators home
+RING4_BACKWARD = [
+    POST(0), "kernel", POST(1), WAIT(0),  # t = 0: K/V #0, the own block's dK/dV goes out as #1
+    POST(2), "kernel", WAIT(1), POST(3), WAIT(2),  # t = 1
+    POST(4), "kernel", WAIT(3), POST(5), WAIT(4),  # t = 2
+    "kernel", WAIT(5), POST(6),  # t = 3: no next K/V; the last accumulator shift brings them home
+    WAIT(6),
+]
+RING2_FORWARD = [POST(0), "kernel", WAIT(0), "kernel"]
+RING2_BACKWARD = [POST(0), "kernel", POST(1), WAIT(0), "kernel", WAIT(1), POST(2), WAIT(2)]
+
+
+@pytest.mark.parametrize(
+    "mode, P, extra, expected",
+    [
+        ("p2p", 4, {}, (RING4_FORWARD, RING4_BACKWARD)),
+        ("a2a+p2p", 4, {"a2a_size": 2}, (RING2_FORWARD, RING2_BACKWARD)),  # a ring of P / 2 = 2 groups
+        ("a2a+p2p", 8, {"a2a_size": 2}, (RING4_FORWARD, RING4_BACKWARD)),  # a ring of 4 groups
+    ],
+    ids=["p2p-P4", "a2a+p2p-P4-a2", "a2a+p2p-P8-a2"],
+)
+def test_the_ring_posts_the_next_shift_before_the_kernel_and_waits_after_it(monkeypatch, mode, P, extra, expected):
+    """The overlap of `cpref.modes.ring`: on every rank, at every step, forward and backward, the
+    shift bringing the next block (and, backward, the dK/dV accumulator going on) is posted before
+    the kernel runs on the current block and waited on only after it, in exactly this order."""
+    for r, (forward, backward) in enumerate(ring_events(monkeypatch, P, mode, extra)):
+        assert forward == expected[0], f"rank {r} forward"
+        assert backward == expected[1], f"rank {r} backward"

@@ -1,6 +1,6 @@
 """Every kind of bad input gets a clear error: the right type, a message naming the value and the
-fix, raised before any communication and alike on every rank (run() re-raises it unchanged only
-when every rank raised the same message).
+fix, raised before any of the mode's communication and alike on every rank (run() re-raises it
+unchanged only when every rank raised the same message).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cpref.errors import CPInputError
 from cpref.kernels import TorchKernel, Varlen
 from sim import SimCluster
 from sim.cluster import SimComm
-from tests.helpers import random_qkv
+from tests.helpers import only_the_comparison, random_qkv
 
 P = 2
 CU = torch.tensor([0, 8, 32])
@@ -39,7 +39,9 @@ def attention_call(**change):
     try:
         cluster.run(rank_fn)
     finally:
-        assert cluster.trace == [], "an error must come before any communication"
+        # an error comes before any of the mode's communication: at most the ranks' comparison, in
+        # which a rank that failed tells the others (cpref.consistency), ran
+        assert only_the_comparison(cluster.trace), cluster.trace
 
 
 def FP32(q, k, v):
@@ -52,6 +54,11 @@ def BF16(q, k, v):
 
 def attn(**change):
     return lambda: attention_call(**change)
+
+
+def twelve_and_three_heads(q, k, v):
+    """The local shards with Hq = 12 (q's 4 heads thrice) and Hkv = 3 (k's and v's 2 heads and the first again)."""
+    return q.repeat(1, 3, 1), torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1)
 
 
 def comm_is(value):
@@ -108,6 +115,13 @@ ATTENTION_CASES = [
      r"mode 'a2a' splits heads over 2 ranks \(P = 2\), but Hq = 3, Hkv = 1 cannot be split so.*sizes that work: \[1, 3\]"),
     ("a2a+p2p heads not splittable", attn(mode="a2a+p2p", a2a_size=2, tensors=lambda q, k, v: (q[:, :3], k[:, :1], v[:, :1])),
      r"mode 'a2a\+p2p' with a2a_size=2 splits heads over 2 ranks"),
+    # field bug 8: Hq splits over 2 ranks but Hkv = 3 neither splits (3 % 2) nor replicates (2 % 3);
+    # the sizes that work divide 12 and are multiples or divisors of 3: 1, 3, 6, 12
+    ("a2a kv heads not splittable", attn(mode="a2a", tensors=twelve_and_three_heads),
+     r"mode 'a2a' splits heads over 2 ranks \(P = 2\), but Hq = 12, Hkv = 3 cannot be split so: it needs Hq % 2 == 0 "
+     r"and Hkv % 2 == 0 or 2 % Hkv == 0; sizes that work: \[1, 3, 6, 12\]$"),
+    ("a2a+p2p kv heads not splittable", attn(mode="a2a+p2p", a2a_size=2, tensors=twelve_and_three_heads),
+     r"mode 'a2a\+p2p' with a2a_size=2 splits heads over 2 ranks \(P = 2\), but Hq = 12, Hkv = 3 .*sizes that work: \[1, 3, 6, 12\]$"),
     # the scale
     ("scale bool", attn(softmax_scale=True), r"softmax_scale must be None or a positive number, got True \(bool\)"),
     ("scale string", attn(softmax_scale="0.1"), r"softmax_scale must be None or a positive number, got '0.1' \(str\)"),
@@ -216,3 +230,56 @@ def test_a_comm_missing_members_is_refused_naming_them():
 
     with pytest.raises(ValueError, match=r"got HalfComm \(without all_reduce, all_to_all, barrier, reduce_scatter, send_recv, send_recv_async, split\)"):
         cpref.attention(*[torch.randn(8, 2, 4)] * 3, torch.tensor([0, 8]), comm=HalfComm(), mode="p2p")
+
+
+@pytest.mark.parametrize("check_ranks", [False, True], ids=["unchecked", "checked"])
+@pytest.mark.parametrize(
+    "mode, extra, hkv, match",
+    [
+        # Hkv = 3 over a2a groups of 2: 3 % 2 and 2 % 3 are both nonzero
+        ("a2a+p2p", {"a2a_size": 2}, 3, r"mode 'a2a\+p2p' with a2a_size=2 splits heads over 2 ranks \(P = 4\), but Hq = 12, "
+                                       r"Hkv = 3 cannot be split so: .*sizes that work: \[1, 3, 6, 12\]$"),
+        # Hkv = 3 over 4 ranks: 3 % 4, 4 % 3; Hkv = 6 over 4 ranks: more heads than ranks, yet 6 % 4 and 4 % 6
+        ("a2a", {}, 3, r"mode 'a2a' splits heads over 4 ranks \(P = 4\), but Hq = 12, Hkv = 3 .*sizes that work: \[1, 3, 6, 12\]$"),
+        ("a2a", {}, 6, r"mode 'a2a' splits heads over 4 ranks \(P = 4\), but Hq = 12, Hkv = 6 .*sizes that work: \[1, 2, 3, 6, 12\]$"),
+    ],
+    ids=["a2a+p2p-a2-hkv3", "a2a-hkv3", "a2a-hkv6"],
+)
+def test_kv_heads_the_a2a_group_can_neither_split_nor_replicate_are_refused_before_the_mode_communicates(
+    mode, extra, hkv, match, check_ranks
+):
+    """Field bug 8 at P = 4: Hq = 12 splits over the group (12 % 2 == 12 % 4 == 0), so only the
+    key/value-head condition can refuse these. Without the ranks' comparison nothing at all is
+    communicated; with it, at most that comparison (int64 rows), never a tensor of the mode."""
+    P, cu = 4, torch.tensor([0, 8, 32])
+    q, k, v = random_qkv(32, 12, hkv, 8)
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        return cpref.attention(*local, cu, comm=comm, mode=mode, check_ranks=check_ranks, **extra)
+
+    cluster = SimCluster(P, timeout=30.0)
+    with pytest.raises(CPInputError, match=match):
+        cluster.run(rank_fn)
+    if check_ranks:
+        assert all(ev.dtype in (None, torch.int64) for ev in cluster.trace), cluster.trace
+    else:
+        assert cluster.trace == []
+
+
+@pytest.mark.parametrize("P", [3, 6])
+def test_three_kv_heads_run_under_ulysses_where_the_group_size_is_a_multiple_of_three(P):
+    """The Ulysses docstring allows Hkv < P when P % Hkv == 0, replicating each key/value head
+    P / Hkv times (P = 6: twice; P = 3 splits them one per rank): the heads refused at P = 2 and 4
+    run at P = 3 and 6 and match the FP64 oracle, gradients of the replicas summed back."""
+    from sim.harness import oracle_shards, run_attention
+    from tests.helpers import assert_close
+
+    cu = torch.tensor([0, 12, 48])  # documents of multiples of 2P = 12
+    q, k, v = random_qkv(48, 12, 3, 8)
+    dout = random_qkv(48, 12, 12, 8, seed=1)[0]
+    results, _ = run_attention(q, k, v, dout, cu, P=P, mode="a2a", layout="zigzag", cluster=SimCluster(P, timeout=30.0))
+    refs = oracle_shards(q, k, v, dout, cu, P=P, layout="zigzag")
+    for r, (got, want) in enumerate(zip(results, refs)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, torch.float64, msg=f"P={P} rank {r} {name}")
