@@ -319,3 +319,44 @@ def test_autocast_does_not_change_the_attention_gradients(mode, fast):
     for r, (got, want) in enumerate(zip(under, plain)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert a.dtype == torch.bfloat16 and torch.equal(a, b), f"{mode} rank {r} {name}"
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_recomputation_gives_the_same_gradients(mode, reentrant):
+    """Under `torch.utils.checkpoint` (the recomputation the InfiniTrain PR trains with) the forward
+    runs again inside the backward, collectives included: gradients bitwise those of a plain run,
+    the recomputed forward communicates exactly as the first, and the first call's setup (the
+    ranks' comparison, the hierarchical mode's group splits) is not repeated."""
+    from torch.utils.checkpoint import checkpoint
+
+    P = 2
+    cu = cu_from_lengths([8, 24])
+    q, k, v = random_qkv(32, 12, 12, 8)
+    dout = random_qkv(32, 12, 12, 8, seed=1)[0]
+
+    def rank_fn(comm, recompute):
+        shard = lambda t: cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag")  # noqa: E731
+        local = [shard(t).requires_grad_() for t in (q, k, v)]
+        attend = lambda *qkv: cpref.attention(*qkv, cu, comm=comm, mode=mode, **extra(mode, P))  # noqa: E731
+        out = checkpoint(attend, *local, use_reentrant=reentrant) if recompute else attend(*local)
+        comm.barrier()  # the end of the forward in the trace
+        out.backward(shard(dout))
+        return (out.detach(), *(t.grad for t in local))
+
+    runs = {}
+    for recompute in (False, True):
+        cpref.clear_cache()
+        cluster = SimCluster(P, timeout=30.0)
+        runs[recompute] = (cluster.run(lambda comm: rank_fn(comm, recompute)), [e for e in cluster.trace])
+    (plain, plain_trace), (again, again_trace) = runs[False], runs[True]
+    for r, (got, want) in enumerate(zip(again, plain)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), f"{mode} rank {r} {name}"
+    # plain: F, barrier, B; recomputed: F, barrier, F again without the first call's setup (the
+    # comparison's int64 all-gather, the hierarchical mode's splits: cached), then the same B
+    ops = lambda events: [(e.op, e.dtype, e.shape, e.param) for e in events]  # noqa: E731
+    cut = [e.op for e in plain_trace].index("barrier")
+    forward, backward = ops(plain_trace[: cut + 1]), ops(plain_trace[cut + 1 :])
+    again_forward = [ev for ev in forward[:-1] if ev[1] != torch.int64 and ev[0] != "split"]
+    assert again_forward and ops(again_trace) == forward + again_forward + backward

@@ -73,7 +73,15 @@ $(2P + 1) \sum_i c_i^2$ score entries per head (block metric, zigzag, causal). B
 default schedule all-gathers K and V again (the same volume, in the input dtype) and
 reduce-scatters dK and dV (the same number of elements, in float32: twice the bytes for bf16
 input; see Precision); with `save_gathered_kv` only the reduce-scatters. One kernel call each
-way. At $P = 1$ the local K/V already are every key in
+way.
+
+K and V travel as two collectives each way, not as one of `[K | V]` concatenated along the
+head dim (what the ring sends, and PyTorch's CP gathers): one call would save a collective's
+latency, but every gathered row would then be twice as wide for the `index_select`, and the
+backward's `index_add_` would write each half of a row with a stride, or copy dK and dV into
+one buffer. On the CPU, at 16k tokens, those copies took longer than the saved collective.
+
+At $P = 1$ the local K/V already are every key in
 order, so the plan's `local_seqs` (see [Load-balanced metadata][cpref.metadata]) send the
 kernel straight to them: no collective, no `index_select`, no `index_add_`.
 
