@@ -157,3 +157,52 @@ def test_cp_loss_with_a_known_count_communicates_nothing():
     assert cluster.trace == [] and sum(shares).item() == pytest.approx((1 + 2 + 4) / 3)
     shares_counted = SimCluster(2).run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm))
     assert [s.item() for s in shares] == [s.item() for s in shares_counted]
+
+
+def test_padding_fills_tokens_and_labels_with_pad_token_id_and_everything_else_with_zero():
+    cu = cu_from_lengths([5, 3])
+    batch = {"tokens": torch.arange(1, 9), "labels": torch.arange(11, 19), "weights": torch.full((8,), 2.5)}
+    parts = [cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=2, rank=r, pad_token_id=99) for r in range(2)]
+    cup = parts[0]["cu_seqlens_padded"]  # 5 -> 8 and 3 -> 4 tokens (multiples of 2P = 4)
+    full = {n: cpref.unshard([p[n] for p in parts], cup, layout="zigzag").tolist() for n in ("tokens", "labels", "loss_mask", "weights")}
+    # documents [1..5] and [6..8], each followed by its padding
+    assert full["tokens"] == [1, 2, 3, 4, 5, 99, 99, 99, 6, 7, 8, 99]
+    assert full["labels"] == [11, 12, 13, 14, 15, 99, 99, 99, 16, 17, 18, 99]
+    assert full["loss_mask"] == [1] * 5 + [0] * 3 + [1] * 3 + [0]  # never pad_token_id
+    assert full["weights"] == [2.5] * 5 + [0] * 3 + [2.5] * 3 + [0]
+
+
+def test_the_default_loss_mask_is_float32_whatever_the_token_dtype():
+    cu = cu_from_lengths([5, 3])
+    for dtype in (torch.int64, torch.int32):
+        tokens = torch.arange(8, dtype=dtype)
+        part = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=2, rank=0)
+        assert part["loss_mask"].dtype == torch.float32
+
+
+def test_contiguous_layout_pads_each_document_to_a_multiple_of_p_not_2p():
+    cu = cu_from_lengths([5, 3])
+    tokens = torch.arange(8)
+    parts = [cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=2, rank=r, layout="contiguous") for r in range(2)]
+    # P = 2: 5 -> 6 and 3 -> 4 tokens, so each rank holds (6 + 4) / 2 = 5
+    assert parts[0]["cu_seqlens_padded"].tolist() == [0, 6, 10]
+    assert [p["tokens"].shape[0] for p in parts] == [5, 5]
+
+
+def test_returned_boundaries_are_new_int64_tensors_whatever_the_input_dtype():
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    tokens = torch.arange(8)
+    part = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=2, rank=0)
+    assert part["cu_seqlens"].dtype == torch.int64 and part["cu_seqlens"].tolist() == [0, 5, 8]
+    assert part["cu_seqlens"] is not cu
+    assert part["cu_seqlens_padded"].dtype == torch.int64 and part["cu_seqlens_padded"].tolist() == [0, 8, 12]
+
+
+def test_cp_loss_share_keeps_the_dtype_of_token_loss_whatever_the_mask_dtype():
+    """A float64 mask must not promote bf16 losses: the share is bf16, like the losses."""
+    losses = [torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([3.0, 4.0], dtype=torch.bfloat16)]
+    masks = [torch.tensor([1.0, 1.0], dtype=torch.float64), torch.tensor([0.0, 1.0], dtype=torch.float64)]
+    shares = SimCluster(2).run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm))
+    assert [s.dtype for s in shares] == [torch.bfloat16, torch.bfloat16]
+    # 3 loss tokens: rank 0 (1 + 2) / 3 = 1, rank 1 4 / 3 (bf16: 1.3359375)
+    assert [s.item() for s in shares] == [1.0, pytest.approx(4 / 3, rel=1e-2)]

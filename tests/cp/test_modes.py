@@ -391,3 +391,24 @@ def test_the_ring_posts_the_next_shift_before_the_kernel_and_waits_after_it(monk
     for r, (forward, backward) in enumerate(ring_events(monkeypatch, P, mode, extra)):
         assert forward == expected[0], f"rank {r} forward"
         assert backward == expected[1], f"rank {r} backward"
+
+
+def test_a_non_causal_ring_step_reads_the_block_as_it_arrived_in_one_sequence_per_document():
+    """Contiguous, P = 2, documents of 4 and 2 tokens: every buffer holds 2 rows of document 0, then 1
+    of document 1. Without the mask each query sees all of the sender's rows of its document, so the
+    key ranges [0, 2) and [2, 3) tile the block: no index, no empty sequence, 2 * 2 + 1 * 1 = 5 scores."""
+    from cpref.modes.ring_plan import build_ring_plan
+
+    b = cpref.Boundaries.parse([0, 4, 6])
+    for rank in range(2):
+        plan = build_ring_plan(b, 2, rank, "contiguous", False, torch.device("cpu"))
+        assert plan.local_tokens == 3
+        got = [(s.source, s.seqs.cu_q, s.seqs.cu_kv, s.causal, s.kv_index, s.work) for s in plan.steps]
+        assert got == [(src, (0, 2, 3), (0, 2, 3), False, None, 5) for src in (rank, 1 - rank)]
+
+
+def test_build_ring_plan_refuses_a_document_the_layout_cannot_split():
+    from cpref.modes.ring_plan import build_ring_plan
+
+    with pytest.raises(ValueError, match=r"document 0 has length 6, not a multiple of 4"):
+        build_ring_plan(cpref.Boundaries.parse([0, 6]), 2, 0, "zigzag", True, torch.device("cpu"))

@@ -79,6 +79,7 @@ ATTENTION_CASES = [
     ("cu complex tensor", attn(cu_seqlens=CU.to(torch.complex64)), r"1-D integer tensor, got .* torch.complex64"),
     ("cu bool tensor", attn(cu_seqlens=CU.bool()), r"1-D integer tensor, got .* torch.bool"),
     ("cu 2-D tensor", attn(cu_seqlens=CU[None]), r"1-D integer tensor, got shape \(1, 3\)"),
+    ("cu 0-D tensor", attn(cu_seqlens=torch.tensor(32)), r"1-D integer tensor, got shape \(\) dtype torch.int64"),
     ("cu empty document", attn(cu_seqlens=[0, 8, 8, 32]), r"document 1 spans \[8, 8\), length 0; drop empty documents"),
     ("cu no leading 0", attn(cu_seqlens=[1, 8, 32]), r"must start with 0"),
     ("cu decreasing", attn(cu_seqlens=[0, 32, 16]), r"strictly increasing: document 1 spans \[32, 16\)"),
@@ -176,6 +177,7 @@ OTHER_CASES = [
     ("kernel seqs mismatch", lambda: TorchKernel().forward(Q, K, V, Varlen([0, 30]), causal=True, scale=0.5), r"seqs cover 30 queries and 30 keys, but q has 32 rows"),
     ("kernel plain tensor seqs", lambda: TorchKernel().forward(Q, K, V, CU, causal=True, scale=0.5), r"seqs must be a cpref.kernels.Varlen"),
     ("cp_loss shapes", lambda: SimCluster(2).run(lambda c: cpref.cp_loss(torch.ones(4), torch.ones(4, 1), c)), r"token_loss has shape \(4,\) but loss_mask \(4, 1\)"),
+    ("cp_loss list loss", lambda: SimCluster(2).run(lambda c: cpref.cp_loss([1.0, 2.0], torch.ones(2), c)), r"token_loss must be a tensor, got list"),
     ("cp_loss integer loss", lambda: SimCluster(2).run(lambda c: cpref.cp_loss(torch.ones(4, dtype=torch.long), torch.ones(4), c)), r"token_loss has dtype torch.int64; it must be floating"),
     ("cluster timeout inf", lambda: SimCluster(2, timeout=math.inf), r"timeout must be a finite number of seconds > 0, got inf"),
 ]

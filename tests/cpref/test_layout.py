@@ -131,6 +131,13 @@ def test_contiguous_causal_work_grows_with_rank(P):
     assert non_causal == [4 * 4 * P + 2 * 2 * P] * P
 
 
+def test_unshard_rejects_a_short_shard_naming_the_rank():
+    # [0, 8] over P = 2 zigzag: every rank holds 8 / 2 = 4 tokens; rank 1 hands in only 3
+    shards = [torch.zeros(4), torch.zeros(3)]
+    with pytest.raises(ValueError, match=r"shard of rank 1 has 3 tokens, expected 4"):
+        cpref.unshard(shards, [0, 8], layout="zigzag")
+
+
 def test_bshd_thd_round_trip():
     x = torch.randn(3, 8, 2, 4)
     thd, cu = cpref.bshd_to_thd(x)
@@ -193,3 +200,23 @@ def test_work_with_padding_counts_only_real_tokens():
             n = b.real_len(d)
             want += sum(p + 1 for p in range(s - b.padded[d], e - b.padded[d]) if p < n)
         assert cpref.attention_work(b, cp_size=2, rank=r, layout="zigzag", exact=True) == want
+
+
+def test_non_causal_work_with_padding_counts_only_real_keys():
+    """Without the mask a real query sees the n real keys of its document, never its padding."""
+    b = cpref.Boundaries.parse([0, 5, 12], [0, 8, 16])
+    # zigzag P = 2, chunks of 2. Doc 0 (5 real), doc 1 (7 real).
+    # rank 0 holds chunks 0, 3 = positions 0-1, 6-7: real queries 2 + 0 in doc 0, 2 + 1 in doc 1
+    #   -> 2 * 5 + 3 * 7 = 31
+    # rank 1 holds chunks 1, 2 = positions 2-5: real queries 2 + 1 in doc 0, 2 + 2 in doc 1
+    #   -> 3 * 5 + 4 * 7 = 43   (together 5 * 5 + 7 * 7 = 74)
+    got = [cpref.attention_work(b, cp_size=2, rank=r, layout="zigzag", causal=False) for r in range(2)]
+    assert got == [31, 43]
+    assert got == [cpref.attention_work(b, cp_size=2, rank=r, layout="zigzag", causal=False, exact=True) for r in range(2)]
+
+
+def test_boundaries_report_padding_only_when_a_document_is_padded():
+    assert not cpref.Boundaries.parse([0, 8, 16]).is_padded  # no padded list: both are equal
+    assert not cpref.Boundaries.parse([0, 8, 16], [0, 8, 16]).is_padded
+    assert cpref.Boundaries.parse([0, 5, 12], [0, 8, 16]).is_padded
+    assert cpref.Boundaries.parse([0, 8, 15], [0, 8, 16]).is_padded  # only the last document padded

@@ -345,3 +345,57 @@ def test_every_query_sees_exactly_its_real_keys_with_padding(P, lengths, layout,
     for r in range(P):
         got = visible_keys_from_metadata(cu_real, cu_pad, P, r, layout, causal)
         assert got == visible_keys_expected(cu_real, cu_pad, P, r, layout, causal)
+
+
+def test_the_ends_only_reading_of_a_list_is_cached_apart_from_the_strict_one():
+    """[8, 24] is MindSpeed's ends-only form to the metadata API (documents of 8 and 16 tokens), but
+    an invalid list (no leading 0) to cpref.attention: a cached ends-only entry must not let it through."""
+    from cpref.comm import SingleRank
+
+    assert get_thd_load_balanced_cp_metadata([8, 24], 2, 1)["global_tokens"] == 24
+    q = torch.randn(24, 2, 4)
+    with pytest.raises(ValueError, match=r"cu_seqlens must start with 0"):
+        cpref.attention(q, q, q, [8, 24], comm=SingleRank(), mode="p2p")
+
+
+def test_without_a_host_snapshot_the_version_alone_invalidates_an_edited_tensor(monkeypatch):
+    """A device tensor gets no snapshot (comparing one would copy it to the host): an in-place edit
+    must still miss, through `_version` in the key. CPU tensors stand in for device ones here."""
+    monkeypatch.setattr(cpref.cache, "_is_host_tensor", lambda x: False)
+    cu = torch.tensor([0, 8, 16])
+    get_thd_load_balanced_cp_metadata(cu, 2, 0)
+    cu[2] = 24
+    fresh = get_thd_load_balanced_cp_metadata(cu, 2, 0)
+    assert fresh["global_tokens"] == 24 and cache_info().misses == 2
+
+
+def test_an_entry_rebuilt_after_an_edit_becomes_the_most_recently_used():
+    tensors = [torch.tensor([0, 4 * (i + 1)]) for i in range(9)]
+    for t in tensors[:8]:
+        get_thd_load_balanced_cp_metadata(t, 2, 0)
+    tensors[0].data[1] = 40  # behind the version counter: the same key, its entry rebuilt on the next call
+    assert get_thd_load_balanced_cp_metadata(tensors[0], 2, 0)["global_tokens"] == 40  # LRU order: 1, ..., 7, 0
+    get_thd_load_balanced_cp_metadata(tensors[8], 2, 0)  # the ninth batch evicts tensors[1], not tensors[0]
+    hits = cache_info().hits
+    get_thd_load_balanced_cp_metadata(tensors[0], 2, 0)
+    assert cache_info().hits == hits + 1
+    get_thd_load_balanced_cp_metadata(tensors[1], 2, 0)
+    assert cache_info().hits == hits + 1
+
+
+def test_a_cached_batch_keeps_its_tensor_alive_so_that_its_id_cannot_be_reused():
+    """A tensor's key is its id (and version): while its entry is cached the entry must hold the
+    tensor, or a new tensor could be given the freed id and hit the stale entry (on a device,
+    where no snapshot is compared, it would get the old plan). Cleared, the tensor is freed."""
+    import gc
+    import weakref
+
+    cu = torch.tensor([0, 8, 16])
+    alive = weakref.ref(cu)
+    get_thd_load_balanced_cp_metadata(cu, 2, 0)
+    del cu
+    gc.collect()
+    assert alive() is not None
+    cpref.clear_cache()
+    gc.collect()
+    assert alive() is None
