@@ -64,3 +64,12 @@ def test_all_gather_and_ring_at_cp1_call_no_collective_and_select_no_rows(monkey
     cpref.attention(q, k, v, cu, cu_seqlens_padded=cup, comm=comm, mode=mode).sum().backward()
     assert comm.calls == [] and selected == []
     assert q.grad.isfinite().all() and k.grad.abs().sum() > 0
+
+
+def test_a_bad_call_at_cp1_raises_without_calling_its_group():
+    """A group of one has no peer to tell (`cpref.consistency`): the error comes with no collective."""
+    comm = CountingRank()
+    q = torch.randn(8, 2, 4)
+    with pytest.raises(ValueError, match="q/k/v hold 7/8/8 tokens"):
+        cpref.attention(q[:-1], q, q, [0, 8], comm=comm, mode="all_gather")
+    assert comm.calls == []
