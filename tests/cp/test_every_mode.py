@@ -360,3 +360,27 @@ def test_activation_recomputation_gives_the_same_gradients(mode, reentrant):
     forward, backward = ops(plain_trace[: cut + 1]), ops(plain_trace[cut + 1 :])
     again_forward = [ev for ev in forward[:-1] if ev[1] != torch.int64 and ev[0] != "split"]
     assert again_forward and ops(again_trace) == forward + again_forward + backward
+
+
+@pytest.mark.parametrize("heads", ["gqa", "mla"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_runs_on_the_npu_kernel_rank_by_rank(mode, layout, heads):
+    """The NPU adapter through each mode, against a CPU double of the fused op that holds it to the
+    op's documented arguments (tests/kernels/npu_double.py): the all-gather's one TND call over
+    both chunks, the ring's merged float32 output passed back to the op, Ulysses' head-split
+    calls, padding-only sequences. Every rank matches the FP64 oracle."""
+    from cpref.kernels import NpuKernel
+    from tests.kernels.npu_double import NpuOpsDouble
+
+    P = 4
+    cu, cu_pad, q, k, v, dout = padded_batch([5, 17, 2], P, layout, heads, seed=3)
+    doubles = [NpuOpsDouble() for _ in range(P)]
+    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, cu_seqlens_padded=cu_pad,
+                        kernels=[NpuKernel(ops=d) for d in doubles], **extra(mode, P))  # fmt: skip
+    ops = {call["op"] for d in doubles for call in d.calls}
+    assert ops == {"forward", "backward"}, ops  # the op (its double) did the work
+    refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout, cu_seqlens_padded=cu_pad)
+    for r, (got, want) in enumerate(zip(results, refs)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, torch.float64, msg=f"{mode} {layout} rank {r} {name}")
