@@ -106,7 +106,7 @@ PAGE_FIGURES = {
 
 # Hand-written pages (in docs/) placed around the generated guide pages.
 GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart")]
-GUIDE_LAST = [("glossary.md", "Glossary"), ("references.md", "References")]
+GUIDE_LAST = [("field-bugs.md", "The bugs CP users hit"), ("glossary.md", "Glossary"), ("references.md", "References")]
 # Pages with a reserved nav slot that may not be written yet: left out of the nav until they are.
 PLANNED = {"quickstart.md"}
 
