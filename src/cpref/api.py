@@ -226,7 +226,8 @@ def attention(
                        a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
     except CPInputError:
         if check_ranks and _usable(comm):  # the others may be entering the comparison: meet them there
-            report_invalid_inputs(comm, cu_seqlens, cu_seqlens_padded, q)
+            with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see
+                report_invalid_inputs(comm, cu_seqlens, cu_seqlens_padded, q)
         raise
     if check_ranks:
         check_ranks_agree(call, mode, comm)

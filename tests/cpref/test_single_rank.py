@@ -73,3 +73,17 @@ def test_a_bad_call_at_cp1_raises_without_calling_its_group():
     with pytest.raises(ValueError, match="q/k/v hold 7/8/8 tokens"):
         cpref.attention(q[:-1], q, q, [0, 8], comm=comm, mode="all_gather")
     assert comm.calls == []
+
+
+def test_a_failing_report_to_the_peers_does_not_hide_the_ranks_own_error():
+    """If telling the others fails as well (a broken group), the error raised is still the input's."""
+
+    class BrokenGroup(CountingRank):
+        size = 2
+
+        def all_gather(self, x):
+            raise RuntimeError("the group is gone")
+
+    q = torch.randn(8, 2, 4)
+    with pytest.raises(ValueError, match="q/k/v hold 3/4/4 tokens"):
+        cpref.attention(q[:3], q[:4], q[:4], [0, 8], comm=BrokenGroup(), mode="all_gather")
