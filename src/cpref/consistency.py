@@ -12,6 +12,14 @@ rank passed. The verdict is cached with the batch (`cpref.cache`), so later laye
 The check is on by default; `cpref.attention(..., check_ranks=False)` turns it off (every
 rank must then pass the same value, or ranks disagree on whether to communicate). It assumes
 every rank calls attention on the same batches in the same order, which CP requires anyway.
+
+**What it cannot catch.** A rank skips the comparison when it has already compared *its own*
+arguments on this batch. If, on a later call of a batch (a later layer), only some ranks change
+an argument, those ranks compare again and the others do not: their collectives no longer
+match. The simulated cluster reports that as a collective mismatch; a real backend may hang
+instead of raising. Comparing on every call would catch it, at a host copy per layer; keying
+the check on the batch alone would make the decision the same on every rank, but then a later
+call's arguments would never be compared.
 On backends without tensor all-gather for the group size (HCCL with 3, 5, 6 or 7 ranks) it
 uses two all-reduces (max and min) instead. A group of one rank has nothing to compare and
 skips it.

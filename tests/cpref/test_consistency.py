@@ -87,3 +87,136 @@ def test_a_cpu_cu_seqlens_edited_in_place_is_not_found():
     version = cu._version
     cu.data[1] = 8  # an edit through .data: the version counter, and so the key, does not change
     assert cu._version == version and CACHE.find(cu) is None  # the snapshot comparison sees it
+
+
+# --- what the comparison compares and how it names it (mutation run over cpref.consistency) ---
+
+P2_CU = cu_from_lengths([8, 24])
+P2_QKV = random_qkv(32, 4, 2, 8)
+
+
+def digest(value) -> str:
+    """The documented fingerprint code of a column shown as a digest: the first 7 bytes of
+    blake2b(repr(value)) read little-endian, printed as 14 hex digits (computed here, not copied)."""
+    import hashlib
+
+    return f"digest {int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), 'little'):014x}"
+
+
+def two_ranks_calling(per_rank):
+    """Run P = 2 ranks, rank r calling attention with `per_rank(r)`: (mode, tensors(q, k, v), kwargs)."""
+
+    def rank_fn(comm):
+        mode, tensors, kw = per_rank(comm.rank)
+        local = [cpref.shard(t, P2_CU, cp_size=2, rank=comm.rank, layout="zigzag") for t in P2_QKV]
+        return cpref.attention(*tensors(*local), P2_CU, comm=comm, mode=mode, **kw)
+
+    cluster = SimCluster(2, timeout=20.0)
+    with pytest.raises(CPInputError) as info:  # the same message on every rank: run() re-raises it
+        cluster.run(rank_fn)
+    assert only_the_comparison(cluster.trace) and cluster.trace, cluster.trace
+    return str(info.value)
+
+
+def same(q, k, v):
+    return q, k, v
+
+
+def test_ranks_passing_different_modes_are_told_which_mode_each_passed():
+    # p2p and a2a take no options, so the mode column is the only one that differs
+    message = two_ranks_calling(lambda r: (["p2p", "a2a"][r], same, {}))
+    assert f"\n  mode: rank 0: {digest('p2p')}; rank 1: {digest('a2a')}\n" in message
+    assert "mode options" not in message
+
+
+def test_ranks_passing_different_mode_options_are_told():
+    # the options column is the digest of the sorted (name, value) pairs after defaults are filled in
+    message = two_ranks_calling(lambda r: ("all_gather", same, {"save_gathered_kv": r == 0}))
+    want = f"  mode options: rank 0: {digest((('save_gathered_kv', True),))}; rank 1: {digest((('save_gathered_kv', False),))}"
+    assert want in message and "\n  mode:" not in message
+
+
+def test_ranks_passing_different_dtypes_are_told_each_dtype_by_name():
+    message = two_ranks_calling(lambda r: ("p2p", (same, lambda *t: [x.float() for x in t])[r], {}))
+    assert "\n  dtype: rank 0: torch.float64; rank 1: torch.float32\n" in message
+
+
+def test_ranks_passing_different_value_head_dims_are_told():
+    # rank 1 passes v with Dv = 4 < D = 8 (valid on its own); heads is (Hq, Hkv, D, Dv)
+    message = two_ranks_calling(lambda r: ("p2p", (same, lambda q, k, v: (q, k, v[..., :4]))[r], {}))
+    assert f"\n  heads (Hq, Hkv, D, Dv): rank 0: {digest((4, 2, 8, 8))}; rank 1: {digest((4, 2, 8, 4))}\n" in message
+
+
+def test_without_all_gather_a_disagreement_names_the_lowest_and_the_highest_code():
+    """Min and max stand in for the table: ranks 0 and 1 pass causal=True (code 1), rank 2
+    causal=False (code 0), so the lowest code shows False and the highest True."""
+
+    def rank_fn(comm):
+        q, k, v = shards(comm.rank)
+        return cpref.attention(q, k, v, CU, comm=LimitedComm(comm), mode="p2p", causal=comm.rank != 2)
+
+    cluster = SimCluster(P, timeout=20.0)
+    with pytest.raises(CPInputError) as info:
+        cluster.run(rank_fn)
+    assert "\n  causal: lowest code: False; highest code: True\n" in str(info.value)
+    assert [e.op for e in cluster.trace] == ["all_reduce", "all_reduce"] and only_the_comparison(cluster.trace)
+
+
+def test_a_compared_batch_called_again_with_other_arguments_is_compared_again():
+    """The verdict is cached per (batch, group, arguments): a later call of the same batch whose
+    arguments changed on every rank (and now disagree) is compared, not waved through."""
+    cu = P2_CU.clone()  # one tensor for both calls: one cache entry
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=2, rank=comm.rank, layout="zigzag") for t in P2_QKV]
+        cpref.attention(*local, cu, comm=comm, mode="p2p")  # the ranks agree
+        return cpref.attention(*local, cu, comm=comm, mode="p2p", softmax_scale=[0.25, 0.5][comm.rank])
+
+    cluster = SimCluster(2, timeout=20.0)
+    with pytest.raises(CPInputError, match=r"\n  softmax_scale: rank 0: 0.25; rank 1: 0.5\n"):
+        cluster.run(rank_fn)
+    assert [e.dtype for e in cluster.trace].count(torch.int64) == 2  # one comparison per call
+
+
+def test_a_rank_failing_on_a_batch_another_group_compared_still_meets_its_own_group():
+    """The cache remembers which communicator compared a batch: a batch compared by an earlier
+    group (its comms are other objects) is new to this one, so its ranks compare it and a failing
+    rank must meet them there, not raise alone and leave them waiting."""
+
+    def rank_fn(comm, short_rank=None):
+        q, k, v = shards(comm.rank)
+        if comm.rank == short_rank:
+            q = q[:-1]
+        return cpref.attention(q, k, v, CU, comm=comm, mode="all_gather")
+
+    SimCluster(P, timeout=20.0).run(rank_fn)  # a first group compares CU
+    cluster = SimCluster(P, timeout=20.0)
+    with pytest.raises(ClusterFailure) as info:
+        cluster.run(lambda comm: rank_fn(comm, short_rank=1))
+    errors = info.value.errors
+    assert type(errors[1]) is CPInputError and "tokens" in str(errors[1])
+    for r in (0, 2):
+        assert type(errors[r]) is CPInputError, errors[r]
+        assert "the inputs of rank 1 of the CP group failed validation" in str(errors[r])
+    assert only_the_comparison(cluster.trace) and cluster.trace, cluster.trace
+
+
+def test_an_argument_changed_on_some_ranks_after_the_comparison_is_a_collective_mismatch():
+    """The documented limit: on a later call of a compared batch, the ranks that changed an
+    argument compare again and the others go on to the mode, so their collectives differ. The
+    simulated cluster reports the mismatch; if this starts raising a CPInputError, update the docs."""
+    from sim import CollectiveMismatch
+
+    P2 = 2
+    cu = cu_from_lengths([8, 24])
+    q, k, v = random_qkv(32, 4, 2, 8)
+
+    def rank_fn(comm):
+        local = [cpref.shard(t, cu, cp_size=P2, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        cpref.attention(*local, cu, comm=comm, mode="all_gather")  # layer 1: the ranks compare and agree
+        changed = {} if comm.rank == 0 else {"softmax_scale": 0.3}  # layer 2: rank 1 alone changes the scale
+        return cpref.attention(*local, cu, comm=comm, mode="all_gather", **changed)
+
+    with pytest.raises(ClusterFailure) as info:
+        SimCluster(P2, timeout=20.0).run(rank_fn)
+    assert any(isinstance(e, CollectiveMismatch) for e in info.value.errors.values()), info.value.errors

@@ -4,6 +4,7 @@ and nothing is overwritten or half-loaded."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -120,3 +121,111 @@ def test_meta_json_is_plain_data(tmp_path):
     record = json.loads((saved(tmp_path) / "meta.json").read_text())
     assert record["format"] == "cpref-checkpoint/1" and record["model"]["family"] == "llama"
     assert set(record["sha256"]) == {"state.pt", "rng.pt"}
+
+
+# --- save and load on one rank: what is checked, restored and left on disk (mutation run) ---
+
+
+def meta_of(step=1, dp=1, micro=2, **model_changes):
+    m = spec(1, 1, micro=micro).meta(step)
+    return replace(m, dp=dp, model={**m.model, **model_changes})
+
+
+def save_one_rank(directory, step=1, dp=1, micro=2):
+    from cpref.checkpoint import save_checkpoint
+    from cpref.comm import SingleRank
+
+    model, opt, _ = fresh()
+    return save_checkpoint(directory, model, opt, meta_of(step, dp, micro), SingleRank())
+
+
+def test_a_checkpoint_of_another_format_is_refused(tmp_path):
+    path = save_one_rank(tmp_path / "ckpt")
+    record = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**record, "format": "cpref-checkpoint/0"}))  # not under the SHA-256 sums
+    with pytest.raises(CPInputError, match="not a cpref-checkpoint/1 checkpoint"):
+        read_meta(path)
+    (path / "meta.json").write_text("")  # cut short: not JSON at all
+    with pytest.raises(CPInputError, match=r"no readable meta.json \(JSONDecodeError"):
+        read_meta(path)
+
+
+def test_the_model_mismatch_names_only_the_settings_that_differ(tmp_path):
+    path = save_one_rank(tmp_path / "ckpt")
+    model, opt, before = fresh()
+    # the checkpoint has num_layers 2 (the tiny llama), this run says 3: the one differing key
+    with pytest.raises(CPInputError, match=r"differ in \{'num_layers': \(2, 3\)\}$"):
+        load_checkpoint(path, model, opt, expect=meta_of(num_layers=3))
+    assert untouched(model, before)
+
+
+def test_packs_per_step_is_dp_times_micro_batches_whatever_the_split(tmp_path):
+    assert meta_of(dp=2, micro=3).packs_per_step == 6
+    path = save_one_rank(tmp_path / "ckpt", dp=2, micro=1)  # 2 x 1 = 2 packs per step
+    model, opt, before = fresh()
+    with pytest.raises(CPInputError, match="dp x micro_batches = 2 x 1 packs per step, this run takes 2 x 2"):
+        load_checkpoint(path, model, opt, expect=meta_of(dp=2, micro=2))
+    assert untouched(model, before)
+    assert load_checkpoint(path, model, opt, expect=meta_of(dp=1, micro=2)).dp == 2  # 1 x 2: the same data position
+
+
+def test_loading_restores_the_random_number_generator_state_saved(tmp_path):
+    from cpref.checkpoint import save_checkpoint
+    from cpref.comm import SingleRank
+
+    model, opt, _ = fresh()
+    torch.manual_seed(7)
+    saved_state = torch.get_rng_state()
+    path = save_checkpoint(tmp_path / "ckpt", model, opt, meta_of(), SingleRank())
+    torch.rand(100)  # the run goes on drawing
+    load_checkpoint(path, model, opt, expect=meta_of())
+    assert torch.equal(torch.get_rng_state(), saved_state)
+
+
+def test_a_parameter_of_another_shape_is_refused_before_anything_is_loaded(tmp_path):
+    from cpref.checkpoint import TorchPayload
+
+    model, opt, before = fresh()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    last = list(state)[-1]  # the last parameter: every one is checked, not only the first
+    state[last] = torch.zeros(3)
+    torch.save({"model": state, "optimizer": opt.state_dict()}, tmp_path / "state.pt")
+    want = tuple(before[last].shape)
+    with pytest.raises(CPInputError, match=re.escape(f"parameter {last} is (3,), the model has {want}")):
+        TorchPayload().load(tmp_path, model, opt)
+    assert untouched(model, before)
+
+
+_trap_sprung = []
+
+
+class _Trap:
+    """Unpickling this calls a function: what a weights-only load must refuse to do."""
+
+    def __reduce__(self):
+        return (_trap_sprung.append, ("code ran",))
+
+
+def test_loading_state_pt_runs_no_code_from_the_file(tmp_path):
+    from cpref.checkpoint import TorchPayload
+
+    model, opt, before = fresh()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": _Trap()}, tmp_path / "state.pt")
+    with pytest.raises(CPInputError, match="state.pt cannot be read"):
+        TorchPayload().load(tmp_path, model, opt)
+    assert _trap_sprung == [] and untouched(model, before)
+
+
+def test_saving_again_replaces_the_checkpoint_and_leaves_nothing_beside_it(tmp_path):
+    save_one_rank(tmp_path / "ckpt", step=1)
+    save_one_rank(tmp_path / "ckpt", step=2)
+    assert read_meta(tmp_path / "ckpt").step == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no ckpt.old, no ckpt.tmp
+
+
+def test_a_save_after_an_interrupted_one_clears_its_leftovers(tmp_path):
+    (tmp_path / "ckpt.tmp").mkdir()
+    (tmp_path / "ckpt.tmp" / "half-written.pt").write_bytes(b"\0")  # what a killed save leaves
+    save_one_rank(tmp_path / "ckpt")
+    assert set(json.loads((tmp_path / "ckpt" / "meta.json").read_text())["sha256"]) == {"state.pt", "rng.pt"}
+    assert read_meta(tmp_path / "ckpt").step == 1

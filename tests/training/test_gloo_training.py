@@ -1,5 +1,5 @@
 """Training over real gloo processes: the same losses as the simulated cluster, and a
-`torch.distributed.checkpoint` that resumes at another CP size."""
+`torch.distributed.checkpoint` that resumes at another CP size; and the DCP payload itself in one process."""
 
 from __future__ import annotations
 
@@ -70,3 +70,50 @@ def test_every_replica_stays_identical(monkeypatch):
     states = SimCluster(4).run(rank_fn)
     assert all(torch.equal(states[0][k], s[k]) for s in states[1:] for k in states[0])
     assert not torch.equal(states[0]["embed.weight"], CausalLM(run.model_config(), seed=0).state_dict()["embed.weight"])
+
+
+# --- the DCP payload itself, in one process (no process group needed) ---
+
+
+def adamw_after_one_step(lr):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, no group: as intended here
+def test_a_dcp_payload_restores_the_weights_the_optimizer_state_and_its_hyperparameters(tmp_path):
+    import torch
+
+    from cpref.backends.checkpoint import DcpPayload
+
+    model, opt = adamw_after_one_step(lr=1e-3)
+    DcpPayload().save(tmp_path, model, opt, None)
+    other = torch.nn.Linear(3, 2)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=5e-2)  # a fresh run, another learning rate
+    DcpPayload().load(tmp_path, other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    saved, loaded = opt.state_dict(), other_opt.state_dict()
+    assert [loaded["state"][i]["step"].item() for i in (0, 1)] == [1.0, 1.0]  # one step taken
+    assert all(torch.equal(saved["state"][i][k], loaded["state"][i][k]) for i in (0, 1) for k in ("exp_avg", "exp_avg_sq"))
+    assert other_opt.param_groups[0]["lr"] == 1e-3  # the checkpoint's, as TorchPayload restores it
+
+
+def test_a_dcp_payload_passes_its_process_group_and_directory_to_dcp(tmp_path, monkeypatch):
+    import cpref.backends.checkpoint as backend
+
+    calls = []
+    monkeypatch.setattr(backend.dcp, "save", lambda state, **kw: calls.append(("save", kw)))
+    monkeypatch.setattr(backend.dcp, "load", lambda state, **kw: calls.append(("load", kw)))
+    group = object()  # stands for a process group: only passed through
+    model, opt = adamw_after_one_step(lr=1e-3)
+    payload = backend.DcpPayload(group)
+    payload.save(tmp_path, model, opt, None)
+    payload.load(tmp_path, model, opt)
+    want = {"checkpoint_id": str(tmp_path / "dcp"), "process_group": group}
+    assert calls == [("save", want), ("load", want)]

@@ -46,3 +46,27 @@ def test_your_own_token_stream_splits_at_your_eod():
         list(documents_from_tokens(torch.ones(2, 2), eod=9))
     with pytest.raises(CPInputError, match="pack_tokens=1 is outside"):
         list(pack_documents([tokens], 1))
+
+
+def test_a_token_stream_must_be_one_dimensional_and_integer():
+    with pytest.raises(CPInputError, match=r"1-D integer tensor, got torch.Size\(\[3\]\)"):
+        list(documents_from_tokens(torch.tensor([1.0, 9.0, 2.0]), eod=9))  # 1-D but floating
+    with pytest.raises(CPInputError, match=r"1-D integer tensor, got torch.Size\(\[2, 2\]\)"):
+        list(documents_from_tokens(torch.tensor([[1, 9], [2, 3]]), eod=9))  # integer but 2-D
+
+
+def test_packs_end_each_document_with_the_eod_id_given():
+    # [1, 2] + 99, [3] + 99: five tokens, one full pack of 5, documents of 3 and 2 tokens
+    (pack,) = pack_documents([torch.tensor([1, 2]), torch.tensor([3])], 5, eod=99)
+    assert pack.tokens.tolist() == [1, 2, 99, 3, 99] and pack.cu_seqlens.tolist() == [0, 3, 5]
+
+
+def test_stdlib_documents_are_the_non_empty_standard_library_files_in_sorted_path_order():
+    from cpref.packing import _stdlib_files
+
+    files = _stdlib_files()
+    assert list(files) == sorted(files)
+    assert not any("site-packages" in p.parts for p in files)  # third-party packages are not the standard library
+    assert all(p.stat().st_size > 0 for p in files)
+    docs = list(stdlib_documents(limit=3))
+    assert [d.tolist() for d in docs] == [list(p.read_bytes()) for p in files[:3]]  # from the first file on

@@ -7,16 +7,26 @@ The bf16 runs use lr 1e-3: at 3e-3 these tiny models are in a regime where one b
 of 2^-9 grows into a percent of gradient norm within a few steps. There all-gather, whose
 dK/dV are rounded twice (before its bf16 reduce-scatter, as on NCCL/HCCL, and after), drifts
 1.2% at one step, the other modes 0.1%; at 1e-3 every mode stays within 5e-4.
+
+Parity between runs cannot see a mistake every run makes alike (a loss scaled by 2, no clipping),
+so the loop's own values are also checked exactly, on a bias-only model whose loss and gradient
+are known in closed form; with which packs a step takes and the argument checks.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import cpref
-from cpref.training import TrainConfig
+from cpref.comm import SingleRank
+from cpref.errors import CPInputError
+from cpref.training import PackSource, StepStats, Topology, TrainConfig, step_packs, train
+from sim import SimCluster
 from sim.train import RunSpec, run_sim
 
 FAMILIES = ("gpt2", "llama", "qwen3")
@@ -84,3 +94,114 @@ def test_bf16_loss_and_grad_norm_match_cp1_within_1e_2(family, mode, topology):
     cp, dp, _ = TOPOLOGIES[topology]
     got = [(s.loss, s.grad_norm) for s in run_sim(spec(family, cp, dp, mode, "zigzag", bf16=True))]
     assert_parity(got, reference(family, True), 1e-2)
+
+
+# --- the loop's exact values, on a model whose loss and gradient are known in closed form ---
+
+V = 257  # byte vocabulary and EOD (id 256)
+
+
+class BiasOnly(torch.nn.Module):
+    """Logits = one learnt bias for every token: at bias 0 every token's loss is ln V, and the
+    gradient of the mean loss is d/db_j = 1/V - (loss tokens labelled j) / (loss tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.zeros(V))
+
+    def forward(self, tokens, position_ids, ctx):
+        return self.b.expand(len(tokens), V)
+
+
+def fifteen_fives():
+    """One document of 15 tokens `5`; with its EOD, 16 tokens: pack 0 = 5 x 8 (a cut piece: its
+    last token predicts nothing, 7 loss tokens labelled 5), pack 1 = 5 x 7 + EOD (6 labelled 5,
+    one labelled EOD, the EOD itself predicts nothing). The step's 14 loss tokens: 13 x 5, 1 x EOD."""
+    return iter([torch.full((15,), 5)])
+
+
+GRAD = [1 / V] * V
+GRAD[5], GRAD[256] = 1 / V - 13 / 14, 1 / V - 1 / 14
+NORM = math.sqrt(sum(g * g for g in GRAD))  # about 0.93
+
+
+def one_step_dp2_cp2(grad_clip):
+    def rank_fn(world):
+        topo = Topology(world.split([[0, 1], [2, 3]]), world, world.rank // 2, 2)
+        model = BiasOnly()
+        config = TrainConfig(mode="p2p", layout="zigzag", micro_batches=1, grad_clip=grad_clip)
+        (stats,) = train(model, torch.optim.SGD(model.parameters(), lr=1.0), PackSource(fifteen_fives, 8), topo, config, 1)
+        return stats, model.b.detach().clone()
+
+    return SimCluster(4, timeout=60.0).run(rank_fn)
+
+
+def test_a_step_reports_the_mean_loss_over_every_loss_token_and_the_global_gradient_norm():
+    for stats, b in one_step_dp2_cp2(grad_clip=None):
+        assert stats.loss == pytest.approx(math.log(V), rel=1e-6)  # uniform logits: ln V per token
+        assert stats.grad_norm == pytest.approx(NORM, rel=1e-6)
+        assert stats.tokens == 16  # both replicas' packs of 8
+        assert b.tolist() == pytest.approx([-g for g in GRAD], rel=1e-5, abs=1e-8)  # SGD lr 1: b = -grad
+
+
+def test_gradients_are_scaled_to_the_clip_when_the_global_norm_exceeds_it():
+    for stats, b in one_step_dp2_cp2(grad_clip=0.5):
+        assert stats.grad_norm == pytest.approx(NORM, rel=1e-6)  # the norm before clipping
+        assert b.tolist() == pytest.approx([-g * 0.5 / NORM for g in GRAD], rel=1e-5, abs=1e-8)
+
+
+def test_the_packs_of_a_step_are_the_next_dp_times_micro_batches_split_disjointly():
+    topos = [Topology(SingleRank(), SimpleNamespace(size=2), r, 2) for r in (0, 1)]
+    mine = [step_packs(range(100), 1, t, 2) for t in topos]  # step 1 of 2 x 2 packs a step: packs 4..7
+    assert sorted(mine[0] + mine[1]) == [4, 5, 6, 7]
+
+
+def test_training_from_a_start_step_takes_that_steps_packs_and_reports_its_number():
+    asked = []
+
+    class Recording(PackSource):
+        def __getitem__(self, n):
+            asked.append(n)
+            return super().__getitem__(n)
+
+    source = Recording(lambda: iter([torch.full((100,), 5)]), 8)  # 101 tokens: 12 packs
+    model = BiasOnly()
+    stats = train(model, torch.optim.SGD(model.parameters(), lr=0.1), source, Topology.single(), TrainConfig(micro_batches=2), 3, start=1)
+    assert [s.step for s in stats] == [1, 2] and asked == [2, 3, 4, 5]  # steps 1 and 2: packs 2, 3 then 4, 5
+
+
+def test_tokens_per_second_is_tokens_over_seconds_and_infinite_for_a_zero_time():
+    assert StepStats(0, 1.0, 1.0, 16, 2.0).tokens_per_s == 8.0
+    assert StepStats(0, 1.0, 1.0, 16, 0.0).tokens_per_s == float("inf")
+
+
+def test_a_parameter_no_pack_reaches_takes_part_in_the_sum_as_zeros():
+    class WithUnused(BiasOnly):
+        def __init__(self):
+            super().__init__()
+            self.unused = torch.nn.Parameter(torch.ones(3))  # never in the graph: its grad stays None
+
+    def rank_fn(world):
+        topo = Topology(world, world)  # CP = 2, no DP
+        model = WithUnused()
+        train(model, torch.optim.SGD(model.parameters(), lr=1.0), PackSource(fifteen_fives, 8), topo, TrainConfig(mode="p2p"), 1)
+        return model.unused.grad.tolist(), model.unused.detach().tolist()
+
+    assert SimCluster(2, timeout=60.0).run(rank_fn) == [([0.0] * 3, [1.0] * 3)] * 2
+
+
+def test_a_topology_and_a_config_that_cannot_be_are_refused():
+    cp2, world4 = SimpleNamespace(size=2), SimpleNamespace(size=4)
+    with pytest.raises(CPInputError, match=r"world has 4 ranks but dp_size 1 x cp 2 = 2"):
+        Topology(cp2, world4)
+    with pytest.raises(CPInputError, match=r"dp_rank=2 is outside \[0, 2\)"):
+        Topology(cp2, world4, dp_rank=2, dp_size=2)
+    with pytest.raises(CPInputError, match=r"lr must be a positive number, got 0"):
+        TrainConfig(lr=0)
+    with pytest.raises(CPInputError, match=r"micro_batches=0 is outside \[1, inf\)"):
+        TrainConfig(micro_batches=0)
+
+
+def test_a_pack_source_makes_packs_of_the_size_asked():
+    source = PackSource(lambda: iter([torch.arange(20)]), 8)  # 21 tokens with the EOD: packs 0..7, 8..15
+    assert [source[n].tokens.tolist() for n in (0, 1)] == [list(range(8)), list(range(8, 16))]
