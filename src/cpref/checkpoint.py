@@ -127,10 +127,16 @@ def read_meta(directory: str | Path) -> CheckpointMeta:
         record = json.loads((directory / "meta.json").read_text())
     except (OSError, ValueError) as exc:
         raise CPInputError(f"checkpoint {directory}: no readable meta.json ({type(exc).__name__}: {exc})") from None
-    if record.pop("format", None) != FORMAT:
+    if not isinstance(record, dict) or record.pop("format", None) != FORMAT:
         raise CPInputError(f"checkpoint {directory}: not a {FORMAT} checkpoint")
-    if record.pop("sha256") != _digest(directory):
+    if record.pop("sha256", None) != _digest(directory):
         raise CPInputError(f"checkpoint {directory}: its files do not match the SHA-256 sums in meta.json (corrupt or edited)")
+    fields = set(CheckpointMeta.__dataclass_fields__)
+    if set(record) != fields:
+        raise CPInputError(
+            f"checkpoint {directory}: meta.json has the fields {sorted(record)}, expected {sorted(fields)} "
+            "(written by another version of cpref, or edited)"
+        )
     return CheckpointMeta(**record)
 
 

@@ -150,6 +150,22 @@ def test_a_checkpoint_of_another_format_is_refused(tmp_path):
         read_meta(path)
 
 
+def test_a_meta_json_missing_or_adding_fields_is_refused_naming_them(tmp_path):
+    """meta.json is read into CheckpointMeta: a missing SHA-256 sum is a mismatch, and a missing or
+    unknown field is named (not a KeyError or TypeError from deep inside)."""
+    path = save_one_rank(tmp_path / "ckpt")
+    record = json.loads((path / "meta.json").read_text())
+    for broken, match in (
+        ({k: v for k, v in record.items() if k != "sha256"}, "do not match the SHA-256 sums"),
+        ({k: v for k, v in record.items() if k != "step"}, r"has the fields \['cp', 'dp', .*expected .*'step'"),
+        ({**record, "seed": 1}, r"has the fields .*'seed'"),
+        ([record], "not a cpref-checkpoint/1 checkpoint"),
+    ):
+        (path / "meta.json").write_text(json.dumps(broken))  # meta.json is not under the sums
+        with pytest.raises(CPInputError, match=match):
+            read_meta(path)
+
+
 def test_the_model_mismatch_names_only_the_settings_that_differ(tmp_path):
     path = save_one_rank(tmp_path / "ckpt")
     model, opt, before = fresh()
