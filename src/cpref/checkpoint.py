@@ -21,7 +21,6 @@ shape before it touches the model or the optimizer.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import shutil
 from dataclasses import dataclass

@@ -11,7 +11,7 @@ import cpref
 from cpref.errors import CPInputError
 from sim.cluster import SimCluster
 from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
-from tests.helpers import TOL, assert_close, cu_from_lengths, only_the_comparison, random_qkv
+from tests.helpers import assert_close, cu_from_lengths, only_the_comparison, random_qkv
 
 HEADS = {  # name: (Hq, Hkv, D, Dv)
     "mha": (4, 4, 16, 16),
