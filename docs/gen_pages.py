@@ -57,6 +57,7 @@ GUIDE = [
     ("training.md", "The training step", "cpref.training"),
     ("train.md", "Train a model with CP", "sim.train"),
     ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
+    ("checkpoint-files.md", "Where checkpoints live", "cpref.checkpoint_files"),
     ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
     ("backend-facts.md", "What each backend can do", "cpref.backends.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.verify"),

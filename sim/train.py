@@ -45,16 +45,33 @@ and DP 2 x CP 2, against CP = 1: within 1e-5 (fp32), and 1e-2 under bf16 autocas
 ## Checkpoints, and resuming at another CP size
 
 ```bash
-.venv/bin/python -m sim train --cp 2 --steps 10 --save ckpt
-.venv/bin/python -m sim train --cp 4 --mode a2a --steps 20 --resume ckpt
+.venv/bin/python -m sim train --cp 2 --steps 10 --save ckpt --save-every 2
+.venv/bin/python -m sim train --cp 4 --mode a2a --steps 20 --resume ckpt --save ckpt
 ```
 
-The first run writes a checkpoint after step 10 (`torch.save` on the simulated cluster,
-`torch.distributed.checkpoint` with `--backend gloo`); the second continues at step 10 on 4
-ranks, in another mode, exactly as the first run would have continued (tested step for step).
-CP splits the sequence, never the parameters, so a checkpoint fits any CP size; it is refused,
-with the reason, if the model or the packs per step (`dp x micro_batches`) differ, or if its
-files do not match their SHA-256 sums ([Checkpoints](checkpoint.md)).
+The first run writes a checkpoint after every second step and after the last (`torch.save` on
+the simulated cluster, `torch.distributed.checkpoint` with `--backend gloo`), so a crash loses
+at most two steps; the second continues at step 10 on 4 ranks, in another mode, exactly as the
+first run would have continued (tested step for step, and bit for bit after a `kill -9` at a
+random step on gloo). CP splits the sequence, never the parameters, so a checkpoint fits any
+CP size, and either backend's checkpoint resumes on the other ([Checkpoints](checkpoint.md)).
+
+Everything that could go wrong with the checkpoints is refused **before the first step**, with
+the path or setting, both values and the fix:
+
+- `--save` into a directory that is neither empty nor a cpref checkpoint, next to a `DIR.tmp`
+  or `DIR.old` that cpref did not write, or onto the current directory
+  ([where checkpoints live](checkpoint-files.md));
+- `--save` onto a checkpoint at a later step than this run's first save (a step never moves
+  back; `--overwrite` replaces it deliberately);
+- `--resume` with `--steps` at or below the checkpoint's step (nothing to train);
+- `--resume` of another model, other packs per step (`dp x micro_batches`), or other settings
+  (`--lr`, `--pack-tokens`, clipping, `--dtype`): `--override lr` (repeatable) trains on with this
+  run's value and prints what it overrode;
+- a checkpoint whose files or `meta.json` fields do not match their SHA-256 sums, naming them.
+
+After a save interrupted between its renames, `--resume DIR` takes the newest complete
+checkpoint of `DIR`, `DIR.tmp` and `DIR.old`, and says which.
 """
 
 from __future__ import annotations
@@ -67,10 +84,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 import cpref
-from cpref.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from cpref.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
 from cpref.models import CausalLM, ModelConfig
 from cpref.packing import BYTE_VOCAB, stdlib_documents
-from cpref.training import PackSource, StepStats, Topology, TrainConfig, train
+from cpref.errors import CPInputError
+from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, train
 
 __all__ = ["RunSpec", "PRESETS", "run_rank", "run_sim", "main"]
 
@@ -102,17 +120,52 @@ class RunSpec:
     train: TrainConfig = field(default_factory=TrainConfig)
     save: str | None = None
     resume: str | None = None
+    save_every: int | None = None  # also save after every N steps (a crash loses at most N)
+    override: tuple[str, ...] = ()  # settings that may differ from the resumed checkpoint's
+    overwrite: bool = False  # allow replacing a checkpoint at a later step
     documents: Callable[[], Iterator[torch.Tensor]] = short_documents
 
     def model_config(self) -> ModelConfig:
         """The preset of `model`, over the byte-level vocabulary."""
         return ModelConfig(vocab_size=BYTE_VOCAB, **PRESETS[self.model])
 
+    def settings(self) -> dict:
+        """The settings that change the training run (a resumed run must match them, or override them)."""
+        t = self.train
+        return {"lr": t.lr, "grad_clip": t.grad_clip, "bf16": t.bf16, "pack_tokens": self.pack_tokens}
+
     def meta(self, step: int) -> CheckpointMeta:
         """What a checkpoint of this run at `step` records."""
         c = self.model_config()
         return CheckpointMeta(step, self.dp, self.cp, self.train.mode, self.train.layout, self.train.micro_batches,
-                              {k: v for k, v in c.__dict__.items()})  # fmt: skip
+                              {k: v for k, v in c.__dict__.items()}, self.settings())  # fmt: skip
+
+
+def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
+    """Everything about the checkpoints of a run that can be refused before it starts (pure reads,
+    the same on every rank): `(checkpoint to resume from or None, lines to print)`.
+
+    Raises:
+        CPInputError: a resume with nothing to train or that does not fit this run, or a save target
+            that holds foreign files or a later checkpoint.
+    """
+    notes, start, found = [], 0, None
+    if spec.resume:
+        path, meta, note = find_checkpoint(spec.resume)
+        notes += [note] if note else []
+        if spec.steps <= meta.step:
+            raise CPInputError(f"checkpoint {path} is at step {meta.step} and --steps {spec.steps} is at or below it: "
+                               f"nothing to train; pass --steps greater than {meta.step}")  # fmt: skip
+        check_fits(meta, spec.meta(0), spec.override, str(path))
+        notes += [f"overriding {line}" for line in overridden(meta, spec.meta(0), spec.override)]
+        start, found = meta.step, path
+    elif spec.override:
+        raise CPInputError(f"--override {' '.join(spec.override)} without --resume: there is no checkpoint to differ from")
+    if spec.save:
+        plan = Checkpointing(spec.save, spec.meta, spec.save_every)
+        saves = [d for d in range(start + 1, spec.steps + 1) if plan.due(d, spec.steps)]
+        check_save(spec.save, saves[0], overwrite=spec.overwrite)
+    return found, notes
 
 
 def topology(world: Any, spec: RunSpec) -> Topology:
@@ -127,25 +180,26 @@ def topology(world: Any, spec: RunSpec) -> Topology:
 
 def run_rank(world: Any, spec: RunSpec, payload: Any = None, on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:
     """Everything one rank does: topology, model, optimizer, data, (resume,) train, (save)."""
+    resume, _ = preflight(spec)  # before any communication: every rank refuses alike
     topo = topology(world, spec)
     model = CausalLM(spec.model_config(), seed=spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr)
     start = 0
-    if spec.resume:
-        start = load_checkpoint(spec.resume, model, optimizer, expect=spec.meta(0), payload=payload).step
+    if resume is not None:
+        start = load_checkpoint(resume, model, optimizer, expect=spec.meta(0), payload=payload, override=spec.override).step
     source = PackSource(spec.documents, spec.pack_tokens)
-    stats = train(model, optimizer, source, topo, spec.train, spec.steps, start=start,
-                  on_step=on_step if world.rank == 0 else None)  # fmt: skip
-    if spec.save:
-        save_checkpoint(spec.save, model, optimizer, spec.meta(spec.steps), world, payload)
-    return stats
+    plan = Checkpointing(spec.save, spec.meta, spec.save_every, payload, spec.overwrite) if spec.save else None
+    return train(model, optimizer, source, topo, spec.train, spec.steps, start=start,
+                 on_step=on_step if world.rank == 0 else None, checkpoint=plan)  # fmt: skip
 
 
 def run_sim(spec: RunSpec, on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:
     """The run on the simulated cluster (one process); rank 0's stats."""
+    from cpref.backends.checkpoint import LocalPayload
     from sim import SimCluster
 
-    return SimCluster(spec.dp * spec.cp, timeout=600.0).run(lambda world: run_rank(world, spec, on_step=on_step))[0]
+    payload = LocalPayload()  # writes state.pt once, reads a gloo run's dcp/ too
+    return SimCluster(spec.dp * spec.cp, timeout=600.0).run(lambda world: run_rank(world, spec, payload, on_step))[0]
 
 
 def _gloo_rank(spec: RunSpec) -> list[StepStats]:
@@ -176,18 +230,30 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
     p.add_argument("--backend", choices=["sim", "gloo"], default="sim")
     p.add_argument("--strided", action="store_true", help="CP groups of non-consecutive ranks")
     p.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    p.add_argument("--save-every", type=int, default=None, metavar="N", help="also save after every N steps")
     p.add_argument("--resume", default=None, help="continue from this checkpoint")
+    p.add_argument("--override", action="append", default=[], choices=sorted(RunSpec().settings()),
+                   help="on --resume, let this setting differ from the checkpoint's (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="let --save replace a checkpoint at a later step")
     a = p.parse_args(argv)
     options = {"a2a_size": a.a2a_size if a.a2a_size else (2 if a.cp % 2 == 0 else 1)} if a.mode == "a2a+p2p" else {}
     config = TrainConfig(mode=a.mode, layout=a.layout, options=options, micro_batches=a.micro_batches, lr=a.lr,
                          bf16=a.dtype == "bf16")  # fmt: skip
-    spec = RunSpec(a.model, a.cp, a.dp, a.steps, a.pack_tokens, strided=a.strided, train=config, save=a.save, resume=a.resume)
+    spec = RunSpec(a.model, a.cp, a.dp, a.steps, a.pack_tokens, strided=a.strided, train=config, save=a.save,
+                   resume=a.resume, save_every=a.save_every, override=tuple(a.override), overwrite=a.overwrite)  # fmt: skip
     return spec, a.backend
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -> int:
     """Run the training the arguments describe; rank 0 prints one line per step."""
     spec, backend = parse(argv, prog)
+    try:
+        _, notes = preflight(spec)  # refused here, before any process starts or step trains
+    except CPInputError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line, file=sys.stderr)
     print(f"training {spec.model} with {spec.train.mode}/{spec.train.layout} at DP {spec.dp} x CP {spec.cp} "
           f"on {backend}, {spec.pack_tokens}-token packs", file=sys.stderr)  # fmt: skip
     if backend == "sim":

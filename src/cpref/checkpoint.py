@@ -1,44 +1,68 @@
 """Checkpoints that resume a run exactly, at another CP size if need be.
 
 A checkpoint is a directory: `meta.json` (what the run was: step, DP and CP sizes, mode,
-layout, micro-batches, the model config, and a SHA-256 of every payload file) and the
-payload: the model's and the optimizer's state and the RNG state. Under CP every rank holds
-the same replica, so the payload is written **once**: by rank 0 with `torch.save` on the
-simulated cluster (`TorchPayload`), or with `torch.distributed.checkpoint` on real process
-groups (`cpref.backends.checkpoint.DcpPayload`, which writes each replicated tensor once).
+layout, micro-batches, the model config, the training settings, the payload format, and
+SHA-256 sums of every payload file and of every one of these fields) and the payload: the
+model's and the optimizer's state and the RNG state. Under CP every rank holds the same
+replica, so the payload is written **once**: by rank 0 with `torch.save` on the simulated
+cluster (`TorchPayload`, format `"torch"`), or with `torch.distributed.checkpoint` on real
+process groups (`cpref.backends.checkpoint.DcpPayload`, format `"dcp"`). A payload says which
+formats it reads (`formats`): `DcpPayload` reads both, and so does the simulated cluster's
+`cpref.backends.checkpoint.LocalPayload`, so a simulated-cluster checkpoint resumes on gloo and
+the other way round; a payload that cannot read a checkpoint's format is refused naming both.
 
 **Resuming at another CP size** needs nothing special: CP splits the sequence, never the
 parameters, so the same state fits any `cp` (and any mode or layout). What must match is the
 model (its config, hence every shape) and the number of packs per step (`dp x micro_batches`),
-because the data position is counted in steps: a checkpoint that does not fit is refused with
-an error naming what differs, before anything is loaded.
+because the data position is counted in steps; and every training setting that changes the run
+(`settings`: learning rate, clipping, precision, pack size) matches, or is named in
+`override`. A checkpoint that does not fit is refused before anything is loaded, with an error
+naming each setting and both values.
 
-**Nothing is overwritten by a failure.** A checkpoint is written to `<dir>.tmp` and renamed into
-place only when complete; loading checks the SHA-256 of every payload file and every tensor
-shape before it touches the model or the optimizer.
+**Nothing is overwritten by a failure, nothing foreign is deleted** ([where checkpoints
+live](checkpoint-files.md)): a save writes `DIR.tmp` and swaps it into place, replaces only an
+empty directory or a cpref checkpoint, and never moves a checkpoint's step backwards unless
+told to (`overwrite=True`). Loading checks the SHA-256 sum of every file and every field of
+`meta.json`, naming the first that differs, and every tensor shape, before it touches the
+model or the optimizer.
+
+**Loading never runs code from the checkpoint.** `meta.json` is JSON; `state.pt` and `rng.pt`
+are read with `torch.load(weights_only=True)`; a DCP checkpoint's `.metadata` is read by an
+unpickler that admits only the classes DCP's metadata is made of, and its non-tensor items
+with `weights_only=True` (`cpref.backends.checkpoint`). The sums are no defence against a
+deliberate edit (anyone can recompute them); the restricted readers are.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol
 
 import torch
 
+from cpref import checkpoint_files as files
 from cpref.errors import CPInputError
 
-__all__ = ["CheckpointMeta", "Payload", "TorchPayload", "save_checkpoint", "load_checkpoint", "read_meta"]
+__all__ = ["CheckpointMeta", "Payload", "TorchPayload", "save_checkpoint", "load_checkpoint", "read_meta",
+           "find_checkpoint", "check_save"]  # fmt: skip
 
-FORMAT = "cpref-checkpoint/1"
+FORMAT = "cpref-checkpoint/2"
 
 
 @dataclass(frozen=True)
 class CheckpointMeta:
-    """What a checkpoint records about its run (`meta.json`)."""
+    """What a checkpoint records about its run (`meta.json`).
+
+    Attributes:
+        step: steps trained; a resumed run starts at this step.
+        dp, cp, mode, layout, micro_batches: how it was trained (`cp`, `mode`, `layout` may change on resume).
+        model: the model config (every shape follows from it).
+        settings: the training settings that change the run, e.g. `{"lr": 3e-3, "pack_tokens": 512}`.
+        payload: the payload format, `"torch"` or `"dcp"`.
+    """
 
     step: int
     dp: int
@@ -47,6 +71,8 @@ class CheckpointMeta:
     layout: str
     micro_batches: int
     model: dict
+    settings: dict = field(default_factory=dict)
+    payload: str = "torch"
 
     @property
     def packs_per_step(self) -> int:
@@ -56,6 +82,9 @@ class CheckpointMeta:
 
 class Payload(Protocol):
     """How the model's and optimizer's state are written and read (collective over the world group)."""
+
+    name: str  # the format it writes: "torch" or "dcp"
+    formats: tuple[str, ...]  # the formats its `load` reads
 
     def save(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: Any) -> None:
         """Write the model's and optimizer's state into `directory` (every rank of `world` calls it)."""
@@ -69,6 +98,9 @@ class Payload(Protocol):
 class TorchPayload:
     """`torch.save` by world rank 0 (the simulated cluster, or one process); `weights_only` loading."""
 
+    name = "torch"
+    formats = ("torch",)
+
     def save(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: Any) -> None:
         """Rank 0 writes `state.pt`; the other ranks only wait for it."""
         if world.rank == 0:
@@ -76,10 +108,7 @@ class TorchPayload:
 
     def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Read `state.pt` with `weights_only=True` (no code runs from a checkpoint), check every shape, load."""
-        try:
-            state = torch.load(directory / "state.pt", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file
-            raise CPInputError(f"checkpoint {directory}: state.pt cannot be read ({type(exc).__name__}: {exc})") from None
+        state = _load_weights(directory, "state.pt")
         for name, tensor in model.state_dict().items():
             got = state["model"].get(name)
             if got is None or got.shape != tensor.shape:
@@ -89,75 +118,186 @@ class TorchPayload:
         optimizer.load_state_dict(state["optimizer"])
 
 
-def _digest(directory: Path) -> dict[str, str]:
-    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "meta.json"}  # fmt: skip
+def _load_weights(directory: Path, name: str) -> Any:
+    try:
+        return torch.load(directory / name, weights_only=True)
+    except Exception as exc:  # a truncated or foreign file, or one that would run code
+        raise CPInputError(f"checkpoint {directory}: {name} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+FORMATS = {"torch": "torch.save, written on the simulated cluster or one process",
+           "dcp": "torch.distributed.checkpoint, written on real process groups"}  # fmt: skip
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sums(directory: Path) -> dict[str, str]:
+    return {p.relative_to(directory).as_posix(): _sha(p.read_bytes()) for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name not in ("meta.json", files.MARK)}  # fmt: skip
+
+
+def _field_sums(record: dict) -> dict[str, str]:
+    return {k: _sha(json.dumps(v, sort_keys=True).encode()) for k, v in record.items()}
 
 
 def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: CheckpointMeta,
-                    world: Any, payload: Payload | None = None) -> Path:  # fmt: skip
-    """Write a checkpoint of this replica (collective over `world`); returns its directory."""
-    directory, payload = Path(directory), payload or TorchPayload()
-    tmp = directory.with_name(directory.name + ".tmp")
+                    world: Any, payload: Payload | None = None, *, overwrite: bool = False) -> Path:  # fmt: skip
+    """Write a checkpoint of this replica (collective over `world`); returns its directory.
+
+    Raises:
+        CPInputError: on every rank alike, before anything is written, if `directory` holds
+            anything but cpref's own files, or a checkpoint at `meta.step` or later (unless
+            `overwrite`), see [`check_save`][cpref.checkpoint.check_save].
+    """
+    payload = payload or TorchPayload()
+    path = check_save(directory, meta.step, overwrite=overwrite)
+    world.barrier()  # every rank has checked before rank 0 changes anything
     if world.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        files.recover(path, lambda p: read_meta(p).step)
+        files.claim(path)
     world.barrier()
+    tmp = files.siblings(path)[0]
     payload.save(tmp, model, optimizer, world)
     if world.rank == 0:
         torch.save(torch.get_rng_state(), tmp / "rng.pt")  # every replica draws the same numbers
     world.barrier()
     if world.rank == 0:
-        record = {"format": FORMAT, **meta.__dict__, "sha256": _digest(tmp)}
-        (tmp / "meta.json").write_text(json.dumps(record, indent=1, sort_keys=True))
-        old = directory.with_name(directory.name + ".old")
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)  # the new checkpoint appears complete, or not at all
-        shutil.rmtree(old, ignore_errors=True)
+        record = {**asdict(meta), "payload": payload.name}
+        sums = {"format": FORMAT, "sha256": _file_sums(tmp), "fields_sha256": _field_sums(record)}
+        (tmp / "meta.json").write_text(json.dumps({**record, **sums}, indent=1, sort_keys=True))
+        files.swap(path)
     world.barrier()
-    return directory
+    return path
+
+
+def check_save(directory: str | Path, first_step: int, *, overwrite: bool = False) -> Path:
+    """Refuse a save target before training: foreign files there, or a checkpoint at `first_step` or later.
+
+    Pure reads, the same on every rank. Returns the resolved directory.
+    """
+    path = files.check_target(directory)
+    newest = max((read_meta(p).step for p in (path, *files.siblings(path)) if _complete(p)), default=None)
+    if newest is not None and newest >= first_step and not overwrite:
+        raise CPInputError(
+            f"{path} holds a checkpoint at step {newest}; saving step {first_step} there would move it back. "
+            f"Resume from it (--resume {path}) and train past step {newest}, save elsewhere, or replace it "
+            "deliberately (--overwrite, overwrite=True)"
+        )
+    return path
+
+
+def _complete(path: Path) -> bool:
+    try:
+        read_meta(path)
+    except CPInputError:
+        return False
+    return True
 
 
 def read_meta(directory: str | Path) -> CheckpointMeta:
-    """The metadata of a checkpoint, checked for format and payload integrity."""
+    """The metadata of a checkpoint, checked for format and for the integrity of its fields and files.
+
+    Raises:
+        CPInputError: naming the field or file whose SHA-256 sum differs, a missing or unknown
+            field, or another format.
+    """
     directory = Path(directory)
     try:
         record = json.loads((directory / "meta.json").read_text())
     except (OSError, ValueError) as exc:
         raise CPInputError(f"checkpoint {directory}: no readable meta.json ({type(exc).__name__}: {exc})") from None
-    if not isinstance(record, dict) or record.pop("format", None) != FORMAT:
-        raise CPInputError(f"checkpoint {directory}: not a {FORMAT} checkpoint")
-    if record.pop("sha256", None) != _digest(directory):
-        raise CPInputError(f"checkpoint {directory}: its files do not match the SHA-256 sums in meta.json (corrupt or edited)")
-    fields = set(CheckpointMeta.__dataclass_fields__)
-    if set(record) != fields:
-        raise CPInputError(
-            f"checkpoint {directory}: meta.json has the fields {sorted(record)}, expected {sorted(fields)} "
-            "(written by another version of cpref, or edited)"
-        )
+    fmt = record.pop("format", None) if isinstance(record, dict) else None
+    if fmt != FORMAT:
+        raise CPInputError(f"checkpoint {directory}: not a {FORMAT} checkpoint (its meta.json says format {fmt!r})")
+    file_sums, field_sums = record.pop("sha256", None), record.pop("fields_sha256", None)
+    if not isinstance(file_sums, dict) or not isinstance(field_sums, dict):
+        raise CPInputError(f"checkpoint {directory}: meta.json has no SHA-256 sums (edited, or not written by cpref)")
+    names = {f.name for f in fields(CheckpointMeta)}
+    if set(record) != names:
+        raise CPInputError(f"checkpoint {directory}: meta.json has the fields {sorted(record)}, expected {sorted(names)} "
+                           "(written by another version of cpref, or edited)")  # fmt: skip
+    _compare_sums(directory, "meta.json field", field_sums, _field_sums(record))
+    _compare_sums(directory, "file", file_sums, _file_sums(directory))
     return CheckpointMeta(**record)
 
 
+def _compare_sums(directory: Path, what: str, recorded: dict, actual: dict) -> None:
+    differ = sorted(k for k in set(recorded) | set(actual) if recorded.get(k) != actual.get(k))
+    if differ:
+        how = {k: "missing" if k not in actual else "not in the sums" if k not in recorded else "SHA-256 differs"
+               for k in differ}  # fmt: skip
+        raise CPInputError(
+            f"checkpoint {directory}: its {what}s do not match the SHA-256 sums in meta.json (corrupt or edited): "
+            + ", ".join(f"{k} ({v})" for k, v in how.items())
+        )
+
+
+def find_checkpoint(directory: str | Path) -> tuple[Path, CheckpointMeta, str | None]:
+    """The complete checkpoint at `directory`, or its newest complete sibling after an interrupted save.
+
+    Returns `(path, meta, note)`; `note` says which sibling was chosen and why (None for `directory`).
+    """
+    path, note = files.find(directory, lambda p: read_meta(p).step)
+    return path, read_meta(path), note
+
+
 def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    expect: CheckpointMeta, payload: Payload | None = None) -> CheckpointMeta:  # fmt: skip
+                    expect: CheckpointMeta, payload: Payload | None = None,
+                    override: Collection[str] = ()) -> CheckpointMeta:  # fmt: skip
     """Restore model, optimizer and RNG from a checkpoint that fits the run `expect` describes.
 
+    A setting named in `override` may differ (the run's value wins: an overridden `"lr"` is set
+    in every parameter group after loading); `model` and packs per step may not.
+
     Raises:
-        CPInputError: naming the mismatch (model config, packs per step), a corrupt file or a
-            tensor of another shape; the model and optimizer are untouched then.
+        CPInputError: naming the mismatch (model config, packs per step, each setting with both
+            values), a corrupt file or a tensor of another shape; the model and optimizer are
+            untouched then.
     """
     directory, payload = Path(directory), payload or TorchPayload()
     meta = read_meta(directory)
+    check_fits(meta, expect, override, str(directory))
+    if meta.payload not in payload.formats:
+        raise CPInputError(
+            f"checkpoint {directory} holds the {meta.payload!r} format ({FORMATS.get(meta.payload, 'unknown')}); this "
+            f"run's {type(payload).__name__} reads {' and '.join(repr(f) for f in payload.formats)} only: load it with "
+            "cpref.backends.checkpoint.DcpPayload or LocalPayload, which read both"
+        )
+    payload.load(directory, model, optimizer)
+    torch.set_rng_state(_load_weights(directory, "rng.pt"))
+    if "lr" in override:
+        for group in optimizer.param_groups:
+            group["lr"] = expect.settings["lr"]
+    return meta
+
+
+def check_fits(meta: CheckpointMeta, expect: CheckpointMeta, override: Collection[str] = (), where: str = "") -> None:
+    """Raise a `CPInputError` unless the checkpoint `meta` fits the run `expect` (see `load_checkpoint`)."""
     if meta.model != expect.model:
         diff = {k: (meta.model.get(k), expect.model.get(k)) for k in set(meta.model) | set(expect.model)
                 if meta.model.get(k) != expect.model.get(k)}  # fmt: skip
-        raise CPInputError(f"checkpoint {directory} holds another model: (checkpoint, this run) differ in {diff}")
+        raise CPInputError(f"checkpoint {where} holds another model: (checkpoint, this run) differ in {diff}")
     if meta.packs_per_step != expect.packs_per_step:
         raise CPInputError(
-            f"checkpoint {directory} was written with dp x micro_batches = {meta.dp} x {meta.micro_batches} packs per step, "
+            f"checkpoint {where} was written with dp x micro_batches = {meta.dp} x {meta.micro_batches} packs per step, "
             f"this run takes {expect.dp} x {expect.micro_batches}: the data position would not carry over"
         )
-    payload.load(directory, model, optimizer)
-    torch.set_rng_state(torch.load(directory / "rng.pt", weights_only=True))
-    return meta
+    unknown = sorted(set(override) - set(expect.settings))
+    if unknown:
+        raise CPInputError(f"override names {unknown}, which are not settings; the settings are {sorted(expect.settings)}")
+    differ = [k for k in sorted(set(meta.settings) | set(expect.settings))
+              if meta.settings.get(k) != expect.settings.get(k) and k not in override]  # fmt: skip
+    if differ:
+        raise CPInputError(
+            f"checkpoint {where} was trained with other settings than this run: "
+            + "; ".join(f"{k} is {meta.settings.get(k)!r} there, {expect.settings.get(k)!r} here" for k in differ)
+            + f". Pass the checkpoint's values, or override them deliberately ({', '.join(f'--override {k}' for k in differ)})"
+        )
+
+
+def overridden(meta: CheckpointMeta, expect: CheckpointMeta, override: Collection[str]) -> list[str]:
+    """One line per overridden setting whose value changes: `lr: 0.003 (checkpoint) -> 0.001 (this run)`."""
+    return [f"{k}: {meta.settings.get(k)!r} (checkpoint) -> {expect.settings.get(k)!r} (this run)"
+            for k in sorted(override) if meta.settings.get(k) != expect.settings.get(k)]  # fmt: skip

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from cpref.checkpoint import CheckpointMeta, Payload, check_save, save_checkpoint
 from cpref.checks import as_bool, as_choice, as_int
 from cpref.comm import Collectives, SingleRank
 from cpref.data import cp_loss, get_batch_on_this_cp_rank
@@ -48,7 +49,7 @@ from cpref.errors import CPInputError
 from cpref.layout import LAYOUTS
 from cpref.packing import Pack, labels_for, pack_documents
 
-__all__ = ["Topology", "TrainConfig", "PackSource", "StepStats", "step_packs", "train_step", "train"]
+__all__ = ["Topology", "TrainConfig", "PackSource", "StepStats", "Checkpointing", "step_packs", "train_step", "train"]
 
 
 @dataclass(frozen=True)
@@ -203,14 +204,53 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
     return StepStats(step, float(loss), float(norm), tokens, time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class Checkpointing:
+    """When and where `train` saves checkpoints ([`cpref.checkpoint`][cpref.checkpoint]).
+
+    Attributes:
+        directory: the checkpoint directory (replaced by each save).
+        meta: `meta(step)`, what the checkpoint after `step` steps records.
+        every: also save after every `every` steps, so that a crash loses at most `every` steps
+            (None: only after the last step).
+        payload: how the state is written (default `TorchPayload`; `DcpPayload` on process groups).
+        overwrite: allow replacing a checkpoint at the first save's step or later.
+    """
+
+    directory: Any
+    meta: Callable[[int], CheckpointMeta]
+    every: int | None = None
+    payload: Payload | None = None
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every is not None:
+            as_int("every", self.every, lo=1)
+
+    def due(self, done: int, steps: int) -> bool:
+        """Whether to save once `done` steps (of `steps`) are trained."""
+        return done == steps or (self.every is not None and done % self.every == 0)
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: PackSource, topo: Topology,
-          config: TrainConfig, steps: int, *, start: int = 0,
-          on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:  # fmt: skip
-    """Steps `start .. steps - 1`; `on_step` sees every step's stats (e.g. to print or checkpoint)."""
+          config: TrainConfig, steps: int, *, start: int = 0, on_step: Callable[[StepStats], Any] | None = None,
+          checkpoint: Checkpointing | None = None) -> list[StepStats]:  # fmt: skip
+    """Steps `start .. steps - 1`; `on_step` sees every step's stats (e.g. to print).
+
+    With `checkpoint`, the save target is checked before the first step (on every rank alike:
+    see [`check_save`][cpref.checkpoint.check_save]) and a checkpoint is written whenever
+    `checkpoint.due(done, steps)`.
+    """
+    saves = [done for done in range(start + 1, steps + 1) if checkpoint is not None and checkpoint.due(done, steps)]
+    if saves:
+        check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite)
     stats = []
     for step in range(start, steps):
         s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step)
         stats.append(s)
         if on_step is not None:
             on_step(s)
+        if step + 1 in saves:
+            save_checkpoint(checkpoint.directory, model, optimizer, checkpoint.meta(step + 1), topo.world,
+                            checkpoint.payload, overwrite=checkpoint.overwrite)  # fmt: skip
     return stats

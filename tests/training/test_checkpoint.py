@@ -119,8 +119,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
 def test_meta_json_is_plain_data(tmp_path):
     record = json.loads((saved(tmp_path) / "meta.json").read_text())
-    assert record["format"] == "cpref-checkpoint/1" and record["model"]["family"] == "llama"
+    assert record["format"] == "cpref-checkpoint/2" and record["model"]["family"] == "llama"
     assert set(record["sha256"]) == {"state.pt", "rng.pt"}
+    assert record["payload"] == "torch" and record["settings"] == {"lr": 3e-3, "grad_clip": 1.0, "bf16": False, "pack_tokens": 64}
+    fields = {"step", "dp", "cp", "mode", "layout", "micro_batches", "model", "settings", "payload"}
+    assert set(record["fields_sha256"]) == fields and set(record) == fields | {"format", "sha256", "fields_sha256"}
 
 
 # --- save and load on one rank: what is checked, restored and left on disk (mutation run) ---
@@ -142,8 +145,8 @@ def save_one_rank(directory, step=1, dp=1, micro=2):
 def test_a_checkpoint_of_another_format_is_refused(tmp_path):
     path = save_one_rank(tmp_path / "ckpt")
     record = json.loads((path / "meta.json").read_text())
-    (path / "meta.json").write_text(json.dumps({**record, "format": "cpref-checkpoint/0"}))  # not under the SHA-256 sums
-    with pytest.raises(CPInputError, match="not a cpref-checkpoint/1 checkpoint"):
+    (path / "meta.json").write_text(json.dumps({**record, "format": "cpref-checkpoint/1"}))  # an older cpref's
+    with pytest.raises(CPInputError, match=r"not a cpref-checkpoint/2 checkpoint \(its meta.json says format 'cpref-checkpoint/1'\)"):
         read_meta(path)
     (path / "meta.json").write_text("")  # cut short: not JSON at all
     with pytest.raises(CPInputError, match=r"no readable meta.json \(JSONDecodeError"):
@@ -156,12 +159,13 @@ def test_a_meta_json_missing_or_adding_fields_is_refused_naming_them(tmp_path):
     path = save_one_rank(tmp_path / "ckpt")
     record = json.loads((path / "meta.json").read_text())
     for broken, match in (
-        ({k: v for k, v in record.items() if k != "sha256"}, "do not match the SHA-256 sums"),
+        ({k: v for k, v in record.items() if k != "sha256"}, "meta.json has no SHA-256 sums"),
+        ({k: v for k, v in record.items() if k != "fields_sha256"}, "meta.json has no SHA-256 sums"),
         ({k: v for k, v in record.items() if k != "step"}, r"has the fields \['cp', 'dp', .*expected .*'step'"),
         ({**record, "seed": 1}, r"has the fields .*'seed'"),
-        ([record], "not a cpref-checkpoint/1 checkpoint"),
+        ([record], "not a cpref-checkpoint/2 checkpoint"),
     ):
-        (path / "meta.json").write_text(json.dumps(broken))  # meta.json is not under the sums
+        (path / "meta.json").write_text(json.dumps(broken))
         with pytest.raises(CPInputError, match=match):
             read_meta(path)
 
@@ -240,8 +244,11 @@ def test_saving_again_replaces_the_checkpoint_and_leaves_nothing_beside_it(tmp_p
 
 
 def test_a_save_after_an_interrupted_one_clears_its_leftovers(tmp_path):
+    from cpref.checkpoint_files import MARK
+
     (tmp_path / "ckpt.tmp").mkdir()
-    (tmp_path / "ckpt.tmp" / "half-written.pt").write_bytes(b"\0")  # what a killed save leaves
+    (tmp_path / "ckpt.tmp" / MARK).write_text("")  # what a killed save leaves: its mark,
+    (tmp_path / "ckpt.tmp" / "half-written.pt").write_bytes(b"\0")  # and half of its payload
     save_one_rank(tmp_path / "ckpt")
     assert set(json.loads((tmp_path / "ckpt" / "meta.json").read_text())["sha256"]) == {"state.pt", "rng.pt"}
     assert read_meta(tmp_path / "ckpt").step == 1

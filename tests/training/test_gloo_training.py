@@ -36,6 +36,14 @@ def test_gloo_training_matches_the_simulated_cluster_and_resumes_from_dcp_at_ano
     assert [s.step for s in rest[0]] == [3, 4, 5]
     for step, ((loss, norm), (loss_ref, norm_ref)) in enumerate(zip(got, whole)):
         assert loss == pytest.approx(loss_ref, rel=1e-5) and norm == pytest.approx(norm_ref, rel=1e-5), step
+    # either format resumes under either payload (was: CheckpointException ranks:dict_keys([0, 1]) or a
+    # FileNotFoundError): the gloo (DCP) checkpoint on the simulated cluster, a simulated one on gloo
+    on_sim = [(s.loss, s.grad_norm) for s in run_sim(spec(2, 6, resume=str(tmp_path / "ckpt")))]
+    run_sim(spec(2, 3, save=str(tmp_path / "sim-ckpt")))
+    on_gloo = launch(gloo_rank_tiny, 2, args=(spec(2, 6, resume=str(tmp_path / "sim-ckpt")),), timeout=120)
+    for what, stats in (("dcp on sim", on_sim), ("torch on gloo", [(s.loss, s.grad_norm) for s in on_gloo[0]])):
+        for step, ((loss, norm), (loss_ref, norm_ref)) in enumerate(zip(stats, whole[3:]), start=3):
+            assert loss == pytest.approx(loss_ref, rel=1e-5) and norm == pytest.approx(norm_ref, rel=1e-5), (what, step)
 
 
 def test_the_command_prints_one_line_per_step(capsys, monkeypatch):
@@ -116,4 +124,9 @@ def test_a_dcp_payload_passes_its_process_group_and_directory_to_dcp(tmp_path, m
     payload.save(tmp_path, model, opt, None)
     payload.load(tmp_path, model, opt)
     want = {"checkpoint_id": str(tmp_path / "dcp"), "process_group": group}
-    assert calls == [("save", want), ("load", want)]
+    assert calls[0] == ("save", want)
+    (verb, load), readers = calls[1], {"storage_reader": backend.SafeReader, "planner": backend.SafePlanner}
+    assert verb == "load" and {k: load[k] for k in want} == want  # and the readers that run no code:
+    assert {k: type(load[k]) for k in readers} == readers and str(load["storage_reader"].path) == want["checkpoint_id"]
+    backend.DcpPayload(group, local=True).load(tmp_path, model, opt)  # one process alone: no group, no collective
+    assert "process_group" not in calls[2][1] and calls[2][1]["no_dist"] is True
