@@ -14,8 +14,14 @@ results = launch(my_module.check_rank, 4, timeout=30.0)   # fn: a module-level f
 processes import it by name); inside it, `cpref.backends.TorchComm()` is the world group.
 Each process runs one thread (`torch.set_num_threads(1)`, so that N ranks share N cores as
 on a cluster), binds the device of its rank when given one (`device="cuda"` or `"npu"`, for
-NCCL or HCCL), and meets the others through a `TCPStore` that the parent serves on a port the
-operating system picks (no port is guessed, so parallel launches do not collide).
+NCCL or HCCL), and meets the others through a `FileStore`: a file in a temporary folder that
+the launcher creates and removes (no port is guessed, so parallel launches do not collide).
+
+A local launch opens no socket reachable from outside the machine: the rendezvous is a file,
+and the sockets that gloo and NCCL open between the ranks are bound to the loopback interface,
+since each rank sets `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` to it (`lo`) unless the
+environment sets them already. The ranks die with the launcher: killed, even by SIGKILL, it
+takes them with it (`sim.launch_watch`), leaving only its temporary folder behind.
 
 ## Faults never hang
 
@@ -24,12 +30,22 @@ and traceback. The parent waits on all pipes at once; a pipe that closes without
 a rank that died (`os._exit`, a signal, a crash in C++), and the process's exit code says how
 ("killed by signal 9 (SIGKILL)"). After the first failure the parent collects reports for a
 short grace period, terminates the survivors, and raises `LaunchFailure`, which names the
-root cause: a rank that died if there is one, else the earliest exception (peers that lost
-it typically raise gloo's "Connection closed by peer" a moment later).
+root cause: a rank that died if there is one, else a rank that hung (below), else the
+earliest exception (peers that lost it typically raise gloo's "Connection closed by peer" a
+moment later).
 
-A rank waiting in a collective for a peer that neither calls it nor dies (a mismatched
-program) is released by the process-group `timeout`; with `check_calls=True` (the default)
-torch compares every collective's op, shapes and dtypes across the group first
+A rank waiting in a collective for a peer that neither calls it nor dies (a peer looping,
+deadlocked or asleep outside any collective, or a mismatched program) is released by the
+process-group `timeout`. When no rank died and the earliest failure is such a timeout, the
+launcher asks every rank still running for its Python stack (SIGUSR1, which `faulthandler`
+answers even in C++) before it stops it. A rank outside `torch.distributed` then never reached
+the collective that the others timed out in: it is reported as `hung`, with that stack, and is
+the root cause. A rank inside is itself waiting in a collective, and is `terminated`, its stack
+kept in its `RankFailure`. (After a real error, ranks still running are `terminated`, and
+asked nothing.)
+
+A mismatched program need not wait that long: with `check_calls=True` (the default) torch
+compares every collective's op, shapes and dtypes across the group first
 (`TORCH_DISTRIBUTED_DEBUG=DETAIL`), so mismatched calls raise "Detected mismatch between
 collectives" at once instead of returning garbage, which gloo otherwise can. It costs one
 small extra collective per call: pass `check_calls=False` for timings.
@@ -49,6 +65,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import socket
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -58,6 +76,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from sim.launch_watch import arm_stack_dump, die_with_parent, dump_stacks, in_collective, is_timeout
+
 __all__ = ["launch", "under_torchrun", "LaunchFailure", "RankFailure"]
 
 _GRACE_S = 2.0  # after the first failure, how long to collect the other ranks' reports
@@ -65,7 +85,12 @@ _GRACE_S = 2.0  # after the first failure, how long to collect the other ranks' 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """How one rank failed: it `raised`, it `died`, or the launcher `terminated` it."""
+    """How one rank failed: it `raised`, it `died`, it `hung`, or the launcher `terminated` it.
+
+    `hung` and `terminated` ranks were still running when the launcher stopped them; a `hung`
+    one's `traceback` is its Python stack then (so is a `terminated` one's, where the others
+    timed out), and `message` what the launcher inferred.
+    """
 
     rank: int
     kind: str
@@ -82,25 +107,30 @@ class RankFailure:
             return f"rank {self.rank} raised {self.exc_type}: {first}"
         if self.kind == "died":
             return f"rank {self.rank} {_exit_reason(self.exitcode)} without reporting a result"
-        return f"rank {self.rank} was terminated by the launcher after another rank failed"
+        if self.kind == "hung":
+            return f"rank {self.rank} hung: {self.message}"
+        tail = f" ({self.message})" if self.message else ""
+        return f"rank {self.rank} was terminated by the launcher after another rank failed{tail}"
 
 
 class LaunchFailure(RuntimeError):
     """Some ranks of a `launch` failed.
 
     Attributes:
-        failures: `{rank: RankFailure}` for every rank that raised, died or was terminated.
-        root: the root cause: the first rank that died, else the earliest exception.
+        failures: `{rank: RankFailure}` for every rank that raised, died, hung or was terminated.
+        root: the root cause: the first rank that died, else the lowest rank that hung, else
+            the earliest exception.
         results: `{rank: result}` of the ranks that finished.
     """
 
     def __init__(self, failures: dict[int, RankFailure], nproc: int, results: dict[int, Any]) -> None:
         self.failures, self.nproc, self.results = failures, nproc, results
         causes = [f for f in failures.values() if f.kind != "terminated"]
-        self.root = min(causes, key=lambda f: (f.kind != "died", f.at, f.rank))
+        self.root = min(causes, key=lambda f: (f.kind == "raised", f.at, f.rank))  # died and hung never meet
         lines = [f"{self.root.summary()} (of {nproc} ranks)"]
         if self.root.traceback:
-            lines += [f"traceback of rank {self.root.rank}:", self.root.traceback.rstrip()]
+            what = "stack of rank {} when the launcher stopped it" if self.root.kind == "hung" else "traceback of rank {}"
+            lines += [what.format(self.root.rank) + ":", self.root.traceback.rstrip()]
         others = [f.summary() for r, f in sorted(failures.items()) if r != self.root.rank]
         lines += (["other ranks:"] + [f"  {line}" for line in others]) if others else []
         super().__init__("\n".join(lines))
@@ -181,14 +211,18 @@ def _run_in_torchrun(fn: Callable[..., Any], args: tuple, setup: tuple) -> Any:
             dist.destroy_process_group()
 
 
-def _rank_main(payload: bytes, rank: int, nproc: int, port: int, setup: tuple, conn: Connection) -> None:
+def _rank_main(payload: bytes, rank: int, nproc: int, folder: str, setup: tuple, conn: Connection) -> None:
     """One spawned rank: join the world, run `fn`, report the result or the failure, exit."""
     backend, timeout, threads, check_calls, device = setup
     try:
+        die_with_parent()
+        arm_stack_dump(_stack_path(folder, rank))
         fn, args = pickle.loads(payload)  # here, so that a failing import is reported too
         _setup(rank, threads, check_calls, device)
+        _loopback_only()
         wait_s = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, nproc + 1, is_master=False, timeout=wait_s)
+        store = dist.FileStore(os.path.join(folder, "store"), nproc)
+        store.set_timeout(wait_s)
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=wait_s)
         # plain pickle, not multiprocessing's: torch would share tensors through this process's
         # memory, which is gone once it exits
@@ -201,41 +235,52 @@ def _rank_main(payload: bytes, rank: int, nproc: int, port: int, setup: tuple, c
     dist.destroy_process_group()
 
 
+def _loopback_only() -> None:
+    """Bind gloo's and NCCL's sockets to the loopback interface, unless the environment names one."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)  # Linux; macOS and BSD
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if loopback else ():
+        os.environ.setdefault(variable, loopback)
+
+
+def _stack_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"stack-{rank}.txt")
+
+
 def _launch_local(fn: Callable[..., Any], args: tuple, nproc: int, setup: tuple) -> list[Any]:
-    # 1) the function (unpicklable: fail here, not in N children), and the rendezvous store,
-    #    served by this process on a port the OS picks
+    # 1) the function (unpicklable: fail here, not in N children), and a folder of ours for the
+    #    rendezvous file and the ranks' stacks
     payload = pickle.dumps((fn, args))
-    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], {}
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
     finished = False
-    try:
-        # 2) one process per rank, each with a pipe back to us
-        for rank in range(nproc):
-            recv, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank_main, args=(payload, rank, nproc, store.port, setup, send),
-                               name=f"cpref-rank-{rank}", daemon=True)  # fmt: skip
-            proc.start()
-            send.close()  # the child holds the only write end: EOF means it is gone
-            procs.append(proc)
-            conns[recv] = rank
-        # 3) collect every outcome; the first failure starts the grace period
-        results, failures = _collect(conns, procs)
-        finished = not failures
-    finally:
-        # 4) no process outlives the launch: after a failure, survivors are terminated at once
-        for proc in procs:
-            _stop(proc, patience=10.0 if finished else 0.0)
-        del store
+    with tempfile.TemporaryDirectory(prefix="cpref-launch-") as folder:
+        try:
+            # 2) one process per rank, each with a pipe back to us
+            for rank in range(nproc):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_rank_main, args=(payload, rank, nproc, folder, setup, send),
+                                   name=f"cpref-rank-{rank}", daemon=True)  # fmt: skip
+                proc.start()
+                send.close()  # the child holds the only write end: EOF means it is gone
+                procs.append(proc)
+                conns[recv] = rank
+            # 3) collect every outcome; the first failure starts the grace period
+            results, failures = _collect(conns, procs, folder)
+            finished = not failures
+        finally:
+            # 4) no process outlives the launch: after a failure, survivors are terminated at once
+            for proc in procs:
+                _stop(proc, patience=10.0 if finished else 0.0)
     if failures:
         raise LaunchFailure(failures, nproc, results)
     return [results[rank] for rank in range(nproc)]
 
 
-def _collect(conns: dict[Connection, int], procs: list) -> tuple[dict[int, Any], dict[int, RankFailure]]:
-    """Wait on all pipes; return `(results, failures)`, ranks still running marked terminated."""
+def _collect(conns: dict[Connection, int], procs: list, folder: str) -> tuple[dict[int, Any], dict[int, RankFailure]]:
+    """Wait on all pipes; return `(results, failures)`, ranks still running included (`_still_running`)."""
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
     first_failure = None
@@ -258,9 +303,30 @@ def _collect(conns: dict[Connection, int], procs: list) -> tuple[dict[int, Any],
                 failures[rank] = RankFailure(rank, "raised", *report[1:4], at=report[4])
             else:
                 failures[rank] = RankFailure(rank, "died", exitcode=report[1], at=time.time())
-    for rank in conns.values():
-        failures[rank] = RankFailure(rank, "terminated", at=time.time())
+    failures.update(_still_running(failures, {rank: procs[rank].pid for rank in conns.values()}, folder))
     return results, failures
+
+
+def _still_running(failures: dict[int, RankFailure], pids: dict[int, int], folder: str) -> dict[int, RankFailure]:
+    """The ranks `{rank: pid}` still running after the grace period: `hung` where the others timed
+    out waiting for them outside any collective, else `terminated`."""
+    if not pids:
+        return {}
+    now, first = time.time(), min(failures.values(), key=lambda f: f.at)  # a failure started the grace period
+    timed_out = sorted(rank for rank, f in failures.items() if f.kind == "raised" and is_timeout(f.message))
+    if first.rank not in timed_out or any(f.kind == "died" for f in failures.values()):
+        return {rank: RankFailure(rank, "terminated", at=now) for rank in pids}  # a real error came first
+    stacks = dump_stacks(pids, {rank: _stack_path(folder, rank) for rank in pids})
+    waiters = f"rank {timed_out[0]}" if len(timed_out) == 1 else f"ranks {', '.join(map(str, timed_out))}"
+    still: dict[int, RankFailure] = {}
+    for rank in pids:
+        stack = stacks.get(rank, "")
+        if in_collective(stack):  # waiting itself, for a rank that hung
+            still[rank] = RankFailure(rank, "terminated", message="it was waiting in a collective", traceback=stack, at=now)
+        else:
+            why = f"it never reached the collective that {waiters} timed out in"
+            still[rank] = RankFailure(rank, "hung", message=why, traceback=stack, at=now)
+    return still
 
 
 def _stop(proc, patience: float) -> None:

@@ -1,11 +1,13 @@
-"""`sim.launch` on gloo: every fault ends in a clear report, fast; torchrun runs it unchanged.
+"""`sim.launch` on gloo: every fault ends in a clear report, fast; a local launch listens on
+loopback only; torchrun runs it unchanged.
 
-(That results come back by rank is checked by the one launch of `test_torch_dist.py`.)
+(That results come back by rank is checked by the one launch of `test_torch_dist.py`; that ranks
+die with a killed launcher, by `test_launch_watch.py`.)
 
 The fault tests run with a process-group timeout of 120 s and must end in under 60 s (start-up
 included, on a loaded machine), so a launcher that waited for the timeout instead of watching
-its children fails them; except the one fault only a timeout can end (a peer that neither
-calls nor dies), which runs with a 3 s timeout and must end within the grace period after it.
+its children fails them; except the faults only a timeout can end (a peer that neither calls
+nor dies), which run with a 3 s timeout and must end within the grace period after it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sim.launch import _GRACE_S, LaunchFailure, launch, under_torchrun
-from tests.backends import gloo_cases
+from tests.backends import gloo_cases, launch_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,13 +67,53 @@ def test_mismatched_pairwise_exchange_aborts_instead_of_hanging():
     assert elapsed < 60.0
 
 
-def test_a_silent_peer_ends_within_the_timeout():
-    failure, elapsed = failing_launch(gloo_cases.silent_peer, timeout=3.0)
-    assert (failure.root.rank, failure.root.kind) == (0, "raised")  # rank 0 timed out in the barrier
-    assert "3000" in failure.root.message  # after the configured 3 s (in ms)
-    assert failure.failures[1].kind == "terminated"  # the sleeping rank was stopped, not waited for
-    assert time.time() - failure.root.at < _GRACE_S + 5.0
+def test_a_silent_peer_is_named_with_its_stack():
+    """Rank 1 sleeps outside any collective; rank 0 times out in the barrier (gloo's own timeout,
+    unchecked). The root cause is rank 1, where it was, not rank 0."""
+    failure, elapsed = failing_launch(gloo_cases.silent_peer, timeout=3.0, check_calls=False)
+    assert (failure.root.rank, failure.root.kind) == (1, "hung")
+    assert str(failure).startswith("rank 1 hung: it never reached the collective that rank 0 timed out in (of 2 ranks)")
+    assert "stack of rank 1 when the launcher stopped it:" in str(failure)
+    assert "in silent_peer" in failure.root.traceback  # faulthandler's frame: its time.sleep line
+    waited = failure.failures[0]
+    assert waited.kind == "raised" and "Timed out waiting 3000ms" in waited.message  # the configured 3 s
+    assert time.time() - waited.at < _GRACE_S + 5.0  # the sleeping rank was stopped, not waited for
     assert elapsed < 60.0  # the silent rank sleeps for 120 s
+
+
+def test_a_rank_waiting_in_a_collective_is_not_the_one_that_hung():
+    """3 ranks (`launch_cases.one_never_arrives`): rank 2 hangs, rank 0 times out in the checked
+    barrier, rank 1 is still waiting for rank 2 in a receive when the launcher stops it."""
+    failure, elapsed = failing_launch(launch_cases.one_never_arrives, nproc=3, timeout=3.0)
+    assert (failure.root.rank, failure.root.kind) == (2, "hung")
+    assert "in one_never_arrives" in failure.root.traceback
+    assert "Ranks 1, 2 failed to pass monitoredBarrier in 3000 ms" in failure.failures[0].message
+    waiting = failure.failures[1]
+    assert (waiting.kind, waiting.message) == ("terminated", "it was waiting in a collective")
+    assert " in recv\n" in waiting.traceback  # torch.distributed's frame, where it waited
+    assert "rank 1 was terminated by the launcher after another rank failed (it was waiting in a collective)" in str(failure)
+    assert elapsed < 60.0
+
+
+def test_after_a_real_error_a_rank_still_running_is_terminated_not_hung():
+    failure, elapsed = failing_launch(launch_cases.raise_while_peer_sleeps)
+    assert (failure.root.rank, failure.root.kind, failure.root.exc_type) == (0, "raised", "ValueError")
+    assert (failure.failures[1].kind, failure.failures[1].traceback) == ("terminated", "")  # no stack asked for
+    assert elapsed < 60.0
+
+
+def test_a_local_launch_listens_on_loopback_only():
+    """Every listening socket of the launcher and its ranks is bound to 127.0.0.1 or ::1 (gloo's
+    own at least, so that the check can fail); the rendezvous file is gone after the launch."""
+    exposed = launch(launch_cases.what_the_launch_exposes, 2, timeout=60.0)
+    listening = {owner: addresses for rank in exposed for owner, addresses in rank["listening"].items()}
+    assert listening["rank 0"] and listening["rank 1"], listening
+    outside = [a for addresses in listening.values() for a in addresses if a.rsplit(":", 1)[0] not in ("127.0.0.1", "::1")]
+    assert outside == [], f"listening beyond loopback: {listening}"
+    # here the hostname may resolve to 127.0.0.1 anyway: that gloo was told to use loopback shows in its environment
+    assert [rank["gloo_ifname"] for rank in exposed] == [os.environ.get("GLOO_SOCKET_IFNAME", "lo")] * 2
+    store = Path(exposed[0]["store"])
+    assert store.name == "store" and not store.parent.exists()
 
 
 def test_bad_arguments_fail_before_any_process_starts():
