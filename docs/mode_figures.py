@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 import cpref
-from sim.harness import run_attention
+from sim.harness import mode_trace, run_attention
 
 
 def _load_figures():
@@ -90,7 +90,7 @@ def ring_schedule() -> Figure:
     fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 7.4), constrained_layout=True)
     for ax, layout in zip(axes, ("zigzag", "contiguous")):
         kernels, cluster, _ = _run("p2p", layout)
-        shifts = [ev for ev in cluster.trace if ev.op == "send_recv"]
+        shifts = [ev for ev in mode_trace(cluster) if ev.op == "send_recv"]
         _ring_panel(ax, kernels, layout, f"{layout}: {len(shifts)} shifts of {shifts[0].bytes_sent[0]} bytes per rank")
     fig.suptitle(f"Ring attention, P = {P}, cu_seqlens = {CU}: the block each rank computes on")
     return fig
@@ -112,7 +112,7 @@ def hierarchical_schedule() -> Figure:
     ax.set_xticks([t + 0.5 for t in range(p)], [f"ring step {t}" for t in range(p)])
     ax.set_yticks([r + 0.5 for r in range(P)], [f"rank {r} (a2a group {r // a})" for r in range(P)])
     ax.tick_params(length=0)
-    ops = sorted({ev.op for ev in cluster.trace} - {"split"})
+    ops = sorted({ev.op for ev in mode_trace(cluster)} - {"split"})
     ax.set_title(f"a2a+p2p, a2a_size = {a}: collectives {', '.join(ops)}", loc="left")
     return fig
 

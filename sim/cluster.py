@@ -214,6 +214,15 @@ class SimComm:
         """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
         return self._collective("all_gather", check_payload("all_gather", x, 1, 1), _all_gather)
 
+    def agree(self, row: Sequence[int]) -> list[list[int]]:
+        """Every rank's `row` of Python ints, in rank order: a host all-gather (`cpref.consistency`).
+
+        No tensor is made or read: the exchange models one over the CPU, which never waits for
+        an accelerator. Traced as an `all_gather` of `(1, n)` int64 with `param` `"host"`.
+        """
+        row = tuple(operator.index(v) for v in row)
+        return self._collective("all_gather", row, lambda rows: [[list(r) for r in rows]] * len(rows), "host")
+
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks (rank order) and keep chunk `rank`: `(P n, ...) -> (n, ...)`.
 
@@ -295,23 +304,27 @@ class SimComm:
         """Where this rank started ring shifts (on this group or its sub-groups) never waited on."""
         return [h.where for h in self._pending if not h.done]
 
-    def _collective(self, op: str, x: torch.Tensor | None, compute: Callable, param: str = "", shift: int = 1) -> Any:
+    def _collective(self, op: str, x: torch.Tensor | tuple | None, compute: Callable, param: str = "", shift: int = 1) -> Any:
         """Meet the group in call `#seq`; the last rank to arrive runs `compute` for all."""
         # 1) the call's signature, and this group's next sequence number
-        call = Call(op, None, None, param) if x is None else Call(op, tuple(x.shape), x.dtype, param)
+        if isinstance(x, tuple):  # a host row of ints (`agree`): an int64 (1, n) on the wire
+            call, nbytes, payload = Call(op, (1, len(x)), torch.int64, param), 8 * len(x), x
+        elif x is None:
+            call, nbytes, payload = Call(op, None, None, param), 0, None
+        else:
+            call, nbytes, payload = Call(op, tuple(x.shape), x.dtype, param), x.numel() * x.element_size(), x.detach()
         seq, self._seq = self._seq, self._seq + 1
 
         # 2) what the last rank to arrive does, once, for the whole group
         def complete(inputs: list[Any]) -> list[Any]:
             outputs = compute(inputs)
-            nbytes = 0 if x is None else x.numel() * x.element_size()
             per_rank = (traffic(op, self.size, nbytes, shift),) * self.size
             self._trace.append(CollectiveEvent(op, self.group, seq, call.dtype, call.shape, per_rank, per_rank, param))
             return outputs
 
         # 3) rendezvous; inputs are detached, as collectives carry no autograd history
         pos = Position(op, seq, self.group, self._gid)
-        return self._rdv.arrive(self.global_rank, self.rank, pos, call, None if x is None else x.detach(), complete)
+        return self._rdv.arrive(self.global_rank, self.rank, pos, call, payload, complete)
 
 
 class SimCluster:

@@ -25,7 +25,7 @@ import torch
 
 import cpref
 from sim import verify
-from sim.harness import CountingKernel, max_error, oracle_shards, run_attention, saved_bytes
+from sim.harness import CountingKernel, max_error, mode_trace, oracle_shards, run_attention, saved_bytes
 from sim.trace import summarize
 
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
@@ -77,11 +77,11 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = tor
                                              check_ranks=False, **extra)  # fmt: skip
             err = max_error(results, oracle_shards(q, k, v, dout, cu, P=P, layout=layout))
             worst = max(worst, err)
-            summary = summarize(cluster.trace)
+            summary = summarize(mode_trace(cluster))
             sent = [summary.bytes_sent[r] for r in range(P)]
             saved = saved_bytes(q, k, v, cu, P=P, mode=mode, layout=layout, check_ranks=False, **extra)
             calls = [kern.forward_calls + kern.backward_calls for kern in kernels]
-            ops = Counter(ev.op for ev in cluster.trace if 0 in ev.group and ev.op != "split")  # rank 0's calls
+            ops = Counter(ev.op for ev in mode_trace(cluster) if 0 in ev.group and ev.op != "split")  # rank 0's calls
             print(f"  {mode:<11} {layout:<11} {err:>9.2e} {_imbalance([kern.forward_work() for kern in kernels]):>13.3f} "
                   f"{_same(sent):>10} {_same(saved):>11} {_same(calls):>12}  "
                   + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))  # fmt: skip

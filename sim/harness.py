@@ -19,7 +19,7 @@ import cpref
 from sim import oracle
 from sim.cluster import SimCluster
 
-__all__ = ["CountingKernel", "run_attention", "oracle_shards", "oracle_padded", "max_error", "saved_bytes", "trace_split"]
+__all__ = ["CountingKernel", "run_attention", "oracle_shards", "oracle_padded", "max_error", "saved_bytes", "trace_split", "mode_trace"]
 
 
 class CountingKernel:
@@ -157,18 +157,25 @@ def saved_bytes(q, k, v, cu_seqlens, *, P: int, mode: str, layout: str = "zigzag
     return SimCluster(P, timeout=60.0).run(rank_fn)
 
 
+def mode_trace(cluster) -> list:
+    """The cluster's trace without the ranks' comparison of their arguments (`param == "host"`,
+    one host exchange per call, `cpref.consistency`): what the mode itself communicated."""
+    return [ev for ev in cluster.trace if ev.param != "host"]
+
+
 def trace_split(trace, rank: int) -> tuple[tuple[int, dict[str, int]], tuple[int, dict[str, int]]]:
     """`((bytes, ops), (bytes, ops))` of one global rank before and after the first barrier.
 
     The barrier is what `run_attention(..., between=lambda comm: comm.barrier())` puts at the
-    end of the forward; `split` and `barrier` events are not counted as ops.
+    end of the forward; `split` and `barrier` events are not counted as ops, nor the ranks'
+    comparison of their arguments (`param == "host"`, `cpref.consistency`), which is no mode's cost.
     """
     cut = next(i for i, ev in enumerate(trace) if ev.op == "barrier")
     halves = []
     for events in (trace[:cut], trace[cut + 1 :]):
         total, ops = 0, {}
         for ev in events:
-            if rank in ev.group and ev.op not in ("split", "barrier"):
+            if rank in ev.group and ev.op not in ("split", "barrier") and ev.param != "host":
                 total += ev.bytes_sent[ev.group.index(rank)]
                 ops[ev.op] = ops.get(ev.op, 0) + 1
         halves.append((total, ops))

@@ -25,8 +25,8 @@ checks, in order:
 the communicator, the mode and its options, the layout and flags, the kernel, the tensors
 (dims, dtypes, heads, head dims), the scale, the boundaries (cached per batch, see
 [`cpref.cache`][cpref.cache]), the shard size, the mode's own constraints, and the
-backend's known limits. Then, once per batch, the ranks compare their arguments with one
-tiny collective ([`cpref.consistency`][cpref.consistency]). A rank whose own inputs fail
+backend's known limits. Then, on every call, the ranks compare their arguments with one
+tiny host exchange ([`cpref.consistency`][cpref.consistency]). A rank whose own inputs fail
 (its shard's length, say, which only it sees) still meets the others in that comparison,
 marked invalid, before raising: they raise too, naming it, instead of waiting for it.
 
@@ -206,8 +206,9 @@ def attention(
             at its end to the layout's granularity); padding is then seen by no query,
             padding queries give 0 and padding rows get zero gradients.
         kernel: the attention kernel, default [`TorchKernel`][cpref.kernels.TorchKernel].
-        check_ranks: compare the arguments across ranks with one tiny collective the first
-            time a batch is seen (see `cpref.consistency`); `False` skips it.
+        check_ranks: compare the arguments across ranks with one tiny host exchange on every
+            call (see `cpref.consistency`); if every rank passes `False` on the first call of a
+            communicator, its later calls skip it.
         a2a_size: all-to-all sub-group size of the hierarchical mode (only that mode).
         save_gathered_kv: `all_gather` only: keep the gathered K/V for the backward instead of
             gathering them again (faster backward, activation memory no longer falls with `P`).
@@ -225,12 +226,11 @@ def attention(
                        softmax_scale=softmax_scale, cu_seqlens_padded=cu_seqlens_padded, kernel=kernel,
                        a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
     except CPInputError:
-        if check_ranks and _usable(comm):  # the others may be entering the comparison: meet them there
+        if _usable(comm):  # the others may be entering the comparison: meet them there
             with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see
-                report_invalid_inputs(comm, cu_seqlens, cu_seqlens_padded, q)
+                report_invalid_inputs(comm, q)
         raise
-    if check_ranks:
-        check_ranks_agree(call, mode, comm)
+    check_ranks_agree(call, mode, comm, check_ranks)  # every call, unless the group agreed on check_ranks=False
     # attention computes in its own precision (float32 sums for bf16/fp16 inputs), autocast or not:
     # CPU and CUDA autocast would lower the kernel's float32 matmuls to bf16 in the forward only,
     # and the backward's recomputed probabilities would no longer match the saved lse

@@ -14,8 +14,10 @@ A cache entry is one **batch**: a pair of boundary sources (`cu_seqlens`,
 invalidates the entry; the entry keeps a reference to the tensor, so a freed tensor's `id`
 cannot be reused for a stale hit). A list or tuple of ints is keyed by value.
 
-Edits that bypass the version counter (writing through `.data`, or through a NumPy array
-from `.numpy()`) are caught for **CPU tensors**: an entry keeps a copy of their contents and
+A tensor made under `torch.inference_mode()` (evaluation) has no version counter; it is keyed
+by its identity alone. Edits that bypass the version counter (writing through `.data`, through
+a NumPy array from `.numpy()`, or any in-place edit of an inference tensor) are caught for
+**CPU tensors**: an entry keeps a copy of their contents and
 compares it on every hit (a cheap host comparison). For **device tensors** such an edit is
 undetectable without a device-to-host copy, which is what the cache exists to avoid: give
 each batch a new tensor (or a list), never edit one behind the version counter.
@@ -26,8 +28,9 @@ An entry holds the batch's [`Boundaries`][cpref.seqlens.Boundaries] and the *pla
 from it, keyed by whatever they depend on (mode, `P`, rank, layout, causality, device): on
 the simulated cluster, the `P` rank threads share one entry per batch, so the capacity
 (8 batches, as the MindSpeed RFC specifies) does not shrink with `P`. Plans are immutable
-(frozen dataclasses), since the rank threads share them. The entry also records which
-ranks have checked their arguments against each other (see `cpref.api`).
+(frozen dataclasses), since the rank threads share them. Nothing the ranks' comparison of
+their arguments decides lives here ([`cpref.consistency`][cpref.consistency]): emptying the
+cache on one rank changes no rank's communication.
 
 The cache is thread-safe: lookups and builds happen under one re-entrant lock, so ranks that
 race for the same batch build it once. No collective is ever run under the lock.
@@ -65,7 +68,7 @@ class CacheInfo(NamedTuple):
 
 
 class BatchEntry:
-    """One batch: its boundaries, the plans derived from them, and the rank checks done.
+    """One batch: its boundaries and the plans derived from them.
 
     Attributes:
         bounds: the validated boundaries.
@@ -78,7 +81,6 @@ class BatchEntry:
         # contents of CPU tensor sources, compared on every hit (edits behind the version counter)
         self._snapshots = tuple(s.clone() if _is_host_tensor(s) else None for s in sources)
         self._plans: dict[Hashable, Any] = {}
-        self._checked: dict[Hashable, Any] = {}
 
     def plan(self, key: Hashable, build: Callable[[], V]) -> V:
         """The plan for `key`, built by `build()` on first use (under the cache's lock)."""
@@ -90,21 +92,6 @@ class BatchEntry:
             value = self._plans[key] = build()
             return value
 
-    def checked(self, key: Hashable) -> bool:
-        """Whether the rank check `key` has passed for this batch."""
-        with self._cache.lock:
-            return key in self._checked
-
-    def has_check(self, prefix: tuple) -> bool:
-        """Whether a rank check whose key starts with `prefix` has passed for this batch."""
-        with self._cache.lock:
-            return any(key[: len(prefix)] == prefix for key in self._checked)
-
-    def mark_checked(self, key: Hashable, keep: Any = None) -> None:
-        """Record that the rank check `key` passed; `keep` is held so that ids in `key` stay unique."""
-        with self._cache.lock:
-            self._checked[key] = keep
-
     def _still_valid(self) -> bool:
         return all(snap is None or torch.equal(src, snap) for src, snap in zip(self._sources, self._snapshots))
 
@@ -115,6 +102,8 @@ def _is_host_tensor(x: Any) -> bool:
 
 def _source_key(source: Any) -> tuple:
     if isinstance(source, torch.Tensor):
+        if source.is_inference():  # made under torch.inference_mode: it has no version counter
+            return ("inference", id(source))
         return ("tensor", id(source), source._version)
     if source is None:
         return ("none",)
@@ -158,13 +147,6 @@ class BatchCache:
                 self.entries.popitem(last=False)
             return entry
 
-    def find(self, cu_seqlens: Any, cu_seqlens_padded: Any = None) -> BatchEntry | None:
-        """The cached entry of this batch, or None; never validates, builds or counts a hit."""
-        key = (_source_key(cu_seqlens), _source_key(cu_seqlens_padded), False)
-        with self.lock:
-            entry = self.entries.get(key)
-            return entry if entry is not None and entry._still_valid() else None
-
     def info(self) -> CacheInfo:
         """Hits, misses, current size and capacity."""
         with self.lock:
@@ -186,5 +168,5 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Empty the batch cache (boundaries, metadata of every mode, rank checks) and reset its statistics."""
+    """Empty the batch cache (boundaries, metadata of every mode) and reset its statistics."""
     CACHE.clear()

@@ -1,28 +1,51 @@
-"""Do the ranks of a CP group agree on the call? One tiny collective per batch says.
+"""Do the ranks of a CP group agree on the call? One tiny host exchange per call says.
 
 Validation without communication sees only this rank's values. Some disagreements it cannot
 see give wrong results with no error at all: ranks that pass different `causal`,
 `softmax_scale`, `layout`, mode, or `cu_seqlens` with the same total, compute different
-functions and still meet in the same collectives. So the first time a rank calls attention
-on a batch, it all-gathers a **fingerprint** of its arguments (a few int64s: the choices,
-the scale's bits, digests of the boundaries, the shapes) and compares the table: any column
-that differs raises the same `CPInputError` on every rank, naming the argument and what each
-rank passed. The verdict is cached with the batch (`cpref.cache`), so later layers skip it.
+functions and still meet in the same collectives. Others make the ranks call different
+collectives (another mode, dtype or head count), which a real backend does not report: gloo
+aborts the process (`SIGABRT`, no Python traceback), NCCL hangs until its timeout.
 
-The check is on by default; `cpref.attention(..., check_ranks=False)` turns it off (every
-rank must then pass the same value, or ranks disagree on whether to communicate). It assumes
-every rank calls attention on the same batches in the same order, which CP requires anyway.
+So **every** call, before any of the mode's communication, all-gathers a **fingerprint** of
+its arguments (a few int64s: `check_ranks`, the choices, the scale's bits, digests of the
+boundaries' values, the shapes) and compares the table: any column that differs raises the
+same `CPInputError` on every rank, naming the argument and what each rank passed (the
+boundaries themselves, from their first differing document, where the values differ).
 
-**What it cannot catch.** A rank skips the comparison when it has already compared *its own*
-arguments on this batch. If, on a later call of a batch (a later layer), only some ranks change
-an argument, those ranks compare again and the others do not: their collectives no longer
-match. The simulated cluster reports that as a collective mismatch; a real backend may hang
-instead of raising. Comparing on every call would catch it, at a host copy per layer; keying
-the check on the batch alone would make the decision the same on every rank, but then a later
-call's arguments would never be compared.
-On backends without tensor all-gather for the group size (HCCL with 3, 5, 6 or 7 ranks) it
-uses two all-reduces (max and min) instead. A group of one rank has nothing to compare and
-skips it.
+## Why every call, and why it costs no device sync
+
+A check made only on a batch's first call has to decide, on each rank, whether *this* call is
+a first call. Whatever that decision reads (this rank's arguments, its cache, a new tensor,
+`clear_cache()`, `check_ranks`), a rank can read it differently from the others; then some
+ranks compare and the others do not, and their collectives no longer match: the failure the
+check exists to prevent. The only decision every rank makes alike is one that depends on
+nothing a rank can change on its own, so cpref compares on every call.
+
+The exchange is **host-side**: a communicator that has `agree(row)` (the simulated cluster;
+[`TorchComm`][cpref.backends.TorchComm], over gloo on the CPU, on its own group where gloo
+serves it and on a gloo group of the same ranks under NCCL or HCCL) moves Python ints, so the
+comparison never waits for the accelerator's stream: no host-device synchronisation, on any
+layer (the hardening test counts them). Its cost is one round trip of the CP group's hosts
+per call, about a hundred microseconds, small beside an attention layer at the sequence
+lengths that need CP. A communicator without `agree` gets the same comparison through its
+own `all_gather` (or, where the backend has none for the group size, two all-reduces, max and
+min) on the call's device, and a host copy of the table per call.
+
+Identical values are identical: the boundaries enter as digests of their **values**, so a new
+tensor with the same `cu_seqlens`, or a rank that called `cpref.clear_cache()`, changes
+nothing.
+
+## `check_ranks`
+
+`check_ranks` is agreed, not decided per rank. The first call on a communicator is always
+compared, `check_ranks` included; if every rank passed `check_ranks=False`, the later calls on
+that communicator skip the exchange (every rank must then pass the same arguments; a rank that
+changes them gets wrong results or a collective mismatch, as without any check). A later call
+that passes `check_ranks=False` while the group agreed on `True` still takes part in the
+comparison, whose `check_ranks` column then differs: every rank raises, naming it. A later
+call that passes `True` after the group agreed on `False` cannot be honoured (the other ranks
+will not compare): it warns and runs without the check.
 
 ## A rank whose inputs fail validation
 
@@ -32,29 +55,26 @@ the other ranks, whose inputs are fine, enter this comparison and would wait the
 process group's timeout (minutes, or a hang). So a rank whose inputs fail validation still
 takes part in the comparison, with a row that says "invalid" (the first column, 0), and then
 raises its own error; every other rank sees the row and raises a `CPInputError` naming the
-rank that failed. Nobody is left waiting, and no mode's communication has started.
-
-It does so only where the other ranks compare: on the first call of a batch, with
-`check_ranks` on and more than one rank. On a later call of a batch the ranks already
-compared (a later layer) they skip the comparison, so a rank that fails there raises alone;
-a shard's length and dtype come from the batch, so they cannot change between layers of one
-batch. With `check_ranks=False` nothing is compared, and a rank that fails raises alone.
+rank that failed. Nobody is left waiting, and no mode's communication has started. Only where
+the group agreed on `check_ranks=False` (nothing is compared) does a failing rank raise alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
+import warnings
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from cpref.cache import CACHE
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
 
-__all__ = ["FIELDS", "fingerprint", "check_ranks_agree", "report_invalid_inputs"]
+__all__ = ["FIELDS", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LAYOUTS = ("contiguous", "zigzag")
@@ -66,21 +86,22 @@ def _digest(value: Any) -> int:
 
 
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
-FIELDS = ("inputs valid", "mode", "layout", "causal", "softmax_scale", "cu_seqlens", "cu_seqlens_padded",
-          "heads (Hq, Hkv, D, Dv)", "dtype", "mode options")
+FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "softmax_scale", "cu_seqlens",
+          "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options")  # fmt: skip
 
 
-def fingerprint(call: CPCall, mode: str) -> list[tuple[str, int]]:
+def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple[str, int]]:
     """`(argument, int64 code)` for every argument the ranks must agree on, in the order of `FIELDS`."""
     b = call.bounds
     options = tuple(sorted(call.options.items()))
     codes = [
         1,  # inputs valid
+        int(check_ranks),
         _digest(mode),
         _LAYOUTS.index(call.layout),
         int(call.causal),
         struct.unpack("<q", struct.pack("<d", call.scale))[0],  # the float's bits
-        _digest(b.real),
+        _digest(b.real),  # values, not tensor identity: a new tensor of the same values is the same batch
         _digest(b.padded),
         _digest(call.heads),
         _DTYPES.index(call.dtype),
@@ -91,6 +112,7 @@ def fingerprint(call: CPCall, mode: str) -> list[tuple[str, int]]:
 
 # codes that can be shown as the value itself; the others are digests
 _DECODE = {
+    "check_ranks": lambda c: repr(bool(c)),
     "layout": lambda c: repr(_LAYOUTS[c]),
     "causal": lambda c: repr(bool(c)),
     "softmax_scale": lambda c: repr(struct.unpack("<d", struct.pack("<q", c))[0]),
@@ -102,30 +124,59 @@ def _show(name: str, code: int) -> str:
     return _DECODE[name](code) if name in _DECODE else f"digest {code:014x}"
 
 
-def _compare(comm: Collectives, mine: torch.Tensor) -> tuple[list[list[int]], list[str]]:
-    """Every rank's row of codes (or their min and max where all-gather is missing), and who each row is."""
+def exchange(comm: Any, row: list[int], device: torch.device) -> tuple[list[list[int]], list[str]]:
+    """Every rank's `row` (or the columns' min and max where all-gather is missing), and who each row is.
+
+    Over the host with `comm.agree` where the communicator has it; else a collective on `device`.
+    """
+    if hasattr(comm, "agree"):
+        return comm.agree(row), [f"rank {r}" for r in range(comm.size)]
+    mine = torch.tensor([row], dtype=torch.int64, device=device)  # (1, F)
     if "all_gather" in comm.unsupported_ops:
         table = torch.cat([comm.all_reduce(mine, "min"), comm.all_reduce(mine, "max")])  # (2, F)
         return table.tolist(), ["lowest code", "highest code"]
-    table = comm.all_gather(mine)  # (P, F)
-    return table.tolist(), [f"rank {r}" for r in range(comm.size)]  # one host copy per batch
+    return comm.all_gather(mine).tolist(), [f"rank {r}" for r in range(comm.size)]  # (P, F), one host copy
 
 
-def check_ranks_agree(call: CPCall, mode: str, comm: Collectives) -> None:
-    """All-gather the fingerprint once per (batch, group, arguments); raise if ranks differ.
+class _Agreed:
+    """The `check_ranks` each communicator's ranks agreed on at their first call (an LRU by identity).
+
+    Not part of the batch cache: `cpref.clear_cache()` on one rank must not change what it
+    decides. Eviction follows the order of calls, the same on every rank of a group.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity, self.lock, self.by_id = capacity, threading.Lock(), OrderedDict()
+
+    def get(self, comm: Any) -> bool | None:
+        with self.lock:
+            held = self.by_id.get(id(comm))
+            if held is None or held[0] is not comm:
+                return None
+            self.by_id.move_to_end(id(comm))
+            return held[1]
+
+    def set(self, comm: Any, value: bool) -> None:
+        with self.lock:
+            self.by_id[id(comm)] = (comm, value)  # holds comm: its id cannot be reused meanwhile
+            while len(self.by_id) > self.capacity:
+                self.by_id.popitem(last=False)
+
+
+AGREED = _Agreed()
+
+
+def check_ranks_agree(call: CPCall, mode: str, comm: Collectives, check_ranks: bool = True) -> None:
+    """Compare this call's fingerprint across the group (every call, see the module docstring).
 
     Raises:
         CPInputError: the same message on every rank, naming each argument that differs; or,
             if another rank's inputs failed validation, naming that rank.
     """
-    if comm.size == 1:  # a group of one agrees with itself: no collective, no host copy
+    if comm.size == 1 or _skipped(comm, check_ranks):  # a group of one agrees with itself
         return
-    fields = fingerprint(call, mode)
-    key = ("ranks-agree", id(comm), tuple(code for _, code in fields))
-    if call.entry.checked(key):
-        return
-    mine = torch.tensor([[code for _, code in fields]], dtype=torch.int64, device=call.device)  # (1, F)
-    rows, who = _compare(comm, mine)
+    fields = fingerprint(call, mode, check_ranks)
+    rows, who = exchange(comm, [code for _, code in fields], call.device)
     failed = [label for label, row in zip(who, rows) if row[0] == 0]
     if failed:
         named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
@@ -142,26 +193,58 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives) -> None:
             for label, row in zip(who, rows):
                 groups.setdefault(row[i], []).append(label)
             lines.append(f"  {name}: " + "; ".join(f"{', '.join(g)}: {_show(name, code)}" for code, g in groups.items()))
+            if name.startswith("cu_seqlens") and who[0] == "rank 0":  # every rank is here: show the values
+                values = call.bounds.real if name == "cu_seqlens" else call.bounds.padded
+                lines.append(_boundaries(comm, list(values), call.device, name))
         raise CPInputError(
             "the ranks of the CP group pass different arguments to cpref.attention, which would give wrong "
             "results without any error:\n" + "\n".join(lines)
             + "\nPass the same mode, layout, causal, softmax_scale, cu_seqlens (and cu_seqlens_padded), "
-            "head counts, dtype and options on every rank."
+            "head counts, dtype, options and check_ranks on every rank."
         )
-    call.entry.mark_checked(key, keep=comm)
+    if AGREED.get(comm) is None:
+        AGREED.set(comm, check_ranks)
 
 
-def report_invalid_inputs(comm: Collectives, cu_seqlens: Any, cu_seqlens_padded: Any, q: Any) -> None:
+def _skipped(comm: Any, check_ranks: bool) -> bool:
+    """Whether this call skips the comparison: only where the group agreed on `check_ranks=False`."""
+    if AGREED.get(comm) is not False:
+        return False
+    if check_ranks:
+        warnings.warn(
+            "cpref.attention(check_ranks=True) on a communicator whose ranks agreed on check_ranks=False at their "
+            "first call: the other ranks do not compare, so this call runs unchecked; pass the same check_ranks "
+            "on every call", stacklevel=4,
+        )  # fmt: skip
+    return True
+
+
+def _boundaries(comm: Any, values: list[int], device: torch.device, name: str) -> str:
+    """Every rank's boundaries from their first difference with rank 0's (a second exchange, error path only)."""
+    lengths, _ = exchange(comm, [len(values)], device)
+    longest = max(n for (n,) in lengths)
+    rows, _ = exchange(comm, values + [-1] * (longest - len(values)), device)  # (P, longest), -1 past the end
+    rows = [row[:n] for row, (n,) in zip(rows, lengths)]
+    first = min((next((i for i, (a, b) in enumerate(zip(row, rows[0])) if a != b), min(len(row), len(rows[0])))
+                 for row in rows[1:]), default=0)  # fmt: skip
+    start = max(first - 1, 0)
+
+    def shown(row: list[int]) -> str:
+        cut = row[start : start + 6]
+        return ("[" if start == 0 else "[..., ") + ", ".join(map(str, cut)) + (", ...]" if start + 6 < len(row) else "]")
+
+    return (f"    {name} values from entry {start} (first difference at entry {first}): "
+            + "; ".join(f"rank {r}: {shown(row)}" for r, row in enumerate(rows)))  # fmt: skip
+
+
+def report_invalid_inputs(comm: Collectives, q: Any) -> None:
     """Tell the other ranks that this rank's inputs failed validation: take part in the comparison
     they are entering with a row marked invalid (see the module docstring). The caller raises next.
 
-    Does nothing where the others do not compare: a group of one, or a batch this
-    communicator has already compared. `comm` must have passed its own validation.
+    Does nothing where the others do not compare: a group of one, or a group that agreed on
+    `check_ranks=False`. `comm` must have passed its own validation.
     """
-    if comm.size == 1:
+    if comm.size == 1 or AGREED.get(comm) is False:
         return
-    entry = CACHE.find(cu_seqlens, cu_seqlens_padded)
-    if entry is not None and entry.has_check(("ranks-agree", id(comm))):
-        return  # a later call of a compared batch: the other ranks skip the comparison
     device = q.device if isinstance(q, torch.Tensor) else getattr(comm, "device", torch.device("cpu"))
-    _compare(comm, torch.zeros((1, len(FIELDS)), dtype=torch.int64, device=device))  # (1, F), column 0 = 0
+    exchange(comm, [0] * len(FIELDS), device)  # column 0 = 0: invalid

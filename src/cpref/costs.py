@@ -21,9 +21,9 @@ $p = P / a$ the ring of the hierarchical mode.
 | `a2a` | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ | as forward; replicated heads ($H'_{kv} \ne H_{kv}$) send dK/dV in $f$ bytes | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
 | `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward (dK/dV as for `a2a`) $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a`, $+\,T_l H_q D_v (f - b)$ for $p > 1$ |
 
-The first call on a new batch adds the rank check's fingerprint all-gather
-(`cpref.consistency`), and the hierarchical mode's first call on a communicator two `split`s;
-neither moves payload, and neither is in the table.
+Every call adds the ranks' comparison of their arguments, one host all-gather of an int64 row
+([`cpref.consistency`][cpref.consistency]), and the hierarchical mode's first call on a
+communicator two `split`s; neither moves payload, and neither is in the table.
 
 ## Choosing
 

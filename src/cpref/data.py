@@ -48,6 +48,7 @@ import torch
 
 from cpref.checks import as_int
 from cpref.comm import Collectives
+from cpref.consistency import exchange
 from cpref.errors import CPInputError
 from cpref.layout import layout_multiple, pad_to_multiple, positions, shard
 from cpref.seqlens import Boundaries, CuSeqlens
@@ -112,7 +113,8 @@ def cp_loss(
         comm: the group the loss is normalised over (one all-reduce of a scalar count): the
             CP group, or the whole DP x CP group to make the loss the mean over every replica.
         count: the global number of loss tokens, if the caller has it already (e.g. over several
-            micro-batches); then nothing is communicated.
+            micro-batches); then no all-reduce is made, only the host exchange of whether each
+            rank's inputs passed validation.
 
     Returns:
         A scalar whose sum over the CP ranks is the mean loss over all loss tokens; 0 (with
@@ -120,20 +122,37 @@ def cp_loss(
         CP group (see the module docstring).
 
     Raises:
-        ValueError: for mismatched shapes or a non-floating `token_loss`, before the all-reduce.
+        ValueError: for mismatched shapes or a non-floating `token_loss`, on every rank of
+            `comm` alike: the ranks exchange whether their inputs passed (one host exchange, as
+            in [`cpref.consistency`][cpref.consistency]) before the count's all-reduce, so a
+            rank whose own inputs fail never leaves the others waiting in it.
     """
-    for name, t in (("token_loss", token_loss), ("loss_mask", loss_mask)):
-        if not isinstance(t, torch.Tensor):
-            raise CPInputError(f"{name} must be a tensor, got {type(t).__name__}")
-    if token_loss.shape != loss_mask.shape:
-        raise CPInputError(
-            f"token_loss has shape {tuple(token_loss.shape)} but loss_mask {tuple(loss_mask.shape)}; "
-            "they must match exactly (one mask entry per token; reshape, do not broadcast)"
-        )
-    if not token_loss.is_floating_point():
-        raise CPInputError(f"token_loss has dtype {token_loss.dtype}; it must be floating")
+    problem = _loss_input_problem(token_loss, loss_mask)
+    if comm.size > 1:  # does every rank's pass? (a rank that raised alone would leave the others waiting)
+        device = token_loss.device if isinstance(token_loss, torch.Tensor) else getattr(comm, "device", "cpu")
+        rows, who = exchange(comm, [int(problem is None)], torch.device(device))
+        failed = [label for label, (ok,) in zip(who, rows) if not ok]
+        if failed and problem is None:
+            named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
+            raise CPInputError(f"cp_loss: the token_loss / loss_mask of {named} of the group failed validation (that "
+                               f"rank's own error names them); rank {comm.rank} raises too, so that no rank waits")  # fmt: skip
+    if problem is not None:
+        raise CPInputError(problem)
     mask = loss_mask.to(token_loss.dtype)
     if count is None:
         count = comm.all_reduce(mask.sum().detach().reshape(1))  # global number of loss tokens
     count = torch.as_tensor(count, dtype=token_loss.dtype, device=token_loss.device).reshape(())
     return (token_loss * mask).sum() / count.clamp_min(1)
+
+
+def _loss_input_problem(token_loss: object, loss_mask: object) -> str | None:
+    """What is wrong with `cp_loss`'s inputs on this rank, or None."""
+    for name, t in (("token_loss", token_loss), ("loss_mask", loss_mask)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a tensor, got {type(t).__name__}"
+    if token_loss.shape != loss_mask.shape:
+        return (f"token_loss has shape {tuple(token_loss.shape)} but loss_mask {tuple(loss_mask.shape)}; "
+                "they must match exactly (one mask entry per token; reshape, do not broadcast)")  # fmt: skip
+    if not token_loss.is_floating_point():
+        return f"token_loss has dtype {token_loss.dtype}; it must be floating"
+    return None

@@ -241,8 +241,78 @@ def extra_one_rank_rejects_its_inputs(world, comms, meshes):
     expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after the failure")
 
 
+def _two_layers(comm, layer2, first=None):
+    """Layer 1 on every rank alike, then layer 2 with `layer2(rank, local, cu) -> (tensors, cu, kwargs)`."""
+    P, g = comm.size, torch.Generator().manual_seed(18)
+    cu = torch.tensor([0, 8 * P, 16 * P])
+    q, k, v = (torch.randn(16 * P, 2, 4, generator=g) for _ in range(3))
+    local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+    outs = [cpref.attention(*local, cu, comm=comm, mode="p2p", **(first or {}))]
+    tensors, cu2, kw = layer2(comm.rank, local, cu)
+    outs.append(cpref.attention(*tensors, cu2, comm=comm, mode=kw.pop("mode", "p2p"), **kw))
+    return outs
+
+
+def extra_later_layer_divergence(world, comms, meshes):
+    """Issue 18, part 4, on real processes: rank 1 alone differs on layer 2. An argument that differs
+    raises the same CPInputError on every rank at once (was: SIGABRT inside gloo, or a hang until the
+    timeout); a new tensor with the same values or a cleared cache changes nothing; check_ranks is
+    agreed on the first call and named where it differs. Each on a fresh communicator of the world."""
+    start = time.monotonic()
+    changes = {"causal": ({"causal": False}, "causal: rank 0, rank 2, rank 3: True; rank 1: False"),
+               "softmax_scale": ({"softmax_scale": 0.3}, "softmax_scale: rank 0, rank 2, rank 3: 0.5; rank 1: 0.3"),
+               "mode": ({"mode": "all_gather"}, "\n  mode: rank 0, rank 2, rank 3: digest"),
+               "check_ranks": ({"check_ranks": False}, "check_ranks: rank 0, rank 2, rank 3: True; rank 1: False")}  # fmt: skip
+    for what, (kw, text) in changes.items():
+        comm = TorchComm(world.process_group)
+        _raises(CPInputError, text, _two_layers, comm, lambda r, local, cu: (local, cu, dict(kw) if r == 1 else {}))
+    comm = TorchComm(world.process_group)
+    _raises(CPInputError, "dtype: rank 0, rank 2, rank 3: torch.float32; rank 1: torch.float64", _two_layers, comm,
+            lambda r, local, cu: ([t.double() for t in local] if r == 1 else local, cu, {}))  # fmt: skip
+    plain = _two_layers(TorchComm(world.process_group), lambda r, local, cu: (local, cu, {}))
+
+    def cleared(r, local, cu):
+        if r == 1:
+            cpref.clear_cache()
+        return local, cu, {}
+
+    for layer2 in (lambda r, local, cu: (local, cu.clone() if r == 1 else cu, {}), cleared):
+        outs = _two_layers(TorchComm(world.process_group), layer2)
+        assert all(torch.equal(a, b) for a, b in zip(outs, plain)), "the same values gave other outputs"
+    comm = TorchComm(world.process_group)  # the first call: rank 1 alone says check_ranks=False
+    _raises(CPInputError, "check_ranks: rank 0, rank 2, rank 3: True; rank 1: False", _two_layers, comm,
+            lambda r, local, cu: (local, cu, {}), {"check_ranks": world.rank != 1})  # fmt: skip
+    assert time.monotonic() - start < 30, "a rank waited for another"
+    expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after the failures")
+
+
+def extra_cp_loss_one_rank_rejects_its_inputs(world, comms, meshes):
+    """Field bug 12's pattern in `cp_loss`: rank 2 alone passes a mask one token short; every rank
+    raises at once (was: rank 2 raised, the others waited in the count's all-reduce until the timeout)."""
+    token_loss, mask = torch.rand(6), torch.ones(6)
+    if world.rank == 2:
+        mask = mask[:-1]
+    text = "token_loss has shape (6,) but loss_mask (5,)" if world.rank == 2 else "loss_mask of rank 2 of the group failed"
+    start = time.monotonic()
+    _raises(CPInputError, text, cpref.cp_loss, token_loss, mask, world)
+    assert time.monotonic() - start < 30, "a rank waited for the failing one"
+    expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after the failure")
+
+
+def extra_agree_over_a_control_group(world, comms, meshes):
+    """Where the group's backend carries no CPU tensors (NCCL, HCCL: told so here), `agree` runs on a
+    gloo group of the same ranks made at its first call, and the rows arrive in rank order."""
+    comm = TorchComm(comms["split-20-31"].process_group)
+    comm.device = torch.device("meta")  # stands for an accelerator: agree must not use this group
+    rows = comm.agree([comm.rank, 7 * comm.global_rank])
+    assert rows == [[r, 7 * g] for r, g in enumerate(comm.group)], rows
+    assert comm._ctl is not None and comm._ctl.process_group is not comm.process_group and comm._ctl.group == comm.group
+    assert TorchComm(world.process_group).agree([world.rank]) == [[0], [1], [2], [3]]  # gloo: its own group
+
+
 EXTRA = {f.__name__[6:]: f for f in (extra_structure, extra_exchange, extra_split_errors, extra_validation, extra_hccl_limits,
-                                     extra_widened_dtype, extra_one_rank_rejects_its_inputs)}  # fmt: skip
+                                     extra_widened_dtype, extra_one_rank_rejects_its_inputs, extra_later_layer_divergence,
+                                     extra_cp_loss_one_rank_rejects_its_inputs, extra_agree_over_a_control_group)}  # fmt: skip
 
 
 def _raises(kind, text, fn, *args):

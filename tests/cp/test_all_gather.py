@@ -104,8 +104,8 @@ def test_kernel_calls_collectives_and_bytes_are_as_documented(P, save):
     assert sum(ev.bytes_sent[0] for ev in fwd[1:]) == (P - 1) * t_l * hkv * (d + dv) * 8
 
 
-def test_second_layer_makes_no_rank_check():
-    """The fingerprint all-gather runs once per batch; later layers go straight to the mode."""
+def test_every_layer_makes_one_host_rank_check_then_the_mode():
+    """The fingerprint exchange runs on every call, over the host (`agree`), before the mode's gathers."""
     P = 2
     cu, q, k, v, _ = batch(P, "zigzag", "gqa")
 
@@ -116,8 +116,8 @@ def test_second_layer_makes_no_rank_check():
 
     cluster = SimCluster(P, timeout=30.0)
     cluster.run(rank_fn)
-    assert [ev.op for ev in cluster.trace] == ["all_gather"] * 7
-    assert [ev.dtype for ev in cluster.trace].count(torch.int64) == 1
+    assert [ev.op for ev in cluster.trace] == ["all_gather"] * 9
+    assert [ev.param == "host" for ev in cluster.trace] == [True, False, False] * 3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -271,9 +271,9 @@ def test_one_rank_with_a_bad_shard_fails_every_rank_in_the_comparison():
     assert only_the_comparison(cluster.trace) and cluster.trace, cluster.trace
 
 
-def test_a_rank_failing_on_a_compared_batch_raises_alone_without_a_collective():
-    """On a later call of a batch the ranks already compared (the next layer), the others skip the
-    comparison: a failing rank must not enter it either, or it would meet their mode's collectives."""
+def test_a_rank_failing_on_a_later_layer_meets_the_others_in_its_comparison():
+    """Every call is compared, a later layer's too: ranks failing there send their invalid rows
+    to that comparison, and nothing of the mode."""
     P = 2
     cu, q, k, v, _ = batch(P, "zigzag", "gqa")
     cu = torch.as_tensor(cu)  # one tensor for both calls: one cache entry
@@ -289,7 +289,7 @@ def test_a_rank_failing_on_a_compared_batch_raises_alone_without_a_collective():
 
     cluster = SimCluster(P, timeout=20.0)
     n = cluster.run(rank_fn)[0]
-    assert [e.op for e in cluster.trace[n:]] == []
+    assert only_the_comparison(cluster.trace[n:]) and cluster.trace[n:], cluster.trace[n:]
 
 
 def test_metadata_is_cached_across_layers():

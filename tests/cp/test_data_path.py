@@ -149,12 +149,14 @@ def test_cp_loss_sums_to_the_global_masked_mean():
     assert sum(shares).item() == pytest.approx((1 + 3 + 6) / 3)
 
 
-def test_cp_loss_with_a_known_count_communicates_nothing():
-    """Gradient accumulation passes the step's total: the same share, no all-reduce."""
+def test_cp_loss_with_a_known_count_makes_no_all_reduce():
+    """Gradient accumulation passes the step's total: the same share, no all-reduce (only the host
+    exchange that tells every rank whether each rank's inputs passed validation)."""
     losses, masks = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], [torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0])]
     cluster = SimCluster(2)
     shares = cluster.run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm, count=torch.tensor(3.0)))
-    assert cluster.trace == [] and sum(shares).item() == pytest.approx((1 + 2 + 4) / 3)
+    assert [(e.op, e.param) for e in cluster.trace] == [("all_gather", "host")]
+    assert sum(shares).item() == pytest.approx((1 + 2 + 4) / 3)
     shares_counted = SimCluster(2).run(lambda comm: cpref.cp_loss(losses[comm.rank], masks[comm.rank], comm))
     assert [s.item() for s in shares] == [s.item() for s in shares_counted]
 

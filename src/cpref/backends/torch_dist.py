@@ -14,6 +14,7 @@ dim 0, no autograd history through a collective (inputs are detached).
 | `send_recv_async(x, shift)` | the same ops, posted; `wait()` on the handle completes them |
 | `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN` |
 | `barrier()` | `barrier` |
+| `agree(row)` | `all_gather` of a CPU int64 row, on this group where gloo serves it, else on a gloo group of the same ranks |
 | `split(groups)` | `new_group(ranks, use_local_synchronization=True, sort_ranks=False)` |
 
 ## Two ways to move the data: `exchange`
@@ -113,6 +114,9 @@ class TorchComm:
         exchange: how `all_gather`, `reduce_scatter` and `all_to_all` move data: `"native"`
             (the backend's collectives) or `"p2p"` (one batch of pairwise sends and receives);
             `None` picks `default_exchange(backend)`. Sub-groups from `split` inherit it.
+        control_group: a gloo group of the same ranks for `agree` (the ranks' comparison of
+            their arguments), where this group's backend carries no CPU tensors; `None` makes
+            one at the first `agree` on such a group.
 
     Attributes:
         rank: this rank's index in the group, `0 <= rank < size`.
@@ -133,7 +137,8 @@ class TorchComm:
             not one of `EXCHANGES`.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, *, exchange: str | None = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, exchange: str | None = None,
+                 control_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
         if exchange is not None and exchange not in EXCHANGES:
             raise ValueError(f"TorchComm: exchange must be one of {EXCHANGES} or None (the backend's default), got {exchange!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -157,6 +162,7 @@ class TorchComm:
         self._widen = capabilities.widened_dtypes(self.backend)
         self._splits: dict[tuple[tuple[int, ...], ...], TorchComm] = {}
         self._seq = 0  # calls so far, to name handles in messages
+        self._ctl_pg, self._ctl = control_group, None  # the host (gloo) group of `agree`, where not this one
 
     @classmethod
     def from_mesh(cls, mesh: "torch.distributed.device_mesh.DeviceMesh", axis: str) -> TorchComm:
@@ -282,6 +288,25 @@ class TorchComm:
         out = self._wire("all_reduce", x, copy=True)  # reduced in place: never the caller's tensor
         dist.all_reduce(out, op=_REDUCE_OP[op], group=self.process_group)
         return out.to(x.dtype)
+
+    def agree(self, row: Sequence[int]) -> list[list[int]]:
+        """Every rank's `row` of ints, in rank order, over the host (`cpref.consistency`'s comparison).
+
+        A CPU tensor all-gathered on gloo: on this group where gloo serves it, else on the
+        control group (`control_group`, or a gloo group of the same ranks made at the first
+        call, by the members alone), so the exchange never waits for an accelerator's stream.
+        """
+        t = torch.tensor([list(row)], dtype=torch.int64)  # (1, n) on the CPU
+        return self._control().all_gather(t).tolist()  # (P, n): a host copy of a host tensor
+
+    def _control(self) -> TorchComm:
+        if self.device.type == "cpu":
+            return self
+        if self._ctl is None:
+            options = capabilities.new_group_options(self.group, capabilities.NEW_GROUP_PARAMS)  # keeps the order
+            pg = self._ctl_pg or dist.new_group(list(self.group), backend="gloo", **options)
+            self._ctl = TorchComm(pg)
+        return self._ctl
 
     def barrier(self) -> None:
         """Return once every rank of the group has called `barrier`."""
