@@ -11,7 +11,7 @@ import torch
 import cpref
 from cpref.costs import mode_costs
 from sim import summarize
-from sim.harness import mode_trace, run_attention, saved_bytes, trace_split
+from sim.harness import mode_trace as without_comparison, run_attention, saved_bytes, trace_split
 
 # The all-gather trace example: 2 documents of 16 and 48 tokens, P = 4, GQA, float32.
 TRACE_CU = torch.tensor([0, 16, 64])
@@ -38,17 +38,17 @@ def all_gather_trace() -> str:
     ]
     rows += [
         f"| {i} | `{ev.op}` | `{tuple(ev.shape) if ev.shape else '-'}` | {ev.bytes_sent[0]} | {ev.bytes_recv[0]} |"
-        for i, ev in enumerate(mode_trace(cluster))
+        for i, ev in enumerate(without_comparison(cluster))
     ]
-    ops = [ev.op for ev in mode_trace(cluster)]
+    ops = [ev.op for ev in without_comparison(cluster)]
     split = ops.index("barrier")
-    forward = sum(ev.bytes_sent[0] for ev in mode_trace(cluster)[:split])
-    backward = sum(ev.bytes_sent[0] for ev in mode_trace(cluster)[split + 1 :])
+    forward = sum(ev.bytes_sent[0] for ev in without_comparison(cluster)[:split])
+    backward = sum(ev.bytes_sent[0] for ev in without_comparison(cluster)[split + 1 :])
     if ops != ["all_gather"] * 2 + ["barrier"] + ["all_gather"] * 2 + ["reduce_scatter"] * 2:
         raise RuntimeError(f"all-gather CP made the collectives {ops}; the page states 2 + (2 + 2)")
     if (forward, backward) != (formula, 2 * formula):  # the page states the formula: the build fails if the code disagrees
         raise RuntimeError(f"all-gather CP moved {forward} + {backward} bytes per rank; the formula says {formula} + {2 * formula}")
-    summary = summarize(mode_trace(cluster))
+    summary = summarize(without_comparison(cluster))
     rows += [
         "",
         f"Per rank, the forward's two all-gathers move {forward} bytes: exactly the formula's "
@@ -109,7 +109,7 @@ def mode_trace(name: str):
                                    between=lambda comm: comm.barrier(), **extra)  # fmt: skip
         want = mode_costs(mode, P=P, local_tokens=T // P, heads=(TRACE_HQ, TRACE_HKV, TRACE_D, TRACE_D),
                           dtype=torch.float32, **extra)  # fmt: skip
-        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(mode_trace(cluster), 0)
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(without_comparison(cluster), 0)
         if (fwd, bwd, fwd_ops, bwd_ops) != (want.forward_bytes, want.backward_bytes, dict(want.forward_ops), dict(want.backward_ops)):
             raise RuntimeError(f"{mode}: the trace says {fwd}/{bwd} bytes {fwd_ops}/{bwd_ops}; cpref.costs says {want}")
         args = ", ".join(f"`{key}={value}`" for key, value in extra.items())
@@ -121,8 +121,8 @@ def mode_trace(name: str):
             "| # | pass | collective | group (global ranks) | shape per rank | dtype | bytes sent by rank 0 |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
-        cut = [ev.op for ev in mode_trace(cluster)].index("barrier")
-        mine = [(i, ev) for i, ev in enumerate(mode_trace(cluster)) if 0 in ev.group and ev.op not in ("barrier", "split")]
+        cut = [ev.op for ev in without_comparison(cluster)].index("barrier")
+        mine = [(i, ev) for i, ev in enumerate(without_comparison(cluster)) if 0 in ev.group and ev.op not in ("barrier", "split")]
         for n, (i, ev) in enumerate(mine):
             rows.append(f"| {n} | {'forward' if i < cut else 'backward'} | `{ev.op}` | {ev.group} | `{tuple(ev.shape)}` | "
                         f"{str(ev.dtype).replace('torch.', '')} | {ev.bytes_sent[ev.group.index(0)]} |")  # fmt: skip

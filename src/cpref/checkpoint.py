@@ -31,6 +31,15 @@ are read with `torch.load(weights_only=True)`; a DCP checkpoint's `.metadata` is
 unpickler that admits only the classes DCP's metadata is made of, and its non-tensor items
 with `weights_only=True` (`cpref.backends.checkpoint`). The sums are no defence against a
 deliberate edit (anyone can recompute them); the restricted readers are.
+
+**How it is tested** (`tests/training/test_checkpoint_safety.py`, `test_checkpoint.py`,
+`test_gloo_resume.py`, `test_gloo_training.py`): foreign files and siblings are refused before
+the first step and left byte for byte; a kill between the renames, and an incomplete `DIR.tmp`,
+resume from the newest complete checkpoint; a crash at a random step with `save_every` resumes
+bit for bit, and `kill -9` of a gloo run at a random step resumes to the last printed digit;
+every setting that differs is refused naming both values, and `override` applies and prints
+it; an edited field or file is named; a `__reduce__` trap in every file of both formats, with
+the sums recomputed, runs no code; each format resumes under the other payload.
 """
 
 from __future__ import annotations

@@ -26,9 +26,8 @@ The exchange is **host-side**: a communicator that has `agree(row)` (the simulat
 [`TorchComm`][cpref.backends.TorchComm], over gloo on the CPU, on its own group where gloo
 serves it and on a gloo group of the same ranks under NCCL or HCCL) moves Python ints, so the
 comparison never waits for the accelerator's stream: no host-device synchronisation, on any
-layer (the hardening test counts them). Its cost is one round trip of the CP group's hosts
-per call, about a hundred microseconds, small beside an attention layer at the sequence
-lengths that need CP. A communicator without `agree` gets the same comparison through its
+layer (the hardening test counts them). Its cost is one round trip between the CP group's
+hosts per call, a few dozen bytes. A communicator without `agree` gets the same comparison through its
 own `all_gather` (or, where the backend has none for the group size, two all-reduces, max and
 min) on the call's device, and a host copy of the table per call.
 
@@ -57,6 +56,18 @@ takes part in the comparison, with a row that says "invalid" (the first column, 
 raises its own error; every other rank sees the row and raises a `CPInputError` naming the
 rank that failed. Nobody is left waiting, and no mode's communication has started. Only where
 the group agreed on `check_ranks=False` (nothing is compared) does a failing rank raise alone.
+
+## How it is tested
+
+On the simulated cluster (`tests/cpref/test_later_layers.py`, `test_consistency.py`): rank 1
+alone changes `causal`, the scale, the mode, the layout or the dtype on layer 2, and every rank
+raises naming it, with nothing of layer 2's mode communicated; a new tensor of the same values, a
+list of them, or `clear_cache()` on one rank give bitwise the outputs of a run without the
+difference; `check_ranks` differing on the first call or after the group agreed on `True` is
+named; no tensor is copied to the host after the first layer, whatever the number of layers.
+On 4 gloo processes (`tests/backends/gloo_cases.py::extra_later_layer_divergence`) the same
+triggers raise within seconds, where the code before this design lost rank 1 to a `SIGABRT`
+inside gloo.
 """
 
 from __future__ import annotations

@@ -406,3 +406,17 @@ def test_a_payload_that_cannot_read_the_format_is_refused_naming_both(tmp_path):
     fresh = CausalLM(spec(1).model_config(), seed=2)
     with pytest.raises(CPInputError, match=r"holds the 'dcp' format \(torch.distributed.checkpoint, .*TorchPayload reads 'torch' only"):
         ck.load_checkpoint(tmp_path / "ckpt", fresh, torch.optim.AdamW(fresh.parameters()), expect=spec(1).meta(0))
+
+
+def test_the_command_refuses_before_it_starts_anything(tmp_path, capsys, monkeypatch):
+    """`python -m sim train` runs the same checks before any rank starts: exit 2, one message."""
+    import sim.train
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    started = []
+    monkeypatch.setattr(sim.train, "run_sim", lambda *a, **k: started.append(a))
+    assert main(["--steps", "2", "--save", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m sim train: cannot save a checkpoint to {tmp_path / 'out'}: it is not empty")
+    assert started == [] and (tmp_path / "out" / "notes.txt").read_text() == "mine"
