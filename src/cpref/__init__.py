@@ -75,3 +75,13 @@ __all__ = [
     "get_batch_on_this_cp_rank",
     "cp_loss",
 ]
+
+
+def __getattr__(name: str):
+    """`cpref.backends` on first use (`cpref.backends.TorchComm(...)` works after `import cpref`),
+    so that `import cpref` does not import `torch.distributed.checkpoint` and the backends."""
+    if name == "backends":
+        import importlib
+
+        return importlib.import_module("cpref.backends")
+    raise AttributeError(f"module 'cpref' has no attribute {name!r}")
