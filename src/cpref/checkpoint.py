@@ -190,7 +190,7 @@ def check_save(directory: str | Path, first_step: int, *, overwrite: bool = Fals
     newest = max((read_meta(p).step for p in (path, *files.siblings(path)) if _complete(p)), default=None)
     if newest is not None and newest >= first_step and not overwrite:
         raise CPInputError(
-            f"{path} holds a checkpoint at step {newest}; saving step {first_step} there would move it back. "
+            f"{path} holds a checkpoint at step {newest}; saving step {first_step} there would not move it forward. "
             f"Resume from it (--resume {path}) and train past step {newest}, save elsewhere, or replace it "
             "deliberately (--overwrite, overwrite=True)"
         )

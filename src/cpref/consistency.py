@@ -161,8 +161,8 @@ class _Agreed:
 
     def get(self, comm: Any) -> bool | None:
         with self.lock:
-            held = self.by_id.get(id(comm))
-            if held is None or held[0] is not comm:
+            held = self.by_id.get(id(comm))  # an entry holds its comm: no other object has that id meanwhile
+            if held is None:
                 return None
             self.by_id.move_to_end(id(comm))
             return held[1]

@@ -224,10 +224,10 @@ def test_a_resume_at_or_below_the_checkpoints_step_is_refused_and_keeps_the_step
 def test_a_save_over_a_later_checkpoint_is_refused_unless_overwrite(tmp_path):
     run_sim(spec(4, save=str(tmp_path / "ckpt")))
     steps = Steps()
-    with pytest.raises(CPInputError, match=r"holds a checkpoint at step 4; saving step 2 there would move it back.*--overwrite"):
+    with pytest.raises(CPInputError, match=r"holds a checkpoint at step 4; saving step 2 there would not move it forward.*--overwrite"):
         run_sim(spec(2, save=str(tmp_path / "ckpt")), on_step=steps)
     assert steps.seen == [] and ck.read_meta(tmp_path / "ckpt").step == 4
-    with pytest.raises(CPInputError, match="saving step 2 there would move it back"):  # a periodic save would too
+    with pytest.raises(CPInputError, match="saving step 2 there would not move it forward"):  # a periodic save would too
         run_sim(spec(8, save=str(tmp_path / "ckpt"), save_every=2))
     run_sim(spec(2, save=str(tmp_path / "ckpt"), overwrite=True))
     assert ck.read_meta(tmp_path / "ckpt").step == 2
@@ -420,3 +420,42 @@ def test_the_command_refuses_before_it_starts_anything(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert err.startswith(f"python -m sim train: cannot save a checkpoint to {tmp_path / 'out'}: it is not empty")
     assert started == [] and (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+# --- the directory protocol's own steps (a mutation run over cpref.checkpoint_files) ---
+
+
+def test_a_sibling_with_another_programs_meta_json_is_not_taken_for_cpref_s(tmp_path):
+    (tmp_path / "ckpt.old").mkdir()
+    (tmp_path / "ckpt.old" / "meta.json").write_text(json.dumps({"format": "someone-else/3"}))
+    with pytest.raises(CPInputError, match="ckpt.old exists and was not written by cpref"):
+        cf.check_target(tmp_path / "ckpt")
+
+
+def test_recovery_puts_the_newer_complete_sibling_in_place(tmp_path):
+    run_sim(spec(2, save=str(tmp_path / "a")))
+    run_sim(spec(4, save=str(tmp_path / "b")))
+    (tmp_path / "a").rename(tmp_path / "ckpt.old")
+    (tmp_path / "b").rename(tmp_path / "ckpt.tmp")
+    cf.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
+    assert ck.read_meta(tmp_path / "ckpt").step == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_recovery_deletes_no_foreign_sibling_even_if_it_appeared_after_the_check(tmp_path):
+    (tmp_path / "ckpt.tmp").mkdir()
+    (tmp_path / "ckpt.tmp" / "notes.txt").write_text("mine")  # appeared between check_target and the save
+    with pytest.raises(CPInputError, match="ckpt.tmp exists and was not written by cpref; it is left as it is"):
+        cf.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
+    assert (tmp_path / "ckpt.tmp" / "notes.txt").read_text() == "mine"
+
+
+def test_a_save_claims_its_tmp_exclusively(tmp_path):
+    (tmp_path / "ckpt.tmp").mkdir()  # another save got there first
+    with pytest.raises(CPInputError, match="appeared while this save was starting"):
+        cf.claim(tmp_path / "ckpt")
+
+
+def test_a_save_at_the_same_step_as_the_checkpoint_there_is_refused_too(tmp_path):
+    run_sim(spec(4, save=str(tmp_path / "ckpt")))
+    with pytest.raises(CPInputError, match="holds a checkpoint at step 4; saving step 4 there would not move it forward"):
+        run_sim(spec(4, save=str(tmp_path / "ckpt")))
