@@ -9,7 +9,10 @@ starts on every process (or that torchrun's processes run). Per rank:
    move it to the rank's device (cpu for gloo, `cuda:<local rank>` for NCCL,
    `npu:<local rank>` for HCCL), run the implementation, backpropagate the upstream
    gradient, and keep `out, dq, dk, dv` on the CPU;
-3. return them (under torchrun, gather every rank's results on rank 0, which compares).
+3. on CP rank 0 only, run the group's whole batch once more without CP
+   ([`run_without_cp`][sim.verify_rank.run_without_cp]: `cpref.attention` on a `SingleRank`,
+   the same kernel, dtype and device), the reference of the `vs P=1` column;
+4. return both (under torchrun, gather every rank's results on rank 0, which compares).
 
 A case that raises is not caught and skipped: a rank that raised can no longer be trusted to
 meet its peers in the next collective, so the run ends there, and the exception carries the
@@ -32,10 +35,11 @@ from sim.launch import under_torchrun
 from sim.progress import Progress
 from sim.verify_cases import Case, Setup, cp_groups, make_batch, placement
 
-__all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "load_impl", "make_kernel", "DEVICE_TYPES"]
+__all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
 
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
+Pair = tuple[Result, Result | None]  # (the rank's result, the whole batch's without CP on CP rank 0, else None)
 
 
 class CaseFailed(RuntimeError):
@@ -130,25 +134,38 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     return (out.detach().cpu(), *grads)
 
 
-def rank_main(plan: Plan) -> list[Result] | list[list[Result]] | None:
+def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kernel: Any) -> Result:
+    """CP group `dp`'s whole batch on this one device at P = 1 (`cpref.attention` on a `SingleRank`,
+    the same kernel, in the case's dtype): `(out, dq, dk, dv)` over the whole stream, on the CPU."""
+    batch = make_batch(setup, case, dp)
+    q, k, v = (t.to(device).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
+    cu_padded = None if batch.cu_padded is None else batch.cu_padded.to(device)
+    out = cpref.attention(q, k, v, batch.cu.to(device), comm=cpref.SingleRank(), mode="all_gather", layout=case.layout,
+                          causal=case.causal, cu_seqlens_padded=cu_padded, kernel=kernel)  # fmt: skip
+    out.backward(batch.dout.to(device))
+    return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
+
+
+def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
     """Run every case of `plan` on this rank (see the module docstring).
 
     Returns:
-        This rank's results, one per case; under torchrun, every rank's results on rank 0
-        (indexed by world rank) and None on the other ranks.
+        This rank's `(result, without CP)` per case (the second None but on CP rank 0); under
+        torchrun, every rank's list on rank 0 (indexed by world rank) and None on the other ranks.
 
     Raises:
         CaseFailed: if a case raised on this rank.
     """
     groups, device = make_groups(plan), _device(plan.device_type)
-    kernel = make_kernel(plan.setup.kernel) if any(c.impl == "cpref" for c in plan.cases) else None
+    kernel = make_kernel(plan.setup.kernel)  # cpref's cases and every case's run without CP
     first = dist.get_rank() == 0
     bar = Progress(len(plan.cases), "ranks run the cases", enabled=plan.progress if first else False)
-    results: list[Result] = []
+    results: list[Pair] = []
     for case in plan.cases:
         comm, dp = groups[(case.cp, case.strided)]
         try:
-            results.append(run_case(case, plan.setup, comm, dp, device, kernel))
+            got = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
+            results.append((got, run_without_cp(case, plan.setup, dp, device, kernel) if comm.rank == 0 else None))
         except Exception as exc:
             where = f"CP group {dp}, CP rank {comm.rank}, world rank {comm.global_rank}"
             raise CaseFailed(f"case {case.label} ({where}): {type(exc).__name__}: {exc}") from exc

@@ -3,7 +3,8 @@
 Process start-up costs seconds, so cases are batched: one world of 4 runs the whole sweep
 (every mode of `cpref.MODES` x layout x fp32/bf16 x unpadded/padded, at CP 4 over the world
 and at CP 2 as DP 2 x CP 2 with the non-consecutive CP groups {0, 2} and {1, 3}; a2a+p2p as
-2 x 2 at CP 4); one launch of 2 checks a correct and a wrong `--impl`; each fault is one small
+2 x 2 at CP 4); one launch of 2 checks a correct `--impl` and two wrong ones (one inside the
+fixed tolerance, which only the `vs P=1` column catches); each fault is one small
 launch that must end in a clear report, non-zero, within the process-group timeout. A mode
 added to `cpref.MODES` joins every check by itself.
 """
@@ -18,11 +19,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import cpref
 from sim import verify
+from sim.cluster import SimCluster
+from sim.harness import run_attention
 from sim.progress import Progress
-from sim.verify_cases import Case, Setup, build_cases, cp_groups, lengths, placement
+from sim.verify_cases import Case, Setup, build_cases, cp_groups, lengths, make_batch, placement
+from sim.verify_rank import run_without_cp
+from sim.verify_truth import Report, check, compare, ground_truth
+from tests.backends.verify_impls import WITHIN_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = sorted(cpref.MODES)
@@ -60,21 +67,25 @@ def test_every_mode_layout_dtype_and_placement_rank_by_rank():
 
 
 def test_impl_right_and_wrong_through_the_command_line(capsys):
-    argv = ["--nproc", "2", "--layout", "zigzag", "--dtype", "fp32,bf16", *SMALL,
-            "--impl", f"{IMPLS}:cpref_over_group", "--impl", f"{IMPLS}:biased_on_rank_1"]  # fmt: skip
+    argv = ["--nproc", "2", "--layout", "zigzag", "--dtype", "fp32,bf16", *SMALL, "--impl", f"{IMPLS}:cpref_over_group",
+            "--impl", f"{IMPLS}:biased_on_rank_1", "--impl", f"{IMPLS}:off_within_tolerance_on_rank_1"]  # fmt: skip
     assert verify.main(argv) == 1
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith(IMPLS)]
-    assert len(rows) == 2 * len(MODES) * 2 * 2  # impls x modes x dtypes x ranks
-    for row in rows:  # impl mode ... rank dp r out dq dk dv tol oracle result
-        rank, status, tol = int(row[-10]), row[-1], float(row[-3])
-        out_err, *grad_errs = map(float, row[-7:-3])
-        wrong = row[0].endswith(":biased_on_rank_1") and rank == 1
-        assert status == ("FAIL" if wrong else "pass"), row
-        if wrong:  # the table points at rank 1's out, off by the bias; the gradients are fine
-            assert out_err > 0.09 > max(grad_errs), row
+    rows = {}  # (impl, mode, dtype, rank) -> (out, dq, dk, dv errors, tol, vs-P=1 ratio, <=2 or >2, status)
+    for row in (line.split() for line in out.splitlines() if line.startswith(IMPLS)):  # impl mode [a2a_size] layout dtype
+        errors = tuple(map(float, row[-9:-5]))  # pad cp rank dp r out dq dk dv tol vs-P=1 (ratio, <=2 or >2) oracle result
+        rows[row[0].split(":")[1], row[1], row[-15], int(row[-12])] = (*errors, float(row[-5]), float(row[-4]), row[-3], row[-1])
+    assert len(rows) == 3 * len(MODES) * 2 * 2  # impls x modes x dtypes x ranks
+    for (impl, mode, dtype, rank), (out_err, *grad_errs, tol, ratio, within, status) in rows.items():
+        wrong = impl != "cpref_over_group" and rank == 1
+        assert status == ("FAIL" if wrong else "pass") and within == (">2" if wrong else "<=2"), (impl, mode, dtype, rank)
+        assert (ratio > 2) == wrong
+        if impl == "biased_on_rank_1" and wrong:  # the table points at rank 1's out, off by the bias; the gradients are fine
+            assert out_err > 0.09 > max(grad_errs)
+        elif wrong:  # off within the fixed tolerance: only the vs-P=1 column fails it; its gradients are the right ones
+            assert out_err < 0.09 and grad_errs == list(rows["cpref_over_group", mode, dtype, rank][1:4])
         else:
-            assert out_err <= tol, row
+            assert out_err <= tol
     assert "verification FAILED" in out
 
 
@@ -164,6 +175,41 @@ def test_bad_cases_are_refused_before_any_process_starts(capsys):
     assert "does not divide the world size 4" in capsys.readouterr().err
     assert verify.main(["--impl", "no_such_module:fn"]) == 2
     assert "--impl 'no_such_module:fn'" in capsys.readouterr().err
+
+
+def simulated_results(case: Case) -> list:
+    """`per_rank` as `verify_truth.check` takes it, without processes: every rank's results from the simulated
+    cluster in the case's dtype (the production path's stand-in), and the run without CP on CP rank 0."""
+    batch = make_batch(SETUP, case, dp=0)
+    results, _ = run_attention(batch.q, batch.k, batch.v, batch.dout, batch.cu, P=case.cp, mode=case.mode,
+                               layout=case.layout, cluster=SimCluster(case.cp, reduction="native"))  # fmt: skip
+    without_cp = run_without_cp(case, SETUP, 0, torch.device("cpu"), cpref.TorchKernel())
+    return [[(results[r], without_cp if r == 0 else None)] for r in range(case.cp)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_vs_p1_column_fails_an_error_inside_the_tolerance_that_doubles_the_kernels(dtype):
+    """The column on its own (no processes): correct ranks are within 2x of the kernel without CP; rank 1's
+    output off by `WITHIN_TOLERANCE` (16 and 4 machine epsilons) passes the fixed tolerance and fails the ratio."""
+    case = Case("p2p", "zigzag", dtype, cp=2)
+    per_rank = simulated_results(case)
+    report = check(SETUP, [case], per_rank)
+    assert report.ok and all(row.ratio <= 2 for row in report.rows), report.format()
+    (out, *grads), without_cp = per_rank[1][0]
+    per_rank[1][0] = ((out + out * WITHIN_TOLERANCE[out.dtype], *grads), without_cp)
+    good, bad = check(SETUP, [case], per_rank).rows
+    assert good.ok and not bad.ok and bad.ratio > 4 and not bad.ratio_ok
+    assert compare(per_rank[1][0][0], ground_truth(SETUP, case, 0, {})[0][1], case.tol(SETUP))[1]  # inside the tolerance
+    line = Report([good, bad]).format().splitlines()[3].split()
+    assert line[-3:] == [">2", f"{bad.oracle:.2e}", "FAIL"] and float(line[-4]) == round(bad.ratio, 2)
+
+
+def test_fp64_rows_have_no_ratio():
+    """The FP64 truth is no more precise than an fp64 result: the column reads `-` and never fails a row."""
+    case = Case("p2p", "zigzag", "fp64", cp=2)
+    report = check(SETUP, [case], simulated_results(case))
+    assert report.ok and [row.ratio for row in report.rows] == [None, None]
+    assert report.format().splitlines()[2].split()[-3:-1] == ["-", f"{report.rows[0].oracle:.2e}"]
 
 
 def test_progress_bar_draws_only_when_asked():

@@ -5,6 +5,8 @@ Each has cpref's signature with the process group in place of `comm`:
 
 * `cpref_over_group`: a correct one (a `TorchComm` over the group, then `cpref.attention`);
 * `biased_on_rank_1`: a deliberately wrong one (rank 1's output is off by 0.1);
+* `off_within_tolerance_on_rank_1`: wrong by less than the fixed tolerance, but about ten times
+  the kernel's own error: only the `vs P=1` column catches it;
 * `raises_on_rank_1`, `killed_mid_collective`, `mismatched_causal`: faults the harness must
   turn into a clear report instead of a hang.
 """
@@ -38,6 +40,19 @@ def biased_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.T
     """Wrong: rank 1 adds 0.1 to its output; no gradient changes, so only rank 1's `out` may fail."""
     out = cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
     return out + 0.1 if _comm(process_group).rank == 1 else out
+
+
+# rank 1's output is scaled by 1 + this: 16 and 4 machine epsilons, inside rtol = 1e-5 (fp32) and 3.5e-2 (bf16,
+# GQA), and about ten times the error of the kernel without CP
+WITHIN_TOLERANCE = {torch.float32: 2.0**-19, torch.bfloat16: 2.0**-5}
+
+
+def off_within_tolerance_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+    """Subtly wrong: rank 1's output is off by `WITHIN_TOLERANCE` relative; the gradients are untouched."""
+    out = cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
+    if _comm(process_group).rank != 1:
+        return out
+    return out + (out * WITHIN_TOLERANCE[out.dtype]).detach()
 
 
 def raises_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:

@@ -64,8 +64,10 @@ def test_rows_without_keys_stay_finite(dtype):
     assert lse.flatten().tolist() == [-INF, 1.0, 2.0]
 
 
-# (lse, lse_b): exp of the larger overflows float32 (beyond 88) in every case, float64 (beyond 709) in all but the first two
-LSE_GAPS = [(0.0, 200.0), (200.0, 0.0), (-1e4, 1e4), (1e4, -1e4), (1e30, 0.0), (0.0, 1e30), (1e30, -INF), (-INF, 1e30)]
+# (lse, lse_b): exp of the larger overflows float32 (beyond 88) in every case, float64 (beyond 709) in all but the first two;
+# (-333333.3, 1234567.9): the lse of float32 logits of inputs x1000, where lse - logsigmoid(lse - lse_b) is off by 0.125
+LSE_GAPS = [(0.0, 200.0), (200.0, 0.0), (-1e4, 1e4), (1e4, -1e4), (1e30, 0.0), (0.0, 1e30), (1e30, -INF), (-INF, 1e30),
+            (-333333.3, 1234567.9), (1234567.9, -333333.3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -73,7 +75,8 @@ LSE_GAPS = [(0.0, 200.0), (200.0, 0.0), (-1e4, 1e4), (1e4, -1e4), (1e30, 0.0), (
 def test_a_block_dominating_by_a_huge_lse_gap_takes_the_merge_without_overflow(dtype, lse_run, lse_block):
     """Field bug 5: the weight of the smaller block is sigma(-gap) <= e^-200, far below the dtype's
     resolution, so the merged output is the dominant block's and the merged lse, max + log1p(e^-gap),
-    is the larger lse. A merge through exp(lse) overflows to inf / inf = NaN for these gaps."""
+    is the larger lse, exactly (the ring's backward recomputes probabilities from it). A merge through
+    exp(lse) overflows to inf / inf = NaN for these gaps."""
     g = torch.Generator().manual_seed(0)
     out, out_b = (torch.randn(3, 2, 4, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
     lse, lse_b = torch.full((3, 2), lse_run, dtype=dtype), torch.full((3, 2), lse_block, dtype=dtype)
@@ -81,7 +84,5 @@ def test_a_block_dominating_by_a_huge_lse_gap_takes_the_merge_without_overflow(d
     larger_lse = torch.maximum(lse, lse_b)
     merge_partial(out, lse, out_b, lse_b)
     assert out.isfinite().all() and lse.isfinite().all()
-    # w is exactly 0 or 1: O - 1 * (O - O_b) is O_b up to one rounding of the subtraction
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(out, dominant_out, atol=4 * eps, rtol=0)
-    torch.testing.assert_close(lse, larger_lse, atol=0, rtol=eps)
+    # the weights are exactly 1 and 0 and log1p(e^-gap) vanishes: the dominant block's, bit for bit
+    assert torch.equal(out, dominant_out) and torch.equal(lse, larger_lse)

@@ -17,7 +17,13 @@ $[\delta, n_k)$ with a causal mask; the two partial results are merged by their 
 the first and key $\delta + x$ in the second:
 
 $$ \mathrm{lse} = \log\left(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}\right), \qquad
-   O = e^{\mathrm{lse}_a - \mathrm{lse}}\, O_a + e^{\mathrm{lse}_b - \mathrm{lse}}\, O_b . $$
+   O = e^{\mathrm{lse}_a - \mathrm{lse}}\, O_a + e^{\mathrm{lse}_b - \mathrm{lse}}\, O_b
+     = \sigma(\mathrm{lse}_a - \mathrm{lse}_b)\, O_a + \sigma(\mathrm{lse}_b - \mathrm{lse}_a)\, O_b . $$
+
+The weights are taken in the second form, from the difference of the two lse, not from the
+merged lse, which float32 rounds to a step of $2^{-10}$ at logits of $10^4$: at such logits the
+first form put that rounding into every output of the row (four to nine times the error of the
+unsplit call, inputs x100).
 
 With $n_q > n_k$ the first $n_q - n_k$ rows see no key: they are never computed (`out` 0,
 `lse` $-\infty$, zero gradients) and the last $n_k$ rows form a causal square. The backward
@@ -33,13 +39,20 @@ plan) are one strided `(B, H, S, D)` view of the packed tensors, made with `unfo
 (one document, or a run of equal ones), the op's outputs, laid out token-major, already are
 the packed `out`, `lse` and gradients, and are returned as views.
 
-**The rest of the contract.** The op reads key head `h // G` itself (GQA and MQA without
-copies). It needs $D_v = D$, so for $D_v < D$ (MLA) V, and in the backward dO and O, are
-zero-padded to $D$; the padded columns of O and dV are 0 and $\Delta$ is unchanged.
-float16/bfloat16 inputs are upcast once to float32, as in the explicit path, so `out_dtype`
-and `grad_dtype` receive float32 accumulators. With `full_rows` in float16/bfloat16, $\Delta$
-must not come from the rounded `out`; the backward then recomputes the float32 output (one
-more forward) and passes that to the op.
+**MQA.** The op reads key head `h // G` itself (GQA and MQA without copies), except in the
+backward with one K/V head: there the op recomputes some logits one ulp away from those of
+its forward (PyTorch 2.13 on a CPU, at query lengths such as 5 to 11 or 37 to 39; not seen
+with two or more K/V heads), and one ulp of a float32 logit of $10^6$ is an error of up to
+28 % in the probability $e^{S - \mathrm{lse}}$. With the one head broadcast over the $H_q$
+query heads as a stride-0 view (no copy) forward and backward agree; dK and dV then come out
+per query head and are summed in float32.
+
+**The rest of the contract.** The op needs $D_v = D$, so for $D_v < D$ (MLA) V, and in the
+backward dO and O, are zero-padded to $D$; the padded columns of O and dV are 0 and $\Delta$ is
+unchanged. float16/bfloat16 inputs are upcast once to float32, as in the explicit path, so
+`out_dtype` and `grad_dtype` receive float32 accumulators. With `full_rows` in
+float16/bfloat16, $\Delta$ must not come from the rounded `out`; the backward then recomputes
+the float32 output (one more forward) and passes that to the op.
 
 **Memory.** The op keeps its scores in tiles of at most $256 \times 512$ per thread (one in the
 forward, two in the backward) whatever the length; everything else is $O(T)$. A
@@ -165,11 +178,11 @@ def _prepared(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> to
 
 def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """Merge `(o_b, lse_b)` into `(o, lse)` in place; both finite in every row."""
-    # lse' = log(e^lse + e^lse_b)
-    merged = torch.logaddexp(lse, lse_b)  # (B, H, n)
-    # O' = e^(lse - lse') O + e^(lse_b - lse') O_b
-    o.mul_((lse - merged).exp_().unsqueeze(-1)).add_(o_b * (lse_b - merged).exp_().unsqueeze(-1))
-    lse.copy_(merged)
+    # O' = e^(lse - lse') O + e^(lse_b - lse') O_b = sigma(lse - lse_b) O + sigma(lse_b - lse) O_b
+    gap = lse - lse_b  # (B, H, n)
+    o.mul_(torch.sigmoid(gap).unsqueeze(-1)).add_(o_b * torch.sigmoid(-gap).unsqueeze(-1))
+    # lse' = log(e^lse + e^lse_b) = max + log1p(e^-|lse - lse_b|)
+    lse.copy_(torch.logaddexp(lse, lse_b))
 
 
 def _narrow(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -254,10 +267,17 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
     else:
         oc = _prepared(out, cdt, d)  # (T, Hq, D)
     lse, runs = lse.to(cdt), _runs(seqs, causal)
+    hq, mqa = q.shape[1], k.shape[1] == 1 < q.shape[1]  # one K/V head: broadcast it (see MQA above)
 
     def grads(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (B, Hq, n, D), (B, Hkv, n_k, D) x 2
-        inputs = (_queries(doc, run), _queries(qc, run), _keys(kc, run), _keys(vc, run), _queries(oc, run), _queries(lse, run))
-        return _BACKWARD(*inputs, 0.0, run.causal, scale=scale)
+        k_r, v_r = _keys(kc, run), _keys(vc, run)  # (B, Hkv, n_k, D)
+        if mqa:
+            k_r, v_r = k_r.expand(-1, hq, -1, -1), v_r.expand(-1, hq, -1, -1)  # (B, Hq, n_k, D), stride 0: no copy
+        inputs = (_queries(doc, run), _queries(qc, run), k_r, v_r, _queries(oc, run), _queries(lse, run))
+        dq_r, dk_r, dv_r = _BACKWARD(*inputs, 0.0, run.causal, scale=scale)
+        if mqa:  # every query head's share of the one K/V head, summed in float32
+            dk_r, dv_r = dk_r.sum(1, keepdim=True), dv_r.sum(1, keepdim=True)  # (B, 1, n_k, D)
+        return dq_r, dk_r, dv_r
 
     if _whole(runs, q.shape[0], k.shape[0]):  # one call: its gradients are the packed tensors, no copy
         dq, dk, dvp = map(_packed, grads(runs[0]))
