@@ -97,15 +97,21 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def layout_multiple(layout: str, cp_size: int) -> int:
-    """The granularity a document length must be a multiple of: `P` (contiguous) or `2P` (zigzag)."""
+    """The granularity a document length must be a multiple of: `P` (contiguous) or `2P` (zigzag).
+
+    Without CP (`cp_size = 1`) it is 1 in either layout: the one rank holds every document whole
+    and in order, so there is nothing to balance and no length to pad.
+    """
     as_choice("layout", layout, LAYOUTS)
-    return (2 if layout == "zigzag" else 1) * as_int("cp_size", cp_size, lo=1)
+    P = as_int("cp_size", cp_size, lo=1)
+    return 1 if P == 1 else (2 if layout == "zigzag" else 1) * P
 
 
 # --8<-- [start:chunks]
 def chunk_ids(rank: int, cp_size: int, layout: str) -> list[int]:
-    """The chunks of every document that rank `rank` holds, in local order: `[r]` or `[r, 2P-1-r]`."""
-    return [rank] if layout == "contiguous" else [rank, 2 * cp_size - 1 - rank]
+    """The chunks of every document that rank `rank` holds, in local order: `[r]` or `[r, 2P-1-r]`
+    (`[0]`, the whole document, without CP)."""
+    return [rank] if layout == "contiguous" or cp_size == 1 else [rank, 2 * cp_size - 1 - rank]
 
 
 def chunk_owner(j: int, cp_size: int, layout: str) -> tuple[int, int]:

@@ -28,11 +28,12 @@ def _fresh_cache():
 def expected_prefixes(cu, P, rank, layout, causal):
     """Independent construction: the global token ids each query sequence must see, in order."""
     cu = cu.tolist()
-    mult = 2 * P if layout == "zigzag" else P
+    zigzag = layout == "zigzag" and P > 1  # without CP a document is one chunk, whole, in either layout
+    mult = 2 * P if zigzag else P
     seqs = []
     for i in range(len(cu) - 1):
         c = (cu[i + 1] - cu[i]) // mult
-        chunks = [rank, 2 * P - 1 - rank] if layout == "zigzag" else [rank]
+        chunks = [rank, 2 * P - 1 - rank] if zigzag else [rank]
         if causal:
             seqs += [(c, list(range(cu[i], cu[i] + (j + 1) * c))) for j in chunks]
         else:
@@ -76,7 +77,8 @@ def test_zigzag_work_equal_on_every_rank(P, seed):
     cu = cu_from_lengths(lengths)
     work = [get_thd_load_balanced_cp_metadata(cu, P, r)["work"] for r in range(P)]
     assert len(set(work)) == 1, work
-    assert len(get_thd_load_balanced_cp_metadata(cu, P, 0)["actual_seq_qlen"]) == 2 * len(lengths)
+    chunks = 2 if P > 1 else 1  # without CP a document is one chunk, whole
+    assert len(get_thd_load_balanced_cp_metadata(cu, P, 0)["actual_seq_qlen"]) == chunks * len(lengths)
 
 
 def test_worked_example_cp2():

@@ -35,6 +35,36 @@ def test_every_mode_at_cp1_is_attention_over_the_stream(mode, extra):
         assert_close(got, ref, torch.float64)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mode, extra", [("all_gather", {}), ("p2p", {}), ("a2a", {}), ("a2a+p2p", {"a2a_size": 1})])
+def test_without_cp_any_document_length_runs_in_either_layout_unpadded(mode, extra, layout):
+    """Issue 19: at cp_size = 1 there is nothing to balance, so odd lengths need no padding (was:
+    "not a multiple of 2 (the zigzag layout over cp_size=1)"); the result is attention itself."""
+    from sim.oracle import attention as oracle
+
+    cu = cu_from_lengths([7, 5, 1])
+    q, k, v = (t.requires_grad_() for t in random_qkv(13, 4, 2, 8))
+    dout = random_qkv(13, 4, 4, 8, seed=1)[0]
+    assert torch.equal(cpref.shard(q.detach(), cu, cp_size=1, rank=0, layout=layout), q.detach())
+    out = cpref.attention(q, k, v, cu, comm=cpref.SingleRank(), mode=mode, layout=layout, **extra)
+    out.backward(dout)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want, _ = oracle(qr, kr, vr, cu)
+    want.backward(dout)
+    for got, ref in zip((out.detach(), q.grad, k.grad, v.grad), (want.detach(), qr.grad, kr.grad, vr.grad)):
+        assert_close(got, ref, torch.float64)
+
+
+def test_without_cp_the_data_path_pads_nothing_and_with_cp_odd_lengths_still_need_padding():
+    cu = cu_from_lengths([7, 5])
+    batch = {"tokens": torch.arange(12), "labels": torch.arange(12)}
+    part = cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=1, rank=0)
+    assert part["cu_seqlens_padded"].tolist() == [0, 7, 12] and torch.equal(part["tokens"], batch["tokens"])
+    assert cpref.layout.layout_multiple("zigzag", 1) == 1 and cpref.layout.layout_multiple("zigzag", 2) == 4
+    with pytest.raises(ValueError, match=r"document 0 has length 7, not a multiple of 4 \(the zigzag layout over cp_size=2\)"):
+        cpref.shard(torch.arange(12), cu, cp_size=2, rank=0, layout="zigzag")
+
+
 class CountingRank(cpref.SingleRank):
     """A group of one that records every collective called on it."""
 

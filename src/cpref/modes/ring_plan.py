@@ -49,7 +49,7 @@ from itertools import accumulate
 import torch
 
 from cpref.kernels.contract import Varlen
-from cpref.layout import chunk_ids
+from cpref.layout import chunk_ids, layout_multiple
 from cpref.seqlens import Boundaries
 
 __all__ = ["RingStep", "RingPlan", "build_ring_plan"]
@@ -111,7 +111,7 @@ def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: li
 
 
 def _step(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bool, device) -> RingStep:
-    mult = (2 if layout == "zigzag" else 1) * P
+    mult = layout_multiple(layout, P)
     mine, theirs = chunk_ids(rank, P, layout), chunk_ids(source, P, layout)
     seqs, offset = [], 0  # (q_len, absolute key start, k_len); offset of the document in every buffer
     for i in range(b.num_docs):
