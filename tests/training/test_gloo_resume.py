@@ -1,5 +1,5 @@
-"""`kill -9` during a gloo training run with `--save-every`: the resumed run continues the loss curve
-of an uninterrupted run to the last printed digit (issue 18, periodic saving on real processes)."""
+"""`kill -9` during a training run with `--save-every`, on the simulated cluster and on gloo processes:
+the resumed run continues the loss curve of an uninterrupted run to the last printed digit (issue 18)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN = [sys.executable, "-m", "sim", "train", "--backend", "gloo", "--model", "llama", "--cp", "2", "--mode", "p2p",
-         "--steps", "6", "--pack-tokens", "64"]  # fmt: skip
+TRAIN = [sys.executable, "-m", "sim", "train", "--model", "llama", "--cp", "2", "--mode", "p2p", "--steps", "6",
+         "--pack-tokens", "64"]  # fmt: skip
 
 
-def start(*args: str) -> subprocess.Popen:
+def start(backend: str, *args: str) -> subprocess.Popen:
     """The training command in a session of its own, so that one signal reaches the launcher and every rank."""
-    return subprocess.Popen([*TRAIN, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen([*TRAIN, "--backend", backend, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
 
 
@@ -27,11 +29,12 @@ def step_lines(out: str) -> dict[int, str]:
     return {int(w[1]): " ".join(w[2:6]) for w in lines}
 
 
-def test_a_kill_at_a_random_step_resumes_to_the_last_digit_of_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("backend", ["sim", "gloo"])
+def test_a_kill_at_a_random_step_resumes_to_the_last_digit_of_the_uninterrupted_run(tmp_path, backend):
     ckpt = str(tmp_path / "ckpt")
     kill_after = random.Random(1818).randrange(2, 5)  # a save (after step 1) has completed by then
-    whole = start()
-    victim = start("--save", ckpt, "--save-every", "2")
+    whole = start(backend)
+    victim = start(backend, "--save", ckpt, "--save-every", "2")
     try:
         seen = []
         for line in victim.stdout:  # rank 0 prints one flushed line a step
@@ -43,7 +46,7 @@ def test_a_kill_at_a_random_step_resumes_to_the_last_digit_of_the_uninterrupted_
         assert victim.returncode == -signal.SIGKILL, (victim.returncode, seen, victim.stderr.read())
         out, err = whole.communicate(timeout=300)
         assert whole.returncode == 0, err
-        resumed = start("--resume", ckpt, "--save", ckpt, "--save-every", "2")
+        resumed = start(backend, "--resume", ckpt, "--save", ckpt, "--save-every", "2")
         r_out, r_err = resumed.communicate(timeout=300)
         assert resumed.returncode == 0, r_err
     finally:
