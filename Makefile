@@ -42,7 +42,7 @@ test-sim: $(VENV)/.dev
 	$(PY) -m pytest $(PYTEST_ARGS) tests/sim
 
 test-npu: $(VENV)/.dev
-	$(PY) -m sim.npu_check
+	$(PY) -m sim.tools.npu_check
 
 docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict

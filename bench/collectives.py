@@ -20,7 +20,7 @@ import time
 import torch
 
 from cpref.backends import TorchComm
-from sim.launch import launch
+from sim.tools.launch import launch
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all")
 

@@ -5,7 +5,7 @@ dim 64, float32, forward + backward, one thread per process:
 
 * **T(CP=1)**: one process runs `TorchKernel` forward + backward over the whole batch,
   which is what every mode reduces to at CP = 1;
-* **T(CP=2)**: two processes (`sim.launch`, gloo) run `cpref.attention` forward + backward
+* **T(CP=2)**: two processes (`sim.tools.launch`, gloo) run `cpref.attention` forward + backward
   for every mode of `cpref.MODES` and both layouts, each rank on its shard; a step lasts
   as long as its slowest rank (the ranks start each step together, after a barrier).
 
@@ -48,7 +48,7 @@ import cpref
 from bench.timed import Clock, TimedComm, TimedKernel
 from cpref.backends import TorchComm
 from cpref.kernels import Varlen
-from sim.launch import launch
+from sim.tools.launch import launch
 
 TARGET = 1.8
 

@@ -55,12 +55,12 @@ GUIDE = [
     ("data.md", "The data path and loss", "cpref.data"),
     ("models.md", "Models with CP", "cpref.models"),
     ("training.md", "The training step", "cpref.training"),
-    ("train.md", "Train a model with CP", "sim.train"),
+    ("train.md", "Train a model with CP", "sim.tools.train"),
     ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
     ("checkpoint-files.md", "Where checkpoints live", "cpref.checkpoint_files"),
     ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
     ("backend-facts.md", "What each backend can do", "cpref.backends.capabilities"),
-    ("verify.md", "Rank-by-rank verification", "sim.verify"),
+    ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
     ("performance.md", "Performance", "bench.report"),
 ]
 
@@ -212,7 +212,7 @@ def reference_page(name: str, file: Path, guide: dict[str, tuple[str, str]], doc
     """`::: name` for mkdocstrings; a module with a guide page shows its members only."""
     parts = [f"# `{name}`"]
     names = public_names(file)
-    if name in guide and names and file.name != "__init__.py":
+    if name in guide and names:  # a module or package whose docstring is a guide page: its members
         page, title = guide[name]
         up = "../" * doc_path.count("/")  # back to the site root, where the guide pages live
         parts.append(f"The module docstring is the guide page [{title}]({up}{page}). Public API:")

@@ -13,7 +13,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from cpref.training import TrainConfig
-from sim.train import RunSpec, run_sim
+from sim.tools.train import RunSpec, run_sim
 
 
 def _base():

@@ -10,8 +10,10 @@ A mini-guide:
 * Faults never hang ([`sim.rendezvous`][sim.rendezvous]): `CollectiveMismatch`,
   `PeerFailure` and `CollectiveTimeout` inside a rank; `ClusterFailure` out of `run`.
 * The FP64 single-device reference lives in `sim.oracle` (import it explicitly).
-* `python -m sim verify` ([`sim.verify`][sim.verify]) checks the production path on real
-  processes (gloo, NCCL, HCCL) rank by rank against the simulated cluster in FP64.
+* The tools that run on real process groups live in [`sim.tools`][sim.tools]: the launcher,
+  `python -m sim verify` ([`sim.tools.verify`][sim.tools.verify]: the production path on real
+  processes, gloo, NCCL or HCCL, rank by rank against the simulated cluster in FP64), and
+  `python -m sim train`.
 
 Example:
     >>> import torch

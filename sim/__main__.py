@@ -13,8 +13,8 @@ from typing import Sequence
 
 # command -> (module with main(argv, prog), one line of help)
 COMMANDS = {
-    "verify": ("sim.verify", "rank-by-rank verification of CP attention on real process groups"),
-    "train": ("sim.train", "train a GPT-2, LLaMA or Qwen3 style model with CP on packed documents"),
+    "verify": ("sim.tools.verify", "rank-by-rank verification of CP attention on real process groups"),
+    "train": ("sim.tools.train", "train a GPT-2, LLaMA or Qwen3 style model with CP on packed documents"),
 }
 
 

@@ -11,7 +11,7 @@ bytes each rank sent (from the cluster's trace), the bytes each rank saved for b
 backward (a range where ranks differ).
 Part 3 runs the production path: every mode and layout at CP 2 on two gloo processes in
 float32 (`cpref.attention` over `TorchComm`), checked rank by rank against the simulated
-cluster's FP64 ground truth (`python -m sim verify`, see `sim.verify`): the per-rank table.
+cluster's FP64 ground truth (`python -m sim verify`, see `sim.tools.verify`): the per-rank table.
 `python -m sim.demo --device cuda` runs part 2 on a GPU (the simulated ranks are threads that
 share it); parts 1 and 3 are the same on every machine.
 """
@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 
 import cpref
-from sim import verify
+from sim.tools import verify
 from sim.harness import CountingKernel, max_error, mode_trace, oracle_shards, run_attention, saved_bytes
 from sim.trace import summarize
 
@@ -89,7 +89,7 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = tor
     return worst
 
 
-# part 3: the documents of parts 1 and 2, four times as long (the GQA heads of sim.verify)
+# part 3: the documents of parts 1 and 2, four times as long (the GQA heads of sim.tools.verify)
 VERIFY_ARGS = ["--backend", "gloo", "--nproc", "2", "--mode", "all", "--layout", "all", "--dtype", "fp32",
                "--docs", ",".join(str(4 * n) for n in LENGTHS), "--timeout", "120"]  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""`sim.launch` on gloo: every fault ends in a clear report, fast; a local launch listens on
+"""`sim.tools.launch` on gloo: every fault ends in a clear report, fast; a local launch listens on
 loopback only; torchrun runs it unchanged.
 
 (That results come back by rank is checked by the one launch of `test_torch_dist.py`; that ranks
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.launch import _GRACE_S, LaunchFailure, launch, under_torchrun
+from sim.tools.launch import _GRACE_S, LaunchFailure, launch, under_torchrun
 from tests.backends import gloo_cases, launch_cases
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_runs_in_process_under_torchrun(tmp_path):
     script = tmp_path / "main.py"
     script.write_text(
         "import os, sys\n"
-        "from sim.launch import launch\n"
+        "from sim.tools.launch import launch\n"
         "from tests.backends import gloo_cases\n"
         "if __name__ == '__main__':\n"
         # a file per worker: the two workers' writes to one shared stdout pipe interleave

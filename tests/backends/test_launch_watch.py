@@ -1,4 +1,4 @@
-"""`sim.launch_watch`: ranks die with their launcher; timeouts and collectives told by their text."""
+"""`sim.tools.launch_watch`: ranks die with their launcher; timeouts and collectives told by their text."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from sim.launch_watch import in_collective, is_timeout
+from sim.tools.launch_watch import in_collective, is_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
 
 LAUNCHER = """
 import sys
-from sim.launch import launch
+from sim.tools.launch import launch
 from tests.backends import launch_cases
 launch(launch_cases.pid_then_sleep, 2, args=(sys.argv[1],), timeout=120.0)
 """

@@ -18,7 +18,7 @@ import torch
 
 from cpref.backends import TorchComm, default_exchange, unsupported_ops
 from cpref.errors import CPInputError
-from sim.launch import launch
+from sim.tools.launch import launch
 from tests.backends import gloo_cases
 
 

@@ -22,13 +22,13 @@ import pytest
 import torch
 
 import cpref
-from sim import verify
+from sim.tools import verify
 from sim.cluster import SimCluster
 from sim.harness import run_attention
-from sim.progress import Progress
-from sim.verify_cases import Case, Setup, build_cases, cp_groups, lengths, make_batch, placement
-from sim.verify_rank import run_without_cp
-from sim.verify_truth import Report, check, compare, ground_truth
+from sim.tools.progress import Progress
+from sim.tools.verify.cases import Case, Setup, build_cases, cp_groups, lengths, make_batch, placement
+from sim.tools.verify.rank import run_without_cp
+from sim.tools.verify.truth import Report, check, compare, ground_truth
 from tests.backends.verify_impls import WITHIN_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def test_bad_cases_are_refused_before_any_process_starts(capsys):
 
 
 def simulated_results(case: Case) -> list:
-    """`per_rank` as `verify_truth.check` takes it, without processes: every rank's results from the simulated
+    """`per_rank` as `sim.tools.verify.truth.check` takes it, without processes: every rank's results from the simulated
     cluster in the case's dtype (the production path's stand-in), and the run without CP on CP rank 0."""
     batch = make_batch(SETUP, case, dp=0)
     results, _ = run_attention(batch.q, batch.k, batch.v, batch.dout, batch.cu, P=case.cp, mode=case.mode,

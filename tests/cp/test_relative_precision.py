@@ -3,7 +3,7 @@ r"""Every mode within twice the error of the same kernel without CP, at logit sc
 A fixed tolerance cannot tell a CP fault from the kernel's own rounding once the logits are
 large (issue 18, section 6). These tests hold every mode and layout, at P = 2 and 4, in fp32
 and bf16, with q, k, v scaled by 1, 10, 100 and 1000, to MagiAttention's criterion, as
-`python -m sim verify` does (`sim.verify_truth.precision_ratio`, `RATIO_LIMIT` = 2): **a CP
+`python -m sim verify` does (`sim.tools.verify.truth.precision_ratio`, `RATIO_LIMIT` = 2): **a CP
 result may be at most twice as far from the FP64 oracle as the same kernel without CP**
 (`cpref.attention` on a `SingleRank`, same dtype, same inputs). Per tensor the error is
 $e(x) = \max|x - x^\ast| / \max|x^\ast|$ and the ratio $e(x_{CP}) / \max(e(x_{P=1}), \epsilon/2)$.
@@ -56,7 +56,7 @@ import cpref
 from cpref.kernels import TorchKernel, Varlen
 from sim.cluster import SimCluster
 from sim.harness import oracle_padded
-from sim.verify_truth import RATIO_LIMIT, precision_ratio
+from sim.tools.verify.truth import RATIO_LIMIT, precision_ratio
 from tests.cp.conftest import run_cp
 from tests.helpers import cu_from_lengths, random_qkv
 

@@ -6,7 +6,7 @@ softmax-stat storage) and rejects what the real op rejects; these tests check th
 builds valid arguments, rewrites the edge cases the op does not take, converts the stats into
 the contract's natural-log lse, and so matches the FP64 oracle (`reference`, from the
 `TorchKernel` tests) at 1e-10 in float64. Whether the NPU itself behaves as documented is
-checked by `make test-npu` (`sim.npu_check`) on a machine that has one.
+checked by `make test-npu` (`sim.tools.npu_check`) on a machine that has one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import sim.npu_check
+import sim.tools.npu_check
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, NpuKernel, Varlen
 from sim import oracle
@@ -267,15 +267,15 @@ def test_bad_inputs_raise_cp_input_error():
 def test_the_harness_passes_on_the_cpu_with_the_double(capsys):
     """`make test-npu`'s case list and table, run through the double in float64 (no NPU needed)."""
     names = ("packed-mla-causal", "no-key-rows", "empty-sequences-full", "ring-global-lse", "ring-stats-TND")
-    cases = [c for c in sim.npu_check.CASES if c.name in names]
-    rows = sim.npu_check.run_cases(lambda layout: NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout),
+    cases = [c for c in sim.tools.npu_check.CASES if c.name in names]
+    rows = sim.tools.npu_check.run_cases(lambda layout: NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout),
                                    torch.device("cpu"), [torch.float64], cases=cases, small=True)  # fmt: skip
-    print(sim.npu_check.format_table(rows))
+    print(sim.tools.npu_check.format_table(rows))
     assert len(rows) == len(names) and all(r.status == "pass" for r in rows), capsys.readouterr().out
 
 
 def test_make_test_npu_without_an_npu_prints_one_line(capsys):
-    assert sim.npu_check.main([]) == 0
+    assert sim.tools.npu_check.main([]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("no Ascend NPU found")
 

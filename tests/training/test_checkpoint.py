@@ -14,7 +14,7 @@ from cpref.checkpoint import load_checkpoint, read_meta
 from cpref.errors import CPInputError
 from cpref.models import CausalLM
 from cpref.training import TrainConfig
-from sim.train import RunSpec, run_sim
+from sim.tools.train import RunSpec, run_sim
 
 TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2),
         "gpt2": dict(family="gpt2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, max_positions=128)}  # fmt: skip
@@ -22,9 +22,9 @@ TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4,
 
 @pytest.fixture(autouse=True)
 def tiny_presets(monkeypatch):
-    import sim.train
+    import sim.tools.train
 
-    monkeypatch.setattr(sim.train, "PRESETS", TINY)
+    monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
 
 
 def spec(cp, steps, *, mode="p2p", layout="zigzag", micro=2, **kw) -> RunSpec:
@@ -65,7 +65,7 @@ def saved(tmp_path, **kw):
 
 
 def fresh(model="llama"):
-    import sim.train
+    import sim.tools.train
 
     m = CausalLM(spec(1, 1, model=model).model_config(), seed=123)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3), {k: v.clone() for k, v in m.state_dict().items()}

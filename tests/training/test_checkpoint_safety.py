@@ -20,16 +20,16 @@ from cpref.comm import SingleRank
 from cpref.errors import CPInputError
 from cpref.models import CausalLM
 from cpref.training import TrainConfig
-from sim.train import RunSpec, main, run_sim
+from sim.tools.train import RunSpec, main, run_sim
 
 TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)}
 
 
 @pytest.fixture(autouse=True)
 def tiny_presets(monkeypatch):
-    import sim.train
+    import sim.tools.train
 
-    monkeypatch.setattr(sim.train, "PRESETS", TINY)
+    monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
 
 
 def spec(steps, cp=2, lr=3e-3, **kw) -> RunSpec:
@@ -252,9 +252,9 @@ def test_an_override_is_applied_and_printed(tmp_path, capsys):
     run_sim(spec(2, save=str(tmp_path / "ckpt")))
 
     def rank_fn_lr(world):
-        import sim.train
+        import sim.tools.train
 
-        stats = sim.train.run_rank(world, spec(3, lr=1e-3, resume=str(tmp_path / "ckpt"), override=("lr",),
+        stats = sim.tools.train.run_rank(world, spec(3, lr=1e-3, resume=str(tmp_path / "ckpt"), override=("lr",),
                                                    save=str(tmp_path / "ckpt")))  # fmt: skip
         return stats
 
@@ -410,12 +410,12 @@ def test_a_payload_that_cannot_read_the_format_is_refused_naming_both(tmp_path):
 
 def test_the_command_refuses_before_it_starts_anything(tmp_path, capsys, monkeypatch):
     """`python -m sim train` runs the same checks before any rank starts: exit 2, one message."""
-    import sim.train
+    import sim.tools.train
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
     started = []
-    monkeypatch.setattr(sim.train, "run_sim", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(sim.tools.train, "run_sim", lambda *a, **k: started.append(a))
     assert main(["--steps", "2", "--save", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"python -m sim train: cannot save a checkpoint to {tmp_path / 'out'}: it is not empty")

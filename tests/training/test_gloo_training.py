@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cpref.training import TrainConfig
-from sim.launch import launch
-from sim.train import RunSpec, _gloo_rank, run_sim
+from sim.tools.launch import launch
+from sim.tools.train import RunSpec, _gloo_rank, run_sim
 
 TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)}
 
@@ -17,17 +17,17 @@ def spec(cp, steps, **kw) -> RunSpec:
 
 
 def gloo_rank_tiny(spec: RunSpec):
-    """`sim.train._gloo_rank` with the tiny preset (module level: spawned processes import it)."""
-    import sim.train
+    """`sim.tools.train._gloo_rank` with the tiny preset (module level: spawned processes import it)."""
+    import sim.tools.train
 
-    sim.train.PRESETS = TINY
+    sim.tools.train.PRESETS = TINY
     return _gloo_rank(spec)
 
 
 def test_gloo_training_matches_the_simulated_cluster_and_resumes_from_dcp_at_another_cp_size(tmp_path, monkeypatch):
-    import sim.train
+    import sim.tools.train
 
-    monkeypatch.setattr(sim.train, "PRESETS", TINY)
+    monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
     whole = [(s.loss, s.grad_norm) for s in run_sim(spec(2, 6))]
     first = launch(gloo_rank_tiny, 2, args=(spec(2, 3, save=str(tmp_path / "ckpt")),), timeout=120)
     assert (tmp_path / "ckpt" / "dcp").is_dir() and (tmp_path / "ckpt" / "meta.json").is_file()
@@ -47,10 +47,10 @@ def test_gloo_training_matches_the_simulated_cluster_and_resumes_from_dcp_at_ano
 
 
 def test_the_command_prints_one_line_per_step(capsys, monkeypatch):
-    import sim.train
+    import sim.tools.train
     from sim.__main__ import main
 
-    monkeypatch.setattr(sim.train, "PRESETS", TINY)
+    monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
     assert main(["train", "--model", "llama", "--cp", "2", "--mode", "a2a+p2p", "--steps", "3", "--pack-tokens", "64"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[:2] for line in lines] == [["step", "0"], ["step", "1"], ["step", "2"]]
@@ -61,16 +61,16 @@ def test_every_replica_stays_identical(monkeypatch):
     """Summed gradients and the same update on every rank: DP x CP replicas never drift apart."""
     import torch
 
-    import sim.train
+    import sim.tools.train
     from cpref.models import CausalLM
     from cpref.training import PackSource, train
     from sim import SimCluster
 
-    monkeypatch.setattr(sim.train, "PRESETS", TINY)
+    monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
     run = RunSpec(model="llama", cp=2, dp=2, steps=3, pack_tokens=64, train=TrainConfig(mode="a2a", micro_batches=1))
 
     def rank_fn(world):
-        topo = sim.train.topology(world, run)
+        topo = sim.tools.train.topology(world, run)
         model = CausalLM(run.model_config(), seed=0)
         train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), PackSource(run.documents, run.pack_tokens), topo, run.train, run.steps)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -27,7 +27,7 @@ from cpref.comm import SingleRank
 from cpref.errors import CPInputError
 from cpref.training import PackSource, StepStats, Topology, TrainConfig, step_packs, train
 from sim import SimCluster
-from sim.train import RunSpec, run_sim
+from sim.tools.train import RunSpec, run_sim
 
 FAMILIES = ("gpt2", "llama", "qwen3")
 MODES = sorted(cpref.MODES)
@@ -49,21 +49,21 @@ def spec(family: str, cp: int, dp: int, mode: str, layout: str, *, strided=False
 
 @pytest.fixture(autouse=True)
 def tiny_presets(monkeypatch):
-    import sim.train
+    import sim.tools.train
 
-    monkeypatch.setattr(sim.train, "PRESETS", TINY)
+    monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
 
 
 @lru_cache(maxsize=None)
 def reference(family: str, bf16: bool) -> list[tuple[float, float]]:
     """CP = 1, one device: the run every other topology must reproduce."""
-    import sim.train
+    import sim.tools.train
 
-    saved, sim.train.PRESETS = sim.train.PRESETS, TINY
+    saved, sim.tools.train.PRESETS = sim.tools.train.PRESETS, TINY
     try:
         return [(s.loss, s.grad_norm) for s in run_sim(spec(family, 1, 1, "all_gather", "contiguous", bf16=bf16))]
     finally:
-        sim.train.PRESETS = saved
+        sim.tools.train.PRESETS = saved
 
 
 def assert_parity(got, want, rtol):

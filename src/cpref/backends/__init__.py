@@ -11,7 +11,7 @@ A mini-guide:
   that `cpref.attention` refuses a mode before any communication. That and the other
   per-backend choices (dtypes, the default exchange, control tensors' device) are made in
   [`cpref.backends.capabilities`][cpref.backends.capabilities].
-* To run a function on N local processes, see the repository's `sim.launch`.
+* To run a function on N local processes, see the repository's `sim.tools.launch`.
 
 This package is the only part of cpref that imports `torch.distributed`; the CP algorithms
 (`cpref.modes`) see only the protocol. `import cpref` does not import this package.

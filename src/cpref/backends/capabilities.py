@@ -17,12 +17,12 @@ reduce-scatter 2.2 to 2.7 times faster than gloo's, over three runs; all-to-all 
 (0.87 to 1.16) and is pairwise too, so that one rule covers the three (the performance page
 shows the latest run).
 NCCL and HCCL collectives are the tuned path on their hardware, so they stay native. So does
-gloo under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.launch` sets unless `check_calls=False`):
+gloo under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.tools.launch` sets unless `check_calls=False`):
 torch then compares every collective's shapes across ranks and raises "Detected mismatch
 between collectives" on all of them, a check that point-to-point ops do not get. A pairwise
 exchange whose ranks disagree on the size does not hang either: gloo aborts the receiving
 process (SIGABRT, after printing "Received data size doesn't match expected size" on its
-stderr), which `sim.launch` reports; gloo's native collectives, unchecked, may instead return
+stderr), which `sim.tools.launch` reports; gloo's native collectives, unchecked, may instead return
 garbage silently.
 
 ## Backend facts this relies on (probed on torch 2.13, gloo, CPU)
@@ -38,7 +38,7 @@ garbage silently.
 * gloo's reduce-scatter is an all-reduce followed by a chunk (pytorch#118911): correct, but
   twice the traffic of a real reduce-scatter.
 * gloo does not check that the ranks' calls match: mismatched shapes can return garbage
-  silently. `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.launch` turns on by default) makes
+  silently. `TORCH_DISTRIBUTED_DEBUG=DETAIL` (what `sim.tools.launch` turns on by default) makes
   every collective compare fingerprints first and raise "Detected mismatch between
   collectives".
 * HCCL rejects tensor all-gather and reduce-scatter on groups of 3, 5, 6 or 7 ranks. Such a
@@ -118,7 +118,7 @@ def control_device(backend: str) -> torch.device:
 
     A backend string may name one backend per device type (`"cpu:gloo,cuda:nccl"`); any with
     gloo takes CPU tensors. NCCL takes the current CUDA device and HCCL the current NPU (bound
-    per local rank by `sim.launch` or the launcher before the group is made); another backend,
+    per local rank by `sim.tools.launch` or the launcher before the group is made); another backend,
     the current accelerator if torch names one (`torch.accelerator`, torch >= 2.6), else the CPU.
     """
     if "gloo" in backend:

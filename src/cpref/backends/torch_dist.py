@@ -144,7 +144,7 @@ class TorchComm:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchComm needs an initialized torch.distributed: call torch.distributed.init_process_group "
-                "first (torchrun sets its environment), or run the function with sim.launch"
+                "first (torchrun sets its environment), or run the function with sim.tools.launch"
             )
         pg = dist.group.WORLD if process_group is None else process_group
         if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:

@@ -61,7 +61,7 @@ every device op is a slice, gather, fill or concatenation of known size.
 **Unverified** (no NPU was available): the head-major stat storage, zero-length sequences
 inside a list (also a `kv_len = 0` one under `sparse_mode=3`), the 2048 sequences per call,
 and that the grad op takes `softmax_max = lse, softmax_sum = 1` as it is documented to. `make test-npu`
-(`python -m sim.npu_check`) runs this kernel against the FP64 oracle on an NPU with cases
+(`python -m sim.tools.npu_check`) runs this kernel against the FP64 oracle on an NPU with cases
 built to fail loudly on each wrong guess.
 """
 

@@ -1,6 +1,6 @@
 """What every rank of `python -m sim verify` runs: the production path, forward and backward.
 
-[`rank_main`][sim.verify_rank.rank_main] is the module-level function that `sim.launch`
+[`rank_main`][sim.tools.verify.rank.rank_main] is the module-level function that `sim.tools.launch`
 starts on every process (or that torchrun's processes run). Per rank:
 
 1. make the CP groups of the run once: the world, or `TorchComm.split` into the CP groups
@@ -10,7 +10,7 @@ starts on every process (or that torchrun's processes run). Per rank:
    `npu:<local rank>` for HCCL), run the implementation, backpropagate the upstream
    gradient, and keep `out, dq, dk, dv` on the CPU;
 3. on CP rank 0 only, run the group's whole batch once more without CP
-   ([`run_without_cp`][sim.verify_rank.run_without_cp]: `cpref.attention` on a `SingleRank`,
+   ([`run_without_cp`][sim.tools.verify.rank.run_without_cp]: `cpref.attention` on a `SingleRank`,
    the same kernel, dtype and device), the reference of the `vs P=1` column;
 4. return both (under torchrun, gather every rank's results on rank 0, which compares).
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 import cpref
 from cpref.backends import TorchComm
 from cpref.kernels import NpuKernel, TorchKernel
-from sim.launch import under_torchrun
-from sim.progress import Progress
-from sim.verify_cases import Case, Setup, cp_groups, make_batch, placement
+from sim.tools.launch import under_torchrun
+from sim.tools.progress import Progress
+from sim.tools.verify.cases import Case, Setup, cp_groups, make_batch, placement
 
 __all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
 
@@ -94,7 +94,7 @@ def make_kernel(name: str) -> Any:
 def _device(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
-    return torch.device(device_type, getattr(torch, device_type).current_device())  # bound by sim.launch
+    return torch.device(device_type, getattr(torch, device_type).current_device())  # bound by sim.tools.launch
 
 
 def make_groups(plan: Plan) -> dict[tuple[int, bool], tuple[TorchComm, int]]:

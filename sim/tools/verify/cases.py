@@ -1,10 +1,10 @@
 """The cases of `python -m sim verify`, and the inputs every rank and the ground truth build.
 
-A [`Case`][sim.verify_cases.Case] is one CP attention call, forward and backward: the mode,
+A [`Case`][sim.tools.verify.cases.Case] is one CP attention call, forward and backward: the mode,
 layout, dtype, padding, CP size and rank placement, mask and implementation. A
-[`Setup`][sim.verify_cases.Setup] holds what every case of a run shares: the documents, the
+[`Setup`][sim.tools.verify.cases.Setup] holds what every case of a run shares: the documents, the
 heads and the seed. Inputs never travel: every rank, and the ground truth, build the same
-global tensors from the seed with [`make_batch`][sim.verify_cases.make_batch].
+global tensors from the seed with [`make_batch`][sim.tools.verify.cases.make_batch].
 
 **Document lengths.** A layout needs every document to be a multiple of its granularity
 `g` (`P` contiguous, `2P` zigzag). Without padding each `--docs` length is rounded up to a

@@ -1,24 +1,24 @@
-r"""`launch_watch`: what `sim.launch` needs beyond its ranks' report pipes.
+r"""`launch_watch`: what `sim.tools.launch` needs beyond its ranks' report pipes.
 
-Three things, each a few lines, each called by `sim.launch` (the child side in every spawned
+Three things, each a few lines, each called by `sim.tools.launch` (the child side in every spawned
 rank before it joins, the parent side in the launcher):
 
 * **Ranks die with their launcher.** A launcher killed by SIGKILL runs no cleanup, so each
-  rank sees to it itself ([`die_with_parent`][sim.launch_watch.die_with_parent]). On Linux the
+  rank sees to it itself ([`die_with_parent`][sim.tools.launch_watch.die_with_parent]). On Linux the
   kernel sends the rank SIGKILL when its parent goes (`prctl(PR_SET_PDEATHSIG)`), even while
   the rank is busy in C++; the signal follows the *thread* that started the rank, which is the
   one blocked in `launch` until every rank is stopped, so it outlives them. A parent that went
   before the rank set the signal shows as a changed parent pid. Elsewhere a daemon thread waits
   on multiprocessing's parent sentinel (a pipe the launcher holds open, ready once it is gone)
   and ends the process.
-* **A rank's stack on demand.** [`arm_stack_dump`][sim.launch_watch.arm_stack_dump] makes
+* **A rank's stack on demand.** [`arm_stack_dump`][sim.tools.launch_watch.arm_stack_dump] makes
   `faulthandler` write every thread's Python stack to a file of the launcher's temporary
   folder when the rank receives SIGUSR1 (from C, so even a rank stuck in a C++ call answers);
-  [`dump_stacks`][sim.launch_watch.dump_stacks] sends the signal and reads the files.
-* **Who timed out, who hung.** [`is_timeout`][sim.launch_watch.is_timeout] recognises the
+  [`dump_stacks`][sim.tools.launch_watch.dump_stacks] sends the signal and reads the files.
+* **Who timed out, who hung.** [`is_timeout`][sim.tools.launch_watch.is_timeout] recognises the
   process group's timeouts by their text (gloo's transport, the monitored barrier of the
   `DETAIL` call checks, the rendezvous store), and
-  [`in_collective`][sim.launch_watch.in_collective] tells from a stack whether the rank was
+  [`in_collective`][sim.tools.launch_watch.in_collective] tells from a stack whether the rank was
   waiting inside `torch.distributed`.
 """
 

@@ -1,6 +1,6 @@
 r"""`make test-npu`: `NpuKernel` against the FP64 oracle on one Ascend NPU.
 
-`python -m sim.npu_check` runs every case below in float16 and bfloat16 on one NPU and prints
+`python -m sim.tools.npu_check` runs every case below in float16 and bfloat16 on one NPU and prints
 one row per case and dtype: the largest absolute error of `out`, `lse`, `dq`, `dk`, `dv`
 against the oracle run on the same (rounded) inputs, and pass/fail at the field's tolerances
 (atol = rtol = 5e-3 for fp16, 2.5e-2 for bf16, 3.5e-2 for bf16 with GQA). It exits non-zero
@@ -20,8 +20,8 @@ loudly if the guess is wrong:
 | at most 2048 sequences per call | `2100-sequences` |
 
 **Multi-rank verification.** After the single-device table, `make test-npu` runs the command
-lines of [`multi_rank_commands`][sim.npu_check.multi_rank_commands]: the rank-by-rank check
-of every mode (`python -m sim verify --backend hccl --kernel npu`, see `sim.verify`) in fp16
+lines of [`multi_rank_commands`][sim.tools.npu_check.multi_rank_commands]: the rank-by-rank check
+of every mode (`python -m sim verify --backend hccl --kernel npu`, see `sim.tools.verify`) in fp16
 and bf16 at CP 2, 4 and 8, as far as the machine has NPUs.
 """
 
@@ -224,7 +224,7 @@ def format_table(rows: list[Row]) -> str:
 def multi_rank_commands(device_count: int) -> list[list[str]]:
     """The multi-rank runs `make test-npu` adds after the single-device table.
 
-    The rank-by-rank verification of `sim.verify` with HCCL and `NpuKernel`: every mode and
+    The rank-by-rank verification of `sim.tools.verify` with HCCL and `NpuKernel`: every mode and
     layout, fp16 and bf16, unpadded and padded, at CP 2, 4 and 8 where `device_count` NPUs
     exist (the hierarchical mode as 2 x P/2). Each runs in order and a non-zero exit fails the
     target.
@@ -245,7 +245,7 @@ def multi_rank_commands(device_count: int) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """`make test-npu`: the NPU suite where an NPU is present, one line and exit 0 where not."""
-    parser = argparse.ArgumentParser(prog="python -m sim.npu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.tools.npu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=int, default=0, help="NPU index for the single-device checks")
     args = parser.parse_args(argv)
     found, reason = find_npu()

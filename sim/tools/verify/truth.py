@@ -47,8 +47,8 @@ import torch
 
 import cpref
 from sim.harness import oracle_padded, run_attention
-from sim.progress import Progress
-from sim.verify_cases import DTYPES, TOL, Batch, Case, Setup, cp_groups, make_batch
+from sim.tools.progress import Progress
+from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, cp_groups, make_batch
 
 __all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "precision_ratio", "relative_error",
            "vs_without_cp", "check"]  # fmt: skip

@@ -6,7 +6,7 @@ processes, each with its own process group. `launch(fn, nproc)` starts `nproc` p
 default), runs `fn(*args)` on each, and returns the results, indexed by rank:
 
 ```python
-from sim.launch import launch
+from sim.tools.launch import launch
 results = launch(my_module.check_rank, 4, timeout=30.0)   # fn: a module-level function
 ```
 
@@ -21,7 +21,7 @@ A local launch opens no socket reachable from outside the machine: the rendezvou
 and the sockets that gloo and NCCL open between the ranks are bound to the loopback interface,
 since each rank sets `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` to it (`lo`) unless the
 environment sets them already. The ranks die with the launcher: killed, even by SIGKILL, it
-takes them with it (`sim.launch_watch`), leaving only its temporary folder behind.
+takes them with it (`sim.tools.launch_watch`), leaving only its temporary folder behind.
 
 ## Faults never hang
 
@@ -76,7 +76,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from sim.launch_watch import arm_stack_dump, die_with_parent, dump_stacks, in_collective, is_timeout
+from sim.tools.launch_watch import arm_stack_dump, die_with_parent, dump_stacks, in_collective, is_timeout
 
 __all__ = ["launch", "under_torchrun", "LaunchFailure", "RankFailure"]
 

@@ -26,11 +26,11 @@ p2p   zigzag  fp32   no    2    1   0   1  4.00e-07  1.65e-06  5.76e-07  4.69e-0
 
 Every rank builds the same global batch from a seed (documents of unequal length, GQA heads,
 normal entries rounded to the dtype), takes its shard, and runs forward and backward with an
-upstream gradient from the same seed ([`sim.verify_rank`][sim.verify_rank]); only the
+upstream gradient from the same seed ([`sim.tools.verify.rank`][sim.tools.verify.rank]); only the
 results travel back. The ground truth is computed once, by the process that prints the table
 (the launching process, or rank 0 under torchrun), while the ranks run only the production
 path: it rebuilds each batch, upcasts it to float64 and computes, per rank
-([`sim.verify_truth`][sim.verify_truth]):
+([`sim.tools.verify.truth`][sim.tools.verify.truth]):
 
 1. the **simulated cluster** (`sim.harness.run_attention` in float64): the same mode, layout,
    padding and options, on `SimCluster(P)`: each rank's `out, dq, dk, dv`;
@@ -59,11 +59,11 @@ CP** (P = 1, same dtype, same inputs: CP rank 0 runs the whole batch once more o
 $e(x_{CP}) / \max(e(x_{P=1}), \epsilon/2)$ of the relative errors
 $e(x) = \max|x - x^\ast| / \max|x^\ast|$, the largest of the four tensors, and `<=2` or
 `>2`; `-` for fp64, whose truth is no more precise than the result
-([`sim.verify_truth`][sim.verify_truth] has the definition and the floor).
+([`sim.tools.verify.truth`][sim.tools.verify.truth] has the definition and the floor).
 
 **Inputs.** `--docs 1000,3000,500` (default) are the document lengths, each rounded up to
 the layout's granularity ($P$ contiguous, $2P$ zigzag); with `--padded` every document ends
-in padding instead (`cu_seqlens_padded`; see [`sim.verify_cases`][sim.verify_cases]).
+in padding instead (`cu_seqlens_padded`; see [`sim.tools.verify.cases`][sim.tools.verify.cases]).
 Heads default to $H_q = 8$, $H_{kv} = 4$ (`--heads`), head dim 32 (`--head-dim`); the mask is
 causal (`--no-causal` for full attention). `--dtype`, `--mode` and `--layout` take a comma
 list or `all`; a sweep runs in **one** launch, with a progress bar on stderr.
@@ -78,7 +78,7 @@ list or `all`; a sweep runs in **one** launch, with a progress bar on stderr.
 | torchrun | `torchrun --nproc-per-node 8 -m sim verify --backend nccl` |
 
 `make test-npu` runs the HCCL line for CP 2, 4 and 8 (as many as the machine has NPUs), in
-fp16 and bf16, unpadded and `--padded` (`sim.npu_check.multi_rank_commands`).
+fp16 and bf16, unpadded and `--padded` (`sim.tools.npu_check.multi_rank_commands`).
 
 Each rank runs on its device (cpu for gloo, `cuda:<local rank>`, `npu:<local rank>`).
 Under torchrun (also multi-node) the world is torchrun's and `--nproc` is ignored; rank 0
@@ -115,7 +115,7 @@ example (a `TorchComm` over the group, then `cpref.attention`) and a wrong one.
 
 ## Faults never hang
 
-Processes are started by `sim.launch.launch`. A rank that fails validation, raises, or is
+Processes are started by `sim.tools.launch.launch`. A rank that fails validation, raises, or is
 killed ends the run with the launcher's report (which rank, how, its traceback; a raising
 rank names the case it was running) and exit status 1, within the process-group timeout
 (`--timeout`, default 300 s); the survivors are stopped after a short grace period.
@@ -129,10 +129,10 @@ import sys
 from typing import Sequence
 
 import cpref
-from sim.launch import LaunchFailure, launch, under_torchrun
-from sim.verify_cases import DTYPES, Case, Setup, build_cases
-from sim.verify_rank import DEVICE_TYPES, Plan, load_impl, rank_main
-from sim.verify_truth import Report, check
+from sim.tools.launch import LaunchFailure, launch, under_torchrun
+from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases
+from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
+from sim.tools.verify.truth import Report, check
 
 __all__ = ["run", "main", "parse_args", "cases_from_args"]
 
@@ -204,7 +204,7 @@ def _ints(value: str) -> tuple[int, ...]:
 def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> argparse.Namespace:
     """The command line of `python -m sim verify` (`--help` lists it)."""
     p = argparse.ArgumentParser(prog=prog, description="Rank-by-rank verification of CP attention against the "
-                                "simulated cluster's FP64 ground truth (see the sim.verify docs page).")  # fmt: skip
+                                "simulated cluster's FP64 ground truth (see the sim.tools.verify docs page).")  # fmt: skip
     p.add_argument("--backend", choices=sorted(DEVICE_TYPES), default="gloo")
     p.add_argument("--nproc", type=int, default=2, help="world size: processes to start (ignored under torchrun)")
     p.add_argument("--cp", type=int, help="CP size (default: the world size); the world holds nproc / cp CP groups")

@@ -31,7 +31,7 @@ bfloat16 autocast, `--pack-tokens` sets the pack size.
 torchrun --nproc-per-node 4 -m sim train --backend gloo --cp 2 --dp 2   # the same, launched by torchrun
 ```
 
-starts `dp x cp` gloo processes (`sim.launch`; under torchrun, torchrun's), each a replica of the
+starts `dp x cp` gloo processes (`sim.tools.launch`; under torchrun, torchrun's), each a replica of the
 model, and runs the same loop over `cpref.backends.TorchComm`.
 
 ## The run does not depend on the CP size
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -
     if backend == "sim":
         run_sim(spec, on_step=_print_step)
     else:
-        from sim.launch import launch
+        from sim.tools.launch import launch
 
         launch(_gloo_rank, spec.dp * spec.cp, args=(spec,), timeout=600.0)
     return 0
