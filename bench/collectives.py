@@ -2,7 +2,8 @@
 
 `all_gather`, `reduce_scatter` and `all_to_all` of one `(T_l, 8, 64)` float32 block per rank
 (16 MiB at the default 8192 rows), and for scale one ring shift of the same block
-(`send_recv`), on `--nproc` gloo processes with one thread each. Every call is timed after a
+(`send_recv`), on `--nproc` gloo processes with one thread each; and the ranks' comparison of
+their arguments that every attention call makes (`agree`, `cpref.consistency`). Every call is timed after a
 barrier, `--repeats` times in alternation between the two exchanges, and the fastest kept;
 the slowest rank's time counts. Printed: milliseconds of each way and the ratio
 native / p2p. The default exchange of a gloo `TorchComm` is the pairwise one
@@ -20,6 +21,7 @@ import time
 import torch
 
 from cpref.backends import TorchComm
+from cpref.consistency import FIELDS
 from sim.tools.launch import launch
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all")
@@ -33,6 +35,7 @@ def rank_times(rows: int, repeats: int) -> dict[str, float]:
     calls = {(ex, op): (lambda c=c, op=op: getattr(c, op)(block if op == "all_gather" else wide))
              for ex, c in comms.items() for op in OPS}  # fmt: skip
     calls[("p2p", "send_recv")] = lambda: comms["p2p"].send_recv(block)
+    calls[("p2p", "agree")] = lambda: comms["p2p"].agree([7] * len(FIELDS))  # the ranks' comparison
     best = {key: float("inf") for key in calls}
     for _ in range(repeats + 1):  # the first round warms the connections up and is not kept
         for key, call in calls.items():
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         native, p2p = slowest[f"native/{op}"], slowest[f"p2p/{op}"]
         print(f"| {op} | {native * 1e3:.1f} ms | {p2p * 1e3:.1f} ms | {native / p2p:.2f} |")
     print(f"| send_recv (one ring shift, for scale) | | {slowest['p2p/send_recv'] * 1e3:.1f} ms | |\n")
+    print(f"The ranks' comparison that every `cpref.attention` call makes (`agree`, one row of {len(FIELDS)} int64 "
+          f"over the host): {slowest['p2p/agree'] * 1e6:.0f} us a call.\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ The exchange is **host-side**: a communicator that has `agree(row)` (the simulat
 serves it and on a gloo group of the same ranks under NCCL or HCCL) moves Python ints, so the
 comparison never waits for the accelerator's stream: no host-device synchronisation, on any
 layer (the hardening test counts them). Its cost is one round trip between the CP group's
-hosts per call, a few dozen bytes. A communicator without `agree` gets the same comparison through its
+hosts per call, a few dozen bytes; `python -m bench.collectives` measures it beside the
+collectives the modes make. A communicator without `agree` gets the same comparison through its
 own `all_gather` (or, where the backend has none for the group size, two all-reduces, max and
 min) on the call's device, and a host copy of the table per call.
 
