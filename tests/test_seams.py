@@ -87,3 +87,71 @@ def test_no_mode_reaches_torch_distributed_torch_npu_or_sim_at_all():
     assert files
     for file in files:
         assert reaches(file.read_text()) == [], f"{file} reaches {reaches(file.read_text())}"
+
+
+def _module_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """`{module: the package's modules it imports}`, from every import in it, function-level ones too
+    (a lazy import hides a circle, it does not remove it). `from p import name` counts `p.name` if
+    that is a module, else `p`; a package's `__init__` is the package itself."""
+    modules = {}
+    for file in root.rglob("*.py"):
+        parts = [package, *file.relative_to(root).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    graph = {}
+    for name, file in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                found |= subs or {node.module}
+                if len(subs) < len(node.names):
+                    found.add(node.module)  # some names come from the package itself
+        graph[name] = found - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+                on.discard(part[-1])
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_in_cpref():
+    """Issue 19: layout <-> seqlens, models.config <-> models.hf_config, models.hf_weights <-> models.model
+    were circles held together by lazy imports. The package's __init__ importing its modules, and a
+    module importing a sibling through the package (`from cpref.backends import capabilities`), are not."""
+    graph = _module_graph(SRC, "cpref")
+    assert len(graph) > 30 and "cpref.layout" in graph["cpref.data"]
+    packages = {name for name, deps in graph.items() if (SRC / Path(*name.split(".")[1:]) / "__init__.py").is_file()}
+    for name in graph:  # a package's own __init__ re-exporting its modules is not a circle
+        graph[name] -= {p for p in packages if p != name and name.startswith(p + ".")}
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

@@ -8,11 +8,16 @@ The pieces, each a page of the docs:
 * `cpref.kernels`: the attention kernel contract and the portable `TorchKernel`;
 * `cpref.cache`: the batch cache (everything derived from `cu_seqlens`, once per step);
 * `cpref.metadata`: load-balanced THD metadata for KV all-gather CP;
-* `cpref.modes`: the CP algorithms (`all_gather`);
+* `cpref.modes`: the CP algorithms: `all_gather` (KV all-gather), `p2p` (the ring), `a2a`
+  (Ulysses) and `a2a+p2p` (hierarchical), with the ring's plan and the partial-result merge;
 * `cpref.api`: the public entry point `cpref.attention`;
-* `cpref.data`: the EOD-padding data path and the CP-invariant loss.
+* `cpref.consistency`: the ranks' comparison of their arguments on every call;
+* `cpref.data`: the EOD-padding data path and the CP-invariant loss;
+* `cpref.models`, `cpref.training`, `cpref.checkpoint`: models with CP, the DP x CP training
+  step, checkpoints;
+* `cpref.backends` (imported on first use): `TorchComm` over `torch.distributed`, DCP payloads.
 
-Example (on the simulated cluster of the repository's `sim` package):
+Example (on the simulated cluster of the `sim` package, installed with cpref):
 
 ```python
 import cpref, sim

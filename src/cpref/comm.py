@@ -1,7 +1,7 @@
 """The collectives protocol: the one seam between CP algorithms and communication.
 
 Every CP algorithm in cpref talks to its context-parallel group through an object that
-satisfies [`Collectives`][cpref.comm.Collectives]. Two implementations exist:
+satisfies [`Collectives`][cpref.comm.Collectives]. Three implementations exist:
 
 * `sim.SimComm`, the simulated cluster: every rank is a thread of one process, every
   collective is computed in a fixed rank order (bitwise deterministic) and recorded as a

@@ -74,7 +74,7 @@ import torch
 
 from cpref.checks import as_choice, as_int
 from cpref.errors import CPInputError
-from cpref.seqlens import Boundaries, CuSeqlens
+from cpref.seqlens import LAYOUTS, Boundaries, CuSeqlens, layout_multiple
 
 __all__ = [
     "LAYOUTS",
@@ -92,20 +92,6 @@ __all__ = [
     "bshd_to_thd",
     "thd_to_bshd",
 ]
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def layout_multiple(layout: str, cp_size: int) -> int:
-    """The granularity a document length must be a multiple of: `P` (contiguous) or `2P` (zigzag).
-
-    Without CP (`cp_size = 1`) it is 1 in either layout: the one rank holds every document whole
-    and in order, so there is nothing to balance and no length to pad.
-    """
-    as_choice("layout", layout, LAYOUTS)
-    P = as_int("cp_size", cp_size, lo=1)
-    return 1 if P == 1 else (2 if layout == "zigzag" else 1) * P
-
 
 # --8<-- [start:chunks]
 def chunk_ids(rank: int, cp_size: int, layout: str) -> list[int]:

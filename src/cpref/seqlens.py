@@ -26,9 +26,10 @@ from typing import Any, Sequence
 
 import torch
 
+from cpref.checks import as_choice, as_int
 from cpref.errors import CPInputError
 
-__all__ = ["Boundaries", "host_ints", "CuSeqlens"]
+__all__ = ["Boundaries", "host_ints", "CuSeqlens", "LAYOUTS", "layout_multiple"]
 
 CuSeqlens = torch.Tensor | Sequence[int]
 
@@ -71,6 +72,23 @@ def _check_cu(cu: list[int], name: str) -> tuple[int, ...]:
                 f"length {cu[i + 1] - cu[i]}; drop empty documents"
             )
     return tuple(cu)
+
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def layout_multiple(layout: str, cp_size: int) -> int:
+    """The granularity a document length must be a multiple of: `P` (contiguous) or `2P` (zigzag).
+
+    The layouts themselves are `cpref.layout`'s; the rule lives here, below it, because
+    `Boundaries.check_divisible` applies it (`cpref.layout` re-exports it).
+
+    Without CP (`cp_size = 1`) it is 1 in either layout: the one rank holds every document whole
+    and in order, so there is nothing to balance and no length to pad.
+    """
+    as_choice("layout", layout, LAYOUTS)
+    P = as_int("cp_size", cp_size, lo=1)
+    return 1 if P == 1 else (2 if layout == "zigzag" else 1) * P
 
 
 @dataclass(frozen=True)
@@ -145,8 +163,6 @@ class Boundaries:
 
     def check_divisible(self, layout: str, cp_size: int) -> int:
         """Raise unless every padded length is a multiple of the layout's granularity; return it."""
-        from cpref.layout import layout_multiple
-
         mult = layout_multiple(layout, cp_size)
         for i in range(self.num_docs):
             n = self.padded_len(i)

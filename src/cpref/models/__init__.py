@@ -111,7 +111,7 @@ True
 
 ## Hugging Face checkpoints
 
-[`load_pretrained(directory)`][cpref.models.hf_weights.load_pretrained] reads what
+[`load_pretrained(directory)`][cpref.models.model.load_pretrained] reads what
 `save_pretrained` writes: `config.json` ([`ModelConfig.from_hf`][cpref.models.config.ModelConfig.from_hf]
 refuses by name what these models do not implement: RoPE scaling, sliding windows, other
 activations) and `model.safetensors` or `pytorch_model.bin`
@@ -123,8 +123,8 @@ check the logits against Hugging Face's models, in fp32 within 1e-5.
 
 from cpref.models.config import FAMILIES, Family, ModelConfig
 from cpref.models.context import CPContext
-from cpref.models.hf_weights import convert_hf_state_dict, load_pretrained, read_hf_weights
-from cpref.models.model import Block, CausalLM
+from cpref.models.hf_weights import convert_hf_state_dict, read_hf_weights
+from cpref.models.model import Block, CausalLM, load_pretrained
 
 __all__ = [
     "ModelConfig",

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from cpref.checks import as_bool, as_choice, as_int
 from cpref.errors import CPInputError
+from cpref.models.hf_config import hf_fields
 
 __all__ = ["Family", "FAMILIES", "ModelConfig"]
 
@@ -179,6 +180,4 @@ class ModelConfig:
             CPInputError: for another model type, or a feature cpref's models do not implement
                 (RoPE scaling, sliding windows, another activation, ...), naming the key.
         """
-        from cpref.models.hf_config import config_from_hf  # hf_config builds ModelConfigs
-
-        return config_from_hf(hf_config)
+        return cls(**hf_fields(hf_config))

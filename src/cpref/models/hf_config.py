@@ -1,4 +1,7 @@
-"""Hugging Face `config.json` -> [`ModelConfig`][cpref.models.config.ModelConfig].
+"""Hugging Face `config.json` -> the fields of a [`ModelConfig`][cpref.models.config.ModelConfig].
+
+[`ModelConfig.from_hf`][cpref.models.config.ModelConfig.from_hf] builds the config from them;
+this module knows Hugging Face's keys and nothing of the config class (no import circle).
 
 Reads the dict of a `GPT2Config`, `LlamaConfig` or `Qwen3Config` as `save_pretrained` writes
 it (transformers 4.x keeps `rope_theta` / `rope_scaling` at the top level, 5.x nests them in
@@ -21,9 +24,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from cpref.errors import CPInputError
-from cpref.models.config import ModelConfig
 
-__all__ = ["config_from_hf", "HF_MODEL_TYPES"]
+__all__ = ["hf_fields", "HF_MODEL_TYPES"]
 
 # model_type -> (the transformers config class, its causal-LM class)
 HF_MODEL_TYPES = {
@@ -45,8 +47,8 @@ def _need(hf: Mapping[str, Any], key: str, family: str) -> Any:
     return hf[key]
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """Map a Hugging Face config dict to a `ModelConfig`; see the module docstring for what is refused."""
+def hf_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Hugging Face config dict; see the module docstring for what is refused."""
     if not isinstance(hf, Mapping):
         raise CPInputError(f"hf_config must be the dict of a config.json, got {type(hf).__name__}")
     family = hf.get("model_type")
@@ -60,14 +62,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     return _gpt2(hf) if family == "gpt2" else _rope_family(hf, family)
 
 
-def _gpt2(hf: Mapping[str, Any]) -> ModelConfig:
+def _gpt2(hf: Mapping[str, Any]) -> dict[str, Any]:
     act = hf.get("activation_function", "gelu_new")
     _refuse_unless(act in GELU_TANH, "gpt2", f"activation_function={act!r} (the MLP here is GELU(tanh): {GELU_TANH})")
     _refuse_unless(hf.get("scale_attn_weights", True), "gpt2", "scale_attn_weights=false (unscaled attention logits)")
     _refuse_unless(not hf.get("scale_attn_by_inverse_layer_idx", False), "gpt2", "scale_attn_by_inverse_layer_idx")
     _refuse_unless(not hf.get("add_cross_attention", False), "gpt2", "add_cross_attention (an encoder-decoder)")
     hidden = _need(hf, "n_embd", "gpt2")
-    return ModelConfig(
+    return dict(
         family="gpt2",
         vocab_size=_need(hf, "vocab_size", "gpt2"),
         hidden_size=hidden,
@@ -94,7 +96,7 @@ def _rope_theta(hf: Mapping[str, Any], family: str) -> float:
     return params.get("rope_theta", hf.get("rope_theta", 10000.0))
 
 
-def _rope_family(hf: Mapping[str, Any], family: str) -> ModelConfig:
+def _rope_family(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     _refuse_unless(act == "silu", family, f"hidden_act={act!r} (the SwiGLU MLP here uses silu)")
     if family == "qwen3":
@@ -103,7 +105,7 @@ def _rope_family(hf: Mapping[str, Any], family: str) -> ModelConfig:
         _refuse_unless(kinds == ["full_attention"], family, f"layer_types {kinds} (full attention in every layer only)")
     hidden, heads = _need(hf, "hidden_size", family), _need(hf, "num_attention_heads", family)
     head_dim = hf.get("head_dim") or (128 if family == "qwen3" else None)  # Qwen3Config's default is 128
-    return ModelConfig(
+    return dict(
         family=family,
         vocab_size=_need(hf, "vocab_size", family),
         hidden_size=hidden,

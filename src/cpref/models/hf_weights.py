@@ -1,6 +1,6 @@
 """Hugging Face weights -> cpref's models: file reading, name mapping, strict checks.
 
-[`load_pretrained(directory)`][cpref.models.hf_weights.load_pretrained] reads a directory as
+[`load_pretrained(directory)`][cpref.models.model.load_pretrained] reads a directory as
 `save_pretrained` writes it: `config.json` and the weights, `model.safetensors` (read with the
 `safetensors` package, imported only then) or `pytorch_model.bin` (read with
 `torch.load(weights_only=True)`, which unpickles tensors and nothing else), either one possibly
@@ -38,7 +38,7 @@ import torch
 from cpref.errors import CPInputError
 from cpref.models.config import ModelConfig
 
-__all__ = ["load_pretrained", "read_hf_weights", "convert_hf_state_dict", "hf_rules"]
+__all__ = ["read_hf_weights", "convert_hf_state_dict", "hf_rules"]
 
 Convert = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 # In order of preference; an index.json lists the shards of a sharded checkpoint.
@@ -168,27 +168,3 @@ def read_hf_weights(directory: str | Path) -> dict[str, torch.Tensor]:
         else:
             state.update(torch.load(path, map_location="cpu", weights_only=True))
     return state
-
-
-def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None):
-    """A `CausalLM` built from a Hugging Face checkpoint directory (`config.json` and weights).
-
-    Args:
-        directory: what `save_pretrained` wrote (a local directory; nothing is downloaded).
-        dtype: cast the loaded model to it; default: the weights land in the model's default
-            dtype (`torch.get_default_dtype()`, float32).
-
-    Raises:
-        CPInputError: for an unsupported config, missing files, or keys that do not fit.
-        ImportError: for `model.safetensors` without the `safetensors` package.
-    """
-    from cpref.models.model import CausalLM  # model.py imports this module: import it here, not at the top
-
-    directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CPInputError(f"{directory} has no config.json; pass the directory save_pretrained wrote")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
-    model = CausalLM(config)
-    model.load_hf_state_dict(read_hf_weights(directory))
-    return model if dtype is None else model.to(dtype)

@@ -12,6 +12,8 @@ random state.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -22,7 +24,7 @@ from cpref.errors import CPInputError
 from cpref.models.attention import SelfAttention
 from cpref.models.config import ModelConfig
 from cpref.models.context import CPContext
-from cpref.models.hf_weights import convert_hf_state_dict
+from cpref.models.hf_weights import convert_hf_state_dict, read_hf_weights
 from cpref.models.layers import make_mlp, make_norm
 from cpref.models.rope import CosSin, rope_cos_sin
 
@@ -154,3 +156,25 @@ class CausalLM(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 p.copy_(converted[name])
+
+
+def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None):
+    """A `CausalLM` built from a Hugging Face checkpoint directory (`config.json` and weights).
+
+    Args:
+        directory: what `save_pretrained` wrote (a local directory; nothing is downloaded).
+        dtype: cast the loaded model to it; default: the weights land in the model's default
+            dtype (`torch.get_default_dtype()`, float32).
+
+    Raises:
+        CPInputError: for an unsupported config, missing files, or keys that do not fit.
+        ImportError: for `model.safetensors` without the `safetensors` package.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CPInputError(f"{directory} has no config.json; pass the directory save_pretrained wrote")
+    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    model = CausalLM(config)
+    model.load_hf_state_dict(read_hf_weights(directory))
+    return model if dtype is None else model.to(dtype)
