@@ -41,11 +41,12 @@ nothing.
 `check_ranks` is agreed, not decided per rank. The first call on a communicator is always
 compared, `check_ranks` included; if every rank passed `check_ranks=False`, the later calls on
 that communicator skip the exchange (every rank must then pass the same arguments; a rank that
-changes them gets wrong results or a collective mismatch, as without any check). A later call
-that passes `check_ranks=False` while the group agreed on `True` still takes part in the
-comparison, whose `check_ranks` column then differs: every rank raises, naming it. A later
-call that passes `True` after the group agreed on `False` cannot be honoured (the other ranks
-will not compare): it warns and runs without the check.
+changes them gets wrong results or a collective mismatch, as without any check). Where the
+group agreed on `True`, every later call is compared whatever it passes: a rank passing
+`check_ranks=False` alone makes the `check_ranks` column differ, and every rank raises, naming
+it (if every rank passes `False`, they agree, and the call runs compared). A later call that
+passes `True` after the group agreed on `False` cannot be honoured (the other ranks will not
+compare): it warns and runs without the check.
 
 ## A rank whose inputs fail validation
 
