@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# atol = rtol per dtype, as stated by the issues (MindSpeed RFC / TransformerEngine figures).
-TOL = {
-    torch.float16: 5e-3,
-    torch.bfloat16: 2.5e-2,
-    torch.float32: 1e-5,
-    torch.float64: 1e-10,
-}
+from sim.oracle import TOL  # atol = rtol per dtype, as the issues state them
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, msg: str = "") -> None:

@@ -39,11 +39,10 @@ import torch
 
 from cpref.kernels import Varlen
 from sim import oracle
+from sim.oracle import TOL, TOL_BF16_GQA
 
 __all__ = ["Case", "CASES", "Row", "find_npu", "format_table", "main", "multi_rank_commands", "run_case", "run_cases"]
 
-TOL = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-5, torch.float64: 1e-10}
-TOL_BF16_GQA = 3.5e-2
 NAMES = ("out", "lse", "dq", "dk", "dv")
 
 

@@ -48,8 +48,8 @@ import torch
 
 from cpref.cache import CACHE
 from cpref.call import CPCall
-from cpref.checks import as_bool, as_choice, as_int, as_scale, missing_members
-from cpref.comm import Collectives
+from cpref.checks import as_bool, as_choice, as_scale, missing_members
+from cpref.comm import Collectives, check_comm
 from cpref.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, check_heads
@@ -89,19 +89,6 @@ MODES: dict[str, Mode] = {
 }
 
 
-def _check_comm(comm: Any) -> tuple[int, int]:
-    missing = missing_members(comm, Collectives)
-    if comm is None or missing:
-        raise CPInputError(
-            f"comm must be the CP group's collectives (a cpref.comm.Collectives), got {type(comm).__name__} "
-            f"(without {', '.join(missing)}); "
-            "on the simulated cluster sim.SimCluster(P).run(fn) passes one to fn, over torch.distributed "
-            "use cpref.backends.TorchComm"
-        )
-    size = as_int("comm.size", comm.size, lo=1)
-    return as_int("comm.rank", comm.rank, lo=0, hi=size), size
-
-
 def _check_options(mode: str, given: dict[str, Any]) -> dict[str, Any]:
     accepted = dict(MODES[mode].options)
     for name, value in given.items():
@@ -133,7 +120,7 @@ def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, so
         ValueError: (`CPInputError`) naming the offending value and the fix.
     """
     # 1) who we are, what to run, how
-    rank, P = _check_comm(comm)
+    rank, P = check_comm(comm)
     mode = as_choice("mode", mode, sorted(MODES))
     options = _check_options(mode, options)
     layout, causal = as_choice("layout", layout, LAYOUTS), as_bool("causal", causal)
@@ -241,7 +228,7 @@ def attention(
 def _usable(comm: Any) -> bool:
     """Whether `comm` passed its own validation, so that a failing rank can still reach the others."""
     try:
-        _check_comm(comm)
+        check_comm(comm)
     except CPInputError:
         return False
     return True

@@ -46,7 +46,10 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["Collectives", "PendingShift", "REDUCE_OPS", "SingleRank", "check_payload", "check_partition"]
+from cpref.checks import as_int, missing_members
+from cpref.errors import CPInputError
+
+__all__ = ["Collectives", "PendingShift", "REDUCE_OPS", "SingleRank", "check_comm", "check_payload", "check_partition"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -216,3 +219,21 @@ class _Done:
     def wait(self) -> torch.Tensor:
         """The received tensor."""
         return self._x
+
+
+FIX = ("on the simulated cluster sim.SimCluster(P).run(fn) passes one to fn, over torch.distributed use "
+       "cpref.backends.TorchComm, without CP cpref.SingleRank()")  # fmt: skip
+
+
+def check_comm(comm: Any, fix: str = FIX) -> tuple[int, int]:
+    """`(rank, size)` of a communicator that has every member of `Collectives`, with a valid rank and size.
+
+    Raises:
+        CPInputError: naming what `comm` is and lacks, and `fix`.
+    """
+    missing = missing_members(comm, Collectives)
+    if comm is None or missing:
+        raise CPInputError(f"comm must be the CP group's collectives (a cpref.Collectives), got {type(comm).__name__} "
+                           f"(without {', '.join(missing)}); {fix}")  # fmt: skip
+    size = as_int("comm.size", comm.size, lo=1)
+    return as_int("comm.rank", comm.rank, lo=0, hi=size), size

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import cpref
 from cpref.consistency import FIELDS
+from cpref.modes.hierarchical import example_a2a_size
 from sim import SimCluster
 from tests.cp.conftest import oracle_shards, run_cp
 from tests.helpers import assert_close, cu_from_lengths, only_the_comparison, random_qkv
@@ -28,7 +29,7 @@ HEADS = {"mha": (12, 12, 8, 8), "gqa": (24, 12, 8, 8), "mqa": (12, 1, 8, 8), "ml
 
 def extra(mode: str, P: int) -> dict:
     """The mode's own arguments: the hierarchical mode's a2a group size."""
-    return {"a2a_size": 2 if P % 2 == 0 else 1} if mode == "a2a+p2p" else {}
+    return {"a2a_size": example_a2a_size(P)} if mode == "a2a+p2p" else {}
 
 
 def padded_batch(lengths, P, layout, heads, seed=0, dtype=torch.float64):

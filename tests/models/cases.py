@@ -6,6 +6,7 @@ import torch
 
 import cpref
 from cpref.models import CausalLM, CPContext, ModelConfig
+from cpref.modes.hierarchical import example_a2a_size
 from sim import SimCluster
 
 FAMILIES = ("gpt2", "llama", "qwen3")
@@ -52,7 +53,7 @@ def whole(model: CausalLM, tokens: torch.Tensor, cu: torch.Tensor, cu_padded: to
 
 def options(mode: str, P: int) -> dict:
     """The mode's own option: the hierarchical mode's a2a group size."""
-    return {"a2a_size": 2 if P % 2 == 0 else 1} if mode == "a2a+p2p" else {}
+    return {"a2a_size": example_a2a_size(P)} if mode == "a2a+p2p" else {}
 
 
 def forward_on_rank(model, tokens, cu, comm, *, mode, layout, **opts) -> tuple[torch.Tensor, torch.Tensor]:

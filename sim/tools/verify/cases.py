@@ -27,14 +27,15 @@ from typing import Any, Sequence
 import torch
 
 from cpref.layout import layout_multiple
+from sim import oracle
+from cpref.modes.hierarchical import example_a2a_size
 
 __all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "make_batch", "placement",
            "cp_groups", "build_cases"]  # fmt: skip
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# atol = rtol per dtype, as the issues state them (the test suite's tests/helpers.py.TOL)
-TOL = {"fp64": 1e-10, "fp32": 1e-5, "fp16": 5e-3, "bf16": 2.5e-2}
-TOL_BF16_GQA = 3.5e-2  # bf16 with Hkv < Hq: each key's gradient sums G query heads
+TOL = {name: oracle.TOL[dtype] for name, dtype in DTYPES.items()}  # atol = rtol per dtype name (sim.oracle's)
+TOL_BF16_GQA = oracle.TOL_BF16_GQA
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
-    a2a = a2a_size if a2a_size is not None else (2 if cp % 2 == 0 else 1)
+    a2a = a2a_size if a2a_size is not None else example_a2a_size(cp)
     cases = []
     for impl in impls:
         for mode in modes:

@@ -27,8 +27,8 @@ from typing import Any, Mapping
 import torch
 
 from cpref.api import MODES, attention
-from cpref.checks import as_bool, as_choice, missing_members
-from cpref.comm import Collectives, SingleRank
+from cpref.checks import as_bool, as_choice
+from cpref.comm import Collectives, SingleRank, check_comm
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel
 from cpref.layout import LAYOUTS
@@ -73,13 +73,7 @@ class CPContext:
     kernel: AttentionKernel | None = None
 
     def __post_init__(self) -> None:
-        missing = missing_members(self.comm, Collectives)
-        if self.comm is None or missing:
-            raise CPInputError(
-                f"comm must be the CP group's collectives (a cpref.Collectives), got {type(self.comm).__name__} "
-                f"(without {', '.join(missing)}); "
-                "for CP = 1 use CPContext.single(cu_seqlens)"
-            )
+        check_comm(self.comm, "for CP = 1 use CPContext.single(cu_seqlens)")
         as_choice("mode", self.mode, sorted(MODES))
         as_choice("layout", self.layout, LAYOUTS)
         as_bool("causal", self.causal)

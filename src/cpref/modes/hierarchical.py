@@ -62,7 +62,7 @@ from cpref.modes.ulysses import (
     A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, kv_grad_dtype, replicate, scatter_grads,
 )
 
-__all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical"]
+__all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size"]
 
 _SUBGROUPS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Collectives, Collectives]]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -114,13 +114,19 @@ class HierarchicalFunc(torch.autograd.Function):
         return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None)
 
 
+def example_a2a_size(P: int) -> int:
+    """The a2a group size to suggest, and that the tools and tests take when none is given: 2 for an
+    even `P` (2 x 2 at `P = 4`: both levels of the hierarchy do something), 1 (the ring) for an odd one."""
+    return 2 if P % 2 == 0 else 1
+
+
 def check_hierarchical(call: CPCall) -> None:
     """`MODES["a2a+p2p"]`'s constraints: `a2a_size` divides P, and `a` ranks can split the heads."""
     a = call.options["a2a_size"]
     if a is None:
         raise CPInputError(
             f"mode 'a2a+p2p' needs a2a_size, the all-to-all group size dividing P = {call.P} "
-            f"(e.g. a2a_size={2 if call.P % 2 == 0 else 1}); a2a_size=1 is the ring, a2a_size=P is Ulysses"
+            f"(e.g. a2a_size={example_a2a_size(call.P)}); a2a_size=1 is the ring, a2a_size=P is Ulysses"
         )
     a = as_int("a2a_size", a, lo=1)
     if call.P % a:
