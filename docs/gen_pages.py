@@ -44,7 +44,7 @@ GUIDE = [
     ("cache.md", "The batch cache", "cpref.cache"),
     ("metadata.md", "Load-balanced metadata", "cpref.metadata"),
     ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
-    ("merge.md", "Merging partial results", "cpref.modes.merge"),
+    ("merge.md", "Merging partial results", "cpref.kernels.merge"),
     ("ring-plan.md", "The ring's steps", "cpref.modes.ring_plan"),
     ("ring.md", "Ring attention (p2p)", "cpref.modes.ring"),
     ("ulysses.md", "Ulysses (a2a)", "cpref.modes.ulysses"),

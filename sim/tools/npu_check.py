@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 
 from cpref.kernels import Varlen
+from cpref.kernels.merge import merge_partial
 from sim import oracle
 from sim.oracle import TOL, TOL_BF16_GQA
 
@@ -157,9 +158,10 @@ def _run_ring(kernel, case: Case, q, k, v, dout, scale):
     seqs_a, seqs_b = Varlen.from_lengths(case.q_lens, early), Varlen.from_lengths(case.q_lens, case.q_lens)
     o_a, l_a = kernel.forward(q, k[rows_a], v[rows_a], seqs_a, causal=False, scale=scale)
     o_b, l_b = kernel.forward(q, k[rows_b], v[rows_b], seqs_b, causal=True, scale=scale)
-    # lse = log(e^lse_a + e^lse_b); out = sum_x e^(lse_x - lse) out_x
-    lse = torch.logaddexp(l_a, l_b)  # (T, Hq)
-    out = ((l_a - lse).exp().unsqueeze(-1) * o_a.to(lse.dtype) + (l_b - lse).exp().unsqueeze(-1) * o_b.to(lse.dtype)).to(q.dtype)
+    # lse = log(e^lse_a + e^lse_b); out = sum_x e^(lse_x - lse) out_x: cpref's one merge
+    out, lse = o_a.to(l_a.dtype), l_a.clone()  # (T, Hq, Dv), (T, Hq) in the lse's precision
+    merge_partial(out, lse, o_b, l_b)
+    out = out.to(q.dtype)
     dq_a, dk_a, dv_a = kernel.backward(dout, q, k[rows_a], v[rows_a], out, lse, seqs_a, causal=False, scale=scale)
     dq_b, dk_b, dv_b = kernel.backward(dout, q, k[rows_b], v[rows_b], out, lse, seqs_b, causal=True, scale=scale)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)

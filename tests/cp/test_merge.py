@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpref.modes.merge import merge_partial
+from cpref.kernels.merge import merge_partial
 
 INF = float("inf")
 

@@ -36,7 +36,7 @@ Before the fix (worst ratio over modes' layouts, P and tensors; relative dV erro
 | all_gather | x10, x100 | fp32 | 3.0, 9.2 | 1.0 |
 | all_gather | x100 | bf16 | 11.5 | 1.0 |
 
-The causes: the ring's lse merge (`cpref.modes.merge`: $\mathrm{lse} + (\mathrm{lse}_b - \mathrm{lse})$
+The causes: the ring's lse merge (`cpref.kernels.merge`: $\mathrm{lse} + (\mathrm{lse}_b - \mathrm{lse})$
 rounded twice, an error of up to an ulp of the lse in every recomputed probability, see the
 ring's Precision section); the fused kernel's own split-and-merge weights taken from the
 rounded merged lse (all_gather's rows that see earlier chunks); and PyTorch's CPU fused

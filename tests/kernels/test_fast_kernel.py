@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpref.kernels import TorchKernel, Varlen, torch_fused
-from cpref.modes.merge import merge_partial
+from cpref.kernels.merge import merge_partial
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 from tests.kernels.test_torch_kernel import (

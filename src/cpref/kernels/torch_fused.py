@@ -13,7 +13,7 @@ guarantee of the [kernel contract][cpref.kernels.contract] holds:
 square block the two alignments agree. A sequence with $n_q < n_k$ queries is split into its
 keys $[0, \delta)$, $\delta = n_k - n_q$, which every query sees (no mask), and the square
 $[\delta, n_k)$ with a causal mask; the two partial results are merged by their lse
-(see [Merging partial results][cpref.modes.merge]), both finite since row $x$ sees key $0$ in
+(see [Merging partial results][cpref.kernels.merge]), both finite since row $x$ sees key $0$ in
 the first and key $\delta + x$ in the second:
 
 $$ \mathrm{lse} = \log\left(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}\right), \qquad
@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.merge import merge_partial
 
 __all__ = ["FUSED_TILE_ELEMENTS", "fused_available", "fused_forward", "fused_backward"]
 
@@ -176,15 +177,6 @@ def _prepared(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> to
     return x if dim is None or x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))  # (T, H, dim)
 
 
-def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """Merge `(o_b, lse_b)` into `(o, lse)` in place; both finite in every row."""
-    # O' = e^(lse - lse') O + e^(lse_b - lse') O_b = sigma(lse - lse_b) O + sigma(lse_b - lse) O_b
-    gap = lse - lse_b  # (B, H, n)
-    o.mul_(torch.sigmoid(gap).unsqueeze(-1)).add_(o_b * torch.sigmoid(-gap).unsqueeze(-1))
-    # lse' = log(e^lse + e^lse_b) = max + log1p(e^-|lse - lse_b|)
-    lse.copy_(torch.logaddexp(lse, lse_b))
-
-
 def _narrow(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The first `dim` columns of `x` in `dtype`, contiguous (no copy when nothing changes)."""
     return x[..., :dim].to(dtype, memory_format=torch.contiguous_format)
@@ -248,7 +240,7 @@ def fused_forward(q, k, v, seqs: Varlen, *, causal: bool, scale: float, out_dtyp
     for run in runs:
         o_r, lse_r = _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale)
         if run.merge:
-            _merge(_queries(out, run), _queries(lse, run), o_r, lse_r)
+            merge_partial(_queries(out, run), _queries(lse, run), o_r, lse_r)  # (B, H, n, D), (B, H, n)
         else:
             _queries(out, run).copy_(o_r)  # (B, Hq, n, D)
             _queries(lse, run).copy_(lse_r)  # (B, Hq, n)

@@ -4,7 +4,7 @@ Each rank keeps its queries; the K/V blocks circulate. At step $t = 0, \dots, P 
 $r$ holds the block that started on rank $(r - t) \bmod P$, computes its queries' attention
 against it (the step's plan, `cpref.modes.ring_plan`: one varlen kernel call for every
 document, with the causal work skipping of the layout), and merges the partial result into a
-running output by log-sum-exp (`cpref.modes.merge`):
+running output by log-sum-exp (`cpref.kernels.merge`):
 
 $$ O \leftarrow O - \sigma(\mathrm{lse}_b - \mathrm{lse})\,(O - O_b), \qquad
    \mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b) . $$
@@ -67,7 +67,7 @@ The ring used to merge as $\mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\ma
 which for a dominating block computes $\mathrm{lse} + (\mathrm{lse}_b - \mathrm{lse})$: two roundings
 at the magnitude of $|\mathrm{lse}| + |\mathrm{lse}_b|$ (blocks of opposite signs are common at
 such logits), up to a step off $\mathrm{lse}_b$: every probability of the row up to 13 % off at $10^6$.
-It now merges as ([Merging partial results][cpref.modes.merge])
+It now merges as ([Merging partial results][cpref.kernels.merge])
 
 $$ \mathrm{lse} \leftarrow \max(\mathrm{lse}, \mathrm{lse}_b) + \log\left(1 + e^{-|\mathrm{lse} - \mathrm{lse}_b|}\right), \qquad
    O \leftarrow \sigma(\mathrm{lse} - \mathrm{lse}_b)\, O + \sigma(\mathrm{lse}_b - \mathrm{lse})\, O_b , $$
@@ -101,7 +101,7 @@ from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.kernels.contract import AttentionKernel, compute_dtype
 from cpref.modes.all_gather import no_double_backward
-from cpref.modes.merge import merge_partial
+from cpref.kernels.merge import merge_partial
 from cpref.modes.ring_plan import RingPlan, RingStep, build_ring_plan
 
 __all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring", "saved_out_dtype"]

@@ -1,5 +1,8 @@
 r"""Merging partial attention results by their log-sum-exp: how ring attention adds up blocks.
 
+The one merge of cpref, below the modes: the ring and the hierarchical ring level add up their
+steps with it, the fused CPU kernel its split rows, and the NPU check its two kernel calls.
+
 A query row's softmax runs over all its keys, but a ring step sees only one block of them.
 The step's kernel call returns the block's output $O_b$ and log-sum-exp $\mathrm{lse}_b$; the
 row's output over the keys seen so far, $(O, \mathrm{lse})$, and the block's combine exactly:
