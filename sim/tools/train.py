@@ -151,6 +151,12 @@ def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
             that holds foreign files or a later checkpoint.
     """
     notes, start, found = [], 0, None
+    for flag, value in (("--save-every", spec.save_every), ("--overwrite", spec.overwrite)):
+        if value not in (None, False) and not spec.save:
+            raise CPInputError(f"{flag} without --save: there is no checkpoint to write; add --save DIR")
+    if spec.save_every is not None and (isinstance(spec.save_every, bool) or not isinstance(spec.save_every, int)
+                                        or spec.save_every < 1):  # fmt: skip
+        raise CPInputError(f"--save-every must be a whole number of steps >= 1, got {spec.save_every!r}")
     if spec.resume:
         path, meta, note = find_checkpoint(spec.resume)
         notes += [note] if note else []

@@ -459,3 +459,16 @@ def test_a_save_at_the_same_step_as_the_checkpoint_there_is_refused_too(tmp_path
     run_sim(spec(4, save=str(tmp_path / "ckpt")))
     with pytest.raises(CPInputError, match="holds a checkpoint at step 4; saving step 4 there would not move it forward"):
         run_sim(spec(4, save=str(tmp_path / "ckpt")))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--save-every", "0", "--save", "x"], "--save-every must be a whole number of steps >= 1, got 0"),
+    (["--save-every", "2"], "--save-every without --save: there is no checkpoint to write; add --save DIR"),
+    (["--overwrite"], "--overwrite without --save: there is no checkpoint to write; add --save DIR"),
+])  # fmt: skip
+def test_checkpoint_flags_that_cannot_act_are_refused_by_name(tmp_path, monkeypatch, capsys, argv, message):
+    """Was: --save-every and --overwrite without --save silently did nothing, and --save-every 0
+    said only "every=0 is outside [1, inf)"."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--steps", "2", *argv]) == 2
+    assert capsys.readouterr().err == f"python -m sim train: {message}\n"
