@@ -28,10 +28,9 @@ import time
 import torch
 
 import cpref
-from cpref.cache import CACHE
 from cpref.kernels import Varlen
-from cpref.metadata import all_gather_plan
 from cpref.modes.all_gather import all_gather_backward, all_gather_forward
+from cpref.modes.all_gather_plan import build_all_gather_plan
 
 
 def _time(fn, repeats: int) -> float:
@@ -67,14 +66,13 @@ class ReplayComm:
         return x.tensor_split(self.size)[self.rank].clone()  # this rank's rows (the sum is not timed)
 
 
-def rank_seconds(cu, q, k, v, dout, P: int, layout: str, repeats: int) -> list[float]:
+def rank_seconds(sharding: cpref.Sharding, q, k, v, dout, repeats: int) -> list[float]:
     """Measured forward + backward seconds of every rank's all-gather CP share (its compute only)."""
-    kernel, scale = cpref.TorchKernel(), q.shape[-1] ** -0.5
-    shards = [[cpref.shard(t, cu, cp_size=P, rank=r, layout=layout) for t in (q, k, v, dout)] for r in range(P)]
-    entry = CACHE.entry(cu)
+    kernel, scale, P = cpref.TorchKernel(), q.shape[-1] ** -0.5, sharding.cp_size
+    shards = [[sharding.shard(t, r) for t in (q, k, v, dout)] for r in range(P)]
     out = []
     for r in range(P):
-        plan = all_gather_plan(entry, P, r, layout, True, torch.device("cpu"))
+        plan = build_all_gather_plan(sharding.bounds, P, r, sharding.layout, True, torch.device("cpu"))
         comm = ReplayComm(r, shards)
         ql, kl, vl, dl = shards[r]
 
@@ -100,15 +98,16 @@ def main(argv: list[str] | None = None) -> int:
           f"D={args.dim}, float32, causal fwd+bwd, {torch.get_num_threads()} threads, median of {args.repeats}\n")
     for P in args.cp:
         for layout in cpref.LAYOUTS:
-            mult = 2 * P if layout == "zigzag" else P
-            _, cu = cpref.pad_to_multiple(torch.zeros(args.cu[-1]), args.cu, mult)
+            # the documents padded to the layout's granularity, the padding counted as tokens (as the field's runs)
+            cu = cpref.Sharding.eod_padded(args.cu, cp_size=P, layout=layout).cu_seqlens_padded
+            sharding = cpref.Sharding(cu, cp_size=P, layout=layout)
             g = torch.Generator().manual_seed(0)
-            T = int(cu[-1])
+            T = sharding.total
             q, dout = (torch.randn(T, args.heads, args.dim, generator=g) for _ in range(2))
             k, v = (torch.randn(T, args.kv_heads, args.dim, generator=g) for _ in range(2))
-            secs = rank_seconds(cu, q, k, v, dout, P, layout, args.repeats)
-            ideal = _time(_fwd_bwd(cpref.TorchKernel(), q, k, v, dout, Varlen(cu.tolist()), args.dim**-0.5), args.repeats)
-            work = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
+            secs = rank_seconds(sharding, q, k, v, dout, args.repeats)
+            ideal = _time(_fwd_bwd(cpref.TorchKernel(), q, k, v, dout, Varlen(list(cu)), args.dim**-0.5), args.repeats)
+            work = [sharding.attention_work(r) for r in range(P)]
             measured = max(secs) / statistics.mean(secs)
             counted = max(work) / statistics.mean(work)
             ms = " ".join(f"{s * 1e3:7.1f}" for s in secs)

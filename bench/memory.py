@@ -14,7 +14,7 @@ own tiles (at most two 256 x 512 float32 tiles per thread) are allocated inside 
 are not seen.
 
 Printed per mode and `P`: the largest peak over the ranks, the bytes saved for the backward
-(measured with saved-tensor hooks, and the formula of `cpref.costs.mode_costs`), and each
+(measured with saved-tensor hooks, and the formula of `cpref.api.mode_costs`), and each
 figure relative to `P = 1`. Memory is what CP is for: the peak should fall with `P` as the
 formula does (a mode that replicates key/value heads falls more slowly, as its page says).
 
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cpref
-from cpref.costs import mode_costs
+from cpref.api import mode_costs
 from sim import SimCluster
 
 __all__ = ["LiveBytes", "CountedComm", "rank_memory"]
@@ -137,17 +137,18 @@ def rank_memory(cu: torch.Tensor, heads: tuple[int, int, int, int], P: int, mode
     T = int(cu[-1])
     q, dout = torch.randn(T, hq, d, generator=g), torch.randn(T, hq, dv, generator=g)
     k, v = torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, dv, generator=g)
-    options = {"a2a_size": min(P, 2)} if mode == "a2a+p2p" else {}
+    options = cpref.MODES[mode].example_options(P)
+    sharding = cpref.Sharding(cu, cp_size=P, layout="zigzag")
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v, dout)]
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v, dout)]
         ql, kl, vl = (t.requires_grad_(True) for t in local[:3])
-        cpref.attention(ql, kl, vl, cu, comm=comm, mode=mode, **options).backward(local[3])  # warm-up: plans, rank check
+        cpref.attention(ql, kl, vl, sharding, comm=comm, mode=mode, **options).backward(local[3])  # warm-up: plans, rank check
         ql.grad = kl.grad = vl.grad = None
         saved, live = [], LiveBytes()
         live.live = live.peak = sum(t.numel() * t.element_size() for t in local)  # the input shards
         with live, torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel() * x.element_size()) or x, lambda x: x):
-            cpref.attention(ql, kl, vl, cu, comm=CountedComm(comm, live), mode=mode, **options).backward(local[3])
+            cpref.attention(ql, kl, vl, sharding, comm=CountedComm(comm, live), mode=mode, **options).backward(local[3])
         return live.peak, sum(saved)
 
     return SimCluster(P, timeout=600.0).run(rank_fn)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             per_rank = rank_memory(cu, heads, P, mode)
             peak, saved = max(p for p, _ in per_rank), max(s for _, s in per_rank)
             formula = mode_costs(mode, P=P, local_tokens=int(cu[-1]) // P, heads=heads, dtype=torch.float32,
-                                 a2a_size=min(P, 2) if mode == "a2a+p2p" else None).saved_bytes  # fmt: skip
+                                 **cpref.MODES[mode].example_options(P)).saved_bytes  # fmt: skip
             first = first or (peak, saved, formula)
             print(f"| `{mode}` | {P} | {mib(peak)} ({peak / first[0]:.2f}) | {mib(saved)} ({saved / first[1]:.2f}) "
                   f"| {mib(formula)} ({formula / first[2]:.2f}) |")  # fmt: skip

@@ -41,8 +41,8 @@ DEFAULT_MIXES = ("1 x 8192", "4 mixed", "256 x 32")
 class ModeStep:
     """Forward + backward of `cpref.attention` at P = 1 in one mode; keeps `(seconds, kernel seconds)` of every call."""
 
-    def __init__(self, mode: str, leaves: list[torch.Tensor], dout: torch.Tensor, cu: torch.Tensor, kernel) -> None:
-        self.mode, self.leaves, self.dout, self.cu = mode, leaves, dout, cu
+    def __init__(self, mode: str, leaves: list[torch.Tensor], dout: torch.Tensor, sharding: cpref.Sharding, kernel) -> None:
+        self.mode, self.leaves, self.dout, self.sharding = mode, leaves, dout, sharding
         self.clock = Clock()
         self.kernel, self.runs = TimedKernel(kernel, self.clock), []
         self.options = {"a2a_size": 1} if mode == "a2a+p2p" else {}
@@ -52,7 +52,8 @@ class ModeStep:
             x.grad = None  # no accumulation into last step's gradients
         self.clock.reset()
         start = time.perf_counter()
-        out = cpref.attention(*self.leaves, self.cu, comm=cpref.SingleRank(), mode=self.mode, kernel=self.kernel, **self.options)
+        out = cpref.attention(*self.leaves, self.sharding, comm=cpref.SingleRank(), mode=self.mode, kernel=self.kernel,
+                              **self.options)  # fmt: skip
         out.backward(self.dout)
         self.runs.append((time.perf_counter() - start, self.clock.compute))
 
@@ -62,7 +63,7 @@ def cases(lengths: list[int], heads: int, dim: int, seed: int = 0) -> dict[str, 
     g = torch.Generator().manual_seed(seed)
     tokens = sum(lengths)
     q, k, v, dout = (torch.randn(tokens, heads, dim, generator=g) for _ in range(4))  # (T, H, D)
-    cu = torch.tensor([0, *accumulate(lengths)])  # document boundaries
+    sharding = cpref.Sharding(torch.tensor([0, *accumulate(lengths)]), cp_size=1, layout="zigzag")  # the whole batch, on one rank
     seqs, kernel = Varlen.from_lengths(lengths, lengths), cpref.TorchKernel()
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
 
@@ -70,7 +71,7 @@ def cases(lengths: list[int], heads: int, dim: int, seed: int = 0) -> dict[str, 
         out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=dim**-0.5)
         return kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=dim**-0.5)
 
-    return {"kernel": bare, **{mode: ModeStep(mode, leaves, dout, cu, kernel) for mode in sorted(cpref.MODES)}}
+    return {"kernel": bare, **{mode: ModeStep(mode, leaves, dout, sharding, kernel) for mode in sorted(cpref.MODES)}}
 
 
 def main(argv: list[str] | None = None) -> None:

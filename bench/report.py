@@ -79,7 +79,7 @@ $P = 1, 2, 4$, for every mode, measured with a `TorchDispatchMode` that counts e
 op creates while it is alive, on top of the rank's input shards (at $P = 1$ the kernel saves
 the inputs themselves, at $P > 1$ most modes save exchanged copies), next to the bytes saved for
 the backward, measured with saved-tensor hooks and given by
-[`mode_costs`][cpref.costs.mode_costs]. What CP promises is that the saved activations fall
+[`mode_costs`][cpref.api.mode_costs]. What CP promises is that the saved activations fall
 as $1/P$; the peak of one layer's step adds what a mode holds only during the step (the
 all-gather mode's gathered K/V, $O(T)$ by design).
 

@@ -79,15 +79,15 @@ def cp1_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> list[flo
     return times
 
 
-def _step(comm, kernel, clock: Clock, batch, cu: torch.Tensor, mode: str, layout: str) -> dict:
+def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str) -> dict:
     """One timed forward + backward of `cpref.attention` on this rank: total, compute, comm, events."""
-    options = {"a2a_size": 2} if "a2a_size" in dict(cpref.MODES[mode].options) else {}
-    q, k, v, dout = (cpref.shard(t, cu, cp_size=comm.size, rank=comm.rank, layout=layout) for t in batch)  # (T / 2, H, D)
+    options = cpref.MODES[mode].example_options(comm.size)
+    q, k, v, dout = (sharding.shard(t, comm.rank) for t in batch)  # (T / 2, H, D)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     comm.inner.barrier()  # every rank starts the step together (not timed)
     clock.reset()
     start = time.perf_counter()
-    out = cpref.attention(q, k, v, cu, comm=comm, mode=mode, layout=layout, kernel=kernel, **options)
+    out = cpref.attention(q, k, v, sharding, comm=comm, mode=mode, kernel=kernel, **options)
     out.backward(dout)
     return {"total": time.perf_counter() - start, "compute": clock.compute, "comm": clock.comm, "events": list(clock.events)}
 
@@ -108,12 +108,14 @@ def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> dict:
     clock, raw = Clock(), TorchComm()
     comm, kernel = TimedComm(raw, clock), TimedKernel(cpref.TorchKernel(), clock)
     batch, small = _batch(sum(lengths), heads, dim), _batch(256, heads, dim, seed=1)
-    cu, cu_small = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]), torch.tensor([0, 256])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    shardings = {layout: (cpref.Sharding([0, 256], cp_size=comm.size, layout=layout),
+                          cpref.Sharding(cu, cp_size=comm.size, layout=layout)) for layout in cpref.LAYOUTS}  # fmt: skip
     results: dict = {"shift": shift_seconds(raw, sum(lengths), heads, dim)}
     for mode in sorted(cpref.MODES):
-        for layout in cpref.LAYOUTS:
-            _step(comm, kernel, clock, small, cu_small, mode, layout)  # warm-up: groups, connections, first calls
-            results[(mode, layout)] = [_step(comm, kernel, clock, batch, cu, mode, layout) for _ in range(repeats)]
+        for layout, (warm_up, timed) in shardings.items():
+            _step(comm, kernel, clock, small, warm_up, mode)  # warm-up: groups, connections, first calls
+            results[(mode, layout)] = [_step(comm, kernel, clock, batch, timed, mode) for _ in range(repeats)]
     return results
 
 

@@ -1,8 +1,9 @@
 """Figures of the docs, drawn at build time from cpref itself so that they cannot drift.
 
-Every function takes no input, computes what it draws with cpref's public functions
-(`global_index`, `local_chunks`, `attention_work`, `get_thd_load_balanced_cp_metadata`) and
-returns a matplotlib `Figure`; `docs/gen_pages.py` saves it as PNG into the site.
+Every function takes no input, computes what it draws with cpref's public API (a batch's
+`cpref.Sharding`: its `global_index`, `local_chunks` and `attention_work`; and
+`get_thd_load_balanced_cp_metadata`) and returns a matplotlib `Figure`; `docs/gen_pages.py`
+saves it as PNG into the site.
 
 Readable at the column width: the site's content column is about `COLUMN_PX` CSS pixels wide
 at a 1280 px window (`make docs-check` screenshots it), and a figure wider than that is scaled
@@ -12,6 +13,8 @@ about one point on screen; `check_readable` fails the build if any text would sh
 """
 
 from __future__ import annotations
+
+import functools
 
 import matplotlib
 
@@ -49,6 +52,16 @@ def rank_color(rank: int):
     return RANK_COLORS[rank % len(RANK_COLORS)]
 
 
+def sharding(cu: list[int], cp_size: int, layout: str) -> cpref.Sharding:
+    """A figure's batch as cpref shards it: one `cpref.Sharding` per batch, `P` and layout, built once."""
+    return _sharding(tuple(cu), cp_size, layout)
+
+
+@functools.cache
+def _sharding(cu: tuple[int, ...], cp_size: int, layout: str) -> cpref.Sharding:
+    return cpref.Sharding(list(cu), cp_size=cp_size, layout=layout)
+
+
 def display_pt(fig: Figure, fontsize: float) -> float:
     """A font size of `fig`, in points as shown in the content column (96 CSS px per inch)."""
     natural_px = fig.get_figwidth() * DPI
@@ -69,12 +82,12 @@ def check_readable(fig: Figure, name: str) -> None:
 
 
 def owner_of_tokens(cu: list[int], cp_size: int, layout: str) -> list[int]:
-    """`owner[t]`: the rank that holds global token `t` (from `cpref.global_index`)."""
+    """`owner[t]`: the rank that holds global token `t` (from `Sharding.global_index`)."""
     if layout == "striped":  # not a cpref layout: token t on rank t mod P, for comparison only
         return [t % cp_size for t in range(cu[-1])]
-    owner = [-1] * cu[-1]
+    owner, batch = [-1] * cu[-1], sharding(cu, cp_size, layout)
     for r in range(cp_size):
-        for t in cpref.global_index(cu, cp_size=cp_size, rank=r, layout=layout).tolist():
+        for t in batch.global_index(r).tolist():
             owner[t] = r
     assert -1 not in owner, "every token has exactly one owner"
     return owner
@@ -90,9 +103,9 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     owner = owner_of_tokens(cu, cp_size, layout)
     for t, r in enumerate(owner):
         ax.add_patch(Rectangle((t, 0), 1, 1, facecolor=rank_color(r), edgecolor=rank_color(r), linewidth=0.5))
-    # Chunk numbers: chunk j of document i, as rank r holds it (cpref.local_chunks).
+    # Chunk numbers: chunk j of document i, as rank r holds it (Sharding.local_chunks).
     for r in range(cp_size):
-        for doc, start, end in cpref.local_chunks(cu, cp_size=cp_size, rank=r, layout=layout):
+        for doc, start, end in sharding(cu, cp_size, layout).local_chunks(r):
             c = end - start
             j = (start - cu[doc]) // c
             ax.add_patch(Rectangle((start, 0), c, 1, fill=False, edgecolor="0.25", linewidth=0.8))
@@ -130,8 +143,8 @@ def work() -> Figure:
     metrics = [("block metric: sum(q_len * kv_len)", False), ("exact count of visible scores", True)]
     for ax, (title, exact) in zip(axes, metrics):
         for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//"))):
-            w = [cpref.attention_work(LAYOUT_CU, cp_size=LAYOUT_P, rank=r, layout=layout, exact=exact)
-                 for r in range(LAYOUT_P)]
+            batch = sharding(LAYOUT_CU, LAYOUT_P, layout)
+            w = [batch.attention_work(r, exact=exact) for r in range(LAYOUT_P)]
             xs = [r + (k - 0.5) * width for r in range(LAYOUT_P)]
             bars = ax.bar(xs, w, width, color=[rank_color(r) for r in range(LAYOUT_P)], hatch=hatch,
                           edgecolor="0.2", label=f"{layout}: max/mean {max(w) / (sum(w) / len(w)):.2f}")
@@ -175,13 +188,12 @@ def _mask_panel(ax, cu: list[int], cp_size: int, layout: str) -> None:
     ax.set_xlabel("key token")
     ax.set_title(layout if layout != "striped" else "striped (comparison)")
 
-    # Per-rank work: the exact count (checked against cpref) and cpref's block metric.
+    # Per-rank work: the exact count, from the mask (cpref's own count is checked against such a
+    # count by tests/cpref/test_layout.py), and cpref's block metric.
     if layout == "striped":
         block = ["-"] * cp_size  # cpref's block metric is defined for its chunked layouts only
     else:
-        kwargs = dict(cp_size=cp_size, layout=layout)
-        assert exact == [cpref.attention_work(cu, rank=r, exact=True, **kwargs) for r in range(cp_size)]
-        block = [cpref.attention_work(cu, rank=r, **kwargs) for r in range(cp_size)]
+        block = [sharding(cu, cp_size, layout).attention_work(r) for r in range(cp_size)]
     rows = [f"{'rank':>8} {'exact':>5} {'block':>5}"]
     rows += [f"{r:>8} {exact[r]:>5} {block[r]:>5}" for r in range(cp_size)]
     rows.append(f"{'max/mean':>8} {_max_over_mean(exact):>5} {_max_over_mean(block):>5}")
@@ -204,8 +216,9 @@ def attention_mask() -> Figure:
 def rank_major_index() -> Figure:
     """`figures/rank_major_index.png`: the rank-major K/V buffer and the rows `kv_index` selects."""
     cu, P, layout = INDEX_CU, INDEX_P, "zigzag"
+    batch = sharding(cu, P, layout)
     # Row k of the gathered buffer holds global token `rows[k]`, owned by rank `owner[k]`.
-    rows = [t for r in range(P) for t in cpref.global_index(cu, cp_size=P, rank=r, layout=layout).tolist()]
+    rows = [t for r in range(P) for t in batch.global_index(r).tolist()]
     owner = [r for r in range(P) for _ in range(cu[-1] // P)]
     doc_of = {t: i for i in range(len(cu) - 1) for t in range(cu[i], cu[i + 1])}
     n = len(rows)
@@ -230,7 +243,7 @@ def rank_major_index() -> Figure:
         meta = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout)
         kv_index = meta["kv_index"].tolist()
         cu_kv = meta["seqs"].cu_kv
-        chunks = cpref.local_chunks(cu, cp_size=P, rank=r, layout=layout)
+        chunks = batch.local_chunks(r)
         assert len(chunks) == len(meta["actual_seq_qlen"]), "one kv sequence per local query chunk"
         for col, (doc, start, end) in enumerate(chunks):
             for pos, row in enumerate(kv_index[cu_kv[col] : cu_kv[col + 1]]):

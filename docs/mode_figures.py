@@ -28,7 +28,7 @@ def _load_figures():
 
 
 base = _load_figures()
-plt, WIDTH, rank_color = base.plt, base.WIDTH, base.rank_color
+plt, WIDTH, rank_color, sharding = base.plt, base.WIDTH, base.rank_color, base.sharding
 
 CU = [0, 16, 48]  # two documents of 16 and 32 tokens; multiples of 2P = 8 at P = 4
 P, HQ, HKV, D = 4, 4, 2, 4
@@ -56,9 +56,10 @@ def _run(mode: str, layout: str, **extra):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(T, HQ, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(T, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k_shards = [cpref.shard(k, CU, cp_size=P, rank=r, layout=layout) for r in range(P)]
+    batch = sharding(CU, P, layout)
+    k_shards = [batch.shard(k, r) for r in range(P)]
     kernels = [RecordingKernel(k_shards) for _ in range(P)]
-    _, cluster = run_attention(q, k, v, None, CU, P=P, mode=mode, layout=layout, kernels=kernels, check_ranks=False, **extra)
+    _, cluster = run_attention(q, k, v, None, batch, mode=mode, kernels=kernels, check_ranks=False, **extra)
     return kernels, cluster, q
 
 
@@ -121,9 +122,9 @@ def ulysses_exchange() -> Figure:
     """`figures/ulysses_exchange.png`: who holds which (token, head) before and after the all-to-all."""
     kernels, _, q = _run("a2a", "zigzag")
     T = CU[-1]
-    before = torch.full((HQ, T), -1)
+    before, batch = torch.full((HQ, T), -1), sharding(CU, P, "zigzag")
     for r in range(P):
-        before[:, cpref.global_index(CU, cp_size=P, rank=r, layout="zigzag")] = r
+        before[:, batch.global_index(r)] = r
     after = torch.full((HQ, T), -1)
     for r, kern in enumerate(kernels):
         held = kern.calls[0]["q"]  # (T, Hq/P, D): what the rank's kernel call was given

@@ -1,7 +1,10 @@
 """Tables of the docs, computed at build time by running cpref on the simulated cluster.
 
-Each function takes no input and returns Markdown; `docs/gen_pages.py` appends it to a page.
-The figures they show are measured from the cluster's trace, so they cannot drift from the code.
+Each table function takes no input and returns Markdown; `docs/gen_pages.py` appends it to a
+page. The figures they show are measured from the cluster's trace; the build only renders
+them. That the measured figures are the formulas the pages state is a test
+(`tests/docs/test_tables.py`, over the very runs these tables render, beside the suite's own
+`tests/cp/test_mode_costs.py`).
 """
 
 from __future__ import annotations
@@ -9,25 +12,31 @@ from __future__ import annotations
 import torch
 
 import cpref
-from cpref.costs import mode_costs
+from cpref.api import mode_costs
 from sim import summarize
 from sim.harness import mode_trace as without_comparison, run_attention, saved_bytes, trace_split
 
-# The all-gather trace example: 2 documents of 16 and 48 tokens, P = 4, GQA, float32.
+# The all-gather trace example: 2 documents of 16 and 48 tokens, P = 4, zigzag, GQA, float32.
 TRACE_CU = torch.tensor([0, 16, 64])
 TRACE_P, TRACE_HQ, TRACE_HKV, TRACE_D = 4, 4, 2, 16
+TRACE = cpref.Sharding(TRACE_CU, cp_size=TRACE_P, layout="zigzag")  # the batch, sharded once for every table
+
+
+def traced_run(mode: str):
+    """One forward + backward of `mode` on the trace example (with its example options); the cluster."""
+    T = int(TRACE_CU[-1])
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(T, TRACE_HQ, TRACE_D, generator=g) for _ in range(2))
+    k, v = (torch.randn(T, TRACE_HKV, TRACE_D, generator=g) for _ in range(2))
+    _, cluster = run_attention(q, k, v, dout, TRACE, mode=mode, check_ranks=False, between=lambda comm: comm.barrier(),
+                               **cpref.MODES[mode].example_options(TRACE_P))  # fmt: skip
+    return cluster
 
 
 def all_gather_trace() -> str:
     """Run one forward + backward of KV all-gather CP; tabulate its collectives and bytes."""
-    P, T = TRACE_P, int(TRACE_CU[-1])
-    g = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(T, TRACE_HQ, TRACE_D, generator=g) for _ in range(2))
-    k, v = (torch.randn(T, TRACE_HKV, TRACE_D, generator=g) for _ in range(2))
-    _, cluster = run_attention(q, k, v, dout, TRACE_CU, P=P, mode="all_gather", layout="zigzag",
-                               check_ranks=False, between=lambda comm: comm.barrier())  # fmt: skip
-    # (P-1) (T/P) Hkv (D + Dv) elements per rank for K and V together, 4 bytes each
-    formula = (P - 1) * (T // P) * TRACE_HKV * (TRACE_D + TRACE_D) * 4
+    P = TRACE_P
+    cluster = traced_run("all_gather")
     rows = [
         f"Measured on the simulated cluster: `cu_seqlens = {TRACE_CU.tolist()}`, `P = {P}`, "
         f"`Hq = {TRACE_HQ}`, `Hkv = {TRACE_HKV}`, `D = Dv = {TRACE_D}`, float32, one forward and backward "
@@ -40,14 +49,7 @@ def all_gather_trace() -> str:
         f"| {i} | `{ev.op}` | `{tuple(ev.shape) if ev.shape else '-'}` | {ev.bytes_sent[0]} | {ev.bytes_recv[0]} |"
         for i, ev in enumerate(without_comparison(cluster))
     ]
-    ops = [ev.op for ev in without_comparison(cluster)]
-    split = ops.index("barrier")
-    forward = sum(ev.bytes_sent[0] for ev in without_comparison(cluster)[:split])
-    backward = sum(ev.bytes_sent[0] for ev in without_comparison(cluster)[split + 1 :])
-    if ops != ["all_gather"] * 2 + ["barrier"] + ["all_gather"] * 2 + ["reduce_scatter"] * 2:
-        raise RuntimeError(f"all-gather CP made the collectives {ops}; the page states 2 + (2 + 2)")
-    if (forward, backward) != (formula, 2 * formula):  # the page states the formula: the build fails if the code disagrees
-        raise RuntimeError(f"all-gather CP moved {forward} + {backward} bytes per rank; the formula says {formula} + {2 * formula}")
+    (forward, _), (backward, _) = trace_split(without_comparison(cluster), 0)
     summary = summarize(without_comparison(cluster))
     rows += [
         "",
@@ -64,6 +66,23 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+MEMORY_CU, MEMORY_P = torch.tensor([0, 64, 256]), (2, 4, 8)
+
+
+def all_gather_saved(P: int, save: bool) -> tuple[int, int]:
+    """`(measured, formula)`: bytes rank 0 of the all-gather mode saves for its backward, on the memory example."""
+    hq, hkv, d = TRACE_HQ, TRACE_HKV, TRACE_D
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(256, hq, d, generator=g)
+    k, v = (torch.randn(256, hkv, d, generator=g) for _ in range(2))
+    batch = cpref.Sharding(MEMORY_CU, cp_size=P, layout="zigzag")
+    kv_rows = cpref.get_thd_load_balanced_cp_metadata(MEMORY_CU, P, 0)["actual_seq_kvlen"][-1]
+    got = saved_bytes(q, k, v, batch, mode="all_gather", check_ranks=False, save_gathered_kv=save)[0]
+    want = mode_costs("all_gather", P=P, local_tokens=256 // P, heads=(hq, hkv, d, d), dtype=torch.float32,
+                      save_gathered_kv=save, selected_kv_rows=kv_rows).saved_bytes  # fmt: skip
+    return got, want
+
+
 def all_gather_memory() -> str:
     """Bytes saved for backward per rank under both schedules, measured, next to the formulas."""
     hq, hkv, d = TRACE_HQ, TRACE_HKV, TRACE_D
@@ -74,44 +93,23 @@ def all_gather_memory() -> str:
         "| P | default, measured | default, formula | `save_gathered_kv`, measured | `save_gathered_kv`, formula |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for P in (2, 4, 8):
-        cu = torch.tensor([0, 64, 256])
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(256, hq, d, generator=g)
-        k, v = (torch.randn(256, hkv, d, generator=g) for _ in range(2))
-        kv_rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, 0)["actual_seq_kvlen"][-1]
+    for P in MEMORY_P:
         cells = []
         for save in (False, True):
-            got = saved_bytes(q, k, v, cu, P=P, mode="all_gather", check_ranks=False, save_gathered_kv=save)[0]
-            want = mode_costs("all_gather", P=P, local_tokens=256 // P, heads=(hq, hkv, d, d), dtype=torch.float32,
-                              save_gathered_kv=save, selected_kv_rows=kv_rows).saved_bytes  # fmt: skip
-            if got != want:
-                raise RuntimeError(f"all-gather at P={P} saved {got} bytes, the formula says {want}")
-            cells += [str(got), str(want)]
+            cells += [str(n) for n in all_gather_saved(P, save)]
         rows.append(f"| {P} | " + " | ".join(cells) + " |")
     rows += ["", "The default falls as $1/P$; keeping the selected K/V does not: it is more than the whole stream's K/V."]
     return "\n".join(rows)
 
 
-MODE_EXAMPLES = {"p2p": ("p2p", {}), "a2a": ("a2a", {}), "a2a+p2p": ("a2a+p2p", {"a2a_size": 2})}
-
-
-def mode_trace(name: str):
-    """A table function: one forward + backward of a mode, its collectives and bytes per rank, checked."""
+def mode_trace(mode: str):
+    """A table function: one forward + backward of a mode, its collectives and bytes per rank."""
 
     def table() -> str:
-        mode, extra = MODE_EXAMPLES[name]
-        P, T = TRACE_P, int(TRACE_CU[-1])
-        g = torch.Generator().manual_seed(0)
-        q, dout = (torch.randn(T, TRACE_HQ, TRACE_D, generator=g) for _ in range(2))
-        k, v = (torch.randn(T, TRACE_HKV, TRACE_D, generator=g) for _ in range(2))
-        _, cluster = run_attention(q, k, v, dout, TRACE_CU, P=P, mode=mode, layout="zigzag", check_ranks=False,
-                                   between=lambda comm: comm.barrier(), **extra)  # fmt: skip
-        want = mode_costs(mode, P=P, local_tokens=T // P, heads=(TRACE_HQ, TRACE_HKV, TRACE_D, TRACE_D),
-                          dtype=torch.float32, **extra)  # fmt: skip
-        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(without_comparison(cluster), 0)
-        if (fwd, bwd, fwd_ops, bwd_ops) != (want.forward_bytes, want.backward_bytes, dict(want.forward_ops), dict(want.backward_ops)):
-            raise RuntimeError(f"{mode}: the trace says {fwd}/{bwd} bytes {fwd_ops}/{bwd_ops}; cpref.costs says {want}")
+        extra = cpref.MODES[mode].example_options(TRACE_P)
+        P = TRACE_P
+        cluster = traced_run(mode)
+        (fwd, _), (bwd, _) = trace_split(without_comparison(cluster), 0)
         args = ", ".join(f"`{key}={value}`" for key, value in extra.items())
         rows = [
             f"Measured on the simulated cluster: `cu_seqlens = {TRACE_CU.tolist()}`, `P = {P}`{', ' + args if args else ''}, "
@@ -126,8 +124,8 @@ def mode_trace(name: str):
         for n, (i, ev) in enumerate(mine):
             rows.append(f"| {n} | {'forward' if i < cut else 'backward'} | `{ev.op}` | {ev.group} | `{tuple(ev.shape)}` | "
                         f"{str(ev.dtype).replace('torch.', '')} | {ev.bytes_sent[ev.group.index(0)]} |")  # fmt: skip
-        rows += ["", f"Per rank: {fwd} bytes forward and {bwd} backward, exactly what `cpref.costs` (the formulas of "
-                 "this page) gives; the build fails if they disagree."]  # fmt: skip
+        rows += ["", f"Per rank: {fwd} bytes forward and {bwd} backward, exactly what the mode's cost formulas (this "
+                 "page's table) give; the test suite checks that they agree, on this very run."]  # fmt: skip
         return "\n".join(rows)
 
     return table
@@ -138,29 +136,48 @@ REFERENCE = {"GQA: Hq = 32, Hkv = 8, D = Dv = 128": (32, 8, 128, 128), "MHA: Hq 
 REFERENCE_T = 131072
 
 
+def _mode_header(mode: str) -> str:
+    extra = cpref.MODES[mode].example_options(2)  # what the table runs it with (at every even P)
+    return mode + "".join(f", {name} = {value}" for name, value in extra.items())
+
+
 def which_mode() -> str:
     """Per-rank traffic and memory of every mode at P = 2 .. 16 for two reference layers (from cpref.costs)."""
     out = []
     for title, heads in REFERENCE.items():
         out += [f"**{title}**, T = {REFERENCE_T:,} tokens, bf16; MiB per rank and layer, forward + backward "
                 "traffic / saved for backward (`-`: the heads cannot be split so).", "",
-                "| P | all_gather | p2p | a2a | a2a+p2p, a = 2 |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+                "| P | " + " | ".join(_mode_header(m) for m in cpref.MODES) + " |",
+                "| --- |" + " --- |" * len(cpref.MODES)]  # fmt: skip
         for P in (2, 4, 8, 16):
             cells = []
-            for mode, extra in (("all_gather", {}), ("p2p", {}), ("a2a", {}), ("a2a+p2p", {"a2a_size": 2})):
-                a = P if mode == "a2a" else extra.get("a2a_size", 1)
-                if heads[0] % a or (heads[1] % a and a % heads[1]) or P % a:
+            for mode, spec in cpref.MODES.items():
+                try:
+                    c = mode_costs(mode, P=P, local_tokens=REFERENCE_T // P, heads=heads, dtype=torch.bfloat16,
+                                   **spec.example_options(P))  # fmt: skip
+                except cpref.CPInputError:  # the heads cannot be split so
                     cells.append("-")
                     continue
-                c = mode_costs(mode, P=P, local_tokens=REFERENCE_T // P, heads=heads, dtype=torch.bfloat16, **extra)
                 cells.append(f"{_mib(c.forward_bytes + c.backward_bytes)} / {_mib(c.saved_bytes)}")
             out.append(f"| {P} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
 
 
+def mode_declarations() -> str:
+    """Every mode as it declares itself: collectives, options (default, what it does), checks."""
+    rows = ["| mode | file | collectives | options | own checks |", "| --- | --- | --- | --- | --- |"]
+    for name, spec in cpref.MODES.items():
+        options = "<br>".join(f"`{o.name}` (default `{o.default!r}`): {o.doc}" for o in spec.options) or "none"
+        check = f"`{spec.check.__name__}`" if spec.check else "none"
+        file = f"`{spec.run.__module__.replace('.', '/')}.py`"
+        rows.append(f"| `{name}` | {file} | {', '.join(f'`{c}`' for c in sorted(spec.collectives))} | {options} | {check} |")
+    return "\n".join(rows)
+
+
 # page -> [(section title, table function)]
 TABLES = {
+    "mode-spec.md": [("The modes, as they declare themselves", mode_declarations)],
     "all-gather.md": [("Communication, measured", all_gather_trace), ("Memory, measured", all_gather_memory)],
     "ring.md": [("Communication, measured", mode_trace("p2p"))],
     "ulysses.md": [("Communication, measured", mode_trace("a2a"))],

@@ -18,24 +18,25 @@ cu_seqlens = torch.tensor([0, 100, 356, 400])
 T, Hq, Hkv, D = 400, 8, 2, 64
 q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
 
-# 2) The zigzag layout cuts every document into 2P chunks: pad each document at its end to a
-#    multiple of 2P. The padding stays out of attention when both boundary lists are passed.
-(q_pad, cu_padded), (k_pad, _), (v_pad, _) = (cpref.pad_to_multiple(x, cu_seqlens, 2 * P) for x in (q, k, v))
+# 2) One description of how the batch is sharded, built once: its boundaries, the CP size and the
+#    layout. The zigzag layout cuts every document into 2P chunks, so eod_padded pads each one at
+#    its end to a multiple of 2P; the padding stays out of attention.
+sharding = cpref.Sharding.eod_padded(cu_seqlens, cp_size=P, layout="zigzag")
+q_pad, k_pad, v_pad = (sharding.pad(x) for x in (q, k, v))  # (T, H, D) -> (T_padded, H, D)
 
 
-# 3) What every rank runs: take its shard, attend, back-propagate.
+# 3) What every rank runs: take its shard, attend (the sharding tells attention how), back-propagate.
 def rank_program(comm):
-    q_r, k_r, v_r = (cpref.shard(x, cu_padded, cp_size=P, rank=comm.rank, layout="zigzag").requires_grad_()
-                     for x in (q_pad, k_pad, v_pad))  # fmt: skip
-    out = cpref.attention(q_r, k_r, v_r, cu_seqlens, cu_seqlens_padded=cu_padded, comm=comm, mode="p2p")
+    q_r, k_r, v_r = (sharding.shard(x, comm.rank).requires_grad_() for x in (q_pad, k_pad, v_pad))
+    out = cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="p2p")
     out.sum().backward()
     return out.detach(), q_r.grad
 
 
 # 4) Run it on P simulated ranks (threads of this process), then put the shards back together.
 results = SimCluster(P).run(rank_program)
-out = cpref.unpad(cpref.unshard([o for o, _ in results], cu_padded, layout="zigzag"), cu_padded, cu_seqlens)
-dq = cpref.unpad(cpref.unshard([g for _, g in results], cu_padded, layout="zigzag"), cu_padded, cu_seqlens)
+out = sharding.unpad(sharding.unshard([o for o, _ in results]))  # (T, Hq, D): padding dropped
+dq = sharding.unpad(sharding.unshard([g for _, g in results]))
 
 # 5) The same attention without CP, in float64: the definition of right.
 ref_out, _, ref_dq, _, _ = oracle.forward_backward(q, k, v, cu_seqlens, torch.ones(T, Hq, D, dtype=torch.float64))

@@ -1,8 +1,8 @@
 """`make demo`: shard a packed batch over a CP group and run every CP mode on the simulated cluster.
 
-Part 1 shards three documents over a CP group of 4 in both layouts and prints, per rank, the
-tokens held and the causal attention work, as exact score counts and as the block metric
-`sum(q_len * kv_len)`, with the imbalance (max / mean) of each.
+Part 1 shards three documents over a CP group of 4 in both layouts (one `cpref.Sharding`
+each) and prints, per rank, the tokens held and the causal attention work, as exact score
+counts and as the block metric `sum(q_len * kv_len)`, with the imbalance (max / mean) of each.
 Part 2 runs every CP mode in both layouts on the simulated cluster in FP64, forward and
 backward, and prints one row per mode and layout: the largest error of out, dQ, dK, dV on
 any rank against the dense FP64 oracle, the imbalance of the kernel work actually done, the
@@ -31,7 +31,6 @@ from sim.trace import summarize
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
 P = 4
 HQ, HKV, D = 4, 2, 16
-MODE_ARGS = {"a2a+p2p": {"a2a_size": 2}}  # the hierarchical mode: 2 x 2
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -45,9 +44,10 @@ def _imbalance(work: list[int]) -> float:
 def part1_layouts(cu: torch.Tensor) -> None:
     print(f"Part 1: {len(LENGTHS)} documents of {LENGTHS} tokens over a CP group of {P}\n")
     for layout in cpref.LAYOUTS:
-        exact = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout, exact=True) for r in range(P)]
-        block = [cpref.attention_work(cu, cp_size=P, rank=r, layout=layout) for r in range(P)]
-        tokens = [len(cpref.global_index(cu, cp_size=P, rank=r, layout=layout)) for r in range(P)]
+        sharding = cpref.Sharding(cu, cp_size=P, layout=layout)
+        exact = [sharding.attention_work(r, exact=True) for r in range(P)]
+        block = [sharding.attention_work(r) for r in range(P)]
+        tokens = [len(sharding.global_index(r)) for r in range(P)]
         print(f"  layout={layout}")
         print(f"    {'rank':>4} {'tokens':>7} {'exact scores':>13} {'block metric':>13}")
         for r in range(P):
@@ -68,18 +68,17 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = tor
           f"forward + backward, per rank\n")  # fmt: skip
     head = f"  {'mode':<11} {'layout':<11} {'max |err|':>9} {'work max/mean':>13} {'bytes sent':>10} {'saved bytes':>11} {'kernel calls':>12}  collectives"
     print(head + "\n  " + "-" * (len(head) + 10))
-    worst = 0.0
+    worst, shardings = 0.0, {layout: cpref.Sharding(cu, cp_size=P, layout=layout) for layout in layouts}
     for mode in sorted(cpref.MODES):
-        extra = MODE_ARGS.get(mode, {})
-        for layout in layouts:
+        extra = cpref.MODES[mode].example_options(P)  # the hierarchical mode: 2 x 2
+        for layout, sharding in shardings.items():
             kernels = [CountingKernel() for _ in range(P)]
-            results, cluster = run_attention(q, k, v, dout, cu, P=P, mode=mode, layout=layout, kernels=kernels,
-                                             check_ranks=False, **extra)  # fmt: skip
-            err = max_error(results, oracle_shards(q, k, v, dout, cu, P=P, layout=layout))
+            results, cluster = run_attention(q, k, v, dout, sharding, mode=mode, kernels=kernels, check_ranks=False, **extra)
+            err = max_error(results, oracle_shards(q, k, v, dout, sharding))
             worst = max(worst, err)
             summary = summarize(mode_trace(cluster))
             sent = [summary.bytes_sent[r] for r in range(P)]
-            saved = saved_bytes(q, k, v, cu, P=P, mode=mode, layout=layout, check_ranks=False, **extra)
+            saved = saved_bytes(q, k, v, sharding, mode=mode, check_ranks=False, **extra)
             calls = [kern.forward_calls + kern.backward_calls for kern in kernels]
             ops = Counter(ev.op for ev in mode_trace(cluster) if 0 in ev.group and ev.op != "split")  # rank 0's calls
             print(f"  {mode:<11} {layout:<11} {err:>9.2e} {_imbalance([kern.forward_work() for kern in kernels]):>13.3f} "

@@ -4,9 +4,9 @@ The one per-rank harness of the repository: `make demo`, the tests and the docs'
 tables all call [`run_attention`][sim.harness.run_attention] and
 [`oracle_shards`][sim.harness.oracle_shards], so they cannot drift apart.
 
-Global tensors cover the **padded** stream (`T` tokens, what is sharded). With
-`cu_seqlens_padded`, the oracle is computed on the real documents only and its results are
-padded back with zeros: padding rows must come out 0 in `out` and in every gradient.
+Global tensors cover the **padded** stream (`T` tokens, what is sharded). Where the sharding
+pads, the oracle is computed on the real documents only and its results are padded back with
+zeros: padding rows must come out 0 in `out` and in every gradient.
 """
 
 from __future__ import annotations
@@ -59,29 +59,23 @@ def run_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     dout: torch.Tensor | None,
-    cu_seqlens: Any,
+    sharding: cpref.Sharding,
     *,
-    P: int,
     mode: str,
-    layout: str = "zigzag",
-    cu_seqlens_padded: Any = None,
     kernels: Sequence[Any] | None = None,
     cluster: SimCluster | None = None,
     between: Callable[[Any], None] | None = None,
     **kwargs: Any,
 ) -> tuple[list[tuple[torch.Tensor, ...]], SimCluster]:
-    """Shard the global tensors, run forward (+ backward) on `P` simulated ranks.
+    """Shard the global tensors, run forward (+ backward) on `sharding.cp_size` simulated ranks.
 
     Args:
         q: global `(T, Hq, D)` queries over the padded stream.
         k: global `(T, Hkv, D)` keys.
         v: global `(T, Hkv, Dv)` values.
         dout: the upstream gradient `(T, Hq, Dv)`, or None for a forward only.
-        cu_seqlens: as for `cpref.attention`.
-        P: the CP group size.
+        sharding: the batch's `cpref.Sharding` (boundaries, `P`, layout).
         mode: the CP mode.
-        layout: the layout.
-        cu_seqlens_padded: as for `cpref.attention`; the shards follow the padded boundaries.
         kernels: one kernel per rank (default: `TorchKernel`).
         cluster: the cluster to run on (default: a new `SimCluster(P, timeout=60)`).
         between: called with the rank's comm between forward and backward (e.g. a barrier
@@ -91,46 +85,40 @@ def run_attention(
     Returns:
         `(results, cluster)`: per rank `(out, dq, dk, dv)` (only `(out,)` without `dout`).
     """
-    shard_cu = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-    cluster = SimCluster(P, timeout=60.0) if cluster is None else cluster
+    cluster = SimCluster(sharding.cp_size, timeout=60.0) if cluster is None else cluster
 
     def rank_fn(comm):
-        shard = lambda x: cpref.shard(x, shard_cu, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
-        ql, kl, vl = (shard(t).detach().requires_grad_(dout is not None) for t in (q, k, v))
+        ql, kl, vl = (sharding.shard(t, comm.rank).detach().requires_grad_(dout is not None) for t in (q, k, v))
         kernel = kernels[comm.rank] if kernels else None
-        out = cpref.attention(ql, kl, vl, cu_seqlens, comm=comm, mode=mode, layout=layout,
-                              cu_seqlens_padded=cu_seqlens_padded, kernel=kernel, **kwargs)  # fmt: skip
+        out = cpref.attention(ql, kl, vl, sharding, comm=comm, mode=mode, kernel=kernel, **kwargs)
         if between is not None:
             between(comm)
         if dout is None:
             return (out.detach(),)
-        out.backward(shard(dout))
+        out.backward(sharding.shard(dout, comm.rank))
         return out.detach(), ql.grad, kl.grad, vl.grad
 
     return cluster.run(rank_fn), cluster
 
 
-def oracle_padded(q, k, v, dout, cu_seqlens, *, cu_seqlens_padded=None, causal=True, scale=None):
+def oracle_padded(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None):
     """The oracle's `(out, dq, dk, dv)` over the padded stream: real rows exact, padding rows 0."""
-    if cu_seqlens_padded is None:
-        out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu_seqlens, dout, causal=causal, scale=scale)
+    cu = torch.tensor(sharding.cu_seqlens)
+    if not sharding.bounds.is_padded:
+        out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu, dout, causal=causal, scale=scale)
         return out, dq, dk, dv
-    real = [cpref.unpad(t, cu_seqlens_padded, cu_seqlens) for t in (q, k, v, dout)]  # (T_real, ...)
-    out, _, dq, dk, dv = oracle.forward_backward(*real[:3], torch.as_tensor(cu_seqlens), real[3], causal=causal, scale=scale)
-    b = cpref.Boundaries.parse(cu_seqlens, cu_seqlens_padded)
-    idx = torch.cat([torch.arange(b.padded[i], b.padded[i] + b.real_len(i)) for i in range(b.num_docs)])  # (T_real,)
+    real = [sharding.unpad(t) for t in (q, k, v, dout)]  # (T_real, ...)
+    out, _, dq, dk, dv = oracle.forward_backward(*real[:3], cu, real[3], causal=causal, scale=scale)
     padded = []
     for t in (out, dq, dk, dv):
-        full = t.new_zeros((b.total, *t.shape[1:]))  # (T, ...): padding rows stay 0
-        padded.append(full.index_copy_(0, idx, t))
+        padded.append(sharding.pad(t))  # (T, ...): padding rows 0
     return tuple(padded)
 
 
-def oracle_shards(q, k, v, dout, cu_seqlens, *, P, layout, cu_seqlens_padded=None, causal=True, scale=None):
+def oracle_shards(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None):
     """The oracle's `(out, dq, dk, dv)`, cut into every rank's shard: `[rank][tensor]`."""
-    full = oracle_padded(q, k, v, dout, cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, causal=causal, scale=scale)
-    shard_cu = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
-    return [[cpref.shard(t, shard_cu, cp_size=P, rank=r, layout=layout) for t in full] for r in range(P)]
+    full = oracle_padded(q, k, v, dout, sharding, causal=causal, scale=scale)
+    return [[sharding.shard(t, r) for t in full] for r in range(sharding.cp_size)]
 
 
 def max_error(results, refs) -> float:
@@ -138,12 +126,11 @@ def max_error(results, refs) -> float:
     return max((a.double() - b.double()).abs().max().item() for got, want in zip(results, refs) for a, b in zip(got, want))
 
 
-def saved_bytes(q, k, v, cu_seqlens, *, P: int, mode: str, layout: str = "zigzag", **kwargs: Any) -> list[int]:
+def saved_bytes(q, k, v, sharding: cpref.Sharding, *, mode: str, **kwargs: Any) -> list[int]:
     """Bytes each rank's `cpref.attention` saves for its backward, measured with saved-tensor hooks."""
-    shard_cu = kwargs.get("cu_seqlens_padded") if kwargs.get("cu_seqlens_padded") is not None else cu_seqlens
 
     def rank_fn(comm):
-        local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout=layout).requires_grad_() for t in (q, k, v)]
+        local = [sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v)]
         packed: list[int] = []
 
         def pack(x: torch.Tensor) -> torch.Tensor:
@@ -151,10 +138,10 @@ def saved_bytes(q, k, v, cu_seqlens, *, P: int, mode: str, layout: str = "zigzag
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            cpref.attention(*local, cu_seqlens, comm=comm, mode=mode, layout=layout, **kwargs)
+            cpref.attention(*local, sharding, comm=comm, mode=mode, **kwargs)
         return sum(packed)
 
-    return SimCluster(P, timeout=60.0).run(rank_fn)
+    return SimCluster(sharding.cp_size, timeout=60.0).run(rank_fn)
 
 
 def mode_trace(cluster) -> list:

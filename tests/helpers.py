@@ -34,6 +34,21 @@ def random_qkv(
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+# (Hq, Hkv, D, Dv) of the four attention kinds the mode suites run (tests/cp/test_modes.py, test_mode_costs.py)
+HEADS = {"mha": (8, 8, 8, 8), "gqa": (8, 2, 8, 8), "mqa": (8, 1, 8, 8), "mla": (8, 2, 12, 8)}
+
+
+def attention_inputs(
+    total: int, heads: tuple[int, int, int, int], *, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(q, k, v, dout)` of `total` tokens and head shape `(Hq, Hkv, D, Dv)`: q, k, v from `seed`, the
+    upstream gradient `dout (T, Hq, Dv)` from `seed + 1`, entries ~ N(0, 1), rounded to `dtype`."""
+    hq, hkv, d, dv = heads
+    q, k, v = random_qkv(total, hq, hkv, d, dv, dtype=dtype, seed=seed)
+    dout = random_qkv(total, hq, hq, dv, dtype=dtype, seed=seed + 1)[0]
+    return q, k, v, dout
+
+
 def cu_from_lengths(lengths: list[int]) -> torch.Tensor:
     """cu_seqlens (int64, leading 0) from document lengths."""
     out = [0]

@@ -32,7 +32,7 @@ def test_peak_memory_per_rank_falls_with_P():
     default, or a ring holding every step's gradients)."""
     import cpref
     from bench.memory import rank_memory
-    from cpref.costs import mode_costs
+    from cpref.api import mode_costs
 
     cu, heads = torch.tensor([0, 128, 512]), (4, 2, 16, 16)
     for mode in sorted(cpref.MODES):
@@ -41,7 +41,7 @@ def test_peak_memory_per_rank_falls_with_P():
             per_rank = rank_memory(cu, heads, P, mode)
             peaks.append(max(p for p, _ in per_rank))
             formula = mode_costs(mode, P=P, local_tokens=512 // P, heads=heads, dtype=torch.float32,
-                                 a2a_size=min(P, 2) if mode == "a2a+p2p" else None).saved_bytes  # fmt: skip
+                                 **cpref.MODES[mode].example_options(P)).saved_bytes  # fmt: skip
             assert max(s for _, s in per_rank) == formula, (mode, P)
         assert peaks[0] > peaks[1] > peaks[2], (mode, peaks)
 

@@ -3,7 +3,7 @@
 import torch
 
 import cpref
-from cpref.costs import mode_costs
+from cpref.api import mode_costs
 from sim import demo
 
 
@@ -22,7 +22,7 @@ def test_demo_runs_and_reports(capsys):
         if layout == "zigzag":
             assert cols[3] == "1.000"  # every rank does the same kernel work
         costs = mode_costs(mode, P=P, local_tokens=t_l, heads=(demo.HQ, demo.HKV, demo.D, demo.D), dtype=torch.float64,
-                           **demo.MODE_ARGS.get(mode, {}))  # fmt: skip
+                           **cpref.MODES[mode].example_options(P))  # fmt: skip
         assert int(cols[4]) == costs.forward_bytes + costs.backward_bytes  # bytes sent per rank
         assert int(cols[5]) == costs.saved_bytes
     assert "within 1e-10" in out

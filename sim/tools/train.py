@@ -86,7 +86,6 @@ import torch
 import cpref
 from cpref.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
 from cpref.models import CausalLM, ModelConfig
-from cpref.modes.hierarchical import example_a2a_size
 from cpref.packing import BYTE_VOCAB, stdlib_documents
 from cpref.errors import CPInputError
 from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, train
@@ -243,7 +242,9 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
                    help="on --resume, let this setting differ from the checkpoint's (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="let --save replace a checkpoint at a later step")
     a = p.parse_args(argv)
-    options = {"a2a_size": a.a2a_size or example_a2a_size(a.cp)} if a.mode == "a2a+p2p" else {}
+    options = cpref.MODES[a.mode].example_options(a.cp)  # what the mode runs with at this CP size
+    if a.a2a_size and "a2a_size" in options:
+        options["a2a_size"] = a.a2a_size
     config = TrainConfig(mode=a.mode, layout=a.layout, options=options, micro_batches=a.micro_batches, lr=a.lr,
                          bf16=a.dtype == "bf16")  # fmt: skip
     spec = RunSpec(a.model, a.cp, a.dp, a.steps, a.pack_tokens, strided=a.strided, train=config, save=a.save,

@@ -4,12 +4,16 @@ The pieces, each a page of the docs:
 
 * `cpref.layout`: the THD data model, the contiguous and zigzag layouts, padding;
 * `cpref.seqlens`: real and padded document boundaries, validated once per batch;
+* `cpref.sharding`: `Sharding`, the one description of how a batch is sharded (boundaries,
+  CP size, layout), which shards, unshards and is what `cpref.attention` takes;
 * `cpref.comm`: the collectives protocol every algorithm is written against;
 * `cpref.kernels`: the attention kernel contract and the portable `TorchKernel`;
 * `cpref.cache`: the batch cache (everything derived from `cu_seqlens`, once per step);
-* `cpref.metadata`: load-balanced THD metadata for KV all-gather CP;
-* `cpref.modes`: the CP algorithms: `all_gather` (KV all-gather), `p2p` (the ring), `a2a`
-  (Ulysses) and `a2a+p2p` (hierarchical), with the ring's plan and the partial-result merge;
+* `cpref.metadata`: the MindSpeed RFC's metadata API (load-balanced THD metadata for KV
+  all-gather CP);
+* `cpref.modes`: the CP algorithms, each one file that declares itself (`cpref.modes.spec`):
+  `all_gather` (KV all-gather), `p2p` (the ring), `a2a` (Ulysses) and `a2a+p2p`
+  (hierarchical), with their plans and what they share;
 * `cpref.api`: the public entry point `cpref.attention`;
 * `cpref.consistency`: the ranks' comparison of their arguments on every call;
 * `cpref.data`: the EOD-padding data path and the CP-invariant loss;
@@ -21,8 +25,9 @@ Example (on the simulated cluster of the `sim` package, installed with cpref):
 
 ```python
 import cpref, sim
+sharding = cpref.Sharding(cu_seqlens, cp_size=4, layout="zigzag")
 out = sim.SimCluster(4).run(
-    lambda comm: cpref.attention(q_r[comm.rank], k_r[comm.rank], v_r[comm.rank], cu,
+    lambda comm: cpref.attention(*(sharding.shard(x, comm.rank) for x in (q, k, v)), sharding,
                                  comm=comm, mode="all_gather"))
 ```
 """
@@ -33,22 +38,11 @@ from cpref.comm import Collectives, SingleRank
 from cpref.data import cp_loss, get_batch_on_this_cp_rank
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, Varlen
-from cpref.layout import (
-    LAYOUTS,
-    attention_work,
-    bshd_to_thd,
-    global_index,
-    local_chunks,
-    pad_to_multiple,
-    positions,
-    shard,
-    thd_to_bshd,
-    unpad,
-    unshard,
-)
+from cpref.layout import LAYOUTS, bshd_to_thd, thd_to_bshd
 from cpref.metadata import clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
 from cpref.modes.all_gather import AllGatherKVFunc, AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced
 from cpref.seqlens import Boundaries
+from cpref.sharding import Sharding
 
 __all__ = [
     "attention",
@@ -59,16 +53,9 @@ __all__ = [
     "AttentionKernel",
     "TorchKernel",
     "Varlen",
+    "Sharding",
     "Boundaries",
     "LAYOUTS",
-    "shard",
-    "unshard",
-    "global_index",
-    "positions",
-    "local_chunks",
-    "pad_to_multiple",
-    "unpad",
-    "attention_work",
     "bshd_to_thd",
     "thd_to_bshd",
     "get_thd_load_balanced_cp_metadata",

@@ -1,14 +1,14 @@
 """The public entry point: `cpref.attention`.
 
 ```python
-out = cpref.attention(q, k, v, cu_seqlens, comm=comm, mode="all_gather", layout="zigzag",
-                      cu_seqlens_padded=cu_seqlens_padded)
+sharding = cpref.Sharding(cu_seqlens, cp_size=comm.size, layout="zigzag")
+out = cpref.attention(sharding.shard(q, comm.rank), sharding.shard(k, comm.rank), sharding.shard(v, comm.rank),
+                      sharding, comm=comm, mode="all_gather")
 ```
 
-`q, k, v` are this rank's shards (from [`cpref.shard`][cpref.layout.shard] with the same
-layout and the padded boundaries), `cu_seqlens` the global real document boundaries,
-`cu_seqlens_padded` the padded ones if documents were padded, and `comm` the CP group's
-collectives ([`cpref.comm.Collectives`][cpref.comm.Collectives]). The result is this rank's
+`q, k, v` are this rank's shards, `sharding` the [`Sharding`][cpref.sharding.Sharding] that
+cut them (the document boundaries, real and padded, the CP size and the layout, given once),
+and `comm` the CP group's collectives ([`cpref.comm.Collectives`][cpref.comm.Collectives]). The result is this rank's
 output shard, differentiable (once) in `q`, `k` and `v` through an `autograd.Function` with an
 explicit backward: autograd never runs through a collective.
 
@@ -22,9 +22,9 @@ Every input is validated **before any of the mode's communication**, by checks t
 mostly on values every rank shares (the global boundaries, the shapes, the arguments), so a
 bad call fails on every rank alike instead of leaving some ranks waiting in a collective. The
 checks, in order:
-the communicator, the mode and its options, the layout and flags, the kernel, the tensors
-(dims, dtypes, heads, head dims), the scale, the boundaries (cached per batch, see
-[`cpref.cache`][cpref.cache]), the shard size, the mode's own constraints, and the
+the communicator and the sharding (its CP size must be the group's), the mode and its options,
+the flags, the kernel, the tensors (dims, dtypes, heads, head dims), the scale, the shard size
+(the boundaries were validated when the sharding was built, once per batch), the mode's own constraints, and the
 backend's known limits. Then, on every call, the ranks compare their arguments with one
 tiny host exchange ([`cpref.consistency`][cpref.consistency]). A rank whose own inputs fail
 (its shard's length, say, which only it sees) still meets the others in that comparison,
@@ -32,73 +32,80 @@ marked invalid, before raising: they raise too, naming it, instead of waiting fo
 
 ## Modes
 
-`MODES` maps each mode name to a [`Mode`][cpref.api.Mode]: the function that runs it, the
-collectives it uses and the options it accepts. A mode option given to another mode is an
-error, never silently ignored.
+`MODES` maps each mode name to the [`ModeSpec`][cpref.modes.spec.ModeSpec] its own file
+declares at its end (its run, plan, collectives, options, checks and costs), collected from
+the modules of [`cpref.modes`][cpref.modes]: adding a mode, or an option to one, touches that
+mode's file only. A mode option given to another mode is an error, never silently ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import importlib
+import pkgutil
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Mapping
 
 import torch
 
-from cpref.cache import CACHE
+import cpref.modes
 from cpref.call import CPCall
 from cpref.checks import as_bool, as_choice, as_scale, missing_members
 from cpref.comm import Collectives, check_comm
 from cpref.consistency import check_ranks_agree, report_invalid_inputs
+from cpref.costs import ModeCosts
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, check_heads
-from cpref.layout import LAYOUTS
-from cpref.modes.all_gather import run_all_gather
-from cpref.modes.hierarchical import check_hierarchical, run_hierarchical
-from cpref.modes.ring import run_ring
-from cpref.modes.ulysses import check_ulysses, run_ulysses
+from cpref.kernels.contract import FLOAT_DTYPES, compute_dtype
+from cpref.modes.spec import ModeSpec
+from cpref.sharding import Sharding
 
-__all__ = ["attention", "MODES", "Mode", "prepare"]
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+__all__ = ["attention", "MODES", "collect_modes", "mode_costs", "prepare", "check_sharding"]
 
 
-@dataclass(frozen=True)
-class Mode:
-    """A CP algorithm as `cpref.attention` dispatches it.
-
-    Attributes:
-        run: `run(q, k, v, call, comm) -> out` for a validated `CPCall`.
-        collectives: the collectives it calls (checked against the backend's limits).
-        options: `{name: default}` of the keyword options it accepts.
-        check: extra validation of a `CPCall` (e.g. head counts), before communication.
-    """
-
-    run: Callable[..., torch.Tensor]
-    collectives: frozenset[str]
-    options: tuple[tuple[str, Any], ...] = ()
-    check: Callable[[CPCall], None] | None = None
+def collect_modes() -> dict[str, ModeSpec]:
+    """Every mode of `cpref.modes`: the `MODE` each module declares at its end, in their `order`."""
+    specs = []
+    for info in pkgutil.iter_modules(cpref.modes.__path__):
+        spec = getattr(importlib.import_module(f"cpref.modes.{info.name}"), "MODE", None)
+        if spec is not None:
+            specs.append(spec)
+    return {spec.name: spec for spec in sorted(specs, key=lambda spec: spec.order)}
 
 
-MODES: dict[str, Mode] = {
-    "all_gather": Mode(run_all_gather, frozenset({"all_gather", "reduce_scatter"}), (("save_gathered_kv", False),)),
-    "p2p": Mode(run_ring, frozenset({"send_recv"})),
-    "a2a": Mode(run_ulysses, frozenset({"all_to_all"}), check=check_ulysses),
-    "a2a+p2p": Mode(run_hierarchical, frozenset({"all_to_all", "send_recv"}), (("a2a_size", None),), check_hierarchical),
-}
+MODES: Mapping[str, ModeSpec] = MappingProxyType(collect_modes())
+
+# keywords of the old form, whose values are now the sharding's: named, not reported as unknown options
+_SHARDING_KEYWORDS = ("cu_seqlens", "cu_seqlens_padded", "layout", "cp_size")
 
 
 def _check_options(mode: str, given: dict[str, Any]) -> dict[str, Any]:
-    accepted = dict(MODES[mode].options)
+    spec = MODES[mode]
+    mine, every = {o.name for o in spec.options}, sorted({o.name for other in MODES.values() for o in other.options})
     for name, value in given.items():
-        if value is not None and name not in accepted:
-            users = sorted(m for m, spec in MODES.items() if name in dict(spec.options))
-            raise CPInputError(f"{name}={value!r} is only used by mode {' / '.join(users) or '(none built)'}, not mode={mode!r}")
-    options = {name: (given.get(name) if given.get(name) is not None else default) for name, default in accepted.items()}
-    if "save_gathered_kv" in options:
-        options["save_gathered_kv"] = as_bool("save_gathered_kv", options["save_gathered_kv"])
-    return options
+        if name in _SHARDING_KEYWORDS:
+            raise CPInputError(
+                f"{name}= is not an argument of cpref.attention: the boundaries, the layout and the CP size are the "
+                f"batch's cpref.Sharding's, given once (cpref.Sharding(cu_seqlens, cp_size=P, layout=..., "
+                "cu_seqlens_padded=...)); shard q, k, v with it and pass it as the fourth argument"
+            )
+        if name not in every:
+            raise CPInputError(f"cpref.attention got an unknown option {name}={value!r}; the modes' options are {every}")
+        if name not in mine and value is not None:  # another mode's option, given a value (None: absent)
+            users = [m for m, other in MODES.items() if name in {o.name for o in other.options}]
+            raise CPInputError(f"{name}={value!r} is only used by mode {' / '.join(users)}, not mode={mode!r}")
+    return spec.parse_options(given)
+
+
+def mode_costs(mode: str, **arguments: Any) -> ModeCosts:
+    """The per-rank costs of one layer of `mode`, from its own declaration (see `cpref.costs`).
+
+    Args:
+        mode: a name in `MODES`.
+        **arguments: `P`, `local_tokens`, `heads`, `dtype`, `selected_kv_rows` (the all-gather
+            plan's `sum(kv_len)`, for `save_gathered_kv`) and the mode's options.
+    """
+    return MODES[as_choice("mode", mode, list(MODES))].mode_costs(**arguments)
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -112,8 +119,7 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
         )
 
 
-def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, softmax_scale=None,
-            cu_seqlens_padded=None, kernel=None, **options) -> CPCall:  # fmt: skip
+def prepare(q, k, v, sharding, *, comm, mode, causal=True, softmax_scale=None, kernel=None, **options) -> CPCall:
     """Validate one `attention` call without communicating; return it as a `CPCall`.
 
     Raises:
@@ -121,9 +127,10 @@ def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, so
     """
     # 1) who we are, what to run, how
     rank, P = check_comm(comm)
+    sharding = check_sharding(sharding, P)
     mode = as_choice("mode", mode, sorted(MODES))
     options = _check_options(mode, options)
-    layout, causal = as_choice("layout", layout, LAYOUTS), as_bool("causal", causal)
+    causal = as_bool("causal", causal)
     kernel = TorchKernel() if kernel is None else kernel
     if missing_members(kernel, AttentionKernel):
         raise CPInputError(
@@ -132,19 +139,16 @@ def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, so
         )
     # 2) the tensors and the scale
     _check_tensors(q, k, v)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale, q.dtype)
-    # 3) the batch: boundaries (validated once per batch, then cached), divisibility, shard size
-    entry = CACHE.entry(cu_seqlens, cu_seqlens_padded)
-    entry.bounds.check_divisible(layout, P)
-    local = entry.bounds.total // P
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale, compute_dtype(q.dtype))
+    # 3) the shard size (the boundaries, validated once per batch, are the sharding's)
+    local = sharding.local_tokens
     if not q.shape[0] == k.shape[0] == v.shape[0] == local:
         raise CPInputError(
-            f"q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but this rank's shard of {entry.bounds.total} "
-            f"tokens over cp_size={P} has {local}; shard with "
-            f"cpref.shard(x, cu_seqlens_padded or cu_seqlens, cp_size={P}, rank=comm.rank, layout={layout!r})"
+            f"q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but this rank's shard of {sharding.total} "
+            f"tokens over cp_size={P} has {local}; shard them with sharding.shard(x, comm.rank)"
         )
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
-    call = CPCall(entry, P, rank, layout, causal, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
+    call = CPCall(sharding, rank, causal, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
     # 4) the mode's own constraints, and what the backend cannot do
     spec = MODES[mode]
     if spec.check is not None:
@@ -158,22 +162,35 @@ def prepare(q, k, v, cu_seqlens, *, comm, mode, layout="zigzag", causal=True, so
     return call
 
 
+def check_sharding(sharding: Any, cp_size: int) -> Sharding:
+    """`sharding` if it is a `Sharding` over `cp_size` ranks (the communicator's size), else a `CPInputError`."""
+    if not isinstance(sharding, Sharding):
+        raise CPInputError(
+            f"the batch must be described by a cpref.Sharding, got {type(sharding).__name__} {sharding!r:.40}; build it "
+            f"once per batch, e.g. sharding = cpref.Sharding(cu_seqlens, cp_size={cp_size}, layout='zigzag'), shard q, k, v "
+            "with sharding.shard(x, rank) and pass it here (it carries the layout, the CP size and the boundaries)"
+        )
+    if sharding.cp_size != cp_size:
+        raise CPInputError(
+            f"the batch is sharded over cp_size={sharding.cp_size} ({sharding!r:.80}) but the communicator has "
+            f"{cp_size} ranks; shard it for this group with cpref.Sharding(..., cp_size={cp_size})"
+        )
+    return sharding
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens: torch.Tensor | list[int],
+    sharding: Sharding,
     *,
     comm: Collectives,
     mode: str,
-    layout: str = "zigzag",
     causal: bool = True,
     softmax_scale: float | None = None,
-    cu_seqlens_padded: torch.Tensor | list[int] | None = None,
     kernel: AttentionKernel | None = None,
     check_ranks: bool = True,
-    a2a_size: int | None = None,
-    save_gathered_kv: bool | None = None,
+    **options: Any,
 ) -> torch.Tensor:
     """Context-parallel attention over a packed THD batch.
 
@@ -181,24 +198,22 @@ def attention(
         q: `(T / P, Hq, D)` this rank's query shard.
         k: `(T / P, Hkv, D)` this rank's key shard, `Hq % Hkv == 0`.
         v: `(T / P, Hkv, Dv)` this rank's value shard, `Dv <= D`.
-        cu_seqlens: global real document boundaries with a leading 0. Without
-            `cu_seqlens_padded`, every document must be a multiple of the layout's
-            granularity (`P` contiguous, `2P` zigzag).
-        comm: the CP group's collectives.
+        sharding: how the batch is sharded (boundaries, real and padded, CP size, layout): the
+            [`Sharding`][cpref.sharding.Sharding] that sharded `q, k, v`. Padding, where the
+            sharding has it, is seen by no query, padding queries give 0 and padding rows get
+            zero gradients.
+        comm: the CP group's collectives, of `sharding.cp_size` ranks.
         mode: the CP algorithm; see `MODES`.
-        layout: `"zigzag"` or `"contiguous"`, as used to shard `q, k, v`.
         causal: causal (default) or full attention inside each document.
         softmax_scale: logit scale, default `D ** -0.5`.
-        cu_seqlens_padded: the padded boundaries that define the shards (each document padded
-            at its end to the layout's granularity); padding is then seen by no query,
-            padding queries give 0 and padding rows get zero gradients.
         kernel: the attention kernel, default [`TorchKernel`][cpref.kernels.TorchKernel].
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
             call (see `cpref.consistency`); if every rank passes `False` on the first call of a
             communicator, its later calls skip it.
-        a2a_size: all-to-all sub-group size of the hierarchical mode (only that mode).
-        save_gathered_kv: `all_gather` only: keep the gathered K/V for the backward instead of
-            gathering them again (faster backward, activation memory no longer falls with `P`).
+        **options: the mode's own options, as the mode declares them (`MODES[mode].options`,
+            each with its default, parser and a line of documentation; the
+            [modes' page][cpref.modes.spec] lists them all). An option of another mode, or one
+            no mode has, is an error.
 
     Returns:
         `(T / P, Hq, Dv)` this rank's output shard, in the layout of `q`.
@@ -209,9 +224,8 @@ def attention(
     """
     check_ranks = as_bool("check_ranks", check_ranks)
     try:
-        call = prepare(q, k, v, cu_seqlens, comm=comm, mode=mode, layout=layout, causal=causal,
-                       softmax_scale=softmax_scale, cu_seqlens_padded=cu_seqlens_padded, kernel=kernel,
-                       a2a_size=a2a_size, save_gathered_kv=save_gathered_kv)  # fmt: skip
+        call = prepare(q, k, v, sharding, comm=comm, mode=mode, causal=causal, softmax_scale=softmax_scale,
+                       kernel=kernel, **options)  # fmt: skip
     except CPInputError:
         if _usable(comm):  # the others may be entering the comparison: meet them there
             with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see

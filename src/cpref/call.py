@@ -15,6 +15,7 @@ import torch
 from cpref.cache import BatchEntry
 from cpref.kernels.contract import AttentionKernel
 from cpref.seqlens import Boundaries
+from cpref.sharding import Sharding
 
 __all__ = ["CPCall"]
 
@@ -26,10 +27,8 @@ class CPCall:
     """Everything validated about one call (see `cpref.api.attention` for the meaning).
 
     Attributes:
-        entry: the batch's entry in the cache (boundaries and plans).
-        P: CP size.
+        sharding: how the batch is sharded (boundaries, `P`, layout; see `cpref.Sharding`).
         rank: this rank.
-        layout: `"zigzag"` or `"contiguous"`.
         causal: causal attention inside each document.
         scale: the softmax scale.
         kernel: the attention kernel.
@@ -39,10 +38,8 @@ class CPCall:
         options: the mode's own options (e.g. `a2a_size`), validated.
     """
 
-    entry: BatchEntry
-    P: int
+    sharding: Sharding
     rank: int
-    layout: str
     causal: bool
     scale: float
     kernel: AttentionKernel
@@ -52,6 +49,21 @@ class CPCall:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
+    def P(self) -> int:
+        """CP size."""
+        return self.sharding.cp_size
+
+    @property
+    def layout(self) -> str:
+        """`"zigzag"` or `"contiguous"`."""
+        return self.sharding.layout
+
+    @property
+    def entry(self) -> BatchEntry:
+        """The batch's entry in the cache (boundaries and plans)."""
+        return self.sharding.entry
+
+    @property
     def bounds(self) -> Boundaries:
         """The batch's real and padded boundaries."""
         return self.entry.bounds
@@ -59,7 +71,7 @@ class CPCall:
     @property
     def local_tokens(self) -> int:
         """`T / P`: tokens of every rank's shard."""
-        return self.bounds.total // self.P
+        return self.sharding.local_tokens
 
     def plan(self, key: Hashable, build: Callable[[], V]) -> V:
         """The cached plan `key` of this batch (built once by `build()`)."""

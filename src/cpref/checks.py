@@ -85,13 +85,12 @@ def as_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     return value
 
 
-def as_scale(value: Any, dtype: torch.dtype) -> float:
-    """The softmax scale as a float that is positive and finite in `dtype`'s compute precision.
+def as_scale(value: Any, compute: torch.dtype) -> float:
+    """The softmax scale as a float that is positive, finite and normal in `compute`, the dtype the
+    logits are computed in (the kernel contract's `compute_dtype` of the inputs).
 
     `None` is not handled here (the caller substitutes `D ** -0.5`).
     """
-    from cpref.kernels.contract import compute_dtype  # no import cycle at module load
-
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise CPInputError(f"softmax_scale must be None or a positive number, got {_show(value)}")
     try:
@@ -99,12 +98,12 @@ def as_scale(value: Any, dtype: torch.dtype) -> float:
     except OverflowError:
         digits = len(str(abs(int(value))))
         raise CPInputError(f"softmax_scale (an int of {digits} digits) overflows a float; pass a scale such as D ** -0.5") from None
-    info = torch.finfo(compute_dtype(dtype))
+    info = torch.finfo(compute)
     if not (math.isfinite(scale) and scale > 0):
         raise CPInputError(f"softmax_scale must be None or a positive finite number, got {scale!r}")
     if not info.tiny <= scale <= info.max:
         raise CPInputError(
-            f"softmax_scale={scale:.3g} is outside the normal range of {compute_dtype(dtype)} "
+            f"softmax_scale={scale:.3g} is outside the normal range of {compute} "
             f"[{info.tiny:.3g}, {info.max:.3g}], where the logits are computed; pass a scale such as D ** -0.5"
         )
     return scale

@@ -86,11 +86,12 @@ import torch
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
+from cpref.kernels.contract import FLOAT_DTYPES
+from cpref.seqlens import LAYOUTS
 
 __all__ = ["FIELDS", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LAYOUTS = ("contiguous", "zigzag")
+_DTYPES, _LAYOUTS = FLOAT_DTYPES, LAYOUTS  # a column holds the index of the value in its tuple
 
 
 def _digest(value: Any) -> int:

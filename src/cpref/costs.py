@@ -2,8 +2,9 @@ r"""Which mode when: what each CP mode costs per rank and layer, and what it nee
 
 Every mode computes the same attention (the test suite checks each rank's output and
 gradients against the FP64 oracle); they differ in what they move, what they keep, what they
-demand of the head counts, and how they spread the work. The formulas below are this module's
-functions, which the test suite checks against the simulated cluster's trace (bytes and
+demand of the head counts, and how they spread the work. The formulas below are each mode's `costs`
+(declared with the mode, built from this module's pieces; [`mode_costs`][cpref.api.mode_costs]
+asks the mode), which the test suite checks against the simulated cluster's trace (bytes and
 collectives) and against saved-tensor hooks (memory), for every mode, layout and head
 configuration; the mode pages' measured tables are checked against them at build time.
 
@@ -47,8 +48,8 @@ communicator two `split`s; neither moves payload, and neither is in the table.
   heads, so it scales past the head count, and with `a = 1` or `a = P` it *is* the ring or
   Ulysses.
 
-The tables below give the numbers for two reference layers; every figure comes from this
-module's formulas.
+The tables below give the numbers for two reference layers; every figure comes from the
+modes' cost formulas.
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpref.errors import CPInputError
 from cpref.kernels.contract import compute_dtype
+from cpref.modes.shared import head_split
 
-__all__ = ["ModeCosts", "mode_costs", "replicated_kv_heads"]
+__all__ = ["ModeCosts", "element_bytes", "shard_bytes", "kept_output_bytes", "ring_costs",
+           "exchange_costs", "combine"]
 
 
 @dataclass(frozen=True)
@@ -80,66 +84,51 @@ class ModeCosts:
     saved_bytes: int = 0
 
 
-def replicated_kv_heads(hkv: int, a: int) -> int:
-    """Key/value heads entering an all-to-all over `a` ranks: `Hkv`, or `a` if each head is replicated."""
-    return hkv if hkv % a == 0 else a
+def element_bytes(dtype: torch.dtype) -> tuple[int, int]:
+    """`(b, f)`: bytes per element of the input dtype and of its compute dtype."""
+    return torch.empty(0, dtype=dtype).element_size(), torch.empty(0, dtype=compute_dtype(dtype)).element_size()
 
 
-def mode_costs(
-    mode: str,
-    *,
-    P: int,
-    local_tokens: int,
-    heads: tuple[int, int, int, int],
-    dtype: torch.dtype,
-    a2a_size: int | None = None,
-    save_gathered_kv: bool = False,
-    selected_kv_rows: int | None = None,
-) -> ModeCosts:
-    """The per-rank costs of `mode` (see the table in the module docstring).
-
-    Args:
-        mode: a name in `cpref.MODES`.
-        P: the CP size.
-        local_tokens: `T / P`.
-        heads: `(Hq, Hkv, D, Dv)`.
-        dtype: the input dtype.
-        a2a_size: `a` of the hierarchical mode.
-        save_gathered_kv: the all-gather mode's other schedule.
-        selected_kv_rows: `sum(kv_len)` of the all-gather plan, needed with `save_gathered_kv`.
-    """
+def shard_bytes(t: int, heads: tuple[int, int, int, int], dtype: torch.dtype) -> int:
+    """What a mode that keeps its local shards saves: q, k, v, out in `b` bytes, lse in `f`."""
     hq, hkv, d, dv = heads
-    t, b = local_tokens, torch.empty(0, dtype=dtype).element_size()
-    f = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
-    kv_row = lambda h: h * (d + dv)  # noqa: E731  elements of one token's K and V
-    shards = t * (b * (hq * d + hkv * d + hkv * dv + hq * dv) + f * hq)  # q, k, v, out and lse, local
-    if mode == "all_gather":
-        fwd = (P - 1) * t * kv_row(hkv) * b
-        saved = shards
-        if save_gathered_kv:
-            saved = t * (b * (hq * d + hq * dv) + f * hq) + selected_kv_rows * kv_row(hkv) * b
-        bwd_ops = Counter(reduce_scatter=2) + (Counter() if save_gathered_kv else Counter(all_gather=2))
-        bwd = (0 if save_gathered_kv else fwd) + (P - 1) * t * kv_row(hkv) * f  # re-gather, float32 dK/dV
-        return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved)
-    kept = lambda p: t * hq * dv * (f - b) if p > 1 else 0  # noqa: E731  a ring's output, kept unrounded
-    if mode == "p2p":
-        return _ring(P, t, kv_row(hkv), b, f, Counter(), Counter(), (0, 0), shards + kept(P))
-    a = P if mode == "a2a" else a2a_size
-    h = replicated_kv_heads(hkv, a)
-    a2a_bytes = (a - 1) * t * (hq * d + kv_row(h) + hq * dv) * b // a
-    # backward: dK/dV of replicated heads travel unrounded, to be summed (cpref.modes.ulysses)
-    a2a_back = (a - 1) * t * ((hq * d + hq * dv) * b + kv_row(h) * (f if h != hkv else b)) // a
-    a2a_ops = Counter(all_to_all=4) if a > 1 else Counter()
-    saved = t * (b * (hq * d + kv_row(h) + hq * dv) + f * hq)
-    if mode == "a2a":
-        return ModeCosts(a2a_bytes, a2a_back, a2a_ops, Counter(a2a_ops), saved)
-    return _ring(P // a, t, kv_row(h), b, f, a2a_ops, Counter(a2a_ops), (a2a_bytes, a2a_back), saved + kept(P // a))
+    b, f = element_bytes(dtype)
+    return t * (b * (hq * d + hkv * d + hkv * dv + hq * dv) + f * hq)
 
 
-def _ring(p: int, t: int, row: int, b: int, f: int, fwd_ops: Counter, bwd_ops: Counter, extra: tuple[int, int],
-          saved: int) -> ModeCosts:  # fmt: skip
-    """A ring of `p` ranks on blocks of `t` tokens of `row` K/V elements, on top of `extra` (forward, backward) bytes."""
+def kept_output_bytes(p: int, t: int, heads: tuple[int, int, int, int], dtype: torch.dtype) -> int:
+    """The extra bytes of a ring of `p` ranks keeping its output unrounded (in `f` bytes) for the backward."""
+    b, f = element_bytes(dtype)
+    return t * heads[0] * heads[3] * (f - b) if p > 1 else 0
+
+
+def ring_costs(p: int, t: int, hkv: int, heads: tuple[int, int, int, int], dtype: torch.dtype) -> ModeCosts:
+    """A ring of `p` ranks passing blocks of `t` tokens of `hkv` key/value heads (saved bytes: none)."""
+    b, f = element_bytes(dtype)
+    row = hkv * (heads[2] + heads[3])  # elements of one token's K and V
     fwd = (p - 1) * t * row * b
     bwd = fwd + (p * t * row * f if p > 1 else 0)  # the float32 dK/dV accumulators take p shifts
-    fwd_ops, bwd_ops = fwd_ops + Counter(send_recv=p - 1), bwd_ops + Counter(send_recv=2 * p - 1 if p > 1 else 0)
-    return ModeCosts(extra[0] + fwd, extra[1] + bwd, +fwd_ops, +bwd_ops, saved)
+    return ModeCosts(fwd, bwd, +Counter(send_recv=p - 1), +Counter(send_recv=2 * p - 1 if p > 1 else 0))
+
+
+def exchange_costs(a: int, t: int, heads: tuple[int, int, int, int], dtype: torch.dtype) -> ModeCosts:
+    """Ulysses' head-for-token all-to-all over `a` ranks, both ways, and what its kernel call saves."""
+    hq, hkv, d, dv = heads
+    b, f = element_bytes(dtype)
+    replicas = head_split(hq, hkv, a)
+    if replicas is None:
+        raise CPInputError(f"{a} ranks cannot split Hq = {hq}, Hkv = {hkv} heads (see cpref.modes.shared.head_split): "
+                           "no all-to-all over them, so no costs")  # fmt: skip
+    h = hkv * replicas  # key/value heads after replication
+    fwd = (a - 1) * t * (hq * d + h * (d + dv) + hq * dv) * b // a
+    # backward: dK/dV of replicated heads travel unrounded, to be summed (cpref.modes.ulysses)
+    bwd = (a - 1) * t * ((hq * d + hq * dv) * b + h * (d + dv) * (f if h != hkv else b)) // a
+    ops = Counter(all_to_all=4) if a > 1 else Counter()
+    return ModeCosts(fwd, bwd, ops, Counter(ops), t * (b * (hq * d + h * (d + dv) + hq * dv) + f * hq))
+
+
+def combine(*parts: ModeCosts, saved: int) -> ModeCosts:
+    """The sum of the parts' traffic and collectives, with `saved` bytes kept for the backward."""
+    return ModeCosts(sum(c.forward_bytes for c in parts), sum(c.backward_bytes for c in parts),
+                     sum((c.forward_ops for c in parts), Counter()), sum((c.backward_ops for c in parts), Counter()),
+                     saved)  # fmt: skip

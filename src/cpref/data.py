@@ -9,10 +9,11 @@ follows MindSpeed's EOD-padding path:
 2. compute position ids inside each padded document (positions restart at every document,
    for RoPE);
 3. slice tokens, labels, loss mask and position ids with the layout;
-4. return both boundary lists: the real `cu_seqlens` and the padded `cu_seqlens_padded`.
+4. return the batch's [`Sharding`][cpref.sharding.Sharding], which holds both boundary lists
+   (the real `cu_seqlens` and the padded `cu_seqlens_padded`), `P` and the layout.
 
 **Padding never changes a real token's result**, because `cpref.attention` receives both
-lists (see [`cpref.seqlens`][cpref.seqlens]): no query sees a padding key, and a padding query
+lists with the sharding (see [`cpref.seqlens`][cpref.seqlens]): no query sees a padding key, and a padding query
 sees nothing. The causal mask alone protects only causal attention (no real token sees a
 later position, and end padding comes after every real token of its document); without the
 mask a real query would see the padding keys of its document. The padded tokens' losses are
@@ -42,7 +43,7 @@ the loss is 0 with zero gradients, not NaN.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -50,8 +51,8 @@ from cpref.checks import as_int
 from cpref.comm import Collectives
 from cpref.consistency import exchange
 from cpref.errors import CPInputError
-from cpref.layout import layout_multiple, pad_to_multiple, positions, shard
-from cpref.seqlens import Boundaries, CuSeqlens
+from cpref.seqlens import CuSeqlens
+from cpref.sharding import Sharding
 
 __all__ = ["get_batch_on_this_cp_rank", "cp_loss"]
 
@@ -64,8 +65,8 @@ def get_batch_on_this_cp_rank(
     rank: int,
     layout: str = "zigzag",
     pad_token_id: int = 0,
-) -> dict[str, torch.Tensor]:
-    """EOD-pad a packed batch and return this rank's slice.
+) -> dict[str, Any]:
+    """EOD-pad a packed batch and return this rank's slice, with the batch's `Sharding`.
 
     Args:
         batch: `tokens (T,)`, `labels (T,)` and optionally `loss_mask (T,)` (default all ones);
@@ -77,27 +78,31 @@ def get_batch_on_this_cp_rank(
         pad_token_id: token and label id of the padding.
 
     Returns:
-        This rank's `tokens`, `labels`, `loss_mask`, `position_ids` (and other keys), plus the
-        global boundaries to pass to `cpref.attention`: `cu_seqlens` (real, a new int64 tensor)
-        and `cu_seqlens_padded` (padded: what the shards follow).
+        This rank's `tokens`, `labels`, `loss_mask`, `position_ids` (and other keys), and
+        `sharding`: the [`Sharding`][cpref.sharding.Sharding] of the padded batch (real and
+        padded boundaries, `P`, layout), what `cpref.attention` and `CPContext` take.
+
+    Examples:
+        >>> import torch
+        >>> b = get_batch_on_this_cp_rank({"tokens": torch.arange(7), "labels": torch.arange(7)}, [0, 7],
+        ...                               cp_size=2, rank=1)
+        >>> b["tokens"].tolist(), b["loss_mask"].tolist(), b["sharding"].cu_seqlens_padded
+        ([2, 3, 4, 5], [1.0, 1.0, 1.0, 1.0], (0, 8))
     """
-    mult = layout_multiple(layout, cp_size)
+    sharding = Sharding.eod_padded(cu_seqlens, cp_size=cp_size, layout=layout)
     rank = as_int("rank", rank, lo=0, hi=cp_size)
-    bounds = Boundaries.parse(cu_seqlens)
     batch = dict(batch)
     if "tokens" not in batch or "labels" not in batch:
         raise CPInputError(f"batch needs 'tokens' and 'labels', got keys {sorted(batch)}")
     if "loss_mask" not in batch:
         batch["loss_mask"] = torch.ones_like(batch["tokens"], dtype=torch.float32)
     fill = {"tokens": pad_token_id, "labels": pad_token_id}
-    out: dict[str, torch.Tensor] = {}
-    cu_pad = None
+    out: dict[str, Any] = {}
     for name, x in batch.items():
-        x_pad, cu_pad = pad_to_multiple(x, bounds.real, mult, value=fill.get(name, 0))  # (T_pad, ...)
-        out[name] = shard(x_pad, cu_pad, cp_size=cp_size, rank=rank, layout=layout)  # (T_pad/P, ...)
-    out["position_ids"] = positions(cu_pad, cp_size=cp_size, rank=rank, layout=layout)  # (T_pad/P,)
-    out["cu_seqlens"] = torch.tensor(bounds.real, dtype=torch.int64)
-    out["cu_seqlens_padded"] = cu_pad
+        x_pad = sharding.pad(x, value=fill.get(name, 0))  # (T_pad, ...)
+        out[name] = sharding.shard(x_pad, rank)  # (T_pad/P, ...)
+    out["position_ids"] = sharding.positions(rank)  # (T_pad/P,)
+    out["sharding"] = sharding
     return out
 
 

@@ -58,12 +58,18 @@ computes both; `make demo` prints them.
 
 A document whose length is not a multiple of the layout's granularity (`P` for contiguous,
 `2P` for zigzag) cannot be split evenly. cpref never drops or pads silently: it raises
-`ValueError` naming the document. Pad each document *at its end* (EOD padding) with
-[`pad_to_multiple`][cpref.layout.pad_to_multiple], and pass both boundary lists: the real
-ones as `cu_seqlens` and the padded ones, which define the shards, as `cu_seqlens_padded`
-(see [`cpref.seqlens`][cpref.seqlens]). Padding is then invisible to attention, causal or not,
-and its loss is masked out (see `cpref.data`). The functions of this module take the
-boundaries that define the shards: the padded ones.
+`ValueError` naming the document. Pad each document *at its end* (EOD padding):
+[`Sharding.eod_padded`][cpref.sharding.Sharding.eod_padded] computes the padded boundaries and
+keeps both lists, the real ones (`cu_seqlens`) and the padded ones, which define the shards
+(`cu_seqlens_padded`, see [`cpref.seqlens`][cpref.seqlens]). Padding is then invisible to
+attention, causal or not, and its loss is masked out (see `cpref.data`).
+
+## This module and `Sharding`
+
+The functions here are the layout's arithmetic, on the boundaries that define the shards
+(the padded ones) and an explicit `cp_size`, `rank` and `layout`. Code that shards data for
+attention goes through one [`cpref.Sharding`][cpref.sharding.Sharding] per batch, whose methods
+call them, so that the layout, `P` and the boundaries are given once.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ from typing import Sequence
 
 import torch
 
-from cpref.checks import as_choice, as_int
+from cpref.checks import as_int
 from cpref.errors import CPInputError
 from cpref.seqlens import LAYOUTS, Boundaries, CuSeqlens, layout_multiple
 
@@ -209,12 +215,12 @@ def attention_work(
     b = _bounds(cu_seqlens)
     work = 0
     for doc, s, e in local_chunks(b, cp_size=cp_size, rank=rank, layout=layout):
-        n = b.real_len(doc)  # real tokens of the document: positions [0, n)
-        a, z = s - b.padded[doc], min(e - b.padded[doc], n)  # real query positions [a, z)
-        if z <= a:
+        a = s - b.padded[doc]  # the chunk's first position
+        z = a + b.real_in(doc, a, e - b.padded[doc])  # real query positions [a, z)
+        if z == a:
             continue
         if not causal:
-            work += (z - a) * n
+            work += (z - a) * b.real_len(doc)
         elif exact:
             work += (z * (z + 1) - a * (a + 1)) // 2  # sum of (p + 1) for p in [a, z)
         else:

@@ -161,6 +161,10 @@ class Boundaries:
         """Padded tokens of document `i`, `L_i`."""
         return self.padded[i + 1] - self.padded[i]
 
+    def real_in(self, i: int, start: int, end: int) -> int:
+        """Real tokens among positions `[start, end)` of document `i` (its padding is a suffix: `[n_i, L_i)`)."""
+        return max(0, min(end, self.real_len(i)) - start)
+
     def check_divisible(self, layout: str, cp_size: int) -> int:
         """Raise unless every padded length is a multiple of the layout's granularity; return it."""
         mult = layout_multiple(layout, cp_size)
@@ -169,8 +173,9 @@ class Boundaries:
             if n % mult:
                 raise CPInputError(
                     f"document {i} has length {n}, not a multiple of {mult} (the {layout} layout over "
-                    f"cp_size={cp_size}); pad it at its end, either with cpref.pad_to_multiple(x, cu_seqlens, {mult}) "
-                    f"and the padded boundaries as cu_seqlens, or by passing the real boundaries as cu_seqlens "
-                    f"and the padded ones as cu_seqlens_padded (padding then stays out of attention)"
+                    f"cp_size={cp_size}); pad every document at its end: build the sharding with "
+                    f"cpref.Sharding.eod_padded(cu_seqlens, cp_size={cp_size}, layout={layout!r}), which computes the "
+                    f"padded boundaries (cu_seqlens_padded), and pad the tensors with sharding.pad(x) (padding then "
+                    f"stays out of attention)"
                 )
         return mult

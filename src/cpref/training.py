@@ -176,8 +176,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), dtype=torch.float64)
     for b in batches:
-        ctx = CPContext(comm=topo.cp, cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"],
-                        mode=config.mode, layout=config.layout, options=dict(config.options))  # fmt: skip
+        ctx = CPContext(comm=topo.cp, sharding=b["sharding"], mode=config.mode, options=dict(config.options))
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
         with autocast:
             logits = model(b["tokens"], b["position_ids"], ctx)  # (T_l, vocab)

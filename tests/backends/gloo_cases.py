@@ -228,28 +228,33 @@ def extra_one_rank_rejects_its_inputs(world, comms, meshes):
     the others in the ranks' comparison naming rank 2, instead of waiting for it in a collective
     until the process group's timeout; the next collective then works."""
     P, g = world.size, torch.Generator().manual_seed(12)
-    cu = [0, 8 * P, 16 * P]  # two documents, multiples of 2P
+    sharding = cpref.Sharding([0, 8 * P, 16 * P], cp_size=P, layout="zigzag")  # two documents, multiples of 2P
     q, k, v = (torch.randn(16 * P, 2, 4, generator=g) for _ in range(3))
-    local = [cpref.shard(t, cu, cp_size=P, rank=world.rank, layout="zigzag") for t in (q, k, v)]
+    local = [sharding.shard(t, world.rank) for t in (q, k, v)]
     if world.rank == 2:
         local[0] = local[0][:-2]
-    n = cu[-1] // P  # a shard's tokens
+    n = sharding.local_tokens  # a shard's tokens
     text = f"q/k/v hold {n - 2}/{n}/{n} tokens" if world.rank == 2 else "the inputs of rank 2 of the CP group failed validation"
     start = time.monotonic()
-    _raises(CPInputError, text, lambda: cpref.attention(*local, cu, comm=world, mode="all_gather"))
+    _raises(CPInputError, text, lambda: cpref.attention(*local, sharding, comm=world, mode="all_gather"))
     assert time.monotonic() - start < 30, "a rank waited for the failing one"
     expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after the failure")
 
 
+def _zigzag(cu, P):
+    return cpref.Sharding(cu, cp_size=P, layout="zigzag")
+
+
 def _two_layers(comm, layer2, first=None):
-    """Layer 1 on every rank alike, then layer 2 with `layer2(rank, local, cu) -> (tensors, cu, kwargs)`."""
+    """Layer 1 on every rank alike, then layer 2 with `layer2(rank, local, cu, sharding) -> (tensors, sharding, kwargs)`."""
     P, g = comm.size, torch.Generator().manual_seed(18)
     cu = torch.tensor([0, 8 * P, 16 * P])
+    sharding = _zigzag(cu, P)
     q, k, v = (torch.randn(16 * P, 2, 4, generator=g) for _ in range(3))
-    local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-    outs = [cpref.attention(*local, cu, comm=comm, mode="p2p", **(first or {}))]
-    tensors, cu2, kw = layer2(comm.rank, local, cu)
-    outs.append(cpref.attention(*tensors, cu2, comm=comm, mode=kw.pop("mode", "p2p"), **kw))
+    local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+    outs = [cpref.attention(*local, sharding, comm=comm, mode="p2p", **(first or {}))]
+    tensors, sharding2, kw = layer2(comm.rank, local, cu, sharding)
+    outs.append(cpref.attention(*tensors, sharding2, comm=comm, mode=kw.pop("mode", "p2p"), **kw))
     return outs
 
 
@@ -265,23 +270,24 @@ def extra_later_layer_divergence(world, comms, meshes):
                "check_ranks": ({"check_ranks": False}, "check_ranks: rank 0, rank 2, rank 3: True; rank 1: False")}  # fmt: skip
     for what, (kw, text) in changes.items():
         comm = TorchComm(world.process_group)
-        _raises(CPInputError, text, _two_layers, comm, lambda r, local, cu: (local, cu, dict(kw) if r == 1 else {}))
+        _raises(CPInputError, text, _two_layers, comm, lambda r, local, cu, s: (local, s, dict(kw) if r == 1 else {}))
     comm = TorchComm(world.process_group)
     _raises(CPInputError, "dtype: rank 0, rank 2, rank 3: torch.float32; rank 1: torch.float64", _two_layers, comm,
-            lambda r, local, cu: ([t.double() for t in local] if r == 1 else local, cu, {}))  # fmt: skip
-    plain = _two_layers(TorchComm(world.process_group), lambda r, local, cu: (local, cu, {}))
+            lambda r, local, cu, s: ([t.double() for t in local] if r == 1 else local, s, {}))  # fmt: skip
+    plain = _two_layers(TorchComm(world.process_group), lambda r, local, cu, s: (local, s, {}))
 
-    def cleared(r, local, cu):
+    def cleared(r, local, cu, s):  # rank 1 clears the cache and shards the same tensor again: a new cache entry
         if r == 1:
             cpref.clear_cache()
-        return local, cu, {}
+            return local, _zigzag(cu, s.cp_size), {}
+        return local, s, {}
 
-    for layer2 in (lambda r, local, cu: (local, cu.clone() if r == 1 else cu, {}), cleared):
+    for layer2 in (lambda r, local, cu, s: (local, _zigzag(cu.clone(), s.cp_size) if r == 1 else s, {}), cleared):
         outs = _two_layers(TorchComm(world.process_group), layer2)
         assert all(torch.equal(a, b) for a, b in zip(outs, plain)), "the same values gave other outputs"
     comm = TorchComm(world.process_group)  # the first call: rank 1 alone says check_ranks=False
     _raises(CPInputError, "check_ranks: rank 0, rank 2, rank 3: True; rank 1: False", _two_layers, comm,
-            lambda r, local, cu: (local, cu, {}), {"check_ranks": world.rank != 1})  # fmt: skip
+            lambda r, local, cu, s: (local, s, {}), {"check_ranks": world.rank != 1})  # fmt: skip
     assert time.monotonic() - start < 30, "a rank waited for another"
     expect(world.all_reduce(torch.ones(2)), torch.full((2,), 4.0), "all_reduce after the failures")
 

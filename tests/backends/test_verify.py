@@ -59,7 +59,7 @@ def test_every_mode_layout_dtype_and_placement_rank_by_rank():
     assert {r.case.mode for r in report.rows} == set(MODES)
     dp_cp = {(r.rank, r.dp, r.cp_rank) for r in report.rows if r.case.strided}
     assert dp_cp == {(0, 0, 0), (2, 0, 1), (1, 1, 0), (3, 1, 1)}  # CP groups {0, 2} and {1, 3}
-    hierarchical = [m for m in MODES if "a2a_size" in dict(cpref.MODES[m].options)]
+    hierarchical = [m for m in MODES if "a2a_size" in cpref.MODES[m].defaults()]
     assert all(dict(r.case.options) == {"a2a_size": 2} for r in report.rows if r.case.mode in hierarchical)
     # the simulated cluster agrees with the oracle, so the oracle column repeats the largest error
     assert all(abs(r.oracle - max(r.errors.values())) < 1e-9 for r in report.rows)
@@ -131,7 +131,7 @@ def test_cases_follow_modes_and_pass_a2a_size_only_to_the_modes_that_take_it():
     cases = build_cases(MODES, ["zigzag"], ["fp32"], cp=4, a2a_size=None)
     assert [c.mode for c in cases] == MODES
     for c in cases:
-        assert dict(c.options) == ({"a2a_size": 2} if "a2a_size" in dict(cpref.MODES[c.mode].options) else {})
+        assert dict(c.options) == ({"a2a_size": 2} if "a2a_size" in cpref.MODES[c.mode].defaults() else {})
     assert {dict(c.options).get("a2a_size") for c in build_cases(MODES, ["zigzag"], ["fp32"], cp=3)} <= {None, 1}
 
 
@@ -181,8 +181,8 @@ def simulated_results(case: Case) -> list:
     """`per_rank` as `sim.tools.verify.truth.check` takes it, without processes: every rank's results from the simulated
     cluster in the case's dtype (the production path's stand-in), and the run without CP on CP rank 0."""
     batch = make_batch(SETUP, case, dp=0)
-    results, _ = run_attention(batch.q, batch.k, batch.v, batch.dout, batch.cu, P=case.cp, mode=case.mode,
-                               layout=case.layout, cluster=SimCluster(case.cp, reduction="native"))  # fmt: skip
+    results, _ = run_attention(batch.q, batch.k, batch.v, batch.dout, batch.sharding, mode=case.mode,
+                               cluster=SimCluster(case.cp, reduction="native"))  # fmt: skip
     without_cp = run_without_cp(case, SETUP, 0, torch.device("cpu"), cpref.TorchKernel())
     return [[(results[r], without_cp if r == 0 else None)] for r in range(case.cp)]
 

@@ -1,7 +1,7 @@
 """Implementations to put under `python -m sim verify --impl tests.backends.verify_impls:<name>`.
 
 Each has cpref's signature with the process group in place of `comm`:
-`fn(q, k, v, cu_seqlens, *, process_group, mode, layout, causal, cu_seqlens_padded, **options)`.
+`fn(q, k, v, sharding, *, process_group, mode, causal, **options)`, `sharding` the batch's `cpref.Sharding`.
 
 * `cpref_over_group`: a correct one (a `TorchComm` over the group, then `cpref.attention`);
 * `biased_on_rank_1`: a deliberately wrong one (rank 1's output is off by 0.1);
@@ -31,14 +31,14 @@ def _comm(process_group) -> TorchComm:
     return _COMMS[id(process_group)]
 
 
-def cpref_over_group(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+def cpref_over_group(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Correct: cpref.attention over a TorchComm of the group."""
-    return cpref.attention(q, k, v, cu_seqlens, comm=_comm(process_group), **kwargs)
+    return cpref.attention(q, k, v, sharding, comm=_comm(process_group), **kwargs)
 
 
-def biased_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+def biased_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Wrong: rank 1 adds 0.1 to its output; no gradient changes, so only rank 1's `out` may fail."""
-    out = cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
+    out = cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
     return out + 0.1 if _comm(process_group).rank == 1 else out
 
 
@@ -47,19 +47,19 @@ def biased_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.T
 WITHIN_TOLERANCE = {torch.float32: 2.0**-19, torch.bfloat16: 2.0**-5}
 
 
-def off_within_tolerance_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+def off_within_tolerance_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Subtly wrong: rank 1's output is off by `WITHIN_TOLERANCE` relative; the gradients are untouched."""
-    out = cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
+    out = cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
     if _comm(process_group).rank != 1:
         return out
     return out + (out * WITHIN_TOLERANCE[out.dtype]).detach()
 
 
-def raises_on_rank_1(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+def raises_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Fault: rank 1 raises before any collective, rank 0 waits for it in the first one."""
     if _comm(process_group).rank == 1:
         raise ValueError("rank 1 rejects its input")
-    return cpref_over_group(q, k, v, cu_seqlens, process_group=process_group, **kwargs)
+    return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
 
 
 class _DiesInAllGather(TorchComm):
@@ -69,12 +69,12 @@ class _DiesInAllGather(TorchComm):
         return super().all_gather(x)
 
 
-def killed_mid_collective(q, k, v, cu_seqlens, *, process_group, **kwargs) -> torch.Tensor:
+def killed_mid_collective(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Fault: rank 1's process is killed (SIGKILL) inside cpref's first all-gather."""
-    return cpref.attention(q, k, v, cu_seqlens, comm=_DiesInAllGather(process_group), **kwargs)
+    return cpref.attention(q, k, v, sharding, comm=_DiesInAllGather(process_group), **kwargs)
 
 
-def mismatched_causal(q, k, v, cu_seqlens, *, process_group, causal, **kwargs) -> torch.Tensor:
+def mismatched_causal(q, k, v, sharding, *, process_group, causal, **kwargs) -> torch.Tensor:
     """Fault: rank 1 passes the other mask; cpref's rank check raises the same error on every rank."""
     comm = _comm(process_group)
-    return cpref.attention(q, k, v, cu_seqlens, comm=comm, causal=causal != (comm.rank == 1), **kwargs)
+    return cpref.attention(q, k, v, sharding, comm=comm, causal=causal != (comm.rank == 1), **kwargs)

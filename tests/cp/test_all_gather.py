@@ -11,7 +11,7 @@ import cpref
 from cpref.errors import CPInputError
 from sim.cluster import SimCluster
 from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
-from tests.helpers import assert_close, cu_from_lengths, only_the_comparison, random_qkv
+from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison, random_qkv
 
 HEADS = {  # name: (Hq, Hkv, D, Dv)
     "mha": (4, 4, 16, 16),
@@ -23,12 +23,10 @@ NAMES = ("out", "dq", "dk", "dv")
 
 
 def batch(P, layout, heads, dtype=torch.float64, seed=0):
+    """`(sharding, q, k, v, dout)`: three documents of unequal length, sharded over P ranks in `layout`."""
     mult = 2 * P if layout == "zigzag" else P
-    cu = cu_from_lengths([mult * 2, mult * 5, mult])  # three documents of unequal length
-    hq, hkv, d, dv = HEADS[heads]
-    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype, seed=seed)
-    dout = random_qkv(int(cu[-1]), hq, hq, dv, seed=seed + 1)[0].to(dtype)
-    return cu, q, k, v, dout
+    sharding = cpref.Sharding(cu_from_lengths([mult * 2, mult * 5, mult]), cp_size=P, layout=layout)
+    return (sharding, *attention_inputs(sharding.total, HEADS[heads], dtype=dtype, seed=seed))
 
 
 def check_against_oracle(results, refs, dtype):
@@ -43,9 +41,9 @@ def check_against_oracle(results, refs, dtype):
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_fp64_every_rank_matches_oracle(P, layout, causal, heads):
-    cu, q, k, v, dout = batch(P, layout, heads)
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout=layout, causal=causal)
-    check_against_oracle(results, oracle_shards(q, k, v, dout, cu, P=P, layout=layout, causal=causal), torch.float64)
+    sharding, q, k, v, dout = batch(P, layout, heads)
+    results, _ = run_cp(q, k, v, dout, sharding, mode="all_gather", causal=causal)
+    check_against_oracle(results, oracle_shards(q, k, v, dout, sharding, causal=causal), torch.float64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -53,17 +51,17 @@ def test_fp64_every_rank_matches_oracle(P, layout, causal, heads):
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_low_precision_within_stated_tolerance(P, heads, dtype):
     """Reductions in the input dtype, as NCCL/HCCL do (the simulator must not flatter)."""
-    cu, q, k, v, dout = batch(P, "zigzag", heads, dtype=dtype, seed=3)
+    sharding, q, k, v, dout = batch(P, "zigzag", heads, dtype=dtype, seed=3)
     cluster = SimCluster(P, timeout=30.0, reduction="native")
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", cluster=cluster)
-    refs = oracle_shards(q.double(), k.double(), v.double(), dout.double(), cu, P=P, layout="zigzag")
+    results, _ = run_cp(q, k, v, dout, sharding, mode="all_gather", cluster=cluster)
+    refs = oracle_shards(q.double(), k.double(), v.double(), dout.double(), sharding)
     check_against_oracle(results, refs, dtype)
 
 
 def test_cp1_and_custom_scale():
-    cu, q, k, v, dout = batch(1, "zigzag", "gqa")
-    results, _ = run_cp(q, k, v, dout, cu, P=1, mode="all_gather", layout="zigzag", softmax_scale=0.3)
-    check_against_oracle(results, oracle_shards(q, k, v, dout, cu, P=1, layout="zigzag", scale=0.3), torch.float64)
+    sharding, q, k, v, dout = batch(1, "zigzag", "gqa")
+    results, _ = run_cp(q, k, v, dout, sharding, mode="all_gather", softmax_scale=0.3)
+    check_against_oracle(results, oracle_shards(q, k, v, dout, sharding, scale=0.3), torch.float64)
 
 
 def split_trace(trace):
@@ -78,7 +76,7 @@ def split_trace(trace):
 def test_kernel_calls_collectives_and_bytes_are_as_documented(P, save):
     """Counted, not timed. Forward: the rank check's fingerprint (first call only), all-gather K, V,
     one kernel call. Backward: (all-gather K, V again: default) + one kernel call + reduce-scatter dK, dV."""
-    cu, q, k, v, dout = batch(P, "zigzag", "mla")
+    sharding, q, k, v, dout = batch(P, "zigzag", "mla")
     kernels = [CountingKernel() for _ in range(P)]
     seen = {}
 
@@ -86,8 +84,8 @@ def test_kernel_calls_collectives_and_bytes_are_as_documented(P, save):
         comm.barrier()
         seen[comm.rank] = (kernels[comm.rank].forward_calls, kernels[comm.rank].backward_calls)
 
-    _, cluster = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", kernels=kernels,
-                        between=end_of_forward, save_gathered_kv=save)  # fmt: skip
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="all_gather", kernels=kernels, between=end_of_forward,
+                        save_gathered_kv=save)  # fmt: skip
     assert all(seen[r] == (1, 0) for r in range(P))
     assert all((kern.forward_calls, kern.backward_calls) == (1, 1) for kern in kernels)
     fwd, bwd = split_trace(cluster.trace)
@@ -95,7 +93,7 @@ def test_kernel_calls_collectives_and_bytes_are_as_documented(P, save):
     assert fwd[0].dtype == torch.int64 and fwd[0].shape[0] == 1  # the one-row fingerprint
     assert [ev.op for ev in bwd] == ["all_gather"] * (0 if save else 2) + ["reduce_scatter"] * 2
     hq, hkv, d, dv = HEADS["mla"]
-    t_l = int(cu[-1]) // P
+    t_l = sharding.local_tokens
     per_tensor = {"k": (P - 1) * t_l * hkv * d * 8, "v": (P - 1) * t_l * hkv * dv * 8}  # fp64
     moved = [ev.bytes_sent for ev in fwd[1:] + bwd]
     want = [per_tensor["k"], per_tensor["v"]] * (1 if save else 2) + [per_tensor["k"], per_tensor["v"]]
@@ -107,12 +105,12 @@ def test_kernel_calls_collectives_and_bytes_are_as_documented(P, save):
 def test_every_layer_makes_one_host_rank_check_then_the_mode():
     """The fingerprint exchange runs on every call, over the host (`agree`), before the mode's gathers."""
     P = 2
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+    sharding, q, k, v, _ = batch(P, "zigzag", "gqa")
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
         for _ in range(3):
-            cpref.attention(*local, cu, comm=comm, mode="all_gather")
+            cpref.attention(*local, sharding, comm=comm, mode="all_gather")
 
     cluster = SimCluster(P, timeout=30.0)
     cluster.run(rank_fn)
@@ -125,10 +123,10 @@ def test_backward_gathers_the_input_dtype_and_reduce_scatters_float32_partials(d
     """K/V travel in the input dtype; the dK/dV partials are summed over ranks in float32 (4 bytes
     an element) and only the result is rounded to the input dtype (see Precision)."""
     P = 4
-    cu, q, k, v, dout = batch(P, "zigzag", "gqa", dtype=dtype)
-    results, cluster = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", check_ranks=False)
+    sharding, q, k, v, dout = batch(P, "zigzag", "gqa", dtype=dtype)
+    results, cluster = run_cp(q, k, v, dout, sharding, mode="all_gather", check_ranks=False)
     rs = [ev for ev in cluster.trace if ev.op == "reduce_scatter"]
-    t_l, hkv, d = int(cu[-1]) // P, HEADS["gqa"][1], HEADS["gqa"][2]
+    t_l, hkv, d = sharding.local_tokens, HEADS["gqa"][1], HEADS["gqa"][2]
     assert len(rs) == 2 and all(ev.dtype == torch.float32 for ev in rs)
     assert all(ev.bytes_sent == tuple([(P - 1) * t_l * hkv * d * 4] * P) for ev in rs)  # 4 bytes an element
     assert all(ev.dtype == dtype for ev in cluster.trace if ev.op == "all_gather" and ev.dtype.is_floating_point)
@@ -148,11 +146,11 @@ def test_bf16_dk_dv_errors_do_not_grow_with_the_logit_scale_or_P(P):
 
 def saved_bytes(P, save, heads="mla", dtype=torch.float64):
     """Bytes each rank's attention saves for backward, measured with saved-tensor hooks."""
-    cu, q, k, v, _ = batch(P, "zigzag", heads, dtype=dtype)
+    sharding, q, k, v, _ = batch(P, "zigzag", heads, dtype=dtype)
     totals = {}
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag").requires_grad_() for t in (q, k, v)]
+        local = [sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v)]
         packed = []
 
         def pack(x):
@@ -160,23 +158,23 @@ def saved_bytes(P, save, heads="mla", dtype=torch.float64):
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            cpref.attention(*local, cu, comm=comm, mode="all_gather", save_gathered_kv=save, check_ranks=False)
+            cpref.attention(*local, sharding, comm=comm, mode="all_gather", save_gathered_kv=save, check_ranks=False)
         totals[comm.rank] = sum(packed)
 
     SimCluster(P, timeout=30.0).run(rank_fn)
-    return cu, totals
+    return sharding, totals
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_saved_bytes_for_backward_equal_the_formula_of_each_schedule(P):
     hq, hkv, d, dv = HEADS["mla"]
     b, lse_b = 8, 8  # fp64 values, fp64 lse
-    cu, lean = saved_bytes(P, save=False)
-    t_l = int(cu[-1]) // P
+    sharding, lean = saved_bytes(P, save=False)
+    t_l = sharding.local_tokens
     assert lean == {r: t_l * (b * (hq * d + hkv * d + hkv * dv + hq * dv) + lse_b * hq) for r in range(P)}
     _, full = saved_bytes(P, save=True)
     for r in range(P):
-        kv_len = cpref.get_thd_load_balanced_cp_metadata(cu, P, r)["actual_seq_kvlen"][-1]
+        kv_len = cpref.get_thd_load_balanced_cp_metadata(sharding.cu_seqlens, P, r)["actual_seq_kvlen"][-1]
         assert full[r] == t_l * (b * (hq * d + hq * dv) + lse_b * hq) + kv_len * b * hkv * (d + dv)
         assert kv_len > t_l * P  # the selected K/V: more rows than the whole stream
 
@@ -184,8 +182,8 @@ def test_saved_bytes_for_backward_equal_the_formula_of_each_schedule(P):
 def test_default_saved_memory_falls_as_one_over_p():
     per_token = None
     for P in (2, 4, 8):
-        cu, lean = saved_bytes(P, save=False)
-        total = int(cu[-1])  # batch() grows the stream with P: normalise per token of the stream
+        sharding, lean = saved_bytes(P, save=False)
+        total = sharding.total  # batch() grows the stream with P: normalise per token of the stream
         ratio = lean[0] * P / total
         per_token = ratio if per_token is None else per_token
         assert ratio == per_token
@@ -193,25 +191,27 @@ def test_default_saved_memory_falls_as_one_over_p():
 
 @pytest.mark.parametrize(
     "mutate, match",
-    [
-        (lambda q, k, v, cu: (q[:, :3], k, v, cu), r"heads: q has 3, k 2"),
-        (lambda q, k, v, cu: (q, k, torch.cat([v, v], -1), cu), r"Dq == Dk >= Dv"),
-        (lambda q, k, v, cu: (q[:-1], k, v, cu), r"q/k/v hold 15/16/16 tokens but this rank's shard of 32 tokens"),
-        (lambda q, k, v, cu: (q, k, v.float(), cu), r"share dtype"),
-        (lambda q, k, v, cu: (q, k, v, [0, 6, 32]), r"document 0 has length 6, not a multiple of 4.*pad_to_multiple.*cu_seqlens_padded"),
-        (lambda q, k, v, cu: (q, k, v, [0, 32, 32]), r"strictly increasing"),
-        (lambda q, k, v, cu: (q[0], k, v, cu), r"q must be a THD tensor"),
-        (lambda q, k, v, cu: (q.long(), k, v, cu), r"q has dtype torch.int64"),
+    [  # (q, k, v, sharding) -> the same with one bad; bad boundaries fail where they enter, in cpref.Sharding(...)
+        (lambda q, k, v, s: (q[:, :3], k, v, s), r"heads: q has 3, k 2"),
+        (lambda q, k, v, s: (q, k, torch.cat([v, v], -1), s), r"Dq == Dk >= Dv"),
+        (lambda q, k, v, s: (q[:-1], k, v, s), r"q/k/v hold 15/16/16 tokens but this rank's shard of 32 tokens"),
+        (lambda q, k, v, s: (q, k, v.float(), s), r"share dtype"),
+        (lambda q, k, v, s: (q, k, v, [0, 6, 32]),
+         r"document 0 has length 6, not a multiple of 4.*Sharding\.eod_padded.*cu_seqlens_padded"),
+        (lambda q, k, v, s: (q, k, v, [0, 32, 32]), r"strictly increasing"),
+        (lambda q, k, v, s: (q[0], k, v, s), r"q must be a THD tensor"),
+        (lambda q, k, v, s: (q.long(), k, v, s), r"q has dtype torch.int64"),
     ],
 )
 def test_bad_input_fails_on_every_rank_before_any_communication(mutate, match):
     P = 2
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+    sharding, q, k, v, _ = batch(P, "zigzag", "gqa")
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        ql, kl, vl, cu_bad = mutate(*local, cu)
-        return cpref.attention(ql, kl, vl, cu_bad, comm=comm, mode="all_gather")
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+        ql, kl, vl, bad = mutate(*local, sharding)
+        bad = bad if isinstance(bad, cpref.Sharding) else cpref.Sharding(bad, cp_size=P)  # bad boundaries: raises
+        return cpref.attention(ql, kl, vl, bad, comm=comm, mode="all_gather")
 
     cluster = SimCluster(P, timeout=30.0)
     with pytest.raises(ValueError, match=match):
@@ -220,21 +220,22 @@ def test_bad_input_fails_on_every_rank_before_any_communication(mutate, match):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(mode="ring"), r"unknown mode 'ring'"),
-        (dict(mode="all_gather", layout="striped"), r"unknown layout 'striped'"),
-        (dict(mode="all_gather", a2a_size=2), r"a2a_size=2 is only used by mode .*, not mode='all_gather'"),
-        (dict(mode="all_gather", softmax_scale=-1.0), r"softmax_scale must be None or a positive"),
+    "layout, kwargs, match",
+    [  # the layout enters with the sharding: a bad one fails in cpref.Sharding(...), on every rank
+        (None, dict(mode="ring"), r"unknown mode 'ring'"),
+        ("striped", dict(mode="all_gather"), r"unknown layout 'striped'"),
+        (None, dict(mode="all_gather", a2a_size=2), r"a2a_size=2 is only used by mode .*, not mode='all_gather'"),
+        (None, dict(mode="all_gather", softmax_scale=-1.0), r"softmax_scale must be None or a positive"),
     ],
 )
-def test_bad_arguments_fail_before_communication(kwargs, match):
+def test_bad_arguments_fail_before_communication(layout, kwargs, match):
     P = 2
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+    sharding, q, k, v, _ = batch(P, "zigzag", "gqa")
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        return cpref.attention(*local, cu, comm=comm, **kwargs)
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+        described = sharding if layout is None else cpref.Sharding(sharding.cu_seqlens, cp_size=P, layout=layout)
+        return cpref.attention(*local, described, comm=comm, **kwargs)
 
     cluster = SimCluster(P, timeout=30.0)
     with pytest.raises(ValueError, match=match):
@@ -249,20 +250,20 @@ def test_one_rank_with_a_bad_shard_fails_every_rank_in_the_comparison():
     from sim import ClusterFailure
 
     P = 4
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+    sharding, q, k, v, _ = batch(P, "zigzag", "gqa")
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
         if comm.rank == 2:
             local[0] = local[0][:-2]
-        return cpref.attention(*local, cu, comm=comm, mode="all_gather")
+        return cpref.attention(*local, sharding, comm=comm, mode="all_gather")
 
     cluster = SimCluster(P, timeout=20.0)
     start = time.monotonic()
     with pytest.raises(ClusterFailure) as info:
         cluster.run(rank_fn)
     assert time.monotonic() - start < 10.0
-    errors, n = info.value.errors, int(cu[-1]) // P  # n: a shard's tokens
+    errors, n = info.value.errors, sharding.local_tokens  # n: a shard's tokens
     assert type(errors[2]) is CPInputError and f"q/k/v hold {n - 2}/{n}/{n} tokens" in str(errors[2])
     for r in (0, 1, 3):
         assert type(errors[r]) is CPInputError, errors[r]
@@ -275,16 +276,15 @@ def test_a_rank_failing_on_a_later_layer_meets_the_others_in_its_comparison():
     """Every call is compared, a later layer's too: ranks failing there send their invalid rows
     to that comparison, and nothing of the mode."""
     P = 2
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
-    cu = torch.as_tensor(cu)  # one tensor for both calls: one cache entry
+    sharding, q, k, v, _ = batch(P, "zigzag", "gqa")  # one sharding for both calls: one cache entry
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        cpref.attention(*local, cu, comm=comm, mode="all_gather")  # layer 1: the ranks compare
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+        cpref.attention(*local, sharding, comm=comm, mode="all_gather")  # layer 1: the ranks compare
         comm.barrier()
         n = len(cluster.trace)
         with pytest.raises(CPInputError, match="tokens"):
-            cpref.attention(local[0][:-1], *local[1:], cu, comm=comm, mode="all_gather")  # layer 2, every rank
+            cpref.attention(local[0][:-1], *local[1:], sharding, comm=comm, mode="all_gather")  # layer 2, every rank
         return n
 
     cluster = SimCluster(P, timeout=20.0)
@@ -294,16 +294,17 @@ def test_a_rank_failing_on_a_later_layer_meets_the_others_in_its_comparison():
 
 def test_metadata_is_cached_across_layers():
     P = 2
-    cu, q, k, v, _ = batch(P, "zigzag", "gqa")
+    sharding, q, k, v, _ = batch(P, "zigzag", "gqa")
+    shards = [[sharding.shard(t, r) for t in (q, k, v)] for r in range(P)]  # shard first: its index plans count too
+    before = cpref.cache_info()
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        for _ in range(3):  # three "layers", same cu_seqlens tensor
-            cpref.attention(*local, cu, comm=comm, mode="all_gather")
+        for _ in range(3):  # three "layers", same sharding
+            cpref.attention(*shards[comm.rank], sharding, comm=comm, mode="all_gather")
 
     SimCluster(P, timeout=30.0).run(rank_fn)
     info = cpref.cache_info()
-    assert (info.misses, info.hits, info.size) == (P, 2 * P, 1)  # one plan per rank, one batch entry
+    assert (info.misses - before.misses, info.hits - before.hits, info.size) == (P, 2 * P, 1)  # one plan per rank, one entry
 
 
 def test_rfc_alias_is_the_same_function():
@@ -312,13 +313,13 @@ def test_rfc_alias_is_the_same_function():
 
 def test_28_documents_at_cp8():
     """A field-sized mix: 28 packed documents of uneven length over 8 ranks, FP64."""
-    P, layout = 8, "zigzag"
+    P = 8
     g = torch.Generator().manual_seed(28)
-    cu = cu_from_lengths((torch.randint(1, 5, (28,), generator=g) * 2 * P).tolist())
-    q, k, v = random_qkv(int(cu[-1]), 4, 2, 8, seed=5)
-    dout = random_qkv(int(cu[-1]), 4, 4, 8, seed=6)[0]
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout=layout)
-    check_against_oracle(results, oracle_shards(q, k, v, dout, cu, P=P, layout=layout), torch.float64)
+    sharding = cpref.Sharding(cu_from_lengths((torch.randint(1, 5, (28,), generator=g) * 2 * P).tolist()), cp_size=P)
+    q, k, v = random_qkv(sharding.total, 4, 2, 8, seed=5)
+    dout = random_qkv(sharding.total, 4, 4, 8, seed=6)[0]
+    results, _ = run_cp(q, k, v, dout, sharding, mode="all_gather")
+    check_against_oracle(results, oracle_shards(q, k, v, dout, sharding), torch.float64)
 
 
 @settings(max_examples=12, deadline=None)
@@ -331,18 +332,18 @@ def test_28_documents_at_cp8():
 )
 def test_property_random_documents_match_oracle(P, units, layout, causal, heads):
     mult = 2 * P if layout == "zigzag" else P
-    cu = cu_from_lengths([u * mult for u in units])
+    sharding = cpref.Sharding(cu_from_lengths([u * mult for u in units]), cp_size=P, layout=layout)
     hq, hkv, d, dv = HEADS[heads]
-    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, seed=len(units))
-    dout = random_qkv(int(cu[-1]), hq, hq, dv, seed=7)[0]
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout=layout, causal=causal)
-    check_against_oracle(results, oracle_shards(q, k, v, dout, cu, P=P, layout=layout, causal=causal), torch.float64)
+    q, k, v = random_qkv(sharding.total, hq, hkv, d, dv, seed=len(units))
+    dout = random_qkv(sharding.total, hq, hq, dv, seed=7)[0]
+    results, _ = run_cp(q, k, v, dout, sharding, mode="all_gather", causal=causal)
+    check_against_oracle(results, oracle_shards(q, k, v, dout, sharding, causal=causal), torch.float64)
 
 
 def test_bitwise_deterministic_across_runs():
-    cu, q, k, v, dout = batch(4, "zigzag", "gqa", dtype=torch.bfloat16, seed=9)
-    first, _ = run_cp(q, k, v, dout, cu, P=4, mode="all_gather", layout="zigzag")
-    second, _ = run_cp(q, k, v, dout, cu, P=4, mode="all_gather", layout="zigzag")
+    sharding, q, k, v, dout = batch(4, "zigzag", "gqa", dtype=torch.bfloat16, seed=9)
+    first, _ = run_cp(q, k, v, dout, sharding, mode="all_gather")
+    second, _ = run_cp(q, k, v, dout, sharding, mode="all_gather")
     for a, b in zip(first, second):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -350,18 +351,18 @@ def test_bitwise_deterministic_across_runs():
 @pytest.mark.parametrize("P", [2, 4])
 def test_bf16_gradients_stay_within_tolerance_at_a_large_logit_scale(P):
     """Every query's keys are in its one kernel call (full_rows): bf16 error does not grow with the scale."""
-    cu, q, k, v, dout = batch(P, "zigzag", "gqa", dtype=torch.bfloat16, seed=11)
+    sharding, q, k, v, dout = batch(P, "zigzag", "gqa", dtype=torch.bfloat16, seed=11)
     scale = 3.0 * HEADS["gqa"][2] ** -0.5
     cluster = SimCluster(P, timeout=30.0, reduction="native")
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode="all_gather", layout="zigzag", cluster=cluster, softmax_scale=scale)
-    refs = oracle_shards(q.double(), k.double(), v.double(), dout.double(), cu, P=P, layout="zigzag", scale=scale)
+    results, _ = run_cp(q, k, v, dout, sharding, mode="all_gather", cluster=cluster, softmax_scale=scale)
+    refs = oracle_shards(q.double(), k.double(), v.double(), dout.double(), sharding, scale=scale)
     check_against_oracle(results, refs, torch.bfloat16)
 
 
 def test_a_key_row_is_in_at_most_two_key_sequences_of_a_rank():
     """What makes the float32 index_add_ a sum of at most two partials per rank (see Precision)."""
     for P, layout, causal in [(4, "zigzag", True), (4, "contiguous", True), (4, "zigzag", False)]:
-        cu, *_ = batch(P, layout, "gqa")
+        cu = batch(P, layout, "gqa")[0].cu_seqlens
         for r in range(P):
             kv_index = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout, causal=causal)["kv_index"]
             assert torch.bincount(kv_index).max() <= (2 if layout == "zigzag" and causal else 1)
@@ -374,8 +375,9 @@ def test_dk_partials_are_summed_unrounded_and_rounded_once():
     from types import SimpleNamespace
 
     from cpref.modes.all_gather import all_gather_backward
+    from cpref.modes.all_gather_plan import build_all_gather_plan
 
-    plan = cpref.metadata.all_gather_plan(cpref.cache.CACHE.entry([0, 8]), 2, 0, "zigzag", True, torch.device("cpu"))
+    plan = build_all_gather_plan(cpref.Boundaries.parse([0, 8]), 2, 0, "zigzag", True, torch.device("cpu"))
     first, second = [i for i, row in enumerate(plan.kv_index.tolist()) if row == 0]  # key row 0, twice
 
     class PartialsKernel:
@@ -393,14 +395,15 @@ def test_dk_partials_are_summed_unrounded_and_rounded_once():
     assert dk.dtype == torch.bfloat16 and dk[0, 0, 0].item() == 1 + 2**-7
 
 
-def zigzag_kv_index(cu, P, rank):
+def zigzag_kv_index(sharding, rank):
     """The rows of the rank-major gathered K/V that rank `rank`'s queries see, derived from the
     module docstring: for every document (chunk size c), each local query chunk j (r, then
     2P - 1 - r) sees the causal prefix of (j + 1) c keys of its document, in natural order."""
-    gathered = torch.cat([cpref.global_index(cu, cp_size=P, rank=s, layout="zigzag") for s in range(P)])  # (T,)
+    P, cu = sharding.cp_size, sharding.cu_seqlens
+    gathered = torch.cat([sharding.global_index(s) for s in range(P)])  # (T,)
     row_of = torch.argsort(gathered)  # global token -> its row in the rank-major buffer
     rows = []
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+    for start, end in zip(cu[:-1], cu[1:]):
         c = (end - start) // (2 * P)
         for j in (rank, 2 * P - 1 - rank):
             rows.append(row_of[start : start + (j + 1) * c])
@@ -419,10 +422,10 @@ def test_the_index_ops_at_p_above_one_are_one_select_and_one_add_per_tensor_of_t
     no select on the T/P output rows)."""
     import threading
 
-    cu, q, k, v, dout = batch(P, "zigzag", "gqa")
-    T = int(cu[-1])
-    # shard before patching: cpref.shard itself is an index_select
-    shards = [[cpref.shard(t, cu, cp_size=P, rank=r, layout="zigzag") for t in (q, k, v, dout)] for r in range(P)]
+    sharding, q, k, v, dout = batch(P, "zigzag", "gqa")
+    T = sharding.total
+    # shard before patching: sharding.shard itself is an index_select
+    shards = [[sharding.shard(t, r) for t in (q, k, v, dout)] for r in range(P)]
     where = threading.local()
     calls = []  # (rank, pass, op, rows of the tensor indexed, index)
     for name in ("index_select", "index_add_", "index_copy_"):
@@ -438,7 +441,7 @@ def test_the_index_ops_at_p_above_one_are_one_select_and_one_add_per_tensor_of_t
         where.rank, where.phase = comm.rank, "forward"
         ql, kl, vl, dl = (t.clone() for t in shards[comm.rank])
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-        out = cpref.attention(ql, kl, vl, cu, comm=comm, mode="all_gather", layout="zigzag", save_gathered_kv=save)
+        out = cpref.attention(ql, kl, vl, sharding, comm=comm, mode="all_gather", save_gathered_kv=save)
         where.phase = "backward"
         out.backward(dl)
         return out.detach()
@@ -447,9 +450,10 @@ def test_the_index_ops_at_p_above_one_are_one_select_and_one_add_per_tensor_of_t
     # all_gather.py: forward = gather_selected (k_sel, v_sel: 2 index_select); backward = gather_selected
     # again unless save_gathered_kv (2 or 0), then all_gather_backward's dk_all, dv_all (2 index_add_)
     expected_ops = {"forward": ["index_select"] * 2, "backward": ["index_select"] * (0 if save else 2) + ["index_add_"] * 2}
-    c = [(int(e) - int(s)) // (2 * P) for s, e in zip(cu[:-1], cu[1:])]  # chunk sizes 2, 5, 1
+    cu = sharding.cu_seqlens
+    c = [(e - s) // (2 * P) for s, e in zip(cu[:-1], cu[1:])]  # chunk sizes 2, 5, 1
     for r in range(P):
-        want = zigzag_kv_index(cu, P, r)
+        want = zigzag_kv_index(sharding, r)
         assert len(want) == (2 * P + 1) * sum(c)
         for phase in ("forward", "backward"):
             mine = [call for call in calls if call[:2] == (r, phase)]

@@ -3,7 +3,7 @@
 A tiny attention language model is trained one step two ways, in FP64:
 * the reference: the real (unpadded) packed batch on one process, attention by the dense oracle;
 * CP: `get_batch_on_this_cp_rank` pads every document to a multiple of 2P and slices it,
-  `cpref.attention` runs on the simulated cluster with both boundary lists, `cp_loss`
+  `cpref.attention` runs on the simulated cluster with the batch's `Sharding` (both boundary lists), `cp_loss`
   normalises by the global count.
 Loss and every parameter gradient (summed over ranks) must agree to 1e-10, causal or not.
 """
@@ -63,10 +63,7 @@ def with_cp(lengths, P, layout, causal=True):
         b = cpref.get_batch_on_this_cp_rank(
             {"tokens": tokens, "labels": labels, "loss_mask": mask}, cu, cp_size=P, rank=comm.rank, layout=layout
         )
-        attend = lambda q, k, v: cpref.attention(  # noqa: E731
-            q, k, v, b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"], comm=comm, mode=MODE, layout=layout,
-            causal=causal,
-        )
+        attend = lambda q, k, v: cpref.attention(q, k, v, b["sharding"], comm=comm, mode=MODE, causal=causal)  # noqa: E731
         losses = token_losses(p, b["tokens"], b["labels"], b["position_ids"], attend)
         share = cpref.cp_loss(losses, b["loss_mask"], comm)
         share.backward()
@@ -100,9 +97,11 @@ def test_rank_holding_only_padding_gives_zero_loss_not_nan():
 
 def test_batch_slicing_pads_with_masked_eod_and_restarts_positions():
     cu, tokens, labels, mask, _ = packed_batch([5, 3])
-    parts = [cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cu, cp_size=2, rank=r, pad_token_id=0) for r in range(2)]
-    assert parts[0]["cu_seqlens_padded"].tolist() == [0, 8, 12] and parts[0]["cu_seqlens"].tolist() == [0, 5, 8]
-    full = {n: cpref.unshard([p[n] for p in parts], parts[0]["cu_seqlens_padded"], layout="zigzag") for n in ("tokens", "loss_mask", "position_ids")}
+    batch = {"tokens": tokens, "labels": labels}
+    parts = [cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=2, rank=r, pad_token_id=0) for r in range(2)]
+    sharding = parts[0]["sharding"]
+    assert sharding.cu_seqlens_padded == (0, 8, 12) and sharding.cu_seqlens == (0, 5, 8)
+    full = {n: sharding.unshard([p[n] for p in parts]) for n in ("tokens", "loss_mask", "position_ids")}
     assert full["tokens"][:5].tolist() == tokens[:5].tolist() and full["tokens"][5:8].tolist() == [0, 0, 0]
     assert full["loss_mask"].tolist() == [1] * 5 + [0] * 3 + [1] * 3 + [0]
     assert full["position_ids"].tolist() == list(range(8)) + list(range(4))
@@ -113,7 +112,7 @@ def test_tail_padding_698_to_704_at_cp4_is_exact_and_deterministic():
     lengths = [698, 120]
     ref_loss, ref_grads = reference(lengths)
     first = with_cp(lengths, 4, "zigzag")
-    assert first[0][2]["cu_seqlens_padded"].tolist() == [0, 704, 824]
+    assert first[0][2]["sharding"].cu_seqlens_padded == (0, 704, 824)
     torch.testing.assert_close(sum(r[0] for r in first), ref_loss, atol=1e-10, rtol=1e-10)
     for name, g in ref_grads.items():
         torch.testing.assert_close(sum(r[1][name] for r in first), g, atol=1e-10, rtol=1e-10, msg=name)
@@ -165,8 +164,8 @@ def test_padding_fills_tokens_and_labels_with_pad_token_id_and_everything_else_w
     cu = cu_from_lengths([5, 3])
     batch = {"tokens": torch.arange(1, 9), "labels": torch.arange(11, 19), "weights": torch.full((8,), 2.5)}
     parts = [cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=2, rank=r, pad_token_id=99) for r in range(2)]
-    cup = parts[0]["cu_seqlens_padded"]  # 5 -> 8 and 3 -> 4 tokens (multiples of 2P = 4)
-    full = {n: cpref.unshard([p[n] for p in parts], cup, layout="zigzag").tolist() for n in ("tokens", "labels", "loss_mask", "weights")}
+    sharding = parts[0]["sharding"]  # 5 -> 8 and 3 -> 4 tokens (multiples of 2P = 4)
+    full = {n: sharding.unshard([p[n] for p in parts]).tolist() for n in ("tokens", "labels", "loss_mask", "weights")}
     # documents [1..5] and [6..8], each followed by its padding
     assert full["tokens"] == [1, 2, 3, 4, 5, 99, 99, 99, 6, 7, 8, 99]
     assert full["labels"] == [11, 12, 13, 14, 15, 99, 99, 99, 16, 17, 18, 99]
@@ -185,19 +184,26 @@ def test_the_default_loss_mask_is_float32_whatever_the_token_dtype():
 def test_contiguous_layout_pads_each_document_to_a_multiple_of_p_not_2p():
     cu = cu_from_lengths([5, 3])
     tokens = torch.arange(8)
-    parts = [cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=2, rank=r, layout="contiguous") for r in range(2)]
+    batch = {"tokens": tokens, "labels": tokens}
+    parts = [cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=2, rank=r, layout="contiguous") for r in range(2)]
     # P = 2: 5 -> 6 and 3 -> 4 tokens, so each rank holds (6 + 4) / 2 = 5
-    assert parts[0]["cu_seqlens_padded"].tolist() == [0, 6, 10]
+    assert parts[0]["sharding"].cu_seqlens_padded == (0, 6, 10)
     assert [p["tokens"].shape[0] for p in parts] == [5, 5]
 
 
-def test_returned_boundaries_are_new_int64_tensors_whatever_the_input_dtype():
+def test_the_returned_sharding_holds_host_int_boundaries_whatever_the_input_dtype():
+    """The boundaries come back once, in the `Sharding` (no `cu_seqlens` keys): host ints, a copy,
+    so an in-place edit of the caller's int32 tensor afterwards changes nothing."""
     cu = torch.tensor([0, 5, 8], dtype=torch.int32)
     tokens = torch.arange(8)
     part = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=2, rank=0)
-    assert part["cu_seqlens"].dtype == torch.int64 and part["cu_seqlens"].tolist() == [0, 5, 8]
-    assert part["cu_seqlens"] is not cu
-    assert part["cu_seqlens_padded"].dtype == torch.int64 and part["cu_seqlens_padded"].tolist() == [0, 8, 12]
+    sharding = part["sharding"]
+    assert "cu_seqlens" not in part and "cu_seqlens_padded" not in part
+    assert (sharding.cp_size, sharding.layout) == (2, "zigzag")
+    assert sharding.cu_seqlens == (0, 5, 8) and sharding.cu_seqlens_padded == (0, 8, 12)
+    assert all(type(n) is int for n in sharding.cu_seqlens + sharding.cu_seqlens_padded)
+    cu[1] = 4
+    assert sharding.cu_seqlens == (0, 5, 8) and sharding.cu_seqlens_padded == (0, 8, 12)
 
 
 def test_cp_loss_share_keeps_the_dtype_of_token_loss_whatever_the_mask_dtype():

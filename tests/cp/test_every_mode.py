@@ -1,6 +1,6 @@
 """Guarantees every CP mode keeps (parametrized over `cpref.MODES`, so a new mode inherits them).
 
-* padding (`cu_seqlens_padded`) is invisible: real rows equal the oracle on the unpadded
+* padding (a `Sharding` with `cu_seqlens_padded`) is invisible: real rows equal the oracle on the unpadded
   documents, padding rows are 0 in the output and every gradient, causal or not;
 * no host-device synchronisation after the first layer of a step;
 * the ranks' arguments are compared once per batch, and a disagreement is the same clear
@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 
 import cpref
 from cpref.consistency import FIELDS
-from cpref.modes.hierarchical import example_a2a_size
 from sim import SimCluster
 from tests.cp.conftest import oracle_shards, run_cp
-from tests.helpers import assert_close, cu_from_lengths, only_the_comparison, random_qkv
+from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison, random_qkv
 
 MODES = sorted(cpref.MODES)
 # head counts every mode accepts at P = 1, 2, 3, 4 (Ulysses splits heads: 12 | Hq, and Hkv | 12 or Hkv = 1)
@@ -28,19 +27,16 @@ HEADS = {"mha": (12, 12, 8, 8), "gqa": (24, 12, 8, 8), "mqa": (12, 1, 8, 8), "ml
 
 
 def extra(mode: str, P: int) -> dict:
-    """The mode's own arguments: the hierarchical mode's a2a group size."""
-    return {"a2a_size": example_a2a_size(P)} if mode == "a2a+p2p" else {}
+    """The mode's own arguments at CP size `P`, as the mode declares them (the hierarchical mode's a2a group size)."""
+    return cpref.MODES[mode].example_options(P)
 
 
 def padded_batch(lengths, P, layout, heads, seed=0, dtype=torch.float64):
-    """Real lengths (any), padded at each document's end to the layout's multiple."""
+    """`(sharding, q, k, v, dout)`: real lengths (any), padded at each document's end to the layout's multiple."""
     mult = 2 * P if layout == "zigzag" else P
-    cu = cu_from_lengths(lengths)
     cu_pad = cu_from_lengths([-(-n // mult) * mult for n in lengths])
-    hq, hkv, d, dv = HEADS[heads]
-    q, k, v = random_qkv(int(cu_pad[-1]), hq, hkv, d, dv, dtype=dtype, seed=seed)
-    dout = random_qkv(int(cu_pad[-1]), hq, hq, dv, dtype=dtype, seed=seed + 1)[0]
-    return cu, cu_pad, q, k, v, dout
+    sharding = cpref.Sharding(cu_from_lengths(lengths), cp_size=P, layout=layout, cu_seqlens_padded=cu_pad)
+    return (sharding, *attention_inputs(sharding.total, HEADS[heads], dtype=dtype, seed=seed))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -54,10 +50,9 @@ def padded_batch(lengths, P, layout, heads, seed=0, dtype=torch.float64):
 )
 @example(P=4, lengths=[1], layout="zigzag", causal=True, heads="gqa")  # ranks 1-3 hold only padding: no step has work
 def test_padding_is_invisible_to_real_tokens(mode, P, lengths, layout, causal, heads):
-    cu, cu_pad, q, k, v, dout = padded_batch(lengths, P, layout, heads, seed=len(lengths))
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad,
-                        **extra(mode, P))  # fmt: skip
-    refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
+    sharding, q, k, v, dout = padded_batch(lengths, P, layout, heads, seed=len(lengths))
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, **extra(mode, P))
+    refs = oracle_shards(q, k, v, dout, sharding, causal=causal)
     for r, (got, want) in enumerate(zip(results, refs)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert_close(a, b, torch.float64, msg=f"rank {r} {name}")
@@ -67,17 +62,16 @@ def test_padding_is_invisible_to_real_tokens(mode, P, lengths, layout, causal, h
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_padding_rows_are_exactly_zero_and_real_rows_ignore_padding_values(mode, causal):
     """Huge values in the padding rows must not leak: real results are bitwise those of zero padding."""
-    P, layout = 2, "zigzag"
-    cu, cu_pad, q, k, v, dout = padded_batch([5, 11], P, layout, "gqa")
-    pad = torch.ones(int(cu_pad[-1]), dtype=torch.bool)
-    pad[torch.cat([torch.arange(a, a + n) for a, n in zip(cu_pad[:-1].tolist(), [5, 11])])] = False
+    P = 2
+    sharding, q, k, v, dout = padded_batch([5, 11], P, "zigzag", "gqa")
+    pad = torch.ones(sharding.total, dtype=torch.bool)
+    pad[torch.cat([torch.arange(a, a + n) for a, n in zip(sharding.cu_seqlens_padded[:-1], [5, 11])])] = False
     runs = []
     for fill in (0.0, 1e4):
         qf, kf, vf, df = (t.masked_fill(pad[:, None, None], fill) for t in (q, k, v, dout))
-        runs.append(run_cp(qf, kf, vf, df, cu, P=P, mode=mode, layout=layout, causal=causal, cu_seqlens_padded=cu_pad,
-                           **extra(mode, P))[0])  # fmt: skip
+        runs.append(run_cp(qf, kf, vf, df, sharding, mode=mode, causal=causal, **extra(mode, P))[0])
     for r in range(P):
-        local_pad = cpref.shard(pad, cu_pad, cp_size=P, rank=r, layout=layout)
+        local_pad = sharding.shard(pad, r)
         for a, b in zip(runs[0][r], runs[1][r]):
             assert torch.equal(a, b)
             assert (a[local_pad] == 0).all()
@@ -106,19 +100,15 @@ class HostSyncCounter:
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_no_host_sync_after_the_first_layer(mode, padded, monkeypatch):
     """Layer 1 builds the plans (and checks the ranks); layers 2..L forward and every backward sync nothing."""
-    P, layout, L = 2, "zigzag", 3
-    cu, cu_pad, q, k, v, dout = padded_batch([5, 11] if padded else [8, 16], P, layout, "gqa")
-    cu_pad = cu_pad if padded else None
-    shard_cu = cu if cu_pad is None else cu_pad
+    P, L = 2, 3
+    sharding, q, k, v, dout = padded_batch([5, 11] if padded else [8, 16], P, "zigzag", "gqa")  # [8, 16]: no padding
+    assert sharding.bounds.is_padded == padded
     counter = {}
 
     def rank_fn(comm):
-        shard = lambda x: cpref.shard(x, shard_cu, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        d = shard(dout)
-        attend = lambda x: cpref.attention(  # noqa: E731
-            x, kl, vl, cu, comm=comm, mode=mode, layout=layout, cu_seqlens_padded=cu_pad, **extra(mode, P)
-        )
+        ql, kl, vl = (sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v))
+        d = sharding.shard(dout, comm.rank)
+        attend = lambda x: cpref.attention(x, kl, vl, sharding, comm=comm, mode=mode, **extra(mode, P))  # noqa: E731
         outs = [attend(ql)]
         comm.barrier()
         if comm.rank == 0:
@@ -137,26 +127,32 @@ def test_no_host_sync_after_the_first_layer(mode, padded, monkeypatch):
 
 
 def disagreeing(mode, what):
-    """A rank program where rank 1 passes something different from rank 0 (same shapes)."""
-    P, layout = 2, "zigzag"
+    """A rank program where rank 1 passes something different from rank 0 (same shapes): the
+    boundaries and the layout in its `Sharding`, the rest in its `cpref.attention` call."""
+    P = 2
     q, k, v = random_qkv(32, 4, 2, 8)
-    base = dict(cu=torch.tensor([0, 8, 32]), cu_seqlens_padded=None, layout=layout)
+    base = dict(cu_seqlens=torch.tensor([0, 8, 32]), cu_seqlens_padded=None, layout="zigzag")
     ranks = {
         "nothing": ({}, {}),
         "causal": ({}, dict(causal=False)),
         "softmax_scale": ({}, dict(softmax_scale=0.3)),
         "layout": ({}, dict(layout="contiguous")),
-        "cu_seqlens": ({}, dict(cu=torch.tensor([0, 16, 32]))),  # same total, other documents
-        "cu_seqlens_padded": tuple(dict(cu=torch.tensor([0, 5, 21]), cu_seqlens_padded=torch.tensor(p))
+        "cu_seqlens": ({}, dict(cu_seqlens=torch.tensor([0, 16, 32]))),  # same total, other documents
+        "cu_seqlens_padded": tuple(dict(cu_seqlens=torch.tensor([0, 5, 21]), cu_seqlens_padded=torch.tensor(p))
                                    for p in ([0, 8, 32], [0, 16, 32])),  # same real documents, other padding
     }[what]  # fmt: skip
+    shardings, calls = [], []  # per rank: its Sharding and its other arguments
+    for r in range(P):
+        kw = {**base, **ranks[r]}
+        cu, cu_pad, layout = kw.pop("cu_seqlens"), kw.pop("cu_seqlens_padded"), kw.pop("layout")
+        shardings.append(cpref.Sharding(cu, cp_size=P, layout=layout, cu_seqlens_padded=cu_pad))
+        calls.append(kw)
 
     def rank_fn(comm, check_ranks=True):
-        kw = {**base, **ranks[comm.rank]}
-        cu, lay = kw.pop("cu"), kw.pop("layout")
-        shard_cu = cu if kw["cu_seqlens_padded"] is None else kw["cu_seqlens_padded"]
-        local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout=lay) for t in (q, k, v)]
-        return cpref.attention(*local, cu, comm=comm, mode=mode, layout=lay, check_ranks=check_ranks, **kw, **extra(mode, P))
+        sharding = shardings[comm.rank]
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+        return cpref.attention(*local, sharding, comm=comm, mode=mode, check_ranks=check_ranks, **calls[comm.rank],
+                               **extra(mode, P))  # fmt: skip
 
     return P, rank_fn
 
@@ -195,11 +191,11 @@ def test_the_rank_check_can_be_switched_off(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_double_backward_is_refused_clearly_on_every_rank(mode):
     P = 2
-    cu, q, k, v = cu_from_lengths([8, 24]), *random_qkv(32, 4, 2, 8)
+    sharding, (q, k, v) = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=P), random_qkv(32, 4, 2, 8)
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag").requires_grad_() for t in (q, k, v)]
-        out = cpref.attention(*local, cu, comm=comm, mode=mode, **extra(mode, P))
+        local = [sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v)]
+        out = cpref.attention(*local, sharding, comm=comm, mode=mode, **extra(mode, P))
         before = len(cluster.trace)
         try:
             torch.autograd.grad(out.sum(), local, create_graph=True)
@@ -247,10 +243,10 @@ class LimitedComm:
 @pytest.mark.parametrize("mode", MODES)
 def test_backend_limits_refuse_a_mode_before_any_communication(mode):
     P = 2
-    cu, q, k, v = cu_from_lengths([8, 24]), *random_qkv(32, 4, 2, 8)
+    sharding, (q, k, v) = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=P), random_qkv(32, 4, 2, 8)
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        return cpref.attention(*local, cu, comm=LimitedComm(comm), mode=mode, **extra(mode, P))
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+        return cpref.attention(*local, sharding, comm=LimitedComm(comm), mode=mode, **extra(mode, P))
 
     cluster = SimCluster(P, timeout=30.0)
     needs = cpref.MODES[mode].collectives & LimitedComm.unsupported_ops
@@ -268,16 +264,17 @@ def test_backend_limits_refuse_a_mode_before_any_communication(mode):
 def test_metadata_is_built_once_per_batch_not_per_layer(mode):
     """Layer 1 builds every plan a rank needs; layers 2..4 only hit the cache."""
     P = 4
-    cu, q, k, v = cu_from_lengths([16, 48]), *random_qkv(64, 12, 12, 8)
+    sharding, (q, k, v) = cpref.Sharding(cu_from_lengths([16, 48]), cp_size=P), random_qkv(64, 12, 12, 8)
+    shards = [[sharding.shard(t, r) for t in (q, k, v)] for r in range(P)]
+    sharded = cpref.cache_info().misses  # the shards' index plans, built before any layer
     built = {}
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
         for layer in range(4):
-            cpref.attention(*local, cu, comm=comm, mode=mode, **extra(mode, P))
+            cpref.attention(*shards[comm.rank], sharding, comm=comm, mode=mode, **extra(mode, P))
             comm.barrier()
             if comm.rank == 0:
-                built[layer] = cpref.cache_info().misses
+                built[layer] = cpref.cache_info().misses - sharded
             comm.barrier()
 
     SimCluster(P, timeout=30.0).run(rank_fn)
@@ -288,13 +285,13 @@ def test_metadata_is_built_once_per_batch_not_per_layer(mode):
 def test_autocast_does_not_lower_the_attention_precision(mode):
     """Under bf16 autocast the kernel must still sum in float32: bitwise the same as without autocast."""
     P = 2
-    cu = cu_from_lengths([8, 24])
+    sharding = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=P)
     q, k, v = (t.bfloat16() for t in random_qkv(32, 12, 12, 8, dtype=torch.float32))
 
     def rank_fn(comm, autocast):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            return cpref.attention(*local, cu, comm=comm, mode=mode, **extra(mode, P))
+            return cpref.attention(*local, sharding, comm=comm, mode=mode, **extra(mode, P))
 
     plain = SimCluster(P).run(lambda comm: rank_fn(comm, False))
     under = SimCluster(P).run(lambda comm: rank_fn(comm, True))
@@ -309,16 +306,15 @@ def test_autocast_does_not_change_the_attention_gradients(mode, fast):
     and with the explicit one, whose float32 matmuls CPU autocast would lower to bf16 (a forward
     so lowered saves another output and lse, from which the backward recomputes)."""
     P = 2
-    cu = cu_from_lengths([8, 24])
+    sharding = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=P)
     q, k, v = (t.bfloat16() for t in random_qkv(32, 12, 12, 8, dtype=torch.float32))
     dout = random_qkv(32, 12, 12, 8, dtype=torch.float32, seed=1)[0].bfloat16()
 
     def rank_fn(comm, autocast):
-        shard = lambda t: cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag")  # noqa: E731
-        local = [shard(t).requires_grad_() for t in (q, k, v)]
+        local = [sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = cpref.attention(*local, cu, comm=comm, mode=mode, kernel=cpref.TorchKernel(fast=fast), **extra(mode, P))
-        out.backward(shard(dout))
+            out = cpref.attention(*local, sharding, comm=comm, mode=mode, kernel=cpref.TorchKernel(fast=fast), **extra(mode, P))
+        out.backward(sharding.shard(dout, comm.rank))
         return (out.detach(), *(t.grad for t in local))
 
     plain = SimCluster(P).run(lambda comm: rank_fn(comm, False))
@@ -344,17 +340,17 @@ def test_activation_recomputation_gives_the_same_gradients(mode, reentrant):
     dout = random_qkv(32, 12, 12, 8, seed=1)[0]
 
     def rank_fn(comm, recompute):
-        shard = lambda t: cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag")  # noqa: E731
-        local = [shard(t).requires_grad_() for t in (q, k, v)]
-        attend = lambda *qkv: cpref.attention(*qkv, cu, comm=comm, mode=mode, **extra(mode, P))  # noqa: E731
+        local = [sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v)]
+        attend = lambda *qkv: cpref.attention(*qkv, sharding, comm=comm, mode=mode, **extra(mode, P))  # noqa: E731
         out = checkpoint(attend, *local, use_reentrant=reentrant) if recompute else attend(*local)
         comm.barrier()  # the end of the forward in the trace
-        out.backward(shard(dout))
+        out.backward(sharding.shard(dout, comm.rank))
         return (out.detach(), *(t.grad for t in local))
 
     runs = {}
     for recompute in (False, True):
         cpref.clear_cache()
+        sharding = cpref.Sharding(cu, cp_size=P)  # after the clear: each run builds its plans afresh
         cluster = SimCluster(P, timeout=30.0)
         runs[recompute] = (cluster.run(lambda comm: rank_fn(comm, recompute)), [e for e in cluster.trace])
     (plain, plain_trace), (again, again_trace) = runs[False], runs[True]
@@ -383,13 +379,12 @@ def test_every_mode_runs_on_the_npu_kernel_rank_by_rank(mode, layout, heads):
     from tests.kernels.npu_double import NpuOpsDouble
 
     P = 4
-    cu, cu_pad, q, k, v, dout = padded_batch([5, 17, 2], P, layout, heads, seed=3)
+    sharding, q, k, v, dout = padded_batch([5, 17, 2], P, layout, heads, seed=3)
     doubles = [NpuOpsDouble() for _ in range(P)]
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, cu_seqlens_padded=cu_pad,
-                        kernels=[NpuKernel(ops=d) for d in doubles], **extra(mode, P))  # fmt: skip
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, kernels=[NpuKernel(ops=d) for d in doubles], **extra(mode, P))
     ops = {call["op"] for d in doubles for call in d.calls}
     assert ops == {"forward", "backward"}, ops  # the op (its double) did the work
-    refs = oracle_shards(q, k, v, dout, cu, P=P, layout=layout, cu_seqlens_padded=cu_pad)
+    refs = oracle_shards(q, k, v, dout, sharding)
     for r, (got, want) in enumerate(zip(results, refs)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert_close(a, b, torch.float64, msg=f"{mode} {layout} rank {r} {name}")

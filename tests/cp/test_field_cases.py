@@ -22,6 +22,11 @@ NAMES = ("out", "dq", "dk", "dv")
 FIELD_CU = torch.tensor([0, 120, 1248, 4232])  # documents of 120, 1128 and 2984 tokens: multiples of 2P
 
 
+def field_sharding(cp_size=P):
+    """The field's batch over `cp_size` ranks, zigzag (built per test: every test starts with an empty cache)."""
+    return cpref.Sharding(FIELD_CU, cp_size=cp_size)
+
+
 @pytest.fixture(scope="module")
 def field_batch():
     """GQA, D = 64, fp32 on the field's batch, with each rank's shard of the fp32 run without CP
@@ -31,8 +36,9 @@ def field_batch():
     q, k, v = random_qkv(T, hq, hkv, d, dv, dtype=torch.float32, seed=0)
     dout = random_qkv(T, hq, hq, dv, dtype=torch.float32, seed=1)[0]
     cpref.clear_cache()
-    (whole,), _ = run_cp(q, k, v, dout, FIELD_CU, P=1, mode="all_gather", layout="zigzag")
-    without_cp = [[cpref.shard(t, FIELD_CU, cp_size=P, rank=r, layout="zigzag") for t in whole] for r in range(P)]
+    (whole,), _ = run_cp(q, k, v, dout, field_sharding(1), mode="all_gather")
+    sharding = field_sharding()
+    without_cp = [[sharding.shard(t, r) for t in whole] for r in range(P)]
     return (q, k, v, dout), without_cp
 
 
@@ -41,7 +47,7 @@ def test_fp32_on_the_field_batch_matches_the_run_without_cp_at_the_field_toleran
     """Each rank's out, dq, dk, dv against the same kernel without CP at atol 2e-6 / rtol 1e-5 (the
     field's fp32 tolerance): CP's gathers, merges and reductions add no more than fp32 rounding."""
     (q, k, v, dout), without_cp = field_batch
-    results, _ = run_cp(q, k, v, dout, FIELD_CU, P=P, mode=mode, layout="zigzag", **MODES[mode])
+    results, _ = run_cp(q, k, v, dout, field_sharding(), mode=mode, **MODES[mode])
     for r in range(P):
         for name, got, plain in zip(NAMES, results[r], without_cp[r]):
             assert got.dtype == torch.float32
@@ -64,12 +70,12 @@ def test_the_field_head_dims_match_the_oracle_in_every_mode(mode, heads, dtype):
     short documents at P = 4, with cross-rank sums rounded as NCCL and HCCL round them: every rank
     within the dtype's tolerance of the FP64 oracle (bf16 with GQA: 3.5e-2, TransformerEngine's)."""
     hq, hkv, d, dv = FIELD_HEADS[heads]
-    cu = cu_from_lengths([24, 40, 64])
-    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype, seed=2)
-    dout = random_qkv(int(cu[-1]), hq, hq, dv, dtype=dtype, seed=3)[0]
+    sharding = cpref.Sharding(cu_from_lengths([24, 40, 64]), cp_size=P)
+    q, k, v = random_qkv(sharding.total, hq, hkv, d, dv, dtype=dtype, seed=2)
+    dout = random_qkv(sharding.total, hq, hq, dv, dtype=dtype, seed=3)[0]
     cluster = SimCluster(P, timeout=30.0, reduction="native")
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", cluster=cluster, **MODES[mode])
-    refs = oracle_shards(*(t.double() for t in (q, k, v, dout)), cu, P=P, layout="zigzag")
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, cluster=cluster, **MODES[mode])
+    refs = oracle_shards(*(t.double() for t in (q, k, v, dout)), sharding)
     tol = 3.5e-2 if dtype == torch.bfloat16 and hkv < hq else TOL[dtype]
     for r in range(P):
         for name, got, want in zip(NAMES, results[r], refs[r]):

@@ -7,12 +7,11 @@ import pytest
 import torch
 
 import cpref
-from cpref.costs import mode_costs
+from cpref.api import mode_costs
 from sim.harness import saved_bytes, trace_split
 from tests.cp.conftest import CountingKernel, run_cp
-from tests.helpers import cu_from_lengths, random_qkv
+from tests.helpers import HEADS, attention_inputs, cu_from_lengths, random_qkv
 
-HEADS = {"mha": (8, 8, 8, 8), "gqa": (8, 2, 8, 8), "mqa": (8, 1, 8, 8), "mla": (8, 2, 12, 8)}
 CONFIGS = [  # (mode, options, P)
     ("all_gather", {}, 4),
     ("all_gather", {"save_gathered_kv": True}, 4),
@@ -41,15 +40,13 @@ def steps_with_work(mode, options, P, rank, layout, causal):
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)
 def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, options, P, heads, layout, causal):
-    cu = cu_from_lengths([2 * P * 3, 2 * P])
-    hq, hkv, d, dv = HEADS[heads]
+    sharding = cpref.Sharding(cu_from_lengths([2 * P * 3, 2 * P]), cp_size=P, layout=layout)
     dtype = torch.bfloat16  # 2-byte payload, 4-byte float32 accumulators: the formulas must tell them apart
-    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype)
-    dout = random_qkv(int(cu[-1]), hq, hq, dv, dtype=dtype, seed=1)[0]
+    q, k, v, dout = attention_inputs(sharding.total, HEADS[heads], dtype=dtype)
     kernels = [CountingKernel() for _ in range(P)]
-    _, cluster = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, kernels=kernels,
-                        check_ranks=False, between=lambda comm: comm.barrier(), **options)  # fmt: skip
-    t_l = int(cu[-1]) // P
+    _, cluster = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, kernels=kernels, check_ranks=False,
+                        between=lambda comm: comm.barrier(), **options)  # fmt: skip
+    t_l, cu = sharding.local_tokens, sharding.cu_seqlens
     for r in range(P):
         rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout, causal=causal)["actual_seq_kvlen"][-1]
         want = mode_costs(mode, P=P, local_tokens=t_l, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows, **options)
@@ -64,13 +61,13 @@ def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, opt
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)
 def test_saved_bytes_for_backward_equal_the_formula(mode, options, P, heads, dtype):
-    cu = cu_from_lengths([2 * P * 3, 2 * P])
-    hq, hkv, d, dv = HEADS[heads]
-    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype)
-    measured = saved_bytes(q, k, v, cu, P=P, mode=mode, check_ranks=False, **options)
+    sharding = cpref.Sharding(cu_from_lengths([2 * P * 3, 2 * P]), cp_size=P)
+    q, k, v, _ = attention_inputs(sharding.total, HEADS[heads], dtype=dtype)
+    measured = saved_bytes(q, k, v, sharding, mode=mode, check_ranks=False, **options)
     for r in range(P):
-        rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, r)["actual_seq_kvlen"][-1]
-        want = mode_costs(mode, P=P, local_tokens=int(cu[-1]) // P, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows, **options)
+        rows = cpref.get_thd_load_balanced_cp_metadata(sharding.cu_seqlens, P, r)["actual_seq_kvlen"][-1]
+        want = mode_costs(mode, P=P, local_tokens=sharding.local_tokens, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows,
+                          **options)  # fmt: skip
         assert measured[r] == want.saved_bytes, f"rank {r}"
 
 
@@ -79,9 +76,9 @@ def test_saved_memory_falls_as_one_over_p(mode, options):
     """Memory is what CP is for: each rank saves 1/P of the layer's activations (MHA: no head replicated)."""
     per_rank = {}
     for P in (2, 4, 8):
-        cu = cu_from_lengths([128])
+        sharding = cpref.Sharding(cu_from_lengths([128]), cp_size=P)
         q, k, v = random_qkv(128, 8, 8, 8)
-        per_rank[P] = saved_bytes(q, k, v, cu, P=P, mode=mode, check_ranks=False, **options)[0]
+        per_rank[P] = saved_bytes(q, k, v, sharding, mode=mode, check_ranks=False, **options)[0]
     assert per_rank[2] == 2 * per_rank[4] == 4 * per_rank[8]
 
 
@@ -90,7 +87,7 @@ def test_ulysses_replicated_kv_heads_do_not_shrink_with_p():
     kv = {}
     for P in (2, 4, 8):
         q, k, v = random_qkv(128, 8, 1, 8)  # MQA: one key/value head, replicated P times
-        total = saved_bytes(q, k, v, cu_from_lengths([128]), P=P, mode="a2a", check_ranks=False)[0]
+        total = saved_bytes(q, k, v, cpref.Sharding(cu_from_lengths([128]), cp_size=P), mode="a2a", check_ranks=False)[0]
         q_out_lse = (128 // P) * (8 * (8 * 8 + 8 * 8) + 8 * 8)  # q, out (fp64) and lse: fall as 1/P
         kv[P] = total - q_out_lse
     assert kv[2] == kv[4] == kv[8] == 128 * (8 + 8) * 8  # T (D + Dv) elements of 8 bytes, whatever P

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import cpref
 from sim import SimCluster
 from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
-from tests.helpers import TOL, assert_close, cu_from_lengths, random_qkv
+from tests.helpers import HEADS, TOL, assert_close, attention_inputs, cu_from_lengths, random_qkv
 
 # name -> (mode, extra arguments, CP sizes)
 CONFIGS = {
@@ -20,24 +20,21 @@ CONFIGS = {
     "a2a+p2p:a=2": ("a2a+p2p", {"a2a_size": 2}, (4, 8)),
     "a2a+p2p:a=4": ("a2a+p2p", {"a2a_size": 4}, (8,)),
 }
-HEADS = {"mha": (8, 8, 8, 8), "gqa": (8, 2, 8, 8), "mqa": (8, 1, 8, 8), "mla": (8, 2, 12, 8)}  # (Hq, Hkv, D, Dv)
 NAMES = ("out", "dq", "dk", "dv")
 
 
 def batch(lengths, heads, dtype=torch.float64, seed=0):
     cu = cu_from_lengths(lengths)
-    hq, hkv, d, dv = HEADS[heads]
-    q, k, v = random_qkv(int(cu[-1]), hq, hkv, d, dv, dtype=dtype, seed=seed)
-    dout = random_qkv(int(cu[-1]), hq, hq, dv, dtype=dtype, seed=seed + 1)[0]
-    return cu, q, k, v, dout
+    return (cu, *attention_inputs(int(cu[-1]), HEADS[heads], dtype=dtype, seed=seed))
 
 
 def check(config, P, layout, causal, lengths, heads, dtype=torch.float64, seed=0, reduction="exact"):
     mode, extra, _ = CONFIGS[config]
     cu, q, k, v, dout = batch(lengths, heads, dtype, seed)
+    sharding = cpref.Sharding(cu, cp_size=P, layout=layout)
     cluster = SimCluster(P, timeout=30.0, reduction=reduction)
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout=layout, causal=causal, cluster=cluster, **extra)
-    refs = oracle_shards(*(t.double() for t in (q, k, v, dout)), cu, P=P, layout=layout, causal=causal)
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, cluster=cluster, **extra)
+    refs = oracle_shards(*(t.double() for t in (q, k, v, dout)), sharding, causal=causal)
     for r, (got, want) in enumerate(zip(results, refs)):
         for name, a, b in zip(NAMES, got, want):
             assert a.dtype == dtype and a.shape == b.shape
@@ -92,8 +89,9 @@ def test_low_precision_within_tolerance_with_native_reductions(config, P, heads,
 def max_error(config, P, dtype):
     mode, extra, _ = CONFIGS[config]
     cu, q, k, v, dout = batch([512, 256], "gqa", dtype, seed=3)
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", cluster=SimCluster(P, reduction="native"), **extra)
-    refs = oracle_shards(*(t.double() for t in (q, k, v, dout)), cu, P=P, layout="zigzag")
+    sharding = cpref.Sharding(cu, cp_size=P)
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, cluster=SimCluster(P, reduction="native"), **extra)
+    refs = oracle_shards(*(t.double() for t in (q, k, v, dout)), sharding)
     return max(((a.double() - b).abs() / (1 + b.abs())).max().item() for got, want in zip(results, refs) for a, b in zip(got, want))
 
 
@@ -106,7 +104,8 @@ def test_ring_bf16_backward_error_does_not_grow_with_p():
 @pytest.mark.parametrize("P", [2, 4])
 def test_hierarchical_reduces_bit_for_bit_to_ring_and_ulysses(P):
     cu, q, k, v, dout = batch([8 * P, 4 * P], "gqa", torch.bfloat16)
-    run = lambda mode, **kw: run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", **kw)[0]  # noqa: E731
+    sharding = cpref.Sharding(cu, cp_size=P)
+    run = lambda mode, **kw: run_cp(q, k, v, dout, sharding, mode=mode, **kw)[0]  # noqa: E731
     for a, twin in ((1, run("p2p")), (P, run("a2a"))):
         for got, want in zip(run("a2a+p2p", a2a_size=a), twin):
             assert all(torch.equal(x, y) for x, y in zip(got, want)), f"a2a_size={a}"
@@ -116,11 +115,11 @@ def test_hierarchical_reduces_bit_for_bit_to_ring_and_ulysses(P):
 @pytest.mark.parametrize("P, a", [(4, 2), (8, 2), (8, 4), (6, 3)])
 def test_the_layout_over_p_nests_inside_the_layout_over_P(P, a, layout):
     """After the exchange, a2a group g holds exactly rank g's chunks of the layout over P / a ranks."""
-    b = cpref.Boundaries.parse(cu_from_lengths([2 * P * 3, 2 * P]))
-    p = P // a
+    cu, p = cu_from_lengths([2 * P * 3, 2 * P]), P // a
+    over_P, over_p = cpref.Sharding(cu, cp_size=P, layout=layout), cpref.Sharding(cu, cp_size=p, layout=layout)
     for g in range(p):
-        held = torch.cat([cpref.global_index(b, cp_size=P, rank=g * a + j, layout=layout) for j in range(a)])
-        nested = cpref.global_index(b, cp_size=p, rank=g, layout=layout)
+        held = torch.cat([over_P.global_index(g * a + j) for j in range(a)])
+        nested = over_p.global_index(g)
         assert torch.equal(held.sort().values, nested.sort().values)
 
 
@@ -129,7 +128,7 @@ def test_zigzag_ring_steps_are_balanced_in_the_kernel_calls_made():
     P, lengths = 4, [8 * 2, 8 * 5, 8]  # chunks of c = 2, 5, 1
     cu, q, k, v, dout = batch(lengths, "gqa")
     kernels = [CountingKernel() for _ in range(P)]
-    run_cp(q, k, v, dout, cu, P=P, mode="p2p", layout="zigzag", kernels=kernels)
+    run_cp(q, k, v, dout, cpref.Sharding(cu, cp_size=P), mode="p2p", kernels=kernels)
     cs = [n // (2 * P) for n in lengths]
     for kern in kernels:
         forward = [(seqs, causal) for kind, seqs, causal in kern.calls if kind == "forward"]
@@ -143,7 +142,7 @@ def test_contiguous_causal_ring_skips_later_blocks():
     P = 4
     cu, q, k, v, dout = batch([16, 32], "gqa")
     kernels = [CountingKernel() for _ in range(P)]
-    run_cp(q, k, v, dout, cu, P=P, mode="p2p", layout="contiguous", kernels=kernels)
+    run_cp(q, k, v, dout, cpref.Sharding(cu, cp_size=P, layout="contiguous"), mode="p2p", kernels=kernels)
     assert [(kern.forward_calls, kern.backward_calls) for kern in kernels] == [(r + 1, r + 1) for r in range(P)]
 
 
@@ -152,12 +151,12 @@ def test_a_rank_holding_only_padding_gives_zeros_not_nan(config):
     """Field bug 6: with P = 8 and short documents, some ranks hold nothing but padding."""
     mode, extra, sizes = CONFIGS[config]
     P = max(sizes)
-    cu, cu_pad = cu_from_lengths([3, 1]), cu_from_lengths([16, 16])
+    sharding = cpref.Sharding(cu_from_lengths([3, 1]), cp_size=P, cu_seqlens_padded=cu_from_lengths([16, 16]))
     hq, hkv, d, dv = HEADS["gqa"]
     q, k, v = random_qkv(32, hq, hkv, d, dv)
     dout = random_qkv(32, hq, hq, dv, seed=1)[0]
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", cu_seqlens_padded=cu_pad, **extra)
-    refs = oracle_shards(q, k, v, dout, cu, P=P, layout="zigzag", cu_seqlens_padded=cu_pad)
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, **extra)
+    refs = oracle_shards(q, k, v, dout, sharding)
     assert any(all((t == 0).all() for t in ref) for ref in refs)  # some rank has only padding
     for got, want in zip(results, refs):
         for a, b in zip(got, want):
@@ -174,15 +173,15 @@ def test_a_rank_holding_only_padding_gives_exact_zeros_in_low_precision(config, 
     are exactly 0 (no query and no key of theirs is seen), with no NaN anywhere on any rank."""
     mode, extra, sizes = CONFIGS[config]
     P = max(sizes)
-    cu, cu_pad = cu_from_lengths([3, 1]), cu_from_lengths([16, 16])
+    sharding = cpref.Sharding(cu_from_lengths([3, 1]), cp_size=P, cu_seqlens_padded=cu_from_lengths([16, 16]))
     hq, hkv, d, dv = HEADS["gqa"]
     q, k, v = random_qkv(32, hq, hkv, d, dv, dtype=dtype)
     dout = random_qkv(32, hq, hq, dv, dtype=dtype, seed=1)[0]
     cluster = SimCluster(P, timeout=30.0, reduction="native")
-    results, _ = run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", cu_seqlens_padded=cu_pad, cluster=cluster, **extra)
+    results, _ = run_cp(q, k, v, dout, sharding, mode=mode, cluster=cluster, **extra)
     real = torch.zeros(32, dtype=torch.bool)
     real[[0, 1, 2, 16]] = True  # the real tokens of the padded stream
-    padding_only = [r for r in range(P) if not cpref.shard(real, cu_pad, cp_size=P, rank=r, layout="zigzag").any()]
+    padding_only = [r for r in range(P) if not sharding.shard(real, r).any()]
     assert padding_only == [3, 4, 5, 6, 7]
     for r, got in enumerate(results):
         for name, t in zip(NAMES, got):
@@ -197,13 +196,13 @@ def test_a_698_token_document_padded_to_704_at_cp4(config):
     mode, extra, sizes = CONFIGS[config]
     if 4 not in sizes:
         pytest.skip("defined at P = 8 only")
-    cu, cu_pad = cu_from_lengths([698, 120]), cu_from_lengths([704, 120])
+    sharding = cpref.Sharding(cu_from_lengths([698, 120]), cp_size=4, cu_seqlens_padded=cu_from_lengths([704, 120]))
     hq, hkv, d, dv = HEADS["gqa"]
     q, k, v = random_qkv(824, hq, hkv, d, dv)
     dout = random_qkv(824, hq, hq, dv, seed=1)[0]
-    first, _ = run_cp(q, k, v, dout, cu, P=4, mode=mode, layout="zigzag", cu_seqlens_padded=cu_pad, **extra)
-    refs = oracle_shards(q, k, v, dout, cu, P=4, layout="zigzag", cu_seqlens_padded=cu_pad)
-    second, _ = run_cp(q, k, v, dout, cu, P=4, mode=mode, layout="zigzag", cu_seqlens_padded=cu_pad, **extra)
+    first, _ = run_cp(q, k, v, dout, sharding, mode=mode, **extra)
+    refs = oracle_shards(q, k, v, dout, sharding)
+    second, _ = run_cp(q, k, v, dout, sharding, mode=mode, **extra)
     for a_rank, b_rank, ref in zip(first, second, refs):
         for a, b, w in zip(a_rank, b_rank, ref):
             assert torch.equal(a, b)
@@ -220,21 +219,21 @@ def test_dp2_x_cp4_groups_run_concurrently_with_their_own_batches(config, groupi
     mode, extra, _ = CONFIGS[config]
     groups = GROUPINGS[grouping]
     batches = [batch([16, 48], "gqa", seed=1), batch([32, 8, 24], "gqa", seed=2)]  # one per DP replica
+    shardings = [cpref.Sharding(cu, cp_size=4) for cu, *_ in batches]
 
     def rank_fn(world):
         cp = world.split(groups)
         dp_index = next(i for i, g in enumerate(groups) if world.rank in g)
-        cu, q, k, v, dout = batches[dp_index]
-        shard = lambda x: cpref.shard(x, cu, cp_size=4, rank=cp.rank, layout="zigzag")  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-        out = cpref.attention(ql, kl, vl, cu, comm=cp, mode=mode, **extra)
-        out.backward(shard(dout))
+        (_, q, k, v, dout), sharding = batches[dp_index], shardings[dp_index]
+        ql, kl, vl = (sharding.shard(t, cp.rank).requires_grad_() for t in (q, k, v))
+        out = cpref.attention(ql, kl, vl, sharding, comm=cp, mode=mode, **extra)
+        out.backward(sharding.shard(dout, cp.rank))
         return dp_index, cp.rank, (out.detach(), ql.grad, kl.grad, vl.grad)
 
     cluster = SimCluster(8, timeout=30.0)
     results = cluster.run(rank_fn)
     for dp_index, cp_rank, got in results:
-        refs = oracle_shards(*batches[dp_index][1:], batches[dp_index][0], P=4, layout="zigzag")[cp_rank]
+        refs = oracle_shards(*batches[dp_index][1:], shardings[dp_index])[cp_rank]
         for name, a, b in zip(NAMES, got, refs):
             assert_close(a, b, torch.float64, msg=f"dp {dp_index} cp rank {cp_rank} {name}")
     # every collective of the attention stays inside one CP group (or its sub-groups)
@@ -249,20 +248,21 @@ def test_two_models_with_different_cp_settings_in_one_process_do_not_interfere()
     setups = [("a2a+p2p", {"a2a_size": 2}, "zigzag", [16, 48]), ("a2a+p2p", {"a2a_size": 4}, "contiguous", [8, 24]),
               ("p2p", {}, "contiguous", [40]), ("a2a", {}, "zigzag", [32, 16, 16])]  # fmt: skip
     data = [batch(lengths, "gqa", seed=i) for i, (*_, lengths) in enumerate(setups)]
+    shardings = [cpref.Sharding(cu, cp_size=P, layout=layout) for (_, _, layout, _), (cu, *_) in zip(setups, data)]
 
     def rank_fn(comm):
         outs = []
         for _round in range(2):
-            for (mode, extra, layout, _), (cu, q, k, v, _) in zip(setups, data):
-                local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout=layout) for t in (q, k, v)]
-                outs.append(cpref.attention(*local, cu, comm=comm, mode=mode, layout=layout, **extra))
+            for (mode, extra, _, _), (_, q, k, v, _), sharding in zip(setups, data, shardings):
+                local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+                outs.append(cpref.attention(*local, sharding, comm=comm, mode=mode, **extra))
         return outs
 
     results = SimCluster(P, timeout=30.0).run(rank_fn)
     for r, outs in enumerate(results):
         for i, out in enumerate(outs):
-            (mode, _, layout, _), (cu, q, k, v, dout) = setups[i % 4], data[i % 4]
-            want = oracle_shards(q, k, v, dout, cu, P=P, layout=layout)[r][0]
+            (_, q, k, v, dout), sharding = data[i % 4], shardings[i % 4]
+            want = oracle_shards(q, k, v, dout, sharding)[r][0]
             assert_close(out, want, torch.float64, msg=f"call {i} rank {r}")
 
 
@@ -274,12 +274,13 @@ def test_a_ring_rank_whose_steps_see_no_key_returns_zero_rows_and_minus_infinity
     from cpref.modes.ring import ring_forward
     from cpref.modes.ring_plan import build_ring_plan
 
-    P, b = 4, cpref.Boundaries.parse([0, 1], [0, 8])
+    P = 4
+    sharding = cpref.Sharding([0, 1], cp_size=P, cu_seqlens_padded=[0, 8])
     q, k, v = random_qkv(8, 4, 2, 8, 6)
 
     def rank_fn(comm):
-        plan = build_ring_plan(b, P, comm.rank, "zigzag", True, q.device)
-        local = [cpref.shard(t, b.padded, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
+        plan = build_ring_plan(sharding.bounds, P, comm.rank, "zigzag", True, q.device)
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
         return plan, ring_forward(*local, plan, comm, TorchKernel(), scale=0.5)
 
     for r, (plan, (out, lse)) in enumerate(SimCluster(P).run(rank_fn)):
@@ -353,7 +354,7 @@ def ring_events(monkeypatch, P, mode, extra):
 
     monkeypatch.setattr(SimComm, "send_recv_async", post)
     cu, q, k, v, dout = batch([16 * P, 8 * P], "gqa")  # zigzag: every ring step has work
-    run_cp(q, k, v, dout, cu, P=P, mode=mode, layout="zigzag", kernels=[OrderKernel(log) for log in logs],
+    run_cp(q, k, v, dout, cpref.Sharding(cu, cp_size=P), mode=mode, kernels=[OrderKernel(log) for log in logs],
            between=between, **extra)  # fmt: skip
     cut = [log.index("|") for log in logs]
     return [(log[:c], log[c + 1 :]) for log, c in zip(logs, cut)]
@@ -402,7 +403,7 @@ def test_a_non_causal_ring_step_reads_the_block_as_it_arrived_in_one_sequence_pe
     b = cpref.Boundaries.parse([0, 4, 6])
     for rank in range(2):
         plan = build_ring_plan(b, 2, rank, "contiguous", False, torch.device("cpu"))
-        assert plan.local_tokens == 3
+        assert len(plan.steps) == 2
         got = [(s.source, s.seqs.cu_q, s.seqs.cu_kv, s.causal, s.kv_index, s.work) for s in plan.steps]
         assert got == [(src, (0, 2, 3), (0, 2, 3), False, None, 5) for src in (rank, 1 - rank)]
 

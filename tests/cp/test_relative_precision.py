@@ -87,9 +87,9 @@ def batch(scale: int, dtype: str, seed: int) -> tuple[torch.Tensor, ...]:
 def references(scale: int, dtype: str, seed: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """`(truth, without_cp)`: the FP64 oracle's `(out, dq, dk, dv)` on the rounded inputs, and the kernel's at P = 1."""
     q, k, v, dout = batch(scale, dtype, seed)
-    cu = cu_from_lengths(LENGTHS)
-    truth = oracle_padded(q.double(), k.double(), v.double(), dout.double(), cu)
-    (without_cp,), _ = run_cp(q, k, v, dout, cu, P=1, mode="all_gather", layout="contiguous", cluster=SimCluster(1))
+    whole = cpref.Sharding(cu_from_lengths(LENGTHS), cp_size=1, layout="contiguous")
+    truth = oracle_padded(q.double(), k.double(), v.double(), dout.double(), whole)
+    (without_cp,), _ = run_cp(q, k, v, dout, whole, mode="all_gather", cluster=SimCluster(1))
     return truth, without_cp
 
 
@@ -102,13 +102,13 @@ def test_every_mode_is_within_twice_the_error_of_the_kernel_without_cp(mode, lay
     and HCCL round them: at most `RATIO_LIMIT` times as far from the oracle as P = 1 (see the docstring)."""
     cu = cu_from_lengths(LENGTHS)
     for P in (2, 4):
+        sharding = cpref.Sharding(cu, cp_size=P, layout=layout)
         got, plain, truth = ([[] for _ in NAMES] for _ in range(3))  # per tensor: one entry per batch
         for seed in SEEDS:
             cluster = SimCluster(P, timeout=30.0, reduction="native")
-            results, _ = run_cp(*batch(scale, dtype, seed), cu, P=P, mode=mode, layout=layout, cluster=cluster,
-                                **extra(mode, P))  # fmt: skip
+            results, _ = run_cp(*batch(scale, dtype, seed), sharding, mode=mode, cluster=cluster, **extra(mode, P))
             want, without_cp = references(scale, dtype, seed)
-            shards = lambda t: torch.cat([cpref.shard(t, cu, cp_size=P, rank=r, layout=layout) for r in range(P)])  # noqa: E731
+            shards = lambda t: torch.cat([sharding.shard(t, r) for r in range(P)])  # noqa: E731
             for i in range(len(NAMES)):  # the whole stream, rank by rank
                 got[i].append(torch.cat([results[r][i] for r in range(P)]))
                 plain[i].append(shards(without_cp[i]))

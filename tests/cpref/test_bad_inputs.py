@@ -20,20 +20,25 @@ from tests.helpers import only_the_comparison, random_qkv
 
 P = 2
 CU = torch.tensor([0, 8, 32])
+SHARDING = cpref.Sharding(CU, cp_size=P)  # zigzag
 Q, K, V = random_qkv(32, 4, 2, 8)
+BATCH = ("cu_seqlens", "cu_seqlens_padded", "layout")  # where they enter now: the Sharding each rank builds
 
 
 def attention_call(**change):
-    """Run `cpref.attention` on 2 simulated ranks with the valid base call changed by `change`."""
-    cu = change.pop("cu_seqlens", CU)
-    shard_cu = change.pop("shard_cu", CU)
+    """Run `cpref.attention` on 2 simulated ranks with the valid base call changed by `change`: the
+    tensors are always `SHARDING`'s shards; `cu_seqlens`, `cu_seqlens_padded` and `layout` change the
+    Sharding every rank builds for the call, `sharding` replaces it, anything else is an argument."""
+    batch = {name: change.pop(name) for name in BATCH if name in change}
+    sharding = change.pop("sharding", SHARDING)
     tensors = change.pop("tensors", None)
     kwargs = {"mode": "all_gather", **change}
 
     def rank_fn(comm):
-        local = [cpref.shard(t, shard_cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (Q, K, V)]
+        local = [SHARDING.shard(t, comm.rank) for t in (Q, K, V)]
         q, k, v = tensors(*local) if tensors else local
-        return cpref.attention(q, k, v, cu, **{"comm": comm, **kwargs})
+        given = cpref.Sharding(**{"cu_seqlens": CU, "cp_size": P, **batch}) if batch else sharding
+        return cpref.attention(q, k, v, given, **{"comm": comm, **kwargs})
 
     cluster = SimCluster(P, timeout=30.0)
     try:
@@ -66,7 +71,7 @@ def comm_is(value):
 
 
 ATTENTION_CASES = [
-    # boundaries
+    # boundaries (and below, the layout): they enter at cpref.Sharding(...), which every rank builds before the call
     ("cu None", attn(cu_seqlens=None), r"cu_seqlens is NoneType None; pass document boundaries like \[0, 8, 20\]"),
     ("cu with None", attn(cu_seqlens=[0, None, 32]), r"cu_seqlens\[1\] is None \(NoneType\)"),
     ("cu nested", attn(cu_seqlens=[[0, 8], [8, 32]]), r"cu_seqlens\[0\] is \[0, 8\] \(list\)"),
@@ -84,12 +89,18 @@ ATTENTION_CASES = [
     ("cu no leading 0", attn(cu_seqlens=[1, 8, 32]), r"must start with 0"),
     ("cu decreasing", attn(cu_seqlens=[0, 32, 16]), r"strictly increasing: document 1 spans \[32, 16\)"),
     ("cu no document", attn(cu_seqlens=[0]), r"at least one document"),
-    ("cu not divisible", attn(cu_seqlens=[0, 6, 32]), r"document 0 has length 6, not a multiple of 4 .*pad_to_multiple.*cu_seqlens_padded"),
+    ("cu not divisible", attn(cu_seqlens=[0, 6, 32]),
+     r"document 0 has length 6, not a multiple of 4 .*Sharding\.eod_padded.*cu_seqlens_padded"),
     ("cu other total", attn(cu_seqlens=[0, 8, 40]), r"q/k/v hold 16/16/16 tokens but this rank's shard of 40 tokens"),
     ("padded other count", attn(cu_seqlens_padded=[0, 32]), r"cu_seqlens has 2 documents but cu_seqlens_padded 1"),
     ("padded shorter", attn(cu_seqlens=[0, 12, 32], cu_seqlens_padded=[0, 8, 32]), r"document 0 has 12 real tokens but only 8 padded"),
     ("padded not divisible", attn(cu_seqlens=[0, 5, 26], cu_seqlens_padded=[0, 6, 32]), r"document 0 has length 6, not a multiple of 4"),
     ("padded string", attn(cu_seqlens_padded="x"), r"cu_seqlens_padded is str"),
+    # the sharding: a cpref.Sharding, over the communicator's size
+    ("sharding a tensor", attn(sharding=CU), r"the batch must be described by a cpref.Sharding, got Tensor .*cp_size=2"),
+    ("sharding None", attn(sharding=None), r"the batch must be described by a cpref.Sharding, got NoneType None"),
+    ("sharding other cp_size", attn(sharding=cpref.Sharding(CU, cp_size=4)),
+     r"the batch is sharded over cp_size=4 .*but the communicator has 2 ranks; .*cpref.Sharding\(\.\.\., cp_size=2\)"),
     # the communicator, the mode and the flags
     ("comm None", comm_is(None), r"comm must be the CP group's collectives .*got NoneType"),
     ("comm string", comm_is("world"), r"comm must be .*got str"),
@@ -164,10 +175,14 @@ OTHER_CASES = [
     ("metadata cp_size string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], "2", 0), r"cp_size must be an int, got '2' \(str\)"),
     ("metadata device", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, "gpu0"), r"device 'gpu0' is not a torch device"),
     ("metadata causal string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, causal="yes"), r"causal must be True or False"),
-    ("shard length", lambda: cpref.shard(torch.zeros(10), [0, 8], cp_size=2, rank=0, layout="zigzag"), r"x has shape \(10,\) but cu_seqlens ends at 8"),
-    ("shard rank float", lambda: cpref.shard(torch.zeros(8), [0, 8], cp_size=2, rank=0.5, layout="zigzag"), r"rank must be an int, got 0.5"),
-    ("shard not a tensor", lambda: cpref.shard([0.0] * 8, [0, 8], cp_size=2, rank=0, layout="zigzag"), r"x has shape list"),
-    ("pad multiple zero", lambda: cpref.pad_to_multiple(torch.zeros(8), [0, 8], 0), r"multiple=0 is outside \[1, inf\)"),
+    ("shard length", lambda: cpref.Sharding([0, 8], cp_size=2).shard(torch.zeros(10), 0),
+     r"x has shape \(10,\) but the sharded stream has 8 tokens"),
+    ("shard real stream of a padded batch", lambda: cpref.Sharding.eod_padded([0, 7], cp_size=2).shard(torch.zeros(7), 0),
+     r"x has shape \(7,\) but the sharded stream has 8 tokens: .*; pad it first with sharding.pad\(x\)"),
+    ("shard rank float", lambda: cpref.Sharding([0, 8], cp_size=2).shard(torch.zeros(8), 0.5), r"rank must be an int, got 0.5"),
+    ("shard not a tensor", lambda: cpref.Sharding([0, 8], cp_size=2).shard([0.0] * 8, 0), r"x has shape list"),
+    ("pad multiple zero", lambda: cpref.layout.pad_to_multiple(torch.zeros(8), [0, 8], 0), r"multiple=0 is outside \[1, inf\)"),
+    ("eod_padded cp_size zero", lambda: cpref.Sharding.eod_padded([0, 8], cp_size=0), r"cp_size=0 is outside \[1, inf\)"),
     ("batch without labels", lambda: cpref.get_batch_on_this_cp_rank({"tokens": torch.zeros(8)}, [0, 8], cp_size=2, rank=0), r"batch needs 'tokens' and 'labels'"),
     ("kernel block_size zero", lambda: TorchKernel(block_size=0), r"block_size=0 must be a positive int, or None"),
     ("kernel budget float", lambda: TorchKernel(max_block_elements=1.5), r"max_block_elements=1.5 must be a positive int"),
@@ -218,9 +233,9 @@ def test_forwarding_wrappers_conform_on_every_python():
     assert missing_members(_Forwarding(SingleRank()), Collectives) == []
     assert missing_members(_Forwarding(TorchKernel()), AttentionKernel) == []
     q = k = v = torch.randn(8, 2, 4)
-    out = cpref.attention(q, k, v, torch.tensor([0, 8]), comm=_Forwarding(SingleRank()), mode="p2p",
-                          kernel=_Forwarding(TorchKernel()))
-    assert torch.equal(out, cpref.attention(q, k, v, torch.tensor([0, 8]), comm=SingleRank(), mode="p2p"))
+    sharding = cpref.Sharding(torch.tensor([0, 8]), cp_size=1)
+    out = cpref.attention(q, k, v, sharding, comm=_Forwarding(SingleRank()), mode="p2p", kernel=_Forwarding(TorchKernel()))
+    assert torch.equal(out, cpref.attention(q, k, v, sharding, comm=SingleRank(), mode="p2p"))
 
 
 def test_a_comm_missing_members_is_refused_naming_them():
@@ -231,7 +246,7 @@ def test_a_comm_missing_members_is_refused_naming_them():
             return x
 
     with pytest.raises(ValueError, match=r"got HalfComm \(without all_reduce, all_to_all, barrier, reduce_scatter, send_recv, send_recv_async, split\)"):
-        cpref.attention(*[torch.randn(8, 2, 4)] * 3, torch.tensor([0, 8]), comm=HalfComm(), mode="p2p")
+        cpref.attention(*[torch.randn(8, 2, 4)] * 3, cpref.Sharding(torch.tensor([0, 8]), cp_size=1), comm=HalfComm(), mode="p2p")
 
 
 @pytest.mark.parametrize("check_ranks", [False, True], ids=["unchecked", "checked"])
@@ -254,12 +269,13 @@ def test_kv_heads_the_a2a_group_can_neither_split_nor_replicate_are_refused_befo
     key/value-head condition can refuse these. Nothing but the ranks' comparison is communicated
     (the first call on a communicator is compared whatever check_ranks says), never a tensor of
     the mode."""
-    P, cu = 4, torch.tensor([0, 8, 32])
+    P = 4
+    sharding = cpref.Sharding(torch.tensor([0, 8, 32]), cp_size=P, layout="zigzag")
     q, k, v = random_qkv(32, 12, hkv, 8)
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (q, k, v)]
-        return cpref.attention(*local, cu, comm=comm, mode=mode, check_ranks=check_ranks, **extra)
+        local = [sharding.shard(t, comm.rank) for t in (q, k, v)]
+        return cpref.attention(*local, sharding, comm=comm, mode=mode, check_ranks=check_ranks, **extra)
 
     cluster = SimCluster(P, timeout=30.0)
     with pytest.raises(CPInputError, match=match):
@@ -275,11 +291,11 @@ def test_three_kv_heads_run_under_ulysses_where_the_group_size_is_a_multiple_of_
     from sim.harness import oracle_shards, run_attention
     from tests.helpers import assert_close
 
-    cu = torch.tensor([0, 12, 48])  # documents of multiples of 2P = 12
+    sharding = cpref.Sharding(torch.tensor([0, 12, 48]), cp_size=P, layout="zigzag")  # documents of multiples of 2P = 12
     q, k, v = random_qkv(48, 12, 3, 8)
     dout = random_qkv(48, 12, 12, 8, seed=1)[0]
-    results, _ = run_attention(q, k, v, dout, cu, P=P, mode="a2a", layout="zigzag", cluster=SimCluster(P, timeout=30.0))
-    refs = oracle_shards(q, k, v, dout, cu, P=P, layout="zigzag")
+    results, _ = run_attention(q, k, v, dout, sharding, mode="a2a", cluster=SimCluster(P, timeout=30.0))
+    refs = oracle_shards(q, k, v, dout, sharding)
     for r, (got, want) in enumerate(zip(results, refs)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert_close(a, b, torch.float64, msg=f"P={P} rank {r} {name}")

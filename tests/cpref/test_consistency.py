@@ -9,19 +9,18 @@ import pytest
 import torch
 
 import cpref
-from cpref.cache import CACHE
 from cpref.errors import CPInputError
 from sim import ClusterFailure, SimCluster
 from tests.cp.test_every_mode import LimitedComm
 from tests.helpers import cu_from_lengths, only_the_comparison, random_qkv
 
 P = 3  # a size at which HCCL has no tensor all-gather
-CU = cu_from_lengths([12, 24])
+SHARDING = cpref.Sharding(cu_from_lengths([12, 24]), cp_size=P, layout="zigzag")
 Q, K, V = random_qkv(36, 4, 2, 8)
 
 
 def shards(rank):
-    return [cpref.shard(t, CU, cp_size=P, rank=rank, layout="zigzag") for t in (Q, K, V)]
+    return [SHARDING.shard(t, rank) for t in (Q, K, V)]
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +37,7 @@ def test_without_all_gather_a_failing_rank_is_reported_through_the_two_all_reduc
         q, k, v = shards(comm.rank)
         if comm.rank == 1:
             q = q.float()
-        return cpref.attention(q, k, v, CU, comm=LimitedComm(comm), mode="p2p")
+        return cpref.attention(q, k, v, SHARDING, comm=LimitedComm(comm), mode="p2p")
 
     cluster = SimCluster(P, timeout=20.0)
     with pytest.raises(ClusterFailure) as info:
@@ -57,9 +56,9 @@ def test_a_group_that_agreed_on_check_ranks_off_sends_nothing_for_a_failing_rank
 
     def rank_fn(comm):
         q, k, v = shards(comm.rank)
-        cpref.attention(q, k, v, CU, comm=comm, mode="all_gather", check_ranks=False)
+        cpref.attention(q, k, v, SHARDING, comm=comm, mode="all_gather", check_ranks=False)
         comm.barrier()
-        return cpref.attention(q[:-1], k, v, CU, comm=comm, mode="all_gather", check_ranks=False)
+        return cpref.attention(q[:-1], k, v, SHARDING, comm=comm, mode="all_gather", check_ranks=False)
 
     cluster = SimCluster(P, timeout=20.0)
     with pytest.raises(CPInputError, match="tokens"):
@@ -70,7 +69,7 @@ def test_a_group_that_agreed_on_check_ranks_off_sends_nothing_for_a_failing_rank
 
 # --- what the comparison compares and how it names it (mutation run over cpref.consistency) ---
 
-P2_CU = cu_from_lengths([8, 24])
+P2_SHARDING = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=2, layout="zigzag")
 P2_QKV = random_qkv(32, 4, 2, 8)
 
 
@@ -87,8 +86,8 @@ def two_ranks_calling(per_rank):
 
     def rank_fn(comm):
         mode, tensors, kw = per_rank(comm.rank)
-        local = [cpref.shard(t, P2_CU, cp_size=2, rank=comm.rank, layout="zigzag") for t in P2_QKV]
-        return cpref.attention(*tensors(*local), P2_CU, comm=comm, mode=mode, **kw)
+        local = [P2_SHARDING.shard(t, comm.rank) for t in P2_QKV]
+        return cpref.attention(*tensors(*local), P2_SHARDING, comm=comm, mode=mode, **kw)
 
     cluster = SimCluster(2, timeout=20.0)
     with pytest.raises(CPInputError) as info:  # the same message on every rank: run() re-raises it
@@ -132,7 +131,7 @@ def test_without_all_gather_a_disagreement_names_the_lowest_and_the_highest_code
 
     def rank_fn(comm):
         q, k, v = shards(comm.rank)
-        return cpref.attention(q, k, v, CU, comm=LimitedComm(comm), mode="p2p", causal=comm.rank != 2)
+        return cpref.attention(q, k, v, SHARDING, comm=LimitedComm(comm), mode="p2p", causal=comm.rank != 2)
 
     cluster = SimCluster(P, timeout=20.0)
     with pytest.raises(CPInputError) as info:
@@ -144,12 +143,12 @@ def test_without_all_gather_a_disagreement_names_the_lowest_and_the_highest_code
 def test_a_compared_batch_called_again_with_other_arguments_is_compared_again():
     """The verdict is cached per (batch, group, arguments): a later call of the same batch whose
     arguments changed on every rank (and now disagree) is compared, not waved through."""
-    cu = P2_CU.clone()  # one tensor for both calls: one cache entry
+    sharding = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=2)  # a new batch, one sharding for both calls: one cache entry
 
     def rank_fn(comm):
-        local = [cpref.shard(t, cu, cp_size=2, rank=comm.rank, layout="zigzag") for t in P2_QKV]
-        cpref.attention(*local, cu, comm=comm, mode="p2p")  # the ranks agree
-        return cpref.attention(*local, cu, comm=comm, mode="p2p", softmax_scale=[0.25, 0.5][comm.rank])
+        local = [sharding.shard(t, comm.rank) for t in P2_QKV]
+        cpref.attention(*local, sharding, comm=comm, mode="p2p")  # the ranks agree
+        return cpref.attention(*local, sharding, comm=comm, mode="p2p", softmax_scale=[0.25, 0.5][comm.rank])
 
     cluster = SimCluster(2, timeout=20.0)
     with pytest.raises(CPInputError, match=r"\n  softmax_scale: rank 0: 0.25; rank 1: 0.5\n"):
@@ -166,9 +165,9 @@ def test_a_rank_failing_on_a_batch_another_group_compared_still_meets_its_own_gr
         q, k, v = shards(comm.rank)
         if comm.rank == short_rank:
             q = q[:-1]
-        return cpref.attention(q, k, v, CU, comm=comm, mode="all_gather")
+        return cpref.attention(q, k, v, SHARDING, comm=comm, mode="all_gather")
 
-    SimCluster(P, timeout=20.0).run(rank_fn)  # a first group compares CU
+    SimCluster(P, timeout=20.0).run(rank_fn)  # a first group compares the batch
     cluster = SimCluster(P, timeout=20.0)
     with pytest.raises(ClusterFailure) as info:
         cluster.run(lambda comm: rank_fn(comm, short_rank=1))

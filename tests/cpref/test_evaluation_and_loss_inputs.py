@@ -27,11 +27,10 @@ def test_cu_seqlens_made_under_inference_mode_work_in_every_mode(mode, inside):
     extra = {"a2a_size": 2} if mode == "a2a+p2p" else {}
 
     def rank_fn(comm, cu):
-        local = [cpref.shard(t, cu, cp_size=P, rank=comm.rank, layout="zigzag") for t in (Q, K, V)]
-        if not inside:
-            return cpref.attention(*local, cu, comm=comm, mode=mode, **extra)
-        with torch.inference_mode():
-            return cpref.attention(*local, cu, comm=comm, mode=mode, **extra)
+        with torch.inference_mode(inside):  # inference_mode(False) changes nothing
+            sharding = cpref.Sharding(cu, cp_size=P, layout="zigzag")  # where cu_seqlens enters the cache
+            local = [sharding.shard(t, comm.rank) for t in (Q, K, V)]
+            return cpref.attention(*local, sharding, comm=comm, mode=mode, **extra)
 
     got = SimCluster(P).run(lambda comm: rank_fn(comm, inference_cu))
     want = SimCluster(P).run(lambda comm: rank_fn(comm, cu_from_lengths([8, 24])))

@@ -52,7 +52,7 @@ def test_kv_index_selects_each_chunks_prefix_from_the_rank_major_buffer(P, units
     mult = 2 * P if layout == "zigzag" else P
     cu = cu_from_lengths([u * mult for u in units])
     # what an all-gather of every rank's global token ids produces: the rank-major buffer
-    rank_major = torch.cat([cpref.global_index(cu, cp_size=P, rank=r, layout=layout) for r in range(P)])
+    rank_major = torch.cat([cpref.layout.global_index(cu, cp_size=P, rank=r, layout=layout) for r in range(P)])
     for r in range(P):
         meta = get_thd_load_balanced_cp_metadata(cu, P, r, "cpu", layout=layout, causal=causal)
         seqs = expected_prefixes(cu, P, r, layout, causal)
@@ -66,7 +66,7 @@ def test_kv_index_selects_each_chunks_prefix_from_the_rank_major_buffer(P, units
         assert meta["cu_seqlens_kv"].tolist() == [0] + meta["actual_seq_kvlen"]
         assert meta["local_tokens"] == int(cu[-1]) // P and meta["global_tokens"] == int(cu[-1])
         assert meta["work"] == sum(q * kv for q, kv in zip(q_lens, kv_lens))
-        assert meta["work"] == cpref.attention_work(cu, cp_size=P, rank=r, layout=layout, causal=causal)
+        assert meta["work"] == cpref.layout.attention_work(cu, cp_size=P, rank=r, layout=layout, causal=causal)
 
 
 @pytest.mark.parametrize("P", [1, 2, 4, 8])
@@ -311,7 +311,7 @@ def test_cache_is_safe_under_concurrent_ranks():
 def visible_keys_from_metadata(cu_real, cu_pad, P, rank, layout, causal):
     """For every local query token, the global ids of the keys the metadata lets it see."""
     meta = get_thd_load_balanced_cp_metadata(cu_real, P, rank, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
-    rank_major = torch.cat([cpref.global_index(cu_pad, cp_size=P, rank=r, layout=layout) for r in range(P)])
+    rank_major = torch.cat([cpref.layout.global_index(cu_pad, cp_size=P, rank=r, layout=layout) for r in range(P)])
     keys = rank_major[meta["kv_index"]].tolist()
     seen = []
     for q0, q1, k0, k1 in meta["seqs"].pairs():
@@ -326,7 +326,7 @@ def visible_keys_expected(cu_real, cu_pad, P, rank, layout, causal):
     """Independent construction: a real query at position p of a document of n real tokens sees
     positions [0, p] (causal) or [0, n); a padding query sees nothing; nobody sees padding."""
     out = []
-    for g in cpref.global_index(cu_pad, cp_size=P, rank=rank, layout=layout).tolist():
+    for g in cpref.layout.global_index(cu_pad, cp_size=P, rank=rank, layout=layout).tolist():
         d = max(i for i in range(len(cu_pad) - 1) if cu_pad[i] <= g)
         p, n = g - cu_pad[d], cu_real[d + 1] - cu_real[d]
         out.append([] if p >= n else list(range(cu_pad[d], cu_pad[d] + (p + 1 if causal else n))))
@@ -357,7 +357,7 @@ def test_the_ends_only_reading_of_a_list_is_cached_apart_from_the_strict_one():
     assert get_thd_load_balanced_cp_metadata([8, 24], 2, 1)["global_tokens"] == 24
     q = torch.randn(24, 2, 4)
     with pytest.raises(ValueError, match=r"cu_seqlens must start with 0"):
-        cpref.attention(q, q, q, [8, 24], comm=SingleRank(), mode="p2p")
+        cpref.attention(q, q, q, cpref.Sharding([8, 24], cp_size=1), comm=SingleRank(), mode="p2p")
 
 
 def test_without_a_host_snapshot_the_version_alone_invalidates_an_edited_tensor(monkeypatch):

@@ -23,14 +23,19 @@ def test_is_a_collectives_and_copies():
         comm.all_reduce(x, "avg")
 
 
+def padded_batch() -> cpref.Sharding:
+    """A new batch at cp_size = 1: documents of 5 and 13 tokens padded to 8 and 16 (24 tokens)."""
+    return cpref.Sharding(cu_from_lengths([5, 13]), cp_size=1, cu_seqlens_padded=cu_from_lengths([8, 16]))
+
+
 @pytest.mark.parametrize("mode, extra", [("all_gather", {}), ("p2p", {}), ("a2a", {}), ("a2a+p2p", {"a2a_size": 1})])
 def test_every_mode_at_cp1_is_attention_over_the_stream(mode, extra):
-    cu, cup = cu_from_lengths([5, 13]), cu_from_lengths([8, 16])
+    sharding = padded_batch()
     q, k, v = (t.requires_grad_() for t in random_qkv(24, 4, 2, 8))
     dout = random_qkv(24, 4, 4, 8, seed=1)[0]
-    out = cpref.attention(q, k, v, cu, cu_seqlens_padded=cup, comm=cpref.SingleRank(), mode=mode, **extra)
+    out = cpref.attention(q, k, v, sharding, comm=cpref.SingleRank(), mode=mode, **extra)
     out.backward(dout)
-    want = oracle_shards(q.detach(), k.detach(), v.detach(), dout, cu, P=1, layout="zigzag", cu_seqlens_padded=cup)[0]
+    want = oracle_shards(q.detach(), k.detach(), v.detach(), dout, sharding)[0]
     for got, ref in zip((out.detach(), q.grad, k.grad, v.grad), want):
         assert_close(got, ref, torch.float64)
 
@@ -43,10 +48,11 @@ def test_without_cp_any_document_length_runs_in_either_layout_unpadded(mode, ext
     from sim.oracle import attention as oracle
 
     cu = cu_from_lengths([7, 5, 1])
+    sharding = cpref.Sharding(cu, cp_size=1, layout=layout)
     q, k, v = (t.requires_grad_() for t in random_qkv(13, 4, 2, 8))
     dout = random_qkv(13, 4, 4, 8, seed=1)[0]
-    assert torch.equal(cpref.shard(q.detach(), cu, cp_size=1, rank=0, layout=layout), q.detach())
-    out = cpref.attention(q, k, v, cu, comm=cpref.SingleRank(), mode=mode, layout=layout, **extra)
+    assert torch.equal(sharding.shard(q.detach(), 0), q.detach())
+    out = cpref.attention(q, k, v, sharding, comm=cpref.SingleRank(), mode=mode, **extra)
     out.backward(dout)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
     want, _ = oracle(qr, kr, vr, cu)
@@ -59,10 +65,10 @@ def test_without_cp_the_data_path_pads_nothing_and_with_cp_odd_lengths_still_nee
     cu = cu_from_lengths([7, 5])
     batch = {"tokens": torch.arange(12), "labels": torch.arange(12)}
     part = cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=1, rank=0)
-    assert part["cu_seqlens_padded"].tolist() == [0, 7, 12] and torch.equal(part["tokens"], batch["tokens"])
+    assert part["sharding"].cu_seqlens_padded == (0, 7, 12) and torch.equal(part["tokens"], batch["tokens"])
     assert cpref.layout.layout_multiple("zigzag", 1) == 1 and cpref.layout.layout_multiple("zigzag", 2) == 4
     with pytest.raises(ValueError, match=r"document 0 has length 7, not a multiple of 4 \(the zigzag layout over cp_size=2\)"):
-        cpref.shard(torch.arange(12), cu, cp_size=2, rank=0, layout="zigzag")
+        cpref.Sharding(cu, cp_size=2, layout="zigzag")
 
 
 class CountingRank(cpref.SingleRank):
@@ -88,10 +94,10 @@ def test_all_gather_and_ring_at_cp1_call_no_collective_and_select_no_rows(monkey
     for name in ("index_select", "index_add_", "index_copy_"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **kw: selected.append(_name) or _real(self, *a, **kw))
-    cu, cup = cu_from_lengths([5, 13]), cu_from_lengths([8, 16])
+    sharding = padded_batch()
     q, k, v = (t.requires_grad_() for t in random_qkv(24, 4, 2, 8))
     comm = CountingRank()
-    cpref.attention(q, k, v, cu, cu_seqlens_padded=cup, comm=comm, mode=mode).sum().backward()
+    cpref.attention(q, k, v, sharding, comm=comm, mode=mode).sum().backward()
     assert comm.calls == [] and selected == []
     assert q.grad.isfinite().all() and k.grad.abs().sum() > 0
 
@@ -101,7 +107,7 @@ def test_a_bad_call_at_cp1_raises_without_calling_its_group():
     comm = CountingRank()
     q = torch.randn(8, 2, 4)
     with pytest.raises(ValueError, match="q/k/v hold 7/8/8 tokens"):
-        cpref.attention(q[:-1], q, q, [0, 8], comm=comm, mode="all_gather")
+        cpref.attention(q[:-1], q, q, cpref.Sharding([0, 8], cp_size=1), comm=comm, mode="all_gather")
     assert comm.calls == []
 
 
@@ -116,4 +122,4 @@ def test_a_failing_report_to_the_peers_does_not_hide_the_ranks_own_error():
 
     q = torch.randn(8, 2, 4)
     with pytest.raises(ValueError, match="q/k/v hold 3/4/4 tokens"):
-        cpref.attention(q[:3], q[:4], q[:4], [0, 8], comm=BrokenGroup(), mode="all_gather")
+        cpref.attention(q[:3], q[:4], q[:4], cpref.Sharding([0, 8], cp_size=2), comm=BrokenGroup(), mode="all_gather")

@@ -6,7 +6,7 @@ import torch
 
 import cpref
 from cpref.models import CausalLM, CPContext, ModelConfig
-from cpref.modes.hierarchical import example_a2a_size
+from cpref.seqlens import CuSeqlens
 from sim import SimCluster
 
 FAMILIES = ("gpt2", "llama", "qwen3")
@@ -44,29 +44,28 @@ def packed(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return cu, torch.randint(0, VOCAB, (int(cu[-1]),), generator=g)
 
 
-def whole(model: CausalLM, tokens: torch.Tensor, cu: torch.Tensor, cu_padded: torch.Tensor | None = None):
+def whole(model: CausalLM, tokens: torch.Tensor, cu: torch.Tensor, cu_padded: CuSeqlens | None = None):
     """CP = 1 logits `(T, V)` of a packed stream (padded if `cu_padded` is given)."""
-    pos = cpref.positions(cu if cu_padded is None else cu_padded, cp_size=1, rank=0, layout="contiguous")
+    cp = CPContext.single(cu, cu_padded)
     with torch.no_grad():
-        return model(tokens, pos, CPContext.single(cu, cu_padded))
+        return model(tokens, cp.sharding.positions(0), cp)  # positions inside each (padded) document
 
 
 def options(mode: str, P: int) -> dict:
-    """The mode's own option: the hierarchical mode's a2a group size."""
-    return {"a2a_size": example_a2a_size(P)} if mode == "a2a+p2p" else {}
+    """The mode's own options at CP size `P`, as the mode declares them (the hierarchical mode's a2a group size)."""
+    return cpref.MODES[mode].example_options(P)
 
 
-def forward_on_rank(model, tokens, cu, comm, *, mode, layout, **opts) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's `(logits (T_l, V), cu_seqlens_padded)`: pad and slice with the data path, then the model."""
+def forward_on_rank(model, tokens, cu, comm, *, mode, layout, **opts) -> tuple[torch.Tensor, cpref.Sharding]:
+    """One rank's `(logits (T_l, V), sharding)`: pad and slice with the data path, then the model."""
     b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=comm.size, rank=comm.rank,
                                         layout=layout)  # fmt: skip
-    cp = CPContext(comm=comm, cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"], mode=mode,
-                   layout=layout, options=opts)  # fmt: skip
+    cp = CPContext(comm=comm, sharding=b["sharding"], mode=mode, options=opts)
     with torch.no_grad():
-        return model(b["tokens"], b["position_ids"], cp), b["cu_seqlens_padded"]
+        return model(b["tokens"], b["position_ids"], cp), b["sharding"]
 
 
-def run_cp(model, tokens, cu, *, P, mode, layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_cp(model, tokens, cu, *, P, mode, layout) -> list[tuple[torch.Tensor, cpref.Sharding]]:
     """Every rank's `forward_on_rank` on a simulated cluster of `P` ranks."""
     return SimCluster(P).run(lambda comm: forward_on_rank(model, tokens, cu, comm, mode=mode, layout=layout,
                                                           **options(mode, P)))  # fmt: skip

@@ -61,11 +61,15 @@ class NotAComm:
     rank, size = 0, 1
 
 
+FOUR = cpref.Sharding([0, 4], cp_size=1)  # one document of 4 tokens, without CP
+
+
 BAD_CONTEXTS = [
     (dict(comm=None), "comm must be the CP group's collectives .*CPContext.single"),
     (dict(comm=NotAComm()), r"comm must be the CP group's collectives \(a cpref.Collectives\), got NotAComm"),
     (dict(mode="ring"), "unknown mode 'ring'"),
-    (dict(layout="striped"), "unknown layout 'striped'"),
+    (dict(sharding=[0, 4]), "the batch must be described by a cpref.Sharding, got list"),
+    (dict(sharding=cpref.Sharding([0, 4], cp_size=2)), "sharded over cp_size=2 .* but the communicator has 1 ranks"),
     (dict(causal="yes"), "causal must be True or False"),
     (dict(options=[("a2a_size", 2)]), "options must be a dict"),
     (dict(options={"softmax_scale": 0.5}), r"options \['softmax_scale'\] are not keyword options.*head_dim \*\* -0.5"),
@@ -74,26 +78,33 @@ BAD_CONTEXTS = [
 
 @pytest.mark.parametrize("overrides, match", BAD_CONTEXTS, ids=[m.split()[0] for _, m in BAD_CONTEXTS])
 def test_bad_contexts_are_refused(overrides, match):
-    kw = dict(comm=cpref.SingleRank(), cu_seqlens=[0, 4], mode="all_gather")
+    kw = dict(comm=cpref.SingleRank(), sharding=FOUR, mode="all_gather")
     with pytest.raises(cpref.CPInputError, match=match):
         CPContext(**{**kw, **overrides})
 
 
+def test_a_bad_layout_is_refused_where_it_enters():
+    """The layout is the sharding's (the one that sharded the tokens): it is refused when the `Sharding` is built."""
+    with pytest.raises(cpref.CPInputError, match="unknown layout 'striped'"):
+        cpref.Sharding([0, 4], cp_size=1, layout="striped")
+
+
 def test_context_options_are_read_only_and_single_is_cp1():
     options = {"a2a_size": 2}
-    cp = CPContext(comm=cpref.SingleRank(), cu_seqlens=[0, 4], mode="a2a+p2p", options=options)
+    cp = CPContext(comm=cpref.SingleRank(), sharding=FOUR, mode="a2a+p2p", options=options)
     options["a2a_size"] = 4  # the caller's dict: copied, not shared
     assert cp.options["a2a_size"] == 2
     with pytest.raises(TypeError):
         cp.options["a2a_size"] = 4
     single = CPContext.single([0, 3])
-    assert (single.cp_size, single.mode, single.layout) == (1, "all_gather", "contiguous")
-    assert single.cu_seqlens_padded is None and single.kernel is None
+    assert (single.cp_size, single.sharding.cp_size, single.mode) == (1, 1, "all_gather")
+    assert single.sharding.local_chunks(0) == [(0, 0, 3)]  # the one rank holds the (odd) document whole, in place
+    assert not single.sharding.bounds.is_padded and single.kernel is None
 
 
 def test_a_mode_option_given_to_another_mode_fails_at_the_first_attention():
     model = CausalLM(tiny_config("llama"))
-    cp = CPContext(comm=cpref.SingleRank(), cu_seqlens=[0, 4], mode="p2p", options={"a2a_size": 2})
+    cp = CPContext(comm=cpref.SingleRank(), sharding=FOUR, mode="p2p", options={"a2a_size": 2})
     with pytest.raises(cpref.CPInputError, match="a2a_size=2 is only used by mode a2a\\+p2p"):
         model(torch.arange(4), torch.arange(4), cp)
 

@@ -46,13 +46,13 @@ def test_each_rank_gets_its_shard_of_the_cp1_logits(models, family, layout, mode
     model = models[family]
     cu, tokens = packed(LENGTHS, seed=P)
     results = run_cp(model, tokens, cu, P=P, mode=mode, layout=layout)
-    cu_pad = results[0][1]
-    tokens_pad, _ = cpref.pad_to_multiple(tokens, cu, 2 * P if layout == "zigzag" else P)
-    reference = whole(model, tokens_pad, cu, cu_pad)  # (T_pad, V) at CP = 1
+    sharding = results[0][1]
+    assert sharding == cpref.Sharding.eod_padded(cu, cp_size=P, layout=layout)
+    reference = whole(model, sharding.pad(tokens), cu, sharding.cu_seqlens_padded)  # (T_pad, V) at CP = 1
     for r, (logits, _) in enumerate(results):
-        want = cpref.shard(reference, cu_pad, cp_size=P, rank=r, layout=layout)  # (T_pad/P, V)
+        want = sharding.shard(reference, r)  # (T_pad/P, V)
         assert_close(logits, want, torch.float64, msg=f"{family} {mode} {layout} P={P} rank {r}")
-    real = cpref.unpad(cpref.unshard([logits for logits, _ in results], cu_pad, layout=layout), cu_pad, cu)
+    real = sharding.unpad(sharding.unshard([logits for logits, _ in results]))  # (T, V)
     assert_close(real, whole(model, tokens, cu), torch.float64, msg="real rows vs the unpadded CP = 1 run")
 
 
@@ -70,8 +70,7 @@ def test_gradients_summed_over_ranks_equal_cp1(family, P, mode, layout):
         replica = copy.deepcopy(model)
         b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels}, cu, cp_size=P, rank=comm.rank,
                                             layout=layout)  # fmt: skip
-        cp = CPContext(comm=comm, cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"], mode=mode,
-                       layout=layout, options=options(mode, P))  # fmt: skip
+        cp = CPContext(comm=comm, sharding=b["sharding"], mode=mode, options=options(mode, P))
         logits = replica(b["tokens"], b["position_ids"], cp)  # (T_l, V)
         token_loss = F.cross_entropy(logits, b["labels"], reduction="none")  # (T_l,)
         cpref.cp_loss(token_loss, b["loss_mask"].double(), comm).backward()
@@ -79,7 +78,7 @@ def test_gradients_summed_over_ranks_equal_cp1(family, P, mode, layout):
 
     per_rank = SimCluster(P).run(rank_grads)
     reference = copy.deepcopy(model)
-    pos = cpref.positions(cu, cp_size=1, rank=0, layout="contiguous")
-    F.cross_entropy(reference(tokens, pos, CPContext.single(cu)), labels).backward()
+    single = CPContext.single(cu)
+    F.cross_entropy(reference(tokens, single.sharding.positions(0), single), labels).backward()
     for name, p in reference.named_parameters():
         assert_close(sum(g[name] for g in per_rank), p.grad, torch.float64, msg=name)

@@ -97,7 +97,8 @@ def test_each_packed_document_gives_hugging_faces_logits_alone(saved):
     cu = torch.tensor([0, 9, 10, 27])
     tokens = tokens_of(27, seed=1)
     with torch.no_grad():
-        ours = model(tokens, cpref.positions(cu, cp_size=1, rank=0, layout="contiguous"), CPContext.single(cu))
+        single = CPContext.single(cu)
+        ours = model(tokens, single.sharding.positions(0), single)
     for a, n in zip(cu[:-1].tolist(), lengths):
         assert_close(ours[a : a + n], hf_logits(hf, tokens[a : a + n]), torch.float32, msg=f"{name} document at {a}")
 

@@ -24,7 +24,7 @@ B = dict(mode="a2a", layout="contiguous")
 
 
 def expected_shard(model, tokens, cu, P, rank, layout):
-    return cpref.shard(whole(model, tokens, cu), cu, cp_size=P, rank=rank, layout=layout)
+    return cpref.Sharding(cu, cp_size=P, layout=layout).shard(whole(model, tokens, cu), rank)
 
 
 def test_two_models_with_different_cp_settings_interleave():

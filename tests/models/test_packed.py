@@ -32,9 +32,9 @@ def test_each_document_of_a_pack_gives_its_logits_alone(family):
 def test_eod_padding_leaves_real_rows_unchanged(family):
     model = tiny_model(family)
     cu, tokens = packed(LENGTHS)
-    tokens_pad, cu_pad = cpref.pad_to_multiple(tokens, cu, 8, value=3)
-    padded = whole(model, tokens_pad, cu, cu_pad)  # (T_pad, V)
-    assert_close(cpref.unpad(padded, cu_pad, cu), whole(model, tokens, cu), torch.float64)
+    padding = cpref.Sharding.eod_padded(cu, cp_size=4, layout="zigzag")  # every document to a multiple of 8
+    padded = whole(model, padding.pad(tokens, value=3), cu, padding.cu_seqlens_padded)  # (T_pad, V) at CP = 1
+    assert_close(padding.unpad(padded), whole(model, tokens, cu), torch.float64)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import cpref
 from cpref.checkpoint import load_checkpoint, read_meta
 from cpref.errors import CPInputError
 from cpref.models import CausalLM
@@ -28,7 +29,7 @@ def tiny_presets(monkeypatch):
 
 
 def spec(cp, steps, *, mode="p2p", layout="zigzag", micro=2, **kw) -> RunSpec:
-    config = TrainConfig(mode=mode, layout=layout, micro_batches=micro, options={"a2a_size": 2} if mode == "a2a+p2p" else {})
+    config = TrainConfig(mode=mode, layout=layout, micro_batches=micro, options=cpref.MODES[mode].example_options(cp))
     return RunSpec(model=kw.pop("model", "llama"), cp=cp, steps=steps, pack_tokens=64, train=config, **kw)
 
 

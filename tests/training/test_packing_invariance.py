@@ -3,6 +3,8 @@ document's loss unchanged (CP = 2 on the simulated cluster, float64 model, 1e-10
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,22 +25,22 @@ def document_losses(order: list[int], multiple: int, mode: str, layout: str) -> 
     tokens = torch.cat(docs)
     cu = torch.tensor([0, *torch.tensor([len(d) for d in docs]).cumsum(0).tolist()])
     labels, mask = labels_for(Pack(tokens, cu))
-    (tok_p, cu_p), (lab_p, _), (mask_p, _) = (cpref.pad_to_multiple(x, cu, multiple) for x in (tokens, labels, mask))
+    cu_p = [0, *itertools.accumulate(-(-len(d) // multiple) * multiple for d in docs)]  # each document padded at its end
+    sharding = cpref.Sharding(cu, cp_size=P, layout=layout, cu_seqlens_padded=cu_p)
+    tok_p, lab_p, mask_p = (sharding.pad(x) for x in (tokens, labels, mask))  # (T_padded,)
     model = CausalLM(CONFIG, seed=0).double()
 
     def rank_fn(comm):
-        shard = lambda x: cpref.shard(x, cu_p, cp_size=P, rank=comm.rank, layout=layout)  # noqa: E731
-        pos = cpref.positions(cu_p, cp_size=P, rank=comm.rank, layout=layout)
-        ctx = CPContext(comm=comm, cu_seqlens=cu, cu_seqlens_padded=cu_p, mode=mode, layout=layout,
-                        options={"a2a_size": 2} if mode == "a2a+p2p" else {})  # fmt: skip
-        logits = model(shard(tok_p), pos, ctx)
+        shard = lambda x: sharding.shard(x, comm.rank)  # noqa: E731
+        ctx = CPContext(comm=comm, sharding=sharding, mode=mode, options={"a2a_size": 2} if mode == "a2a+p2p" else {})
+        logits = model(shard(tok_p), sharding.positions(comm.rank), ctx)
         return (F.cross_entropy(logits, shard(lab_p), reduction="none") * shard(mask_p)).detach()
 
-    per_token = cpref.unshard(SimCluster(P).run(rank_fn), cu_p, layout=layout)  # (T_padded,)
-    masks = cpref.unshard([cpref.shard(mask_p, cu_p, cp_size=P, rank=r, layout=layout) for r in range(P)], cu_p, layout=layout)
+    per_token = sharding.unshard(SimCluster(P).run(rank_fn))  # (T_padded,)
+    masks = sharding.unshard([sharding.shard(mask_p, r) for r in range(P)])
     out = {}
     for slot, i in enumerate(order):
-        rows = slice(int(cu_p[slot]), int(cu_p[slot + 1]))
+        rows = slice(cu_p[slot], cu_p[slot + 1])
         out[i] = float(per_token[rows].sum() / masks[rows].sum())
     return out
 

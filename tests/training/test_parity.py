@@ -25,7 +25,6 @@ import torch
 import cpref
 from cpref.comm import SingleRank
 from cpref.errors import CPInputError
-from cpref.modes.hierarchical import example_a2a_size
 from cpref.training import PackSource, StepStats, Topology, TrainConfig, step_packs, train
 from sim import SimCluster
 from sim.tools.train import RunSpec, run_sim
@@ -42,7 +41,7 @@ TINY = {
 
 
 def spec(family: str, cp: int, dp: int, mode: str, layout: str, *, strided=False, bf16=False, steps=10) -> RunSpec:
-    options = {"a2a_size": example_a2a_size(cp)} if mode == "a2a+p2p" else {}
+    options = cpref.MODES[mode].example_options(cp)
     config = TrainConfig(mode=mode, layout=layout, options=options, micro_batches=PACKS_PER_STEP // dp, bf16=bf16,
                          lr=1e-3 if bf16 else 3e-3)  # fmt: skip
     return RunSpec(model=family, cp=cp, dp=dp, steps=steps, pack_tokens=64, strided=strided, train=config)

@@ -63,7 +63,7 @@ $e(x) = \max|x - x^\ast| / \max|x^\ast|$, the largest of the four tensors, and `
 
 **Inputs.** `--docs 1000,3000,500` (default) are the document lengths, each rounded up to
 the layout's granularity ($P$ contiguous, $2P$ zigzag); with `--padded` every document ends
-in padding instead (`cu_seqlens_padded`; see [`sim.tools.verify.cases`][sim.tools.verify.cases]).
+in padding instead (padded boundaries in the batch's `cpref.Sharding`; see [`sim.tools.verify.cases`][sim.tools.verify.cases]).
 Heads default to $H_q = 8$, $H_{kv} = 4$ (`--heads`), head dim 32 (`--head-dim`); the mask is
 causal (`--no-causal` for full attention). `--dtype`, `--mode` and `--layout` take a comma
 list or `all`; a sweep runs in **one** launch, with a progress bar on stderr.
@@ -103,15 +103,16 @@ verifies any function with cpref's signature that takes the process group instea
 `comm`, against the same ground truth:
 
 ```python
-def attention(q, k, v, cu_seqlens, *, process_group, mode, layout, causal,
-              cu_seqlens_padded=None, **options) -> torch.Tensor: ...
+def attention(q, k, v, sharding, *, process_group, mode, causal, **options) -> torch.Tensor: ...
 ```
 
-It gets this rank's shards (`cpref.shard` of the layout) on the rank's device, requiring
-grad, and returns this rank's output shard; the harness backpropagates through it. `options`
-holds the mode options (`a2a_size`); `--kernel` applies to cpref only. `--impl` may be
-repeated; `--impl cpref` is cpref itself. `tests/backends/verify_impls.py` has a correct
-example (a `TorchComm` over the group, then `cpref.attention`) and a wrong one.
+It gets this rank's shards (`sharding.shard(x, rank)`) on the rank's device, requiring grad,
+and the batch's [`cpref.Sharding`][cpref.sharding.Sharding] (the real and padded boundaries,
+`sharding.cp_size` and `sharding.layout`), and returns this rank's output shard; the harness
+backpropagates through it. `options` holds the mode options (`a2a_size`); `--kernel` applies
+to cpref only. `--impl` may be repeated; `--impl cpref` is cpref itself.
+`tests/backends/verify_impls.py` has a correct example (a `TorchComm` over the group, then
+`cpref.attention`) and a wrong one.
 
 ## Faults never hang
 

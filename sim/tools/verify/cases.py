@@ -9,7 +9,8 @@ global tensors from the seed with [`make_batch`][sim.tools.verify.cases.make_bat
 **Document lengths.** A layout needs every document to be a multiple of its granularity
 `g` (`P` contiguous, `2P` zigzag). Without padding each `--docs` length is rounded up to a
 multiple of `g`. With padding every document must end in padding: a length that is already
-a multiple of `g` loses one token, and `cu_seqlens_padded` rounds each real length up to `g`.
+a multiple of `g` loses one token, and the padded boundaries round each real length up to `g`
+(the batch's [`cpref.Sharding`][cpref.sharding.Sharding] is then `Sharding.eod_padded`).
 
 Example:
     >>> case = Case("all_gather", "zigzag", "bf16", cp=4, padded=True)
@@ -27,8 +28,8 @@ from typing import Any, Sequence
 import torch
 
 from cpref.layout import layout_multiple
+from cpref.sharding import Sharding
 from sim import oracle
-from cpref.modes.hierarchical import example_a2a_size
 
 __all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "make_batch", "placement",
            "cp_groups", "build_cases"]  # fmt: skip
@@ -118,11 +119,7 @@ class Batch:
     cu_padded: torch.Tensor | None  # (N + 1,) padded boundaries, or None without padding
     real: tuple[int, ...]
     padded: tuple[int, ...]
-
-    @property
-    def shard_cu(self) -> torch.Tensor:
-        """The boundaries that define the shards."""
-        return self.cu if self.cu_padded is None else self.cu_padded
+    sharding: Sharding  # how the CP group shards it: these boundaries, P = case.cp, the case's layout
 
 
 def lengths(setup: Setup, case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -147,8 +144,9 @@ def make_batch(setup: Setup, case: Case, dp: int) -> Batch:
     gen = torch.Generator().manual_seed(setup.seed + 1000 * dp)
     q, k, v, dout = (torch.randn(T, h, d, generator=gen, dtype=torch.float64).to(DTYPES[case.dtype])
                      for h in (hq, hkv, hkv, hq))  # fmt: skip
-    cu_padded = _cu(padded) if case.padded else None
-    return Batch(q, k, v, dout, _cu(real), cu_padded, real, padded)
+    cu, cu_padded = _cu(real), _cu(padded) if case.padded else None
+    sharding = Sharding(cu, cp_size=case.cp, layout=case.layout, cu_seqlens_padded=cu_padded)
+    return Batch(q, k, v, dout, cu, cu_padded, real, padded, sharding)
 
 
 def placement(world_rank: int, world_size: int, cp: int, strided: bool) -> tuple[int, int]:
@@ -185,11 +183,13 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
-    a2a = a2a_size if a2a_size is not None else example_a2a_size(cp)
     cases = []
     for impl in impls:
         for mode in modes:
-            options = (("a2a_size", a2a),) if "a2a_size" in dict(cpref.MODES[mode].options) else ()
+            chosen = cpref.MODES[mode].example_options(cp)  # what the mode declares for this CP size
+            if a2a_size is not None and "a2a_size" in chosen:
+                chosen["a2a_size"] = a2a_size
+            options = tuple(chosen.items())
             for layout in layouts:
                 for dtype in dtypes:
                     for pad in padded:

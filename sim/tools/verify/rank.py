@@ -5,7 +5,8 @@ starts on every process (or that torchrun's processes run). Per rank:
 
 1. make the CP groups of the run once: the world, or `TorchComm.split` into the CP groups
    of each `(P, placement)` the cases use (non-consecutive ranks when strided);
-2. for every case, build the CP group's global batch from the seed, take this rank's shard,
+2. for every case, build the CP group's global batch from the seed, take this rank's shard
+   (with the batch's `cpref.Sharding`),
    move it to the rank's device (cpu for gloo, `cuda:<local rank>` for NCCL,
    `npu:<local rank>` for HCCL), run the implementation, backpropagate the upstream
    gradient, and keep `out, dq, dk, dv` on the CPU;
@@ -118,16 +119,16 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     """One case on this rank: shard, forward, backward; `(out, dq, dk, dv)` on the CPU."""
     # 1) this CP group's batch, and this rank's shard of it on the rank's device
     batch = make_batch(setup, case, dp)
-    shard = lambda t: cpref.shard(t, batch.shard_cu, cp_size=comm.size, rank=comm.rank, layout=case.layout).to(device)  # noqa: E731
+    sharding = batch.sharding  # over comm.size = case.cp ranks, the case's layout
+    shard = lambda t: sharding.shard(t, comm.rank).to(device)  # noqa: E731
     q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
-    kwargs = dict(mode=case.mode, layout=case.layout, causal=case.causal, **dict(case.options),
-                  cu_seqlens_padded=None if batch.cu_padded is None else batch.cu_padded.to(device))  # fmt: skip
+    kwargs = dict(mode=case.mode, causal=case.causal, **dict(case.options))
     # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
     if case.impl == "cpref":
-        out = cpref.attention(q, k, v, batch.cu.to(device), comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
+        out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
     else:
-        out = load_impl(case.impl)(q, k, v, batch.cu.to(device), process_group=comm.process_group, **kwargs)
+        out = load_impl(case.impl)(q, k, v, sharding, process_group=comm.process_group, **kwargs)
     # 3) backward with the upstream gradient
     out.backward(dout)
     grads = (None if t.grad is None else t.grad.detach().cpu() for t in (q, k, v))
@@ -139,9 +140,8 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     the same kernel, in the case's dtype): `(out, dq, dk, dv)` over the whole stream, on the CPU."""
     batch = make_batch(setup, case, dp)
     q, k, v = (t.to(device).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
-    cu_padded = None if batch.cu_padded is None else batch.cu_padded.to(device)
-    out = cpref.attention(q, k, v, batch.cu.to(device), comm=cpref.SingleRank(), mode="all_gather", layout=case.layout,
-                          causal=case.causal, cu_seqlens_padded=cu_padded, kernel=kernel)  # fmt: skip
+    whole = cpref.Sharding(batch.cu, cp_size=1, cu_seqlens_padded=batch.cu_padded)  # one rank: every document whole
+    out = cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=case.causal, kernel=kernel)
     out.backward(batch.dout.to(device))
     return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
 

@@ -165,10 +165,10 @@ def blocked_oracle(batch: Batch, causal: bool) -> tuple[torch.Tensor, ...]:
     start = 0
     for n, m in zip(batch.real, batch.padded):
         rows = slice(start, start + m)  # the document, padding included
+        doc = cpref.Sharding([0, n], cp_size=1, cu_seqlens_padded=[0, m])  # the document alone, its n real tokens
         for h in range(k.shape[1]):
             qh, kh = slice(h * G, (h + 1) * G), slice(h, h + 1)  # its G query heads and its KV head
-            parts = oracle_padded(q[rows, qh], k[rows, kh], v[rows, kh], dout[rows, qh], torch.tensor([0, n]),
-                                  cu_seqlens_padded=torch.tensor([0, m]), causal=causal)  # fmt: skip
+            parts = oracle_padded(q[rows, qh], k[rows, kh], v[rows, kh], dout[rows, qh], doc, causal=causal)
             for t, part, heads in zip(full, parts, (qh, qh, kh, kh)):
                 t[rows, heads] = part  # (m, G or 1, D)
         start += m
@@ -180,14 +180,13 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     first two in float64, the third the shards of `without_cp` (the whole batch's results at P = 1), if given."""
     batch = make_batch(setup, case, dp)
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))  # the same values, upcast
-    simulated, _ = run_attention(q, k, v, dout, batch.cu, P=case.cp, mode=case.mode, layout=case.layout,
-                                 cu_seqlens_padded=batch.cu_padded, causal=case.causal, **dict(case.options))  # fmt: skip
+    sharding = batch.sharding  # the case's CP size, layout and padding
+    simulated, _ = run_attention(q, k, v, dout, sharding, mode=case.mode, causal=case.causal, **dict(case.options))
     key = (dp, case.dtype, case.causal, batch.real, batch.padded)  # the oracle depends on the batch only
     if key not in oracle_cache:
         oracle_cache[key] = blocked_oracle(batch, case.causal)
-    shard = lambda t, r: cpref.shard(t, batch.shard_cu, cp_size=case.cp, rank=r, layout=case.layout)  # noqa: E731
-    shards = None if without_cp is None else [[shard(t, r) for t in without_cp] for r in range(case.cp)]
-    return simulated, [[shard(t, r) for t in oracle_cache[key]] for r in range(case.cp)], shards
+    shards = None if without_cp is None else [[sharding.shard(t, r) for t in without_cp] for r in range(case.cp)]
+    return simulated, [[sharding.shard(t, r) for t in oracle_cache[key]] for r in range(case.cp)], shards
 
 
 def compare(got, want, tol: float) -> tuple[dict[str, float], bool, str]:

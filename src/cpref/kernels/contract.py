@@ -63,9 +63,12 @@ import torch
 
 from cpref.errors import CPInputError
 
-__all__ = ["AttentionKernel", "Varlen", "compute_dtype", "check_heads"]
+__all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "compute_dtype", "check_heads"]
 
 V = TypeVar("V")
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the inputs cpref.attention takes
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

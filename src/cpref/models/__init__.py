@@ -54,27 +54,27 @@ positions only through $p_q - p_k$.
 Positions are an **input**, not something the model derives from a token's index: under CP
 a rank's tokens are pieces of every document, in the layout's order, so index and position
 part ways. The caller passes each token's position inside its document, restarting at 0 at
-every document, from the same layout that sharded the tokens: [`cpref.positions`][cpref.layout.positions]
+every document, from the same sharding that cut the tokens: [`Sharding.positions`][cpref.sharding.Sharding.positions]
 or the `position_ids` of [`cpref.get_batch_on_this_cp_rank`][cpref.data.get_batch_on_this_cp_rank].
 With zigzag over two ranks, a document of 8 tokens is cut in four chunks, and rank 0 holds the
 first and the last:
 
 ```python
 >>> import cpref
->>> [cpref.positions([0, 8], cp_size=2, rank=r, layout="zigzag").tolist() for r in range(2)]
+>>> [cpref.Sharding([0, 8], cp_size=2, layout="zigzag").positions(r).tolist() for r in range(2)]
 [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 ```
 
 RoPE rotates each token by its own position, and GPT-2 looks its position up in the learned
 table, so every token is embedded exactly as in the unsharded model; attention
-(`cpref.attention`, given the document boundaries) then sees whole documents, and never
+(`cpref.attention`, given the batch's sharding and with it the document boundaries) then sees whole documents, and never
 across one. Packing is therefore invisible too: the logits of a document are the same alone
 or packed with others.
 
 ## Why the model holds no CP state
 
-The CP group, the batch's boundaries, the mode and the layout are passed to every forward as
+The CP group, the batch's sharding (boundaries, layout) and the mode are passed to every forward as
 one frozen [`CPContext`][cpref.models.context.CPContext]; the model stores none of it, and
 nothing else does either (the batch cache of [`cpref.cache`][cpref.cache] is keyed by the
 batch and by every CP argument). Users of other CP systems have hit a process-wide global
@@ -94,17 +94,17 @@ CP = 1:
 ...                              num_heads=4, num_kv_heads=2, head_dim=16)).double()
 >>> cu = torch.tensor([0, 5, 16])  # two documents, of 5 and 11 tokens
 >>> tokens = torch.arange(16) * 7 % 64
->>> whole = model(tokens, cpref.positions(cu, cp_size=1, rank=0, layout="contiguous"), CPContext.single(cu))
+>>> single = CPContext.single(cu)
+>>> whole = model(tokens, single.sharding.positions(0), single)
 >>> def forward_on_rank(comm):
 ...     b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=comm.size,
 ...                                         rank=comm.rank, layout="zigzag")
-...     cp = CPContext(comm=comm, cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"],
-...                    mode="p2p", layout="zigzag")
-...     return model(b["tokens"], b["position_ids"], cp), b["cu_seqlens_padded"]
+...     cp = CPContext(comm=comm, sharding=b["sharding"], mode="p2p")
+...     return model(b["tokens"], b["position_ids"], cp), b["sharding"]
 >>> shards = sim.SimCluster(2).run(forward_on_rank)
->>> cu_padded = shards[0][1]
->>> padded = cpref.unshard([logits for logits, _ in shards], cu_padded, layout="zigzag")
->>> torch.allclose(cpref.unpad(padded, cu_padded, cu), whole, rtol=0, atol=1e-10)
+>>> sharding = shards[0][1]  # every rank's is equal: the same batch, P and layout
+>>> padded = sharding.unshard([logits for logits, _ in shards])
+>>> torch.allclose(sharding.unpad(padded), whole, rtol=0, atol=1e-10)
 True
 
 ```

@@ -1,7 +1,7 @@
 """`CPContext`: everything `cpref.attention` needs besides q, k and v, passed to every forward.
 
 A model's parameters are the same at every CP size; what changes with the CP setting (the
-group, the batch's boundaries, the mode and the layout) changes every step or between runs.
+group, the batch's sharding, the mode) changes every step or between runs.
 So the model keeps none of it: the caller builds a `CPContext` for each batch and passes it
 to `model(tokens, position_ids, cp)`, and every attention layer calls
 [`cp.attention(q, k, v)`][cpref.models.context.CPContext.attention]. Two models with
@@ -10,12 +10,11 @@ interfering: nothing about CP is stored where the other could see it.
 
 ```python
 batch = cpref.get_batch_on_this_cp_rank(packed, cu_seqlens, cp_size=P, rank=comm.rank, layout="zigzag")
-cp = CPContext(comm=comm, cu_seqlens=batch["cu_seqlens"], cu_seqlens_padded=batch["cu_seqlens_padded"],
-               mode="a2a+p2p", layout="zigzag", options={"a2a_size": 2})
+cp = CPContext(comm=comm, sharding=batch["sharding"], mode="a2a+p2p", options={"a2a_size": 2})
 logits = model(batch["tokens"], batch["position_ids"], cp)  # (T_l, V)
 ```
 
-For the next batch, `dataclasses.replace(cp, cu_seqlens=..., cu_seqlens_padded=...)`.
+For the next batch, `dataclasses.replace(cp, sharding=next_batch["sharding"])`.
 """
 
 from __future__ import annotations
@@ -26,18 +25,18 @@ from typing import Any, Mapping
 
 import torch
 
-from cpref.api import MODES, attention
+from cpref.api import MODES, attention, check_sharding
 from cpref.checks import as_bool, as_choice
 from cpref.comm import Collectives, SingleRank, check_comm
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel
-from cpref.layout import LAYOUTS
 from cpref.seqlens import CuSeqlens
+from cpref.sharding import Sharding
 
 __all__ = ["CPContext", "OPTIONS"]
 
 # The keyword options of cpref.attention a context may carry: every mode's own, and check_ranks.
-OPTIONS = tuple(sorted({name for spec in MODES.values() for name, _ in spec.options} | {"check_ranks"}))
+OPTIONS = tuple(sorted({option.name for spec in MODES.values() for option in spec.options} | {"check_ranks"}))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -47,35 +46,31 @@ class CPContext:
     Attributes:
         comm: the CP group's collectives (`sim.SimCluster(P).run(fn)` hands one to `fn`;
             `cpref.SingleRank()` for CP = 1).
-        cu_seqlens: global real document boundaries, leading 0 (the same object every layer,
-            so the batch cache computes what it derives from them once).
+        sharding: how the batch is sharded ([`cpref.Sharding`][cpref.sharding.Sharding]: its
+            boundaries, real and padded, its CP size, which must be `comm.size`, and layout).
         mode: the CP algorithm, a key of `cpref.MODES`.
-        layout: `"zigzag"` (default) or `"contiguous"`, as the tokens were sharded.
-        cu_seqlens_padded: the padded boundaries that define the shards, or `None` when the
-            documents needed no padding.
         causal: causal attention inside each document (what a decoder-only model needs).
         options: further keyword arguments of `cpref.attention` (names in `OPTIONS`), e.g.
             `{"a2a_size": 2}` for mode `"a2a+p2p"`; read-only once built.
         kernel: the attention kernel, default `cpref.TorchKernel()`.
 
     Raises:
-        CPInputError: for an unknown mode, layout or option, or a `comm` that is not a
-            `cpref.Collectives`, before any communication.
+        CPInputError: for an unknown mode or option, a `comm` that is not a `cpref.Collectives`,
+            or a sharding that is not a `cpref.Sharding` over `comm.size` ranks, before any
+            communication.
     """
 
     comm: Collectives
-    cu_seqlens: CuSeqlens
+    sharding: Sharding
     mode: str
-    layout: str = "zigzag"
-    cu_seqlens_padded: CuSeqlens | None = None
     causal: bool = True
     options: Mapping[str, Any] = field(default_factory=dict)
     kernel: AttentionKernel | None = None
 
     def __post_init__(self) -> None:
-        check_comm(self.comm, "for CP = 1 use CPContext.single(cu_seqlens)")
+        _, size = check_comm(self.comm, "for CP = 1 use CPContext.single(cu_seqlens)")
+        check_sharding(self.sharding, size)
         as_choice("mode", self.mode, sorted(MODES))
-        as_choice("layout", self.layout, LAYOUTS)
         as_bool("causal", self.causal)
         if not isinstance(self.options, Mapping):
             got = type(self.options).__name__
@@ -99,11 +94,11 @@ class CPContext:
     ) -> "CPContext":
         """CP = 1: `cpref.SingleRank()`, mode `"all_gather"`, no communication at all.
 
-        The layout is `"contiguous"`, which at `P = 1` takes documents of any length (zigzag
-        would need even ones) and keeps every token in place.
+        Without CP the one rank holds every document whole and in order (any length, no padding
+        needed), so `cu_seqlens` is all it takes; `cu_seqlens_padded` only if the batch is padded.
         """
-        return cls(comm=SingleRank(), cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-                   mode="all_gather", layout="contiguous", causal=causal, kernel=kernel)  # fmt: skip
+        sharding = Sharding(cu_seqlens, cp_size=1, cu_seqlens_padded=cu_seqlens_padded)
+        return cls(comm=SingleRank(), sharding=sharding, mode="all_gather", causal=causal, kernel=kernel)
 
     @property
     def cp_size(self) -> int:
@@ -112,6 +107,5 @@ class CPContext:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`cpref.attention` on this rank's shards: `(T_l, Hq, D), (T_l, Hkv, D), (T_l, Hkv, Dv) -> (T_l, Hq, Dv)`."""
-        return attention(q, k, v, self.cu_seqlens, comm=self.comm, mode=self.mode, layout=self.layout,
-                         causal=self.causal, cu_seqlens_padded=self.cu_seqlens_padded, kernel=self.kernel,
-                         **self.options)  # fmt: skip
+        return attention(q, k, v, self.sharding, comm=self.comm, mode=self.mode, causal=self.causal,
+                         kernel=self.kernel, **self.options)  # fmt: skip

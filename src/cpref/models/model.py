@@ -66,7 +66,7 @@ class CausalLM(nn.Module):
         ...                              num_heads=4, num_kv_heads=2, head_dim=16))
         >>> cu = [0, 3, 8]  # two documents, of 3 and 5 tokens
         >>> tokens = torch.tensor([5, 9, 2, 7, 7, 1, 3, 4])
-        >>> positions = cpref.positions(cu, cp_size=1, rank=0, layout="contiguous")
+        >>> positions = cpref.Sharding(cu, cp_size=1).positions(0)
         >>> positions.tolist()
         [0, 1, 2, 0, 1, 2, 3, 4]
         >>> model(tokens, positions, CPContext.single(cu)).shape
@@ -103,7 +103,7 @@ class CausalLM(nn.Module):
         Args:
             tokens: `(T_l,)` this rank's token ids, in the shard's order.
             position_ids: `(T_l,)` each token's position inside its document (restarting at 0
-                at every document), e.g. `cpref.positions` or `get_batch_on_this_cp_rank`'s.
+                at every document), e.g. `sharding.positions(rank)` or `get_batch_on_this_cp_rank`'s.
             cp: the CP setting of this batch; `CPContext.single(cu_seqlens)` for CP = 1.
 
         Returns:

@@ -9,7 +9,7 @@ makes it efficient on packed (THD) batches with three ideas.
    holds chunks `r` and `2P - 1 - r` (the zigzag layout, `cpref.layout`), so every rank does
    the same causal work, $(2P + 1) \sum_i c_i^2$.
 2. **Rank-major direct indexing.** The gathered K/V stay in rank-major order; one
-   `index_select` with the precomputed `kv_index` (`cpref.metadata`) picks, for each local
+   `index_select` with the precomputed `kv_index` (`cpref.modes.all_gather_plan`) picks, for each local
    query chunk, the causal prefix of its document in natural order. No full reorder of the
    stream, and no restore of the output.
 3. **One fused call.** Both local query chunks of every document go to **one** varlen
@@ -82,8 +82,8 @@ backward's `index_add_` would write each half of a row with a stride, or copy dK
 one buffer. On the CPU, at 16k tokens, those copies took longer than the saved collective.
 
 At $P = 1$ the local K/V already are every key in
-order, so the plan's `local_seqs` (see [Load-balanced metadata][cpref.metadata]) send the
-kernel straight to them: no collective, no `index_select`, no `index_add_`.
+order, so the plan (see [Load-balanced metadata][cpref.modes.all_gather_plan]) has no
+`kv_index` and its sequences send the kernel straight to them: no collective, no `index_select`, no `index_add_`.
 
 ## Precision
 
@@ -109,15 +109,19 @@ and the low-precision tests use it.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
 from cpref.call import CPCall
+from cpref.checks import as_bool
 from cpref.comm import Collectives
-from cpref.errors import CPInputError
+from cpref.costs import ModeCosts, element_bytes, shard_bytes
 from cpref.kernels.contract import AttentionKernel, compute_dtype
-from cpref.metadata import AllGatherPlan, all_gather_plan
+from cpref.modes.all_gather_plan import AllGatherPlan, all_gather_plan
+from cpref.modes.shared import no_double_backward
+from cpref.modes.spec import ModeSpec, Option
 
 __all__ = [
     "AllGatherKVFunc",
@@ -125,13 +129,14 @@ __all__ = [
     "all_gather_forward",
     "all_gather_backward",
     "run_all_gather",
-    "no_double_backward",
+    "all_gather_costs",
+    "MODE",
 ]
 
 
 def gather_selected(k, v, plan: AllGatherPlan, comm: Collectives) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather K and V (rank-major) and select each query sequence's keys: `(k_sel, v_sel)`."""
-    if plan.local_seqs is not None:  # P = 1: the local K/V are every key, in order (see cpref.metadata)
+    if plan.kv_index is None:  # P = 1: the local K/V are every key, in order (see the plan)
         return k, v
     k_all = comm.all_gather(k)  # (T_l, Hkv, D) -> (P T_l, Hkv, D)
     v_all = comm.all_gather(v)  # (T_l, Hkv, Dv) -> (P T_l, Hkv, Dv)
@@ -146,7 +151,7 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
     # 1) gather every rank's K and V, rank-major; 2) pick each query sequence's keys, natural order
     k_sel, v_sel = gather_selected(k, v, plan, comm)  # (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
     # 3) one fused varlen call for all local chunks, bottom-right causal per chunk
-    out, lse = kernel.forward(q, k_sel, v_sel, plan.kernel_seqs, causal=causal, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
+    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
     return out, lse, k_sel, v_sel
 # --8<-- [end:forward]
 
@@ -154,12 +159,12 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
 # --8<-- [start:backward]
 def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale):
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
-    if plan.local_seqs is not None:  # P = 1: nothing was selected, the kernel's gradients are the local ones
-        return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.kernel_seqs, causal=causal, scale=scale, full_rows=True)
-    acc, rows = compute_dtype(q.dtype), comm.size * plan.local_tokens
+    if plan.kv_index is None:  # P = 1: nothing was selected, the kernel's gradients are the local ones
+        return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale, full_rows=True)
+    acc, rows = compute_dtype(q.dtype), comm.size * q.shape[0]  # rows of the rank-major buffer: P T_l
     # 1) one fused backward call for all local chunks; dK/dV partials unrounded (float32)
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, plan.kernel_seqs, causal=causal, scale=scale, full_rows=True, grad_dtype=acc
+        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale, full_rows=True, grad_dtype=acc
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer, in float32
     dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:])).index_add_(0, plan.kv_index, dk_sel)  # (P T_l, Hkv, D)
@@ -169,15 +174,6 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
     dv = comm.reduce_scatter(dv_all).to(v_sel.dtype)  # (P T_l, Hkv, Dv) -> (T_l, Hkv, Dv)
     return dq.to(q.dtype), dk, dv
 # --8<-- [end:backward]
-
-
-def no_double_backward() -> None:
-    """Raise before any backward communication if the caller asked for a differentiable backward."""
-    if torch.is_grad_enabled():
-        raise CPInputError(
-            "cpref.attention is differentiable once: its backward cannot itself be differentiated "
-            "(create_graph=True / double backward); call backward without create_graph"
-        )
 
 
 class AllGatherKVFunc(torch.autograd.Function):
@@ -215,6 +211,34 @@ AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced = AllGatherKVFunc
 
 
 def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """`MODES["all_gather"]`: this rank's plan from the batch cache, then the Function."""
-    plan = all_gather_plan(call.entry, call.P, call.rank, call.layout, call.causal, call.device)
+    """Run the mode: this rank's plan from the batch cache, then the Function."""
+    plan = all_gather_plan(call)
     return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"])
+
+
+def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, save_gathered_kv) -> ModeCosts:
+    """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.costs`)."""
+    hq, hkv, d, dv = heads
+    t, (b, f) = local_tokens, element_bytes(dtype)
+    fwd = (P - 1) * t * hkv * (d + dv) * b
+    saved = shard_bytes(t, heads, dtype)
+    if save_gathered_kv:  # the query side as usual, and the selected K/V rows instead of the local shards
+        saved = t * (b * (hq * d + hq * dv) + f * hq) + selected_kv_rows * hkv * (d + dv) * b
+    bwd_ops = Counter(reduce_scatter=2) + (Counter() if save_gathered_kv else Counter(all_gather=2))
+    bwd = (0 if save_gathered_kv else fwd) + (P - 1) * t * hkv * (d + dv) * f  # re-gather, float32 dK/dV
+    return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved)
+
+
+MODE = ModeSpec(
+    name="all_gather",
+    order=0,
+    run=run_all_gather,
+    plan=all_gather_plan,
+    collectives=frozenset({"all_gather", "reduce_scatter"}),
+    costs=all_gather_costs,
+    options=(
+        Option("save_gathered_kv", False, lambda value: as_bool("save_gathered_kv", value),
+               "keep the gathered K/V for the backward instead of gathering them again (faster backward; "
+               "activation memory no longer falls with P)"),
+    ),
+)

@@ -56,13 +56,17 @@ from cpref.call import CPCall
 from cpref.checks import as_int
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
-from cpref.modes.all_gather import no_double_backward
+from cpref.costs import ModeCosts, combine, exchange_costs, kept_output_bytes, ring_costs
 from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_dtype
+from cpref.modes.ring_plan import RingPlan
+from cpref.modes.shared import head_split, no_double_backward
+from cpref.modes.spec import ModeSpec, Option
 from cpref.modes.ulysses import (
     A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, kv_grad_dtype, replicate, scatter_grads,
 )
 
-__all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size"]
+__all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size",
+           "hierarchical_plan", "hierarchical_costs", "MODE"]
 
 _SUBGROUPS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Collectives, Collectives]]]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -121,25 +125,59 @@ def example_a2a_size(P: int) -> int:
 
 
 def check_hierarchical(call: CPCall) -> None:
-    """`MODES["a2a+p2p"]`'s constraints: `a2a_size` divides P, and `a` ranks can split the heads."""
-    a = call.options["a2a_size"]
+    """The mode's constraints: `a2a_size` given and dividing P, and `a` ranks able to split the heads."""
+    a = call.options["a2a_size"]  # parsed: None or an int >= 1
     if a is None:
         raise CPInputError(
             f"mode 'a2a+p2p' needs a2a_size, the all-to-all group size dividing P = {call.P} "
             f"(e.g. a2a_size={example_a2a_size(call.P)}); a2a_size=1 is the ring, a2a_size=P is Ulysses"
         )
-    a = as_int("a2a_size", a, lo=1)
     if call.P % a:
         sizes = [d for d in range(1, call.P + 1) if call.P % d == 0]
         raise CPInputError(f"a2a_size={a} does not divide the CP size P = {call.P}; choose one of {sizes}")
     check_a2a_heads(call.heads[0], call.heads[1], a, call.P, f"mode 'a2a+p2p' with a2a_size={a}")
 
 
-def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """`MODES["a2a+p2p"]`: the sub-groups, the exchange and ring plans, then the Function."""
+def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan]:
+    """`(exchange, ring)`: this rank's a2a group exchange plan and its plan in the ring of `P / a` groups."""
     a = call.options["a2a_size"]
-    p, g = call.P // a, call.rank // a
-    a2a_comm, ring_comm = subgroups(comm, a)
-    exchange = a2a_plan(call, a, g, call.heads[1], with_attention=False)
-    ring = ring_plan(call, p, g, call.layout)
+    g = call.rank // a  # this rank's place in its ring: the index of its a2a group
+    return a2a_plan(call, a, g, call.heads[1], with_attention=False), ring_plan(call, call.P // a, g, call.layout)
+
+
+def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
+    """Run the mode: the sub-groups, the exchange and ring plans, then the Function."""
+    a2a_comm, ring_comm = subgroups(comm, call.options["a2a_size"])
+    exchange, ring = hierarchical_plan(call)
     return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)
+
+
+def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, a2a_size) -> ModeCosts:
+    """Per-rank traffic, collectives and saved bytes of one layer: the exchange over `a`, a ring of `P / a`."""
+    a, t = a2a_size, local_tokens
+    if a is None or P % a:
+        raise CPInputError(f"mode 'a2a+p2p' has costs for an a2a_size dividing P = {P}, got {a}")
+    exchange = exchange_costs(a, t, heads, dtype)
+    ring = ring_costs(P // a, t, heads[1] * head_split(heads[0], heads[1], a), heads, dtype)
+    return combine(exchange, ring, saved=exchange.saved_bytes + kept_output_bytes(P // a, t, heads, dtype))
+
+
+def _a2a_size(value: Any) -> int:
+    return as_int("a2a_size", value, lo=1)
+
+
+# --8<-- [start:declaration]
+MODE = ModeSpec(
+    name="a2a+p2p",
+    order=3,
+    run=run_hierarchical,
+    plan=hierarchical_plan,
+    collectives=frozenset({"all_to_all", "send_recv"}),
+    costs=hierarchical_costs,
+    options=(
+        Option("a2a_size", None, _a2a_size, "the all-to-all group size `a` dividing P (Ulysses inside groups of `a` "
+               "consecutive ranks, the ring across the P / a groups); required", example=example_a2a_size),
+    ),
+    check=check_hierarchical,
+)
+# --8<-- [end:declaration]

@@ -100,11 +100,14 @@ import torch
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.kernels.contract import AttentionKernel, compute_dtype
-from cpref.modes.all_gather import no_double_backward
+from cpref.costs import ModeCosts, kept_output_bytes, ring_costs, shard_bytes
 from cpref.kernels.merge import merge_partial
 from cpref.modes.ring_plan import RingPlan, RingStep, build_ring_plan
+from cpref.modes.shared import no_double_backward
+from cpref.modes.spec import ModeSpec
 
-__all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring", "saved_out_dtype"]
+__all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring", "saved_out_dtype", "p2p_plan",
+           "p2p_costs", "MODE"]
 
 
 def _block(kv: torch.Tensor, step: RingStep, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,6 +230,28 @@ def ring_plan(call: CPCall, P: int, rank: int, layout: str) -> RingPlan:
     return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))
 
 
+def p2p_plan(call: CPCall) -> RingPlan:
+    """This rank's plan in the ring of all P ranks, from the batch cache."""
+    return ring_plan(call, call.P, call.rank, call.layout)
+
+
 def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """`MODES["p2p"]`: this rank's ring plan from the batch cache, then the Function."""
-    return RingFunc.apply(q, k, v, ring_plan(call, call.P, call.rank, call.layout), comm, call.kernel, call.scale)
+    """Run the mode: this rank's ring plan, then the Function."""
+    return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale)
+
+
+def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows) -> ModeCosts:
+    """Per-rank traffic, collectives and saved bytes of one layer: a ring of P, the output kept unrounded."""
+    ring = ring_costs(P, local_tokens, heads[1], heads, dtype)
+    saved = shard_bytes(local_tokens, heads, dtype) + kept_output_bytes(P, local_tokens, heads, dtype)
+    return ModeCosts(ring.forward_bytes, ring.backward_bytes, ring.forward_ops, ring.backward_ops, saved)
+
+
+MODE = ModeSpec(
+    name="p2p",
+    order=1,
+    run=run_ring,
+    plan=p2p_plan,
+    collectives=frozenset({"send_recv"}),
+    costs=p2p_costs,
+)

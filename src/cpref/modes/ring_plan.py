@@ -49,7 +49,7 @@ from itertools import accumulate
 import torch
 
 from cpref.kernels.contract import Varlen
-from cpref.layout import chunk_ids, layout_multiple
+from cpref.layout import chunk_ids
 from cpref.seqlens import Boundaries
 
 __all__ = ["RingStep", "RingPlan", "build_ring_plan"]
@@ -79,12 +79,6 @@ class RingPlan:
     """The `P` steps of one rank (immutable, shared by the cache)."""
 
     steps: tuple[RingStep, ...]
-    local_tokens: int
-
-
-def _real(b: Boundaries, i: int, c: int, j: int) -> int:
-    """Real tokens of chunk `j` (size `c`) of document `i`."""
-    return min(max(b.real_len(i) - j * c, 0), c)
 
 
 def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: list[int], causal: bool):
@@ -100,8 +94,8 @@ def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: li
         else:
             groups.append(([j], seen, diag))
     for qs, seen, diag in groups:
-        rq = sum(_real(b, i, c, j) for j in qs)
-        rk = sum(_real(b, i, c, jj) for jj in seen)
+        rq = sum(b.real_in(i, j * c, (j + 1) * c) for j in qs)
+        rk = sum(b.real_in(i, jj * c, (jj + 1) * c) for jj in seen)
         if rq and rk:
             out.append((rq, 0, rk, diag))  # keys: a prefix of the sender's chunks of the document
         blind = len(qs) * c - (rq if rk else 0)  # padding queries, or all if the group sees no key here
@@ -110,8 +104,7 @@ def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: li
     return out
 
 
-def _step(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bool, device) -> RingStep:
-    mult = layout_multiple(layout, P)
+def _step(b: Boundaries, P: int, mult: int, rank: int, source: int, layout: str, causal: bool, device) -> RingStep:
     mine, theirs = chunk_ids(rank, P, layout), chunk_ids(source, P, layout)
     seqs, offset = [], 0  # (q_len, absolute key start, k_len); offset of the document in every buffer
     for i in range(b.num_docs):
@@ -146,6 +139,5 @@ def _step(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bo
 
 def build_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device) -> RingPlan:
     """The steps `t = 0 .. P-1` of rank `rank`: step `t` holds the block of rank `(rank - t) mod P`."""
-    b.check_divisible(layout, P)
-    steps = tuple(_step(b, P, rank, (rank - t) % P, layout, causal, device) for t in range(P))
-    return RingPlan(steps, b.total // P)
+    mult = b.check_divisible(layout, P)
+    return RingPlan(tuple(_step(b, P, mult, rank, (rank - t) % P, layout, causal, device) for t in range(P)))

@@ -60,20 +60,22 @@ import torch
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
-from cpref.kernels.contract import compute_dtype
+from cpref.kernels.contract import Varlen, compute_dtype
 from cpref.layout import global_index
-from cpref.modes.all_gather import no_double_backward
-from cpref.modes.ring_plan import RingStep, build_ring_plan
+from cpref.costs import ModeCosts, exchange_costs
+from cpref.modes.shared import head_split, no_double_backward, whole_documents
+from cpref.modes.spec import ModeSpec
 from cpref.seqlens import Boundaries
 
-__all__ = ["A2APlan", "UlyssesFunc", "a2a_gather", "a2a_scatter", "a2a_plan", "check_a2a_heads", "run_ulysses", "scatter_grads"]
+__all__ = ["A2APlan", "UlyssesFunc", "a2a_gather", "a2a_scatter", "a2a_plan", "check_a2a_heads", "run_ulysses", "scatter_grads",
+           "ulysses_plan", "ulysses_costs", "MODE"]
 
 
 def check_a2a_heads(hq: int, hkv: int, a: int, P: int, what: str) -> None:
     """Raise unless `a` ranks can split `hq` query heads and `hkv` key/value heads (see the docstring)."""
-    if hq % a == 0 and (hkv % a == 0 or a % hkv == 0):
+    if head_split(hq, hkv, a) is not None:
         return
-    works = [n for n in range(1, hq + 1) if hq % n == 0 and (hkv % n == 0 or n % hkv == 0)]
+    works = [n for n in range(1, hq + 1) if head_split(hq, hkv, n) is not None]
     raise CPInputError(
         f"{what} splits heads over {a} ranks (P = {P}), but Hq = {hq}, Hkv = {hkv} cannot be split so: "
         f"it needs Hq % {a} == 0 and Hkv % {a} == 0 or {a} % Hkv == 0; sizes that work: {works}"
@@ -95,7 +97,7 @@ class A2APlan:
     perm: torch.Tensor | None
     inv_perm: torch.Tensor | None
     replicas: int
-    attend: RingStep | None = None
+    attend: Varlen | None = None
 
 
 def a2a_permutation(b: Boundaries, P: int, a: int, g: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +120,8 @@ def a2a_plan(call: CPCall, a: int, g: int, hkv: int, with_attention: bool) -> A2
 
     def build() -> A2APlan:
         perm, inv = a2a_permutation(call.bounds, call.P, a, g, call.layout, call.device)
-        attend = build_ring_plan(call.bounds, 1, 0, "contiguous", call.causal, call.device).steps[0] if with_attention else None
-        return A2APlan(perm, inv, 1 if hkv % a == 0 else a // hkv, attend)
+        attend = whole_documents(call.bounds) if with_attention else None
+        return A2APlan(perm, inv, head_split(call.heads[0], hkv, a), attend)
 
     return call.plan(("a2a", call.P, a, g, call.layout, call.causal, hkv, with_attention, str(call.device)), build)
 
@@ -185,16 +187,15 @@ class UlyssesFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float):
         """Exchange heads for tokens, one kernel call over the whole stream, exchange back."""
-        step = plan.attend
         # 1) heads out, tokens in: every rank holds the whole stream for H/P heads, in natural order
         qg = a2a_gather(q, plan, comm)  # (T, Hq/P, D)
         kg = a2a_gather(replicate(k, plan.replicas), plan, comm)  # (T, Hkv'/P, D)
         vg = a2a_gather(replicate(v, plan.replicas), plan, comm)  # (T, Hkv'/P, Dv)
         # 2) one varlen call over every document, padding seen by no query
-        out_g, lse_g = kernel.forward(qg, kg, vg, step.seqs, causal=step.causal, scale=scale)  # (T, Hq/P, Dv)
+        out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, scale=scale)  # (T, Hq/P, Dv)
         # 3) tokens out, heads in
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
-        ctx.plan, ctx.comm, ctx.kernel, ctx.scale = plan, comm, kernel, scale
+        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
         ctx.dtypes = (k.dtype, v.dtype)
         return a2a_scatter(out_g, plan, comm)  # (T_l, Hq, Dv)
 
@@ -203,12 +204,12 @@ class UlyssesFunc(torch.autograd.Function):
         """The same exchanges for dout, dq, dk, dv around one backward kernel call."""
         no_double_backward()
         qg, kg, vg, out_g, lse_g = ctx.saved_tensors
-        plan, comm, step = ctx.plan, ctx.comm, ctx.plan.attend
+        plan, comm = ctx.plan, ctx.comm
         # 1) the upstream gradient takes the same way as q
         dout_g = a2a_gather(dout.contiguous(), plan, comm)  # (T, Hq/P, Dv)
         # 2) one backward call; every row is whole, so Delta comes from float32 probabilities
         grads = list(ctx.kernel.backward(
-            dout_g, qg, kg, vg, out_g, lse_g, step.seqs, causal=step.causal, scale=ctx.scale, full_rows=True,
+            dout_g, qg, kg, vg, out_g, lse_g, plan.attend, causal=ctx.causal, scale=ctx.scale, full_rows=True,
             grad_dtype=kv_grad_dtype(plan, kg.dtype),
         ))  # dQ (T, Hq/P, D), dK (T, Hkv'/P, D), dV (T, Hkv'/P, Dv): what the exchange moves
         grads[0] = grads[0].to(qg.dtype)  # dQ in the input dtype; dK/dV of replicated heads unrounded
@@ -218,11 +219,31 @@ class UlyssesFunc(torch.autograd.Function):
 
 
 def check_ulysses(call: CPCall) -> None:
-    """`MODES["a2a"]`'s own constraint: the heads split over all P ranks."""
+    """The mode's own constraint: the heads split over all P ranks."""
     check_a2a_heads(call.heads[0], call.heads[1], call.P, call.P, "mode 'a2a'")
 
 
+def ulysses_plan(call: CPCall) -> A2APlan:
+    """The group's exchange plan and its one kernel call, from the batch cache."""
+    return a2a_plan(call, call.P, 0, call.heads[1], with_attention=True)
+
+
 def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """`MODES["a2a"]`: the group's exchange plan from the batch cache, then the Function."""
-    plan = a2a_plan(call, call.P, 0, call.heads[1], with_attention=True)
-    return UlyssesFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale)
+    """Run the mode: the plan, then the Function."""
+    return UlyssesFunc.apply(q, k, v, ulysses_plan(call), comm, call.kernel, call.causal, call.scale)
+
+
+def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows) -> ModeCosts:
+    """Per-rank traffic, collectives and saved bytes of one layer: the exchange over all P ranks."""
+    return exchange_costs(P, local_tokens, heads, dtype)
+
+
+MODE = ModeSpec(
+    name="a2a",
+    order=2,
+    run=run_ulysses,
+    plan=ulysses_plan,
+    collectives=frozenset({"all_to_all"}),
+    costs=ulysses_costs,
+    check=check_ulysses,
+)

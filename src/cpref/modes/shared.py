@@ -1,0 +1,68 @@
+"""What the modes share, below all of them: one home for each, so no mode imports a sibling for it.
+
+* [`no_double_backward`][cpref.modes.shared.no_double_backward]: every mode's autograd Function
+  is differentiable once, and says so before its backward communicates;
+* [`whole_documents`][cpref.modes.shared.whole_documents]: the kernel's sequences when one call
+  sees every document whole, in order (Ulysses after its exchange; the all-gather mode at
+  `P = 1`);
+* [`head_split`][cpref.modes.shared.head_split]: whether, and with how many replicas of each
+  key/value head, `a` ranks split the heads (Ulysses, the hierarchical mode, their costs).
+
+The partial-result merge, which the kernels use as well, lives further down, in
+[`cpref.kernels.merge`][cpref.kernels.merge].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpref.errors import CPInputError
+from cpref.kernels.contract import Varlen
+from cpref.seqlens import Boundaries
+
+__all__ = ["no_double_backward", "whole_documents", "head_split"]
+
+
+def no_double_backward() -> None:
+    """Raise before any backward communication if the caller asked for a differentiable backward."""
+    if torch.is_grad_enabled():
+        raise CPInputError(
+            "cpref.attention is differentiable once: its backward cannot itself be differentiated "
+            "(create_graph=True / double backward); call backward without create_graph"
+        )
+
+
+def whole_documents(b: Boundaries) -> Varlen:
+    """Every document as one sequence of the (padded) stream in order: real queries see its real keys.
+
+    Examples:
+        >>> whole_documents(Boundaries.parse([0, 3, 5], [0, 4, 6]))  # (3, 3) doc 0, (0, 1) its padding keys, (1, 0) its padding query, (2, 2) doc 1
+        Varlen(cu_q=[0, 3, 3, 4, 6], cu_kv=[0, 3, 4, 4, 6])
+    """
+    q_lens, kv_lens = [], []
+    for i in range(b.num_docs):
+        n, pad = b.real_len(i), b.padded_len(i) - b.real_len(i)
+        # (n, n): the document; (0, pad): its padding keys, seen by no query; (pad, 0): its padding queries
+        for n_q, n_k in ((n, n), (0, pad), (pad, 0)):
+            if n_q or n_k:
+                q_lens.append(n_q)
+                kv_lens.append(n_k)
+    return Varlen.from_lengths(q_lens, kv_lens)
+
+
+def head_split(hq: int, hkv: int, a: int) -> int | None:
+    """How many times each key/value head is replicated so that `a` ranks split the heads, or None if they cannot.
+
+    Each of the `a` ranks takes $H_q / a$ query heads (so `a` must divide $H_q$) and the key/value
+    heads those read: $H_{kv} / a$ of them if `a` divides $H_{kv}$ (1, no replica), else, with
+    fewer key/value heads than ranks, each one replicated $a / H_{kv}$ times (`a % Hkv == 0`).
+
+    Examples:
+        >>> head_split(8, 8, 4), head_split(8, 2, 4), head_split(8, 1, 4), head_split(8, 3, 4), head_split(6, 6, 4)
+        (1, 2, 4, None, None)
+    """
+    if hq % a:
+        return None
+    if hkv % a == 0:
+        return 1
+    return a // hkv if a % hkv == 0 else None
