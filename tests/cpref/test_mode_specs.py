@@ -136,15 +136,20 @@ def test_options_are_parsed_by_their_mode_and_refused_elsewhere(mode, options, m
 
 
 def test_the_parsed_option_is_the_one_the_mode_runs_with():
-    """`check_hierarchical` validated a2a_size and the raw value ran; now the parser's int is what runs:
-    an a2a_size of numpy type gives bitwise the result of the int."""
+    """`check_hierarchical` validated a2a_size and the raw value went on; now the parser's int is what the
+    mode runs with and what the ranks compare: one rank passing `np.int64(2)`, the other `2`, agree (the
+    raw values' reprs differ), and the output is bitwise that of `2` on both."""
     np = pytest.importorskip("numpy")
     s = cpref.Sharding([0, 32], cp_size=4)
     q, k, v = random_qkv(32, 4, 2, 8)
     local = [[s.shard(t, r) for t in (q, k, v)] for r in range(4)]
-    outs = [SimCluster(4).run(lambda comm, a=a: cpref.attention(*local[comm.rank], s, comm=comm, mode="a2a+p2p", a2a_size=a))
-            for a in (2, np.int64(2))]  # fmt: skip
-    assert all(torch.equal(x, y) for x, y in zip(*outs))
+
+    def rank_fn(comm, mixed):
+        a = np.int64(2) if mixed and comm.rank % 2 else 2
+        return cpref.attention(*local[comm.rank], s, comm=comm, mode="a2a+p2p", a2a_size=a)
+
+    plain, mixed = (SimCluster(4).run(lambda comm, m=m: rank_fn(comm, m)) for m in (False, True))
+    assert all(torch.equal(x, y) for x, y in zip(plain, mixed))
 
 
 def test_mode_costs_asks_the_mode():
