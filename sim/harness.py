@@ -27,29 +27,29 @@ class CountingKernel:
 
     Attributes:
         forward_calls, backward_calls: how many calls each way.
-        calls: `(direction, seqs, causal)` of every call, in order.
+        calls: `(direction, seqs, causal, window)` of every call, in order.
     """
 
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner or cpref.TorchKernel()
         self.forward_calls = self.backward_calls = 0
-        self.calls: list[tuple[str, cpref.Varlen, bool]] = []
+        self.calls: list[tuple[str, cpref.Varlen, bool, tuple[int, int]]] = []
 
     def forward(self, q, k, v, seqs, **kwargs):
         """Record, then call the wrapped kernel's forward."""
         self.forward_calls += 1
-        self.calls.append(("forward", seqs, kwargs["causal"]))
+        self.calls.append(("forward", seqs, kwargs["causal"], kwargs.get("window", (-1, -1))))
         return self.inner.forward(q, k, v, seqs, **kwargs)
 
     def backward(self, dout, q, k, v, out, lse, seqs, **kwargs):
         """Record, then call the wrapped kernel's backward."""
         self.backward_calls += 1
-        self.calls.append(("backward", seqs, kwargs["causal"]))
+        self.calls.append(("backward", seqs, kwargs["causal"], kwargs.get("window", (-1, -1))))
         return self.inner.backward(dout, q, k, v, out, lse, seqs, **kwargs)
 
     def forward_work(self) -> int:
         """Exact score entries per head of the forward calls made."""
-        return sum(seqs.work(causal) for kind, seqs, causal in self.calls if kind == "forward")
+        return sum(seqs.work(causal, window) for kind, seqs, causal, window in self.calls if kind == "forward")
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -101,23 +101,23 @@ def run_attention(
     return cluster.run(rank_fn), cluster
 
 
-def oracle_padded(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None):
+def oracle_padded(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None, window=(-1, -1)):
     """The oracle's `(out, dq, dk, dv)` over the padded stream: real rows exact, padding rows 0."""
     cu = torch.tensor(sharding.cu_seqlens)
     if not sharding.bounds.is_padded:
-        out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu, dout, causal=causal, scale=scale)
+        out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu, dout, causal=causal, scale=scale, window=window)
         return out, dq, dk, dv
     real = [sharding.unpad(t) for t in (q, k, v, dout)]  # (T_real, ...)
-    out, _, dq, dk, dv = oracle.forward_backward(*real[:3], cu, real[3], causal=causal, scale=scale)
+    out, _, dq, dk, dv = oracle.forward_backward(*real[:3], cu, real[3], causal=causal, scale=scale, window=window)
     padded = []
     for t in (out, dq, dk, dv):
         padded.append(sharding.pad(t))  # (T, ...): padding rows 0
     return tuple(padded)
 
 
-def oracle_shards(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None):
+def oracle_shards(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None, window=(-1, -1)):
     """The oracle's `(out, dq, dk, dv)`, cut into every rank's shard: `[rank][tensor]`."""
-    full = oracle_padded(q, k, v, dout, sharding, causal=causal, scale=scale)
+    full = oracle_padded(q, k, v, dout, sharding, causal=causal, scale=scale, window=window)
     return [[sharding.shard(t, r) for t in full] for r in range(sharding.cp_size)]
 
 

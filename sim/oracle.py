@@ -13,6 +13,15 @@ Query token $x$ sees key token $y$ iff
 $$ M_{xy} = [\mathrm{doc}(x) = \mathrm{doc}(y)] \wedge
    \big(\neg\,\mathrm{causal} \vee \mathrm{pos}(y) \le \mathrm{pos}(x)\big). $$
 
+**Sliding windows.** With `window` $= (\ell, r)$ (the FlashAttention convention, $-1$ for no
+bound on that side) query $x$ sees only the keys of its document within $\ell$ positions
+before and $r$ after it:
+
+$$ M^{(\ell, r)}_{xy} = M_{xy} \wedge \big(\ell < 0 \vee \mathrm{pos}(y) \ge \mathrm{pos}(x) - \ell\big)
+   \wedge \big(r < 0 \vee \mathrm{pos}(y) \le \mathrm{pos}(x) + r\big) . $$
+
+`causal=True` is $r = 0$; a causal window of $w + 1$ keys is `causal=True, window=(w, 0)`.
+
 **GQA.** With $H_q$ query heads and $H_{kv}$ key/value heads, $G = H_q / H_{kv}$ query heads
 share one key/value head: query head $h$ reads key/value head $\lfloor h / G \rfloor$.
 
@@ -43,12 +52,14 @@ TOL = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-5, torch.f
 TOL_BF16_GQA = 3.5e-2  # bf16 with Hkv < Hq: each key's gradient sums G query heads
 
 
-def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True) -> torch.Tensor:
+def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True, window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
     """The `(T, T)` boolean mask `M`: `M[x, y]` is True iff query `x` sees key `y`.
 
     Args:
         cu_seqlens: document boundaries with a leading 0, shape `(N + 1,)`.
         causal: whether a token sees only earlier positions of its own document.
+        window: `(left, right)`: the most positions before and after its own a token sees
+            (-1: no bound).
 
     Returns:
         A bool tensor of shape `(T, T)` on the CPU.
@@ -62,6 +73,13 @@ def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True) -> torch.T
     if causal:
         # ... and pos(y) <= pos(x)
         mask &= pos[None, :] <= pos[:, None]  # (T, T)
+    left, right = window
+    if left >= 0:
+        # ... and pos(y) >= pos(x) - left
+        mask &= pos[None, :] >= pos[:, None] - left  # (T, T)
+    if right >= 0:
+        # ... and pos(y) <= pos(x) + right
+        mask &= pos[None, :] <= pos[:, None] + right  # (T, T)
     return mask
 
 
@@ -73,6 +91,7 @@ def attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 attention over a packed stream: the definition of correct.
 
@@ -83,6 +102,7 @@ def attention(
         cu_seqlens: document boundaries with a leading 0 and `cu_seqlens[-1] == T`.
         causal: whether a token sees only earlier positions of its own document.
         scale: logit scale; `D ** -0.5` when None.
+        window: `(left, right)` sliding window (see the module docstring); `(-1, -1)`: none.
 
     Returns:
         `(out, lse)`: `out` of shape `(T, Hq, Dv)` and `lse` of shape `(T, Hq)`, both
@@ -104,7 +124,7 @@ def attention(
     v64 = v.double().repeat_interleave(group, dim=1)  # (T, Hkv, Dv) -> (T, Hq, Dv)
     # 2) S_hxy = s q_xh . k_yh, masked to -inf where token x does not see token y
     scores = scale * torch.einsum("xhd,yhd->hxy", q64, k64)  # (Hq, T, T)
-    mask = visibility_mask(cu_seqlens, causal=causal).to(q.device)  # (T, T)
+    mask = visibility_mask(cu_seqlens, causal=causal, window=window).to(q.device)  # (T, T)
     scores = scores.masked_fill(~mask, float("-inf"))  # (Hq, T, T)
     # 3) lse_xh = log sum_y exp(S_hxy)
     lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)  # (Hq, T) -> (T, Hq)
@@ -123,6 +143,7 @@ def forward_backward(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`attention` and its gradients for the upstream gradient `dout`, all in float64.
 
@@ -134,6 +155,7 @@ def forward_backward(
         dout: gradient of the loss with respect to `out`, shape `(T, Hq, Dv)`.
         causal: as for `attention`.
         scale: as for `attention`.
+        window: as for `attention`.
 
     Returns:
         `(out, lse, dq, dk, dv)`, all float64 and detached; `dq, dk, dv` are shaped like
@@ -142,7 +164,7 @@ def forward_backward(
     # 1) float64 leaves, so autograd's gradients are float64 too
     q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     with torch.enable_grad():
-        out, lse = attention(q64, k64, v64, cu_seqlens, causal=causal, scale=scale)
+        out, lse = attention(q64, k64, v64, cu_seqlens, causal=causal, scale=scale, window=window)
         # 2) dq, dk, dv = d<out, dout>/d(q, k, v)
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), grad_outputs=dout.double())
     return out.detach(), lse.detach(), dq, dk, dv

@@ -23,7 +23,7 @@ mostly on values every rank shares (the global boundaries, the shapes, the argum
 bad call fails on every rank alike instead of leaving some ranks waiting in a collective. The
 checks, in order:
 the communicator and the sharding (its CP size must be the group's), the mode and its options,
-the flags, the kernel, the tensors (dims, dtypes, heads, head dims), the scale, the shard size
+the flags (`causal`, the window), the kernel, the tensors (dims, dtypes, heads, head dims), the scale, the shard size
 (the boundaries were validated when the sharding was built, once per batch), the mode's own constraints, and the
 backend's known limits. Then, on every call, the ranks compare their arguments with one
 tiny host exchange ([`cpref.consistency`][cpref.consistency]). A rank whose own inputs fail
@@ -56,7 +56,7 @@ from cpref.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.costs import ModeCosts
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, check_heads
-from cpref.kernels.contract import FLOAT_DTYPES, compute_dtype
+from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, check_window, compute_dtype
 from cpref.modes.spec import ModeSpec
 from cpref.sharding import Sharding
 
@@ -119,7 +119,8 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
         )
 
 
-def prepare(q, k, v, sharding, *, comm, mode, causal=True, softmax_scale=None, kernel=None, **options) -> CPCall:
+def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, softmax_scale=None, kernel=None,
+            **options) -> CPCall:  # fmt: skip
     """Validate one `attention` call without communicating; return it as a `CPCall`.
 
     Raises:
@@ -131,6 +132,7 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, softmax_scale=None, k
     mode = as_choice("mode", mode, sorted(MODES))
     options = _check_options(mode, options)
     causal = as_bool("causal", causal)
+    window = check_window(window, causal)
     kernel = TorchKernel() if kernel is None else kernel
     if missing_members(kernel, AttentionKernel):
         raise CPInputError(
@@ -148,9 +150,12 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, softmax_scale=None, k
             f"tokens over cp_size={P} has {local}; shard them with sharding.shard(x, comm.rank)"
         )
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
-    call = CPCall(sharding, rank, causal, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
+    call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
     # 4) the mode's own constraints, and what the backend cannot do
     spec = MODES[mode]
+    if window != NO_WINDOW and not spec.windows:
+        takes = [name for name, other in MODES.items() if other.windows]
+        raise CPInputError(f"mode={mode!r} does not take a sliding window yet (window={window}); the modes that do: {takes}")
     if spec.check is not None:
         spec.check(call)
     missing = spec.collectives & frozenset(comm.unsupported_ops)
@@ -187,6 +192,7 @@ def attention(
     comm: Collectives,
     mode: str,
     causal: bool = True,
+    window: tuple[int, int] = NO_WINDOW,
     softmax_scale: float | None = None,
     kernel: AttentionKernel | None = None,
     check_ranks: bool = True,
@@ -205,6 +211,13 @@ def attention(
         comm: the CP group's collectives, of `sharding.cp_size` ranks.
         mode: the CP algorithm; see `MODES`.
         causal: causal (default) or full attention inside each document.
+        window: `(left, right)`, a sliding window inside each document: the query at position
+            `p` sees the keys at positions `p - left .. p + right` (the FlashAttention
+            convention; -1: unbounded on that side; `causal=True` is `right = 0`, so
+            `causal=True, window=(w, 0)` is a causal window of `w + 1` keys). Default `(-1, -1)`:
+            no window. Hugging Face's `sliding_window = W` (a window of `W` keys including the
+            token itself) is `window=(W - 1, 0)`; the NPU's `pre_tockens` / `next_tockens` are
+            `left` / `right`.
         softmax_scale: logit scale, default `D ** -0.5`.
         kernel: the attention kernel, default [`TorchKernel`][cpref.kernels.TorchKernel].
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
@@ -224,8 +237,8 @@ def attention(
     """
     check_ranks = as_bool("check_ranks", check_ranks)
     try:
-        call = prepare(q, k, v, sharding, comm=comm, mode=mode, causal=causal, softmax_scale=softmax_scale,
-                       kernel=kernel, **options)  # fmt: skip
+        call = prepare(q, k, v, sharding, comm=comm, mode=mode, causal=causal, window=window,
+                       softmax_scale=softmax_scale, kernel=kernel, **options)  # fmt: skip
     except CPInputError:
         if _usable(comm):  # the others may be entering the comparison: meet them there
             with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see

@@ -30,6 +30,7 @@ class CPCall:
         sharding: how the batch is sharded (boundaries, `P`, layout; see `cpref.Sharding`).
         rank: this rank.
         causal: causal attention inside each document.
+        window: `(left, right)` sliding window, validated (`right = 0` under causal; `(-1, -1)`: none).
         scale: the softmax scale.
         kernel: the attention kernel.
         heads: `(Hq, Hkv, D, Dv)` of this rank's shards.
@@ -41,6 +42,7 @@ class CPCall:
     sharding: Sharding
     rank: int
     causal: bool
+    window: tuple[int, int]
     scale: float
     kernel: AttentionKernel
     heads: tuple[int, int, int, int]

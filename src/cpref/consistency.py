@@ -100,7 +100,7 @@ def _digest(value: Any) -> int:
 
 
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
-FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "softmax_scale", "cu_seqlens",
+FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "window", "softmax_scale", "cu_seqlens",
           "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options")  # fmt: skip
 
 
@@ -114,6 +114,7 @@ def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple
         _digest(mode),
         _LAYOUTS.index(call.layout),
         int(call.causal),
+        _digest(call.window),
         struct.unpack("<q", struct.pack("<d", call.scale))[0],  # the float's bits
         _digest(b.real),  # values, not tensor identity: a new tensor of the same values is the same batch
         _digest(b.padded),
@@ -213,7 +214,7 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives, check_ranks: b
         raise CPInputError(
             "the ranks of the CP group pass different arguments to cpref.attention, which would give wrong "
             "results without any error:\n" + "\n".join(lines)
-            + "\nPass the same mode, layout, causal, softmax_scale, cu_seqlens (and cu_seqlens_padded), "
+            + "\nPass the same mode, layout, causal, window, softmax_scale, cu_seqlens (and cu_seqlens_padded), "
             "head counts, dtype, options and check_ranks on every rank."
         )
     if AGREED.get(comm) is None:

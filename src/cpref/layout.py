@@ -54,6 +54,19 @@ $$ W_r + W_{2P-1-r} = (2P + 1) c^2 \text{ (block)}, \qquad (2P - 1) c^2 + c (c +
 the same on every rank under both metrics. [`attention_work`][cpref.layout.attention_work]
 computes both; `make demo` prints them.
 
+**With a sliding window** `(left, right)` (`cpref.attention`'s, $r = 0$ under causal) the query
+at position $p$ of a document of $n$ tokens sees the keys $[\max(0, p - \ell), \min(n, p + r + 1))$,
+so the exact count is
+
+$$ W^{\mathrm{exact}} = \sum_{p} \big(\min(n, p + r + 1) - \max(0, p - \ell)\big) , $$
+
+$w + 1$ keys for every causal query past the first $w$ of a window `(w, 0)`: every rank does
+about $(w + 1) \frac{T}{P}$ whatever the layout, so with a window much smaller than the chunks
+the contiguous layout is balanced on its own, and zigzag balances only the first $w$ positions
+of each document (where queries see fewer keys). The block metric counts each chunk's queries
+against the key range their windows span, $(z - a)(\min(n, z + r) - \max(0, a - \ell))$ for the
+real queries $[a, z)$ of a chunk.
+
 ## Padding
 
 A document whose length is not a multiple of the layout's granularity (`P` for contiguous,
@@ -202,7 +215,7 @@ def unpad(x_padded: torch.Tensor, cu_seqlens_padded: CuSeqlens, cu_seqlens: CuSe
 
 def attention_work(
     cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str, causal: bool = True,
-    exact: bool = False,
+    exact: bool = False, window: tuple[int, int] = (-1, -1),
 ) -> int:
     """Attention work of one rank, in score entries per head (see the module docstring).
 
@@ -211,6 +224,8 @@ def attention_work(
             tokens count as absent: padding queries see nothing, no query sees padding keys).
         exact: count the scores of visible (query, key) pairs; default: the block metric
             `sum(q_len * kv_len)` over the rank's query chunks.
+        window: `(left, right)` sliding window (`cpref.attention`'s); the block metric is then
+            each chunk's queries against the key range their window spans.
     """
     b = _bounds(cu_seqlens)
     work = 0
@@ -219,13 +234,25 @@ def attention_work(
         z = a + b.real_in(doc, a, e - b.padded[doc])  # real query positions [a, z)
         if z == a:
             continue
-        if not causal:
+        if tuple(window) != (-1, -1):
+            work += _window_work(a, z, b.real_len(doc), causal, window, exact)
+        elif not causal:
             work += (z - a) * b.real_len(doc)
         elif exact:
             work += (z * (z + 1) - a * (a + 1)) // 2  # sum of (p + 1) for p in [a, z)
         else:
             work += (z - a) * z  # the chunk's real queries against its causal prefix
     return work
+
+
+def _window_work(a: int, z: int, n: int, causal: bool, window: tuple[int, int], exact: bool) -> int:
+    """Work of the real queries at positions `[a, z)` of a document of `n` real tokens under a window."""
+    left, right = window
+    right = 0 if causal else right
+    p = torch.arange(a, z)  # (z - a,) positions of the queries
+    lo = p.sub(left).clamp_(min=0) if left >= 0 else torch.zeros_like(p)  # first key each sees
+    hi = p.add(right + 1).clamp_(max=n) if right >= 0 else torch.full_like(p, n)  # one past its last
+    return int((hi - lo).sum()) if exact else (z - a) * int(hi[-1] - lo[0])
 
 
 def bshd_to_thd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,10 +209,11 @@ class Sharding:
         b = self.bounds
         return torch.cat([x[b.padded[i] : b.padded[i] + b.real_len(i)] for i in range(b.num_docs)])
 
-    def attention_work(self, rank: int, *, causal: bool = True, exact: bool = False) -> int:
+    def attention_work(self, rank: int, *, causal: bool = True, exact: bool = False,
+                       window: tuple[int, int] = (-1, -1)) -> int:  # fmt: skip
         """Rank `rank`'s attention work in score entries per head (see [`cpref.layout`][cpref.layout])."""
         return attention_work(self.bounds, cp_size=self._cp_size, rank=self._rank(rank), layout=self._layout,
-                              causal=causal, exact=exact)  # fmt: skip
+                              causal=causal, exact=exact, window=window)  # fmt: skip
 
     @property
     def entry(self) -> BatchEntry:

@@ -131,7 +131,7 @@ def test_zigzag_ring_steps_are_balanced_in_the_kernel_calls_made():
     run_cp(q, k, v, dout, cpref.Sharding(cu, cp_size=P), mode="p2p", kernels=kernels)
     cs = [n // (2 * P) for n in lengths]
     for kern in kernels:
-        forward = [(seqs, causal) for kind, seqs, causal in kern.calls if kind == "forward"]
+        forward = [(seqs, causal) for kind, seqs, causal, _ in kern.calls if kind == "forward"]
         assert len(forward) == P  # one call per step, none skipped
         work = [seqs.work(causal) for seqs, causal in forward]
         assert work == [sum(2 * c * c + c for c in cs)] + [sum(2 * c * c for c in cs)] * (P - 1)

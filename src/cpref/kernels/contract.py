@@ -27,6 +27,18 @@ i.e. the *last* query is aligned with the *last* key (NPU `sparse_mode=3`,
 FlashAttention >= 2.1). A CP rank whose query chunk ends a causal prefix of keys therefore
 needs no positional offset at all.
 
+**Sliding windows and shifts.** Query $x$ of sequence $i$ stands at key position
+$p = x + \delta_i$, with $\delta_i = \mathrm{kv\_len}_i - \mathrm{q\_len}_i$ (bottom-right) unless the
+`Varlen` gives explicit `shifts` (a CP plan whose key block does not end where its queries
+end). With `window=(left, right)` ($-1$: unbounded; `causal=True` is `right = 0`) it sees key
+$y$ iff
+
+$$ p - \mathrm{left} \le y \le p + \mathrm{right} , $$
+
+the FlashAttention convention, which is the oracle's per-document window when each sequence's
+keys and queries are positions of one document. `window=(-1, -1)` without causal is full
+attention; a row that sees no key gives `out = 0`, `lse = -inf` as above.
+
 **Outputs.** `out` is `(T, Hq, Dv)` in the input dtype; `lse` is `(T, Hq)`, the natural-log
 log-sum-exp of the scaled logits, float32 (float64 for float64 inputs). A row that sees no
 key gives `out = 0` and `lse = -inf`, never NaN, and zero gradients. Every returned tensor
@@ -55,6 +67,7 @@ rounds it.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from itertools import accumulate
 from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar, runtime_checkable
@@ -63,7 +76,31 @@ import torch
 
 from cpref.errors import CPInputError
 
-__all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "compute_dtype", "check_heads"]
+__all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "NO_WINDOW", "compute_dtype", "check_heads", "check_window"]
+
+NO_WINDOW = (-1, -1)  # full attention (or plain causal): no bound on either side
+
+
+def check_window(window: Any, causal: bool) -> tuple[int, int]:
+    """`window` as `(left, right)` ints >= -1, canonical: under `causal` a window is `(w, 0)`, and one that bounds
+    nothing (`left = -1`) is `NO_WINDOW`, plain causal attention.
+
+    Raises:
+        CPInputError: for anything but a pair of ints >= -1, or `causal=True` with `right > 0`, naming the fix.
+    """
+    fix = "pass window=(left, right) with ints >= -1 (-1: unbounded), e.g. (127, 0) with causal=True: a window of 128 keys"
+    if isinstance(window, (str, bytes)) or not isinstance(window, Sequence) or len(window) != 2:
+        raise CPInputError(f"window={window!r:.40} is not a pair; {fix}")
+    for side, value in zip(("left", "right"), window):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < -1:
+            raise CPInputError(f"window={tuple(window)!r}: {side}={value!r} is not an int >= -1; {fix}")
+    left, right = int(window[0]), int(window[1])
+    if causal and right > 0:
+        raise CPInputError(f"window={(left, right)} with causal=True: a causal query sees no later key, so right must be "
+                           f"0 or -1; pass causal=False for a window with right={right} keys after each query")  # fmt: skip
+    if causal:  # a causal window bounds only the left side; without one it is plain causal
+        return NO_WINDOW if left < 0 else (left, 0)
+    return left, right
 
 V = TypeVar("V")
 
@@ -113,26 +150,52 @@ class Varlen:
         ((0, 2, 6), (0, 2, 12), [2, 12])
     """
 
-    __slots__ = ("cu_q", "cu_kv", "_derived", "_lock")
+    __slots__ = ("cu_q", "cu_kv", "shifts", "_derived", "_lock")
 
-    def __init__(self, cu_q: Sequence[int], cu_kv: Sequence[int] | None = None) -> None:
+    def __init__(self, cu_q: Sequence[int], cu_kv: Sequence[int] | None = None, shifts: Sequence[int] | None = None) -> None:
         self.cu_q = tuple(int(x) for x in cu_q)
         self.cu_kv = self.cu_q if cu_kv is None else tuple(int(x) for x in cu_kv)
+        self.shifts = None if shifts is None else tuple(int(x) for x in shifts)
         for name, cu in (("cu_q", self.cu_q), ("cu_kv", self.cu_kv)):
             if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
                 raise CPInputError(f"Varlen: {name}={list(cu)[:8]} must start at 0 and never decrease")
         if len(self.cu_q) != len(self.cu_kv):
             raise CPInputError(f"Varlen: cu_q has {len(self.cu_q)} entries, cu_kv {len(self.cu_kv)}; need one each per sequence")
+        if self.shifts is not None and len(self.shifts) != len(self.cu_q) - 1:
+            raise CPInputError(f"Varlen: {len(self.shifts)} shifts for {len(self.cu_q) - 1} sequences; need one per sequence")
         self._derived: dict[Hashable, Any] = {}
         self._lock = threading.RLock()  # reentrant: a build may use another derived entry
 
     @classmethod
-    def from_lengths(cls, q_lens: Sequence[int], kv_lens: Sequence[int]) -> "Varlen":
+    def from_lengths(cls, q_lens: Sequence[int], kv_lens: Sequence[int], shifts: Sequence[int] | None = None) -> "Varlen":
         """From per-sequence lengths instead of cumulative ones."""
-        return cls([0, *accumulate(q_lens)], [0, *accumulate(kv_lens)])
+        return cls([0, *accumulate(q_lens)], [0, *accumulate(kv_lens)], shifts)
 
     def __repr__(self) -> str:
-        return f"Varlen(cu_q={list(self.cu_q)}, cu_kv={list(self.cu_kv)})"
+        shifts = "" if self.shifts is None else f", shifts={list(self.shifts)}"
+        return f"Varlen(cu_q={list(self.cu_q)}, cu_kv={list(self.cu_kv)}{shifts})"
+
+    def shift(self, i: int) -> int:
+        """`delta_i`: query `x` of sequence `i` stands at key position `x + delta_i` (default bottom-right, `kv_len - q_len`)."""
+        return self.shift_default(i) if self.shifts is None else self.shifts[i]
+
+    @property
+    def bottom_right(self) -> bool:
+        """Whether every sequence is aligned bottom-right (no explicit shift differs from `kv_len - q_len`)."""
+        return self.shifts is None or all(self.shift_default(i) == d for i, d in enumerate(self.shifts))
+
+    def shift_default(self, i: int) -> int:
+        """The bottom-right shift of sequence `i`, `kv_len - q_len`."""
+        return (self.cu_kv[i + 1] - self.cu_kv[i]) - (self.cu_q[i + 1] - self.cu_q[i])
+
+    def visible(self, i: int, x: int, causal: bool, window: tuple[int, int] = (-1, -1)) -> tuple[int, int]:
+        """`[lo, hi)`: the keys of sequence `i` its query `x` sees (see the module docstring; `lo >= hi`: none)."""
+        n_k, p = self.cu_kv[i + 1] - self.cu_kv[i], x + self.shift(i)
+        left, right = window
+        right = 0 if causal else right
+        lo = 0 if left < 0 else max(0, p - left)
+        hi = n_k if right < 0 else min(n_k, p + right + 1)
+        return lo, hi
 
     @property
     def num_seqs(self) -> int:
@@ -163,15 +226,15 @@ class Varlen:
         """`(q0, q1, k0, k1)` of every sequence: its query rows `[q0, q1)` and key rows `[k0, k1)`."""
         return list(zip(self.cu_q[:-1], self.cu_q[1:], self.cu_kv[:-1], self.cu_kv[1:]))
 
-    def work(self, causal: bool) -> int:
+    def work(self, causal: bool, window: tuple[int, int] = (-1, -1)) -> int:
         """Score entries the call computes per query head (masked entries not counted)."""
         total = 0
-        for q0, q1, k0, k1 in self.pairs():
+        for i, (q0, q1, k0, k1) in enumerate(self.pairs()):
             n_q, n_k = q1 - q0, k1 - k0
-            if not causal:
+            if not causal and window == (-1, -1) and self.shifts is None:
                 total += n_q * n_k
-            else:  # row j sees min(n_k, j + 1 + n_k - n_q) keys, when that is positive
-                total += sum(max(0, min(n_k, j + 1 + n_k - n_q)) for j in range(n_q))
+            else:  # row x sees the keys [lo, hi) of `visible`, when that is not empty
+                total += sum(max(0, hi - lo) for lo, hi in (self.visible(i, x, causal, window) for x in range(n_q)))
         return total
 
     def cached(self, key: Hashable, build: Callable[[], V]) -> V:
@@ -202,6 +265,7 @@ class AttentionKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] = (-1, -1),
         out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; `out` in `out_dtype` (default: the input dtype)."""
@@ -219,6 +283,7 @@ class AttentionKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] = (-1, -1),
         full_rows: bool = False,
         grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

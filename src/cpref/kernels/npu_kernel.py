@@ -74,7 +74,7 @@ from typing import Any
 import torch
 
 from cpref.errors import CPInputError
-from cpref.kernels.contract import Varlen, check_heads, compute_dtype
+from cpref.kernels.contract import NO_WINDOW, Varlen, check_heads, check_window, compute_dtype
 from cpref.kernels.npu_plan import Call, plan_calls
 
 __all__ = ["NpuKernel"]
@@ -137,12 +137,13 @@ class NpuKernel:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, causal: bool, scale: float,
-        out_dtype: torch.dtype | None = None,
+        window: tuple[int, int] = NO_WINDOW, out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`.
 
         The op rounds `out` to the input dtype; with `out_dtype` it is returned upcast.
         """
+        _no_window_yet(window, causal, seqs)
         calls = self._plan(q, k, v, seqs, causal, scale)
         parts = [self._forward_call(q[c.rows], k[c.keys], v[c.keys], c, causal, scale) for c in calls]  # row slices: views
         out, lse = parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts]), torch.cat([m for _, m in parts]))
@@ -160,6 +161,7 @@ class NpuKernel:
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] = NO_WINDOW,
         full_rows: bool = False,
         grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,6 +170,7 @@ class NpuKernel:
         `full_rows` is accepted and ignored: the grad op computes its row sums from `out`.
         The op rounds the gradients to the input dtype; with `grad_dtype` they are returned upcast.
         """
+        _no_window_yet(window, causal, seqs)
         calls = self._plan(q, k, v, seqs, causal, scale)
         out = out.to(q.dtype)  # the op takes attention_in in the input dtype
         parts = [
@@ -275,3 +278,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, scal
             f"NpuKernel: seqs cover {seqs.total_q} queries and {seqs.total_kv} keys, "
             f"but q has {q.shape[0]} rows and k {k.shape[0]}"
         )
+
+
+def _no_window_yet(window: tuple[int, int], causal: bool, seqs: Varlen) -> None:
+    """The window's mapping onto the op (`sparse_mode=4`, `pre_tockens` / `next_tockens`) is not written yet: refuse by name."""
+    if check_window(window, causal) != NO_WINDOW or not seqs.bottom_right:
+        raise CPInputError(f"NpuKernel does not take a sliding window or shifted sequences yet (window={window}); use "
+                           "cpref.TorchKernel() for windowed attention")  # fmt: skip

@@ -70,7 +70,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from cpref.errors import CPInputError
-from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.contract import Varlen, check_window, compute_dtype
 from cpref.kernels.torch_checks import check_inputs
 from cpref.kernels.torch_fused import fused_available, fused_backward, fused_forward
 
@@ -85,7 +85,7 @@ class _Block(NamedTuple):
 
     rows: slice  # query tokens [a, b) of the packed stream
     keys: slice  # key tokens [lo, hi) of the packed stream
-    mask: torch.Tensor | None  # (R, 1, R) True where hidden, over the last R keys; None: no mask
+    mask: torch.Tensor | None  # (R, 1, M) True where hidden, over the last M keys of the block; None: no mask
 
 
 def _heads_major(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -115,9 +115,9 @@ def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: tor
     # S2 = s2 Q K^T
     torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
     if blk.mask is not None:
-        # S2_jt = -inf where t > j + delta: only the last R keys can be hidden
-        rows = blk.mask.shape[0]
-        s.view(hkv, rows, -1, n)[..., n - rows :].masked_fill_(blk.mask, float("-inf"))  # (Hkv, R, G, R)
+        # S2_jt = -inf where row j does not see key t: causal hides only among the last R keys, a window among all
+        rows, cols = blk.mask.shape[0], blk.mask.shape[2]
+        s.view(hkv, rows, -1, n)[..., n - cols :].masked_fill_(blk.mask, float("-inf"))  # (Hkv, R, G, M)
     return s
 
 
@@ -226,14 +226,16 @@ class TorchKernel:
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] = (-1, -1),
         out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
         check_inputs(q, k, v, seqs)
-        if self.fast and fused_available(q.device, self.max_block_elements):
+        window = check_window(window, causal)
+        if self._fused(q, seqs, window):
             return fused_forward(q, k, v, seqs, causal=causal, scale=scale, out_dtype=out_dtype)
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
-        blocks, size = self._blocks(q, seqs, causal)
+        blocks, size = self._blocks(q, seqs, causal, window)
         # 1) head-major operands in the compute dtype, one score buffer for every block
         qh, kh, vh = (_heads_major(x, hkv, cdt) for x in (q, k, v))  # (Hkv, T*G, D), (Hkv, T', D|Dv)
         buf = torch.empty(size, dtype=cdt, device=q.device)  # scores of a block
@@ -260,17 +262,19 @@ class TorchKernel:
         *,
         causal: bool,
         scale: float,
+        window: tuple[int, int] = (-1, -1),
         full_rows: bool = False,
         grad_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`."""
         check_inputs(q, k, v, seqs)
-        if self.fast and fused_available(q.device, self.max_block_elements):
+        window = check_window(window, causal)
+        if self._fused(q, seqs, window):
             return fused_backward(
                 dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, full_rows=full_rows, grad_dtype=grad_dtype
             )
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
-        blocks, size = self._blocks(q, seqs, causal)
+        blocks, size = self._blocks(q, seqs, causal, window)
         # 1) head-major operands; Delta = rowsum(dO o O) once for all rows (unless rows are whole); lse2 = lse / ln2
         qh, kh, vh, doh = (_heads_major(x, hkv, cdt) for x in (q, k, v, dout))  # (Hkv, T*G|T', .)
         delta = None if full_rows else _heads_major((dout.to(cdt) * out.to(cdt)).sum(-1, keepdim=True), hkv, cdt)
@@ -294,16 +298,49 @@ class TorchKernel:
         # 4) back to token-major, in the input dtypes (or grad_dtype)
         return dq, dk.transpose(0, 1).to(grad_dtype or k.dtype), dv.transpose(0, 1).to(grad_dtype or v.dtype)  # (T', Hkv, .)
 
-    def _blocks(self, q: torch.Tensor, seqs: Varlen, causal: bool) -> tuple[list[_Block], int]:
+    def _fused(self, q: torch.Tensor, seqs: Varlen, window: tuple[int, int]) -> bool:
+        """Whether the call takes the fused CPU path: bottom-right sequences without a window (a windowed
+        or shifted call takes the explicit path, which masks exactly what the contract says)."""
+        plain = window == (-1, -1) and seqs.bottom_right
+        return self.fast and plain and fused_available(q.device, self.max_block_elements)
+
+    def _blocks(self, q: torch.Tensor, seqs: Varlen, causal: bool, window: tuple[int, int]) -> tuple[list[_Block], int]:
         """The blocks of every sequence and the largest buffer size.
 
-        The block list depends only on `seqs`, the head count, the budget and the device, so
-        it is built once per `Varlen` and cached there.
+        The block list depends only on `seqs`, the mask, the head count, the budget and the
+        device, so it is built once per `Varlen` and cached there.
         """
-        key = ("TorchKernel.blocks", self.block_size, self.max_block_elements, q.shape[1], bool(causal), str(q.device))
-        return seqs.cached(key, lambda: self._plan(seqs, q.shape[1], bool(causal), q.device))
+        key = ("TorchKernel.blocks", self.block_size, self.max_block_elements, q.shape[1], bool(causal), window, str(q.device))
+        return seqs.cached(key, lambda: self._plan(seqs, q.shape[1], bool(causal), window, q.device))
 
-    def _plan(self, seqs: Varlen, hq: int, causal: bool, device: torch.device) -> tuple[list[_Block], int]:
+    def _plan(self, seqs: Varlen, hq: int, causal: bool, window: tuple[int, int], device) -> tuple[list[_Block], int]:
+        if window == (-1, -1) and seqs.bottom_right:
+            return self._plan_triangles(seqs, hq, causal, device)
+        blocks, size = [], 0
+        for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
+            seen = [seqs.visible(i, x, causal, window) for x in range(q1 - q0)]  # [lo, hi) of every row
+            rows_seeing = [x for x, (lo, hi) in enumerate(seen) if hi > lo]  # an interval: lo and hi never decrease
+            if not rows_seeing:
+                continue
+            first, last = rows_seeing[0], rows_seeing[-1] + 1
+            span = max(hi - lo for lo, hi in seen[first:last])  # keys of the widest row
+            rows = max(1, min(self.max_block_elements // (span * hq), self.block_size or last))
+            while rows > 1 and rows * (span + rows - 1) * hq > self.max_block_elements:  # R rows see at most span + R - 1 keys
+                rows -= 1
+            for a in range(first, last, rows):
+                b = min(a + rows, last)
+                lo, hi = seen[a][0], seen[b - 1][1]  # the block's keys: from its first row's first to its last row's last
+                if all(seen[x] == (lo, hi) for x in range(a, b)):
+                    mask = None
+                else:
+                    y = torch.arange(lo, hi, device=device)  # (M,) keys of the block
+                    bounds = torch.tensor(seen[a:b], device=device)  # (R, 2)
+                    mask = ((y[None, :] < bounds[:, :1]) | (y[None, :] >= bounds[:, 1:])).unsqueeze(1)  # (R, 1, M)
+                blocks.append(_Block(slice(q0 + a, q0 + b), slice(k0 + lo, k0 + hi), mask))
+                size = max(size, (b - a) * hq * (hi - lo))
+        return blocks, size
+
+    def _plan_triangles(self, seqs: Varlen, hq: int, causal: bool, device: torch.device) -> tuple[list[_Block], int]:
         masks: dict[int, torch.Tensor] = {}
         blocks, size = [], 0
         for q0, q1, k0, k1 in seqs.pairs():

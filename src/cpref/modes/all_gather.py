@@ -151,7 +151,7 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
     # 1) gather every rank's K and V, rank-major; 2) pick each query sequence's keys, natural order
     k_sel, v_sel = gather_selected(k, v, plan, comm)  # (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
     # 3) one fused varlen call for all local chunks, bottom-right causal per chunk
-    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
+    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, window=plan.window, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
     return out, lse, k_sel, v_sel
 # --8<-- [end:forward]
 
@@ -160,11 +160,13 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
 def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale):
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
     if plan.kv_index is None:  # P = 1: nothing was selected, the kernel's gradients are the local ones
-        return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale, full_rows=True)
+        return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, window=plan.window, scale=scale,
+                               full_rows=True)  # fmt: skip
     acc, rows = compute_dtype(q.dtype), comm.size * q.shape[0]  # rows of the rank-major buffer: P T_l
     # 1) one fused backward call for all local chunks; dK/dV partials unrounded (float32)
     dq, dk_sel, dv_sel = kernel.backward(
-        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, scale=scale, full_rows=True, grad_dtype=acc
+        dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, window=plan.window, scale=scale, full_rows=True,
+        grad_dtype=acc,
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer, in float32
     dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:])).index_add_(0, plan.kv_index, dk_sel)  # (P T_l, Hkv, D)
@@ -236,6 +238,7 @@ MODE = ModeSpec(
     plan=all_gather_plan,
     collectives=frozenset({"all_gather", "reduce_scatter"}),
     costs=all_gather_costs,
+    windows=True,
     options=(
         Option("save_gathered_kv", False, lambda value: as_bool("save_gathered_kv", value),
                "keep the gathered K/V for the backward instead of gathering them again (faster backward; "

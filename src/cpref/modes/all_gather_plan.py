@@ -86,7 +86,7 @@ from typing import Any, Mapping
 import torch
 
 from cpref.call import CPCall
-from cpref.kernels.contract import Varlen
+from cpref.kernels.contract import NO_WINDOW, Varlen
 from cpref.layout import chunk_ids, chunk_owner
 from cpref.modes.shared import whole_documents
 from cpref.seqlens import Boundaries
@@ -101,11 +101,14 @@ class AllGatherPlan:
     Attributes:
         kv_index: `(sum kv_len,)` rows of the rank-major K/V each key sequence reads, on the device;
             None where the local K/V are the keys as they are (the mode's plan at `P = 1`).
-        seqs: the kernel call's query and key sequences, host lengths.
+        seqs: the kernel call's query and key sequences, host lengths (with explicit shifts
+            where a window's key range does not end at its queries' end).
+        window: the kernel call's `(left, right)` window (`(-1, -1)`: none).
     """
 
     kv_index: torch.Tensor | None
     seqs: Varlen
+    window: tuple[int, int] = NO_WINDOW
 
     def as_mapping(self, P: int) -> Mapping[str, Any]:
         """A read-only view with the MindSpeed RFC's keys (of a selecting plan, over `P` ranks)."""
@@ -126,7 +129,8 @@ class AllGatherPlan:
         })  # fmt: skip
 
 
-def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device) -> AllGatherPlan:
+def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
+                          window: tuple[int, int] = NO_WINDOW) -> AllGatherPlan:  # fmt: skip
     """Compute one rank's selecting plan (no caching). See the module docstring for the formulas."""
     mult = b.check_divisible(layout, P)
     m = mult // P  # local chunks per document: 2 (zigzag) or 1 (contiguous)
@@ -144,24 +148,38 @@ def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal:
         return [torch.arange(chunk_start(o_i, c_i, t), chunk_start(o_i, c_i, t) + min(c_i, n_keys - t * c_i))
                 for t in range(-(-n_keys // c_i))]  # fmt: skip
 
-    # --8<-- [start:kv_index]
-    pieces, q_lens, kv_lens = [], [], []
+    def span(o_i: int, c_i: int, lo: int, hi: int) -> list[torch.Tensor]:
+        """Rows of the document's keys at positions `[lo, hi)`, in natural order (a window's keys)."""
+        return [torch.arange(chunk_start(o_i, c_i, t) + max(lo - t * c_i, 0), chunk_start(o_i, c_i, t) + min(hi - t * c_i, c_i))
+                for t in range(lo // c_i, -(-hi // c_i))]  # fmt: skip
 
-    def add(n_q: int, keys: list[torch.Tensor]) -> None:
+    # --8<-- [start:kv_index]
+    pieces, q_lens, kv_lens, shifts = [], [], [], []
+
+    def add(n_q: int, keys: list[torch.Tensor], shift: int | None = None) -> None:
         n_k = sum(len(x) for x in keys)
         if n_q and n_k == 0 and q_lens and kv_lens[-1] == 0:
             q_lens[-1] += n_q  # padding rows next to padding rows: one sequence with no keys
+            shifts[-1] = -q_lens[-1]
         elif n_q:
             pieces.extend(keys)
             q_lens.append(n_q)
             kv_lens.append(n_k)
+            shifts.append(n_k - n_q if shift is None else shift)  # bottom-right unless given
 
     o_i = 0  # offset of document i inside every rank's local buffer
     for i in range(b.num_docs):
         c_i, n = b.padded_len(i) // mult, b.real_len(i)  # chunk size, real tokens
         mine = chunk_ids(rank, P, layout)
         real = [b.real_in(i, j * c_i, (j + 1) * c_i) for j in mine]  # real queries of each local chunk
-        if causal:  # each chunk's real queries see the prefix up to its last real query
+        if window != NO_WINDOW:  # each chunk's real queries [a, z) see the keys [a - left, z + right) of the document
+            left, right = window
+            for j, r_j in zip(mine, real):
+                a, z = j * c_i, j * c_i + r_j
+                lo, hi = (0 if left < 0 else max(0, a - left)), (n if right < 0 else min(n, z + right))
+                add(r_j, span(o_i, c_i, lo, hi) if r_j else [], a - lo)  # query a stands at key a - lo
+                add(c_i - r_j, [])
+        elif causal:  # each chunk's real queries see the prefix up to its last real query
             for j, r_j in zip(mine, real):
                 add(r_j, prefix(o_i, c_i, j * c_i + r_j) if r_j else [])
                 add(c_i - r_j, [])  # its padding queries see nothing
@@ -172,13 +190,16 @@ def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal:
     kv_index = (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)  # (sum kv_len,)
     # --8<-- [end:kv_index]
 
-    return AllGatherPlan(kv_index, Varlen.from_lengths(q_lens, kv_lens))
-
+    seqs = Varlen.from_lengths(q_lens, kv_lens, shifts if window != NO_WINDOW else None)
+    return AllGatherPlan(kv_index, seqs, window)
 
 
 def all_gather_plan(call: CPCall) -> AllGatherPlan:
     """This rank's cached plan for the call: the selecting plan, or at `P = 1` the documents over the local K/V."""
     if call.P == 1:  # the documents over the local K/V (the facade's selecting plan has another key)
-        return call.plan(("all_gather local", call.causal), lambda: AllGatherPlan(None, whole_documents(call.bounds)))
+        return call.plan(("all_gather local", call.window), lambda: AllGatherPlan(None, whole_documents(call.bounds), call.window))
     key = ("all_gather", call.P, call.rank, call.layout, call.causal, str(call.device))  # metadata's facade shares it
-    return call.plan(key, lambda: build_all_gather_plan(call.bounds, call.P, call.rank, call.layout, call.causal, call.device))
+    if call.window != NO_WINDOW:
+        key += (call.window,)
+    return call.plan(key, lambda: build_all_gather_plan(call.bounds, call.P, call.rank, call.layout, call.causal, call.device,
+                                                        call.window))  # fmt: skip

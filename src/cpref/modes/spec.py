@@ -72,6 +72,8 @@ class ModeSpec:
             the per-rank traffic, collectives and saved bytes of one layer (`cpref.costs`).
         options: its keyword options.
         check: its own validation of a `CPCall` (e.g. head counts), before any communication.
+        windows: whether it takes a sliding window (`cpref.attention(..., window=)`); one that
+            does not is refused by name, before any communication.
     """
 
     name: str
@@ -82,6 +84,7 @@ class ModeSpec:
     costs: Callable[..., ModeCosts]
     options: tuple[Option, ...] = ()
     check: Callable[[CPCall], None] | None = None
+    windows: bool = False
 
     def defaults(self) -> dict[str, Any]:
         """`{name: default}` of its options."""

@@ -60,7 +60,7 @@ import torch
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
-from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.contract import NO_WINDOW, Varlen, compute_dtype
 from cpref.layout import global_index
 from cpref.costs import ModeCosts, exchange_costs
 from cpref.modes.shared import head_split, no_double_backward, whole_documents
@@ -98,6 +98,7 @@ class A2APlan:
     inv_perm: torch.Tensor | None
     replicas: int
     attend: Varlen | None = None
+    window: tuple[int, int] = NO_WINDOW
 
 
 def a2a_permutation(b: Boundaries, P: int, a: int, g: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +122,10 @@ def a2a_plan(call: CPCall, a: int, g: int, hkv: int, with_attention: bool) -> A2
     def build() -> A2APlan:
         perm, inv = a2a_permutation(call.bounds, call.P, a, g, call.layout, call.device)
         attend = whole_documents(call.bounds) if with_attention else None
-        return A2APlan(perm, inv, head_split(call.heads[0], hkv, a), attend)
+        return A2APlan(perm, inv, head_split(call.heads[0], hkv, a), attend, call.window if with_attention else NO_WINDOW)
 
-    return call.plan(("a2a", call.P, a, g, call.layout, call.causal, hkv, with_attention, str(call.device)), build)
+    key = ("a2a", call.P, a, g, call.layout, call.causal, hkv, with_attention, str(call.device))
+    return call.plan(key + ((call.window,) if with_attention and call.window != NO_WINDOW else ()), build)
 
 
 # --8<-- [start:exchange]
@@ -192,7 +194,7 @@ class UlyssesFunc(torch.autograd.Function):
         kg = a2a_gather(replicate(k, plan.replicas), plan, comm)  # (T, Hkv'/P, D)
         vg = a2a_gather(replicate(v, plan.replicas), plan, comm)  # (T, Hkv'/P, Dv)
         # 2) one varlen call over every document, padding seen by no query
-        out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, scale=scale)  # (T, Hq/P, Dv)
+        out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, window=plan.window, scale=scale)  # (T, Hq/P, Dv)
         # 3) tokens out, heads in
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
         ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
@@ -209,7 +211,8 @@ class UlyssesFunc(torch.autograd.Function):
         dout_g = a2a_gather(dout.contiguous(), plan, comm)  # (T, Hq/P, Dv)
         # 2) one backward call; every row is whole, so Delta comes from float32 probabilities
         grads = list(ctx.kernel.backward(
-            dout_g, qg, kg, vg, out_g, lse_g, plan.attend, causal=ctx.causal, scale=ctx.scale, full_rows=True,
+            dout_g, qg, kg, vg, out_g, lse_g, plan.attend, causal=ctx.causal, window=plan.window, scale=ctx.scale,
+            full_rows=True,
             grad_dtype=kv_grad_dtype(plan, kg.dtype),
         ))  # dQ (T, Hq/P, D), dK (T, Hkv'/P, D), dV (T, Hkv'/P, Dv): what the exchange moves
         grads[0] = grads[0].to(qg.dtype)  # dQ in the input dtype; dK/dV of replicated heads unrounded
@@ -246,4 +249,5 @@ MODE = ModeSpec(
     collectives=frozenset({"all_to_all"}),
     costs=ulysses_costs,
     check=check_ulysses,
+    windows=True,
 )

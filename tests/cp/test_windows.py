@@ -1,0 +1,227 @@
+"""Sliding-window attention (issue 20): one definition (the oracle's), exact in the modes that take it,
+with work that follows the window, and refused by name where it is not built yet."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import cpref
+from cpref.kernels import TorchKernel, Varlen
+from sim import oracle
+from sim.cluster import SimCluster
+from tests.cp.conftest import CountingKernel, oracle_shards, run_cp
+from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison, random_qkv
+
+WINDOWED = [name for name, spec in cpref.MODES.items() if spec.windows]
+HEADS = {"gqa": (8, 2, 8, 8), "mla": (8, 2, 12, 8)}  # (Hq, Hkv, D, Dv): a2a splits them at P = 2, 4, 8
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def windows(chunk: int, doc: int, causal: bool) -> list[tuple[int, int]]:
+    """0, 1, smaller than a chunk, about a chunk, larger than a document; asymmetric without causal."""
+    lefts = [0, 1, chunk // 2, chunk, chunk + 1, doc + 5]
+    if causal:
+        return [(w, 0) for w in lefts]
+    return [(w, w) for w in lefts[:3]] + [(chunk, 1), (0, chunk + 1), (-1, 2), (3, -1)]
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("P", [2, 4, 8])
+@pytest.mark.parametrize("mode", WINDOWED)
+def test_every_windowed_mode_matches_the_oracle_rank_by_rank(mode, P, layout, causal, heads):
+    """Padded documents (the last one shorter than a chunk), every window of `windows`, FP64 at 1e-10."""
+    lengths = [6 * P, 11 * P - 3, P + 1]
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P, layout=layout)
+    chunk = sharding.cu_seqlens_padded[1] // (2 * P if layout == "zigzag" else P)
+    q, k, v, dout = attention_inputs(sharding.total, HEADS[heads], seed=P)
+    for window in windows(chunk, max(lengths), causal):
+        results, _ = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, window=window)
+        refs = oracle_shards(q, k, v, dout, sharding, causal=causal, window=window)
+        for r, (got, want) in enumerate(zip(results, refs)):
+            for name, a, b in zip(NAMES, got, want):
+                assert_close(a, b, torch.float64, msg=f"{mode} P={P} {layout} window={window} rank {r} {name}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+def test_all_gather_selects_and_computes_only_what_the_window_sees(layout, causal):
+    """The kernel's keys per query chunk are the window's span (block metric), and the scores it computes
+    are the visible pairs (exact count), rank by rank: no key row outside any query's window is selected."""
+    P, window = 4, (5, 0) if causal else (5, 3)
+    sharding = cpref.Sharding(cu_from_lengths([64, 32, 96]), cp_size=P, layout=layout)
+    q, k, v, dout = attention_inputs(sharding.total, (4, 2, 8, 8))
+    kernels = [CountingKernel() for _ in range(P)]
+    run_cp(q, k, v, dout, sharding, mode="all_gather", causal=causal, window=window, kernels=kernels)
+    for r in range(P):
+        _, seqs, _, used = next(c for c in kernels[r].calls if c[0] == "forward")
+        assert used == window
+        assert kernels[r].forward_work() == sharding.attention_work(r, causal=causal, exact=True, window=window)
+        block = sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in seqs.pairs())
+        assert block == sharding.attention_work(r, causal=causal, window=window)
+    full = sum(sharding.attention_work(r, causal=causal, exact=True) for r in range(P))
+    assert sum(sharding.attention_work(r, causal=causal, exact=True, window=window) for r in range(P)) * 4 < full
+
+
+def test_a_causal_window_balances_the_contiguous_layout():
+    """With w much smaller than a chunk every query past the first w sees w + 1 keys: contiguous is balanced
+    to within the first w positions of each document, where zigzag no longer helps."""
+    P, w = 4, 7
+    sharding = cpref.Sharding(cu_from_lengths([512, 256]), cp_size=P, layout="contiguous")
+    work = [sharding.attention_work(r, exact=True, window=(w, 0)) for r in range(P)]
+    assert max(work) == (sharding.local_tokens) * (w + 1)  # a rank whose chunks start past position w
+    assert min(work) == max(work) - 2 * w * (w + 1) // 2  # rank 0: the first w positions of both documents
+
+
+@pytest.mark.parametrize("window, causal, match", [
+    ((3,), True, r"window=\(3,\) is not a pair"),
+    ("34", True, r"is not a pair"),
+    ((3, -2), False, r"right=-2 is not an int >= -1"),
+    ((1.5, 0), True, r"left=1\.5 is not an int >= -1"),
+    ((True, 0), True, r"left=True is not an int >= -1"),
+    ((4, 1), True, r"with causal=True.*right must be 0 or -1.*causal=False"),
+])  # fmt: skip
+def test_a_bad_window_fails_on_every_rank_before_any_communication(window, causal, match):
+    sharding = cpref.Sharding([0, 16], cp_size=2)
+    q, k, v = random_qkv(16, 4, 2, 8)
+    local = [[sharding.shard(t, r) for t in (q, k, v)] for r in range(2)]
+
+    def rank_fn(comm):
+        try:
+            cpref.attention(*local[comm.rank], sharding, comm=comm, mode="all_gather", causal=causal, window=window)
+        except cpref.CPInputError as e:
+            return str(e)
+        return None
+
+    cluster = SimCluster(2, timeout=10.0)
+    errors = cluster.run(rank_fn)
+    assert all(e is not None and re.search(match, e) for e in errors), errors
+    assert only_the_comparison(cluster.trace)
+
+
+def test_ranks_that_pass_different_windows_are_named():
+    sharding = cpref.Sharding([0, 16], cp_size=2)
+    q, k, v = random_qkv(16, 4, 2, 8)
+    local = [[sharding.shard(t, r) for t in (q, k, v)] for r in range(2)]
+
+    def rank_fn(comm):
+        window = (3, 0) if comm.rank == 0 else (4, 0)
+        try:
+            cpref.attention(*local[comm.rank], sharding, comm=comm, mode="all_gather", window=window)
+        except cpref.CPInputError as e:
+            return str(e)
+
+    errors = SimCluster(2, timeout=10.0).run(rank_fn)
+    assert all(e is not None and "window: rank 0: digest" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("mode", [m for m in cpref.MODES if m not in WINDOWED])
+def test_a_mode_without_windows_refuses_one_by_name(mode):
+    sharding = cpref.Sharding([0, 16], cp_size=2)
+    q, k, v = random_qkv(16, 4, 2, 8)
+    local = [[sharding.shard(t, r) for t in (q, k, v)] for r in range(2)]
+    options = cpref.MODES[mode].example_options(2)
+
+    def rank_fn(comm):
+        with pytest.raises(cpref.CPInputError, match=re.escape(f"mode={mode!r} does not take a sliding window yet") + ".*"
+                           + re.escape(str(WINDOWED))):  # fmt: skip
+            cpref.attention(*local[comm.rank], sharding, comm=comm, mode=mode, window=(3, 0), **options)
+
+    cluster = SimCluster(2, timeout=10.0)
+    cluster.run(rank_fn)
+    assert only_the_comparison(cluster.trace)
+
+
+def test_no_window_is_the_call_without_one():
+    """window=(-1, -1) is the default: bitwise the same outputs and the same plan as not passing it."""
+    sharding = cpref.Sharding(cu_from_lengths([16, 48]), cp_size=4)
+    q, k, v, dout = attention_inputs(sharding.total, (4, 2, 8, 8))
+    for mode in cpref.MODES:
+        options = cpref.MODES[mode].example_options(4)
+        plain, _ = run_cp(q, k, v, dout, sharding, mode=mode, **options)
+        given, _ = run_cp(q, k, v, dout, sharding, mode=mode, window=(-1, -1), **options)
+        assert all(torch.equal(a, b) for x, y in zip(plain, given) for a, b in zip(x, y)), mode
+
+
+# --- the kernel contract ------------------------------------------------------------------------
+
+def shifted_oracle(q, k, v, dout, q_pos, k_pos, causal, window):
+    """Dense FP64 attention of queries at positions `q_pos` over keys at `k_pos` (one sequence), masked by
+    the contract's rule `p - left <= y <= p + right` (right = 0 under causal), with autograd's gradients."""
+    left, right = window
+    right = 0 if causal else right
+    ok = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+    if left >= 0:
+        ok &= k_pos[None, :] >= q_pos[:, None] - left
+    if right >= 0:
+        ok &= k_pos[None, :] <= q_pos[:, None] + right
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("xhd,yhd->hxy", q64, k64.repeat_interleave(g, 1)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = torch.einsum("hxy,yhd->xhd", p, v64.repeat_interleave(g, 1))
+    grads = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("budget", [2**24, 48])
+def test_the_kernel_masks_windows_and_shifts_as_the_contract_says(fast, budget):
+    """Two sequences with explicit shifts (keys that start before, and end after, their queries), every
+    window, causal or not: the kernel (explicit path, small blocks too; the fast flag falls back to it)
+    against a dense oracle of the contract's rule. Rows that see no key come out 0 with zero gradients."""
+    kernel = TorchKernel(fast=fast, max_block_elements=budget)
+    q, k, v = random_qkv(13, 4, 2, 8)
+    k, v = random_qkv(17, 2, 2, 8, seed=1)[1:]
+    dout = random_qkv(13, 4, 4, 8, seed=2)[0]
+    seqs = Varlen([0, 6, 13], [0, 10, 17], shifts=[5, -2])  # query 0 of sequence 0 at key 5; of sequence 1 at key -2
+    for causal in (True, False):
+        for window in [(-1, -1), (0, 0), (2, 0), (2, 1), (-1, 1), (3, -1), (9, 9)]:
+            if causal and window[1] > 0:
+                continue
+            out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=8**-0.5, window=window)
+            grads = kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=8**-0.5, window=window)
+            for (q0, q1, k0, k1), shift in zip(seqs.pairs(), seqs.shifts):
+                want, want_grads = shifted_oracle(q[q0:q1], k[k0:k1], v[k0:k1], dout[q0:q1],
+                                                  torch.arange(q1 - q0) + shift, torch.arange(k1 - k0), causal, window)
+                assert_close(out[q0:q1], want, torch.float64, msg=f"{window} causal={causal}")
+                for got, ref, rows in zip(grads, want_grads, (slice(q0, q1), slice(k0, k1), slice(k0, k1))):
+                    assert_close(got[rows], ref, torch.float64, msg=f"grad {window} causal={causal}")
+
+
+def test_the_contract_counts_the_visible_scores():
+    seqs = Varlen([0, 4], [0, 6], shifts=[1])  # queries at keys 1, 2, 3, 4
+    assert seqs.work(True, (1, 0)) == 2 * 4  # each sees itself and the key before
+    assert seqs.work(False, (0, 2)) == 3 + 3 + 3 + 2  # the last sees keys 4, 5 only
+    assert seqs.work(True) == 2 + 3 + 4 + 5 and Varlen([0, 4], [0, 6]).work(True) == 3 + 4 + 5 + 6
+
+
+def test_the_oracle_window_is_the_band_of_the_definition():
+    cu = torch.tensor([0, 5, 8])
+    m = oracle.visibility_mask(cu, causal=False, window=(1, 2))
+    assert m[2].tolist() == [False, True, True, True, True, False, False, False]  # keys 1 .. 4 of document 0
+    assert m[6].tolist() == [False] * 5 + [True, True, True]  # document 1: keys 5 .. 7, never across
+    causal = oracle.visibility_mask(cu, causal=True, window=(1, -1))
+    assert torch.equal(causal, oracle.visibility_mask(cu, causal=False, window=(1, 0)))
+
+
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_the_window_work_formula_counts_the_oracle_mask(layout, causal):
+    """`attention_work(..., window=, exact=True)` is the number of visible pairs of the oracle's mask, rank by
+    rank, padding included (padding sees nothing and is seen by nothing)."""
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([40, 13, 72]), cp_size=P, layout=layout)
+    for window in ([(0, 0), (3, 0), (9, 0), (100, 0)] if causal else [(0, 0), (3, 5), (-1, 4), (6, -1)]):
+        mask = oracle.visibility_mask(torch.tensor(sharding.cu_seqlens), causal=causal, window=window)  # (T_real, T_real)
+        real_index = sharding.unpad(torch.arange(sharding.total))  # padded-stream index of every real token
+        where = torch.full((sharding.total,), -1).index_put_((real_index,), torch.arange(len(real_index)))
+        for r in range(P):
+            mine = where[sharding.global_index(r)]
+            count = int(mask[mine[mine >= 0]].sum())
+            assert sharding.attention_work(r, causal=causal, exact=True, window=window) == count, (window, r)
