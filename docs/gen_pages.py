@@ -48,6 +48,7 @@ GUIDE = [
     ("merge.md", "Merging partial results", "cpref.kernels.merge"),
     ("ring-plan.md", "The ring's steps", "cpref.modes.ring_plan"),
     ("ring.md", "Ring attention (p2p)", "cpref.modes.ring"),
+    ("ring-window.md", "The ring under a sliding window", "cpref.modes.ring_window"),
     ("ulysses.md", "Ulysses (a2a)", "cpref.modes.ulysses"),
     ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
     ("which-mode.md", "Which mode when", "cpref.costs"),

@@ -77,6 +77,7 @@ checkpoint of `DIR`, `DIR.tmp` and `DIR.old`, and says which.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -137,8 +138,9 @@ class RunSpec:
     def meta(self, step: int) -> CheckpointMeta:
         """What a checkpoint of this run at `step` records."""
         c = self.model_config()
+        model = json.loads(json.dumps(c.__dict__))  # as meta.json holds it: tuples are lists there
         return CheckpointMeta(step, self.dp, self.cp, self.train.mode, self.train.layout, self.train.micro_batches,
-                              {k: v for k, v in c.__dict__.items()}, self.settings())  # fmt: skip
+                              model, self.settings())  # fmt: skip
 
 
 def preflight(spec: RunSpec) -> tuple[Any, list[str]]:

@@ -284,9 +284,10 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
 
 def check_fits(meta: CheckpointMeta, expect: CheckpointMeta, override: Collection[str] = (), where: str = "") -> None:
     """Raise a `CPInputError` unless the checkpoint `meta` fits the run `expect` (see `load_checkpoint`)."""
-    if meta.model != expect.model:
-        diff = {k: (meta.model.get(k), expect.model.get(k)) for k in set(meta.model) | set(expect.model)
-                if meta.model.get(k) != expect.model.get(k)}  # fmt: skip
+    # a field one side lacks is its default, None (a checkpoint written before the field existed)
+    diff = {k: (meta.model.get(k), expect.model.get(k)) for k in sorted(set(meta.model) | set(expect.model))
+            if meta.model.get(k) != expect.model.get(k)}  # fmt: skip
+    if diff:
         raise CPInputError(f"checkpoint {where} holds another model: (checkpoint, this run) differ in {diff}")
     if meta.packs_per_step != expect.packs_per_step:
         raise CPInputError(

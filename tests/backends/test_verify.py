@@ -4,13 +4,15 @@ Process start-up costs seconds, so cases are batched: one world of 4 runs the wh
 (every mode of `cpref.MODES` x layout x fp32/bf16 x unpadded/padded, at CP 4 over the world
 and at CP 2 as DP 2 x CP 2 with the non-consecutive CP groups {0, 2} and {1, 3}; a2a+p2p as
 2 x 2 at CP 4); one launch of 2 checks a correct `--impl` and two wrong ones (one inside the
-fixed tolerance, which only the `vs P=1` column catches); each fault is one small
-launch that must end in a clear report, non-zero, within the process-group timeout. A mode
-added to `cpref.MODES` joins every check by itself.
+fixed tolerance, which only the `vs P=1` column catches); one launch of 2 runs a sliding
+window (`--window`) through every mode that takes one, beside an `--impl` that drops it; each
+fault is one small launch that must end in a clear report, non-zero, within the
+process-group timeout. A mode added to `cpref.MODES` joins every check by itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import subprocess
@@ -26,6 +28,7 @@ from sim.tools import verify
 from sim.cluster import SimCluster
 from sim.harness import run_attention
 from sim.tools.progress import Progress
+from sim.tools.verify import cases_from_args, parse_args
 from sim.tools.verify.cases import Case, Setup, build_cases, cp_groups, lengths, make_batch, placement
 from sim.tools.verify.rank import run_without_cp
 from sim.tools.verify.truth import Report, check, compare, ground_truth
@@ -87,6 +90,60 @@ def test_impl_right_and_wrong_through_the_command_line(capsys):
         else:
             assert out_err <= tol
     assert "verification FAILED" in out
+
+
+def test_a_window_reaches_every_rank_the_run_without_cp_and_the_truth(capsys):
+    """`--window 5,0` on 2 gloo ranks: cpref passes against the windowed truth in every mode that takes a
+    window, and an `--impl` that drops the window fails on every rank (the truth is windowed, the ranks get it)."""
+    windowed = [m for m in MODES if cpref.MODES[m].windows]
+    argv = ["--nproc", "2", "--layout", "zigzag", "--padded", "--window", "5,0", *SMALL, "--impl", "cpref",
+            "--impl", f"{IMPLS}:drops_window"]  # fmt: skip
+    assert verify.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "causal, window 5,0, seed 0" in out  # the run's description names the window
+    skipped = sorted(set(MODES) - set(windowed))
+    assert ("note: --window 5,0 skips mode " + ", ".join(skipped) in out) == bool(skipped)
+    lines = out.splitlines()
+    head = next(line for line in lines if line.startswith("impl "))
+    assert head.split()[:6] == ["impl", "mode", "layout", "dtype", "pad", "window"]
+    rows = [line.split() for line in lines if line.startswith(("cpref ", IMPLS))]  # impl mode [option] layout ...
+    assert len(rows) == 2 * len(windowed) * 2 and {row[1] for row in rows} == set(windowed)  # impls x modes x ranks
+    assert {row[-14] for row in rows} == {"5,0"}  # window cp rank dp r out dq dk dv tol vs-P=1 (2) oracle result
+    assert all(row[-1] == ("pass" if row[0] == "cpref" else "FAIL") for row in rows), out
+
+
+def test_window_flags_parse_to_cpref_s_canonical_window_and_reach_every_case():
+    assert parse_args(["--no-causal", "--window", "-1,3"]).window == (-1, 3)  # read as --window=-1,3
+    assert parse_args(["--window=4,-1"]).window == (4, 0)  # causal: right = 0
+    plain = parse_args(["--window", "-1,0"])  # causal without a bound: no window, every mode runs
+    assert plain.window == (-1, -1) and plain.modes == MODES and plain.skipped == []
+    args = parse_args(["--no-causal", "--window", "4,3", "--layout", "zigzag"])
+    windowed = [m for m in MODES if cpref.MODES[m].windows]
+    cases = cases_from_args(args, world=2)
+    assert [c.mode for c in cases] == windowed and {(c.window, c.causal) for c in cases} == {((4, 3), False)}
+    assert all("/zigzag/fp32/cp2/full/window=4,3" in c.label for c in cases)
+
+
+@pytest.fixture
+def p2p_without_windows(monkeypatch):
+    """`cpref.MODES` with p2p alone declaring no window, whatever the modes declare today (no process sees it)."""
+    modes = {m: dataclasses.replace(spec, windows=m != "p2p") for m, spec in cpref.MODES.items()}
+    monkeypatch.setattr(cpref, "MODES", modes)
+
+
+def test_mode_all_skips_the_modes_without_windows_and_naming_one_is_refused(p2p_without_windows, capsys):
+    args = parse_args(["--window", "3,0"])
+    assert "p2p" not in args.modes and args.skipped == ["p2p"] and args.modes
+    assert parse_args(["--mode", "all", "--window", "3,0"]).skipped == ["p2p"]
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--mode", "p2p,all_gather", "--window", "3,0"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2  # one line after the usage, no traceback
+    assert err.splitlines()[-1].startswith("python -m sim verify: error: --window 3,0: mode p2p takes no sliding window;")
+    with pytest.raises(ValueError, match=r"case p2p/zigzag/fp32/cp2/window=3,0: mode p2p takes no sliding window"):
+        verify.run([Case("p2p", "zigzag", "fp32", cp=2, window=(3, 0))], SETUP)  # before any process starts
+    assert verify.main(["--nproc", "4", "--cp", "3", "--window", "3,0"]) == 2  # the note, then no process starts
+    assert "note: --window 3,0 skips mode p2p (no sliding window); the modes that take one: " in capsys.readouterr().out
 
 
 def fault(capsys, impl: str) -> str:
@@ -163,6 +220,14 @@ def test_tolerances():
     (["--dtype", "fp8"], "dtype ['fp8'] unknown"),
     (["--docs", "10,x"], "comma-separated integers"),
     (["--heads", "8,3"], "Hkv >= 1 dividing Hq"),
+    (["--window", "3"], "argument --window: expected LEFT,RIGHT, two integers >= -1 (-1: unbounded), e.g. 127,0; got '3'"),
+    (["--window", "3,0,1"], "expected LEFT,RIGHT, two integers >= -1"),
+    (["--window", "3,x"], "got '3,x'"),
+    (["--window", "1.5,0"], "got '1.5,0'"),
+    (["--window", "3,-2"], "got '3,-2'"),
+    (["--window", "-2,0"], "got '-2,0'"),
+    (["--window"], "argument --window: expected one argument"),
+    (["--window", "3,2"], "--window 3,2: window=(3, 2) with causal=True: a causal query sees no later key"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused_before_any_process_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -1,12 +1,13 @@
 """Implementations to put under `python -m sim verify --impl tests.backends.verify_impls:<name>`.
 
 Each has cpref's signature with the process group in place of `comm`:
-`fn(q, k, v, sharding, *, process_group, mode, causal, **options)`, `sharding` the batch's `cpref.Sharding`.
+`fn(q, k, v, sharding, *, process_group, mode, causal, window, **options)`, `sharding` the batch's `cpref.Sharding`.
 
 * `cpref_over_group`: a correct one (a `TorchComm` over the group, then `cpref.attention`);
 * `biased_on_rank_1`: a deliberately wrong one (rank 1's output is off by 0.1);
 * `off_within_tolerance_on_rank_1`: wrong by less than the fixed tolerance, but about ten times
   the kernel's own error: only the `vs P=1` column catches it;
+* `drops_window`: wrong under a sliding window (it runs without the window it was given);
 * `raises_on_rank_1`, `killed_mid_collective`, `mismatched_causal`: faults the harness must
   turn into a clear report instead of a hang.
 """
@@ -53,6 +54,11 @@ def off_within_tolerance_on_rank_1(q, k, v, sharding, *, process_group, **kwargs
     if _comm(process_group).rank != 1:
         return out
     return out + (out * WITHIN_TOLERANCE[out.dtype]).detach()
+
+
+def drops_window(q, k, v, sharding, *, process_group, window, **kwargs) -> torch.Tensor:
+    """Wrong under a window: calls cpref.attention without it (plain causal or full attention)."""
+    return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
 
 
 def raises_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:

@@ -287,7 +287,7 @@ def test_a_ring_rank_whose_steps_see_no_key_returns_zero_rows_and_minus_infinity
         if r == 0:  # token 0 sees itself: out = its value, lse = its own logit
             assert torch.equal(out[0], v[0].repeat_interleave(2, dim=0)) and lse[0].isfinite().all()
         else:
-            assert all(step.seqs is None for step in plan.steps), r
+            assert all(step.calls == () for step in plan.steps), r
             assert out.shape == (2, 4, 6) and (out == 0).all() and (lse == float("-inf")).all(), r
 
 
@@ -404,7 +404,8 @@ def test_a_non_causal_ring_step_reads_the_block_as_it_arrived_in_one_sequence_pe
     for rank in range(2):
         plan = build_ring_plan(b, 2, rank, "contiguous", False, torch.device("cpu"))
         assert len(plan.steps) == 2
-        got = [(s.source, s.seqs.cu_q, s.seqs.cu_kv, s.causal, s.kv_index, s.work) for s in plan.steps]
+        got = [(s.source, s.calls[0].seqs.cu_q, s.calls[0].seqs.cu_kv, s.calls[0].causal, s.calls[0].kv_index, s.work)
+               for s in plan.steps]  # fmt: skip
         assert got == [(src, (0, 2, 3), (0, 2, 3), False, None, 5) for src in (rank, 1 - rank)]
 
 

@@ -40,7 +40,8 @@ def test_every_windowed_mode_matches_the_oracle_rank_by_rank(mode, P, layout, ca
     chunk = sharding.cu_seqlens_padded[1] // (2 * P if layout == "zigzag" else P)
     q, k, v, dout = attention_inputs(sharding.total, HEADS[heads], seed=P)
     for window in windows(chunk, max(lengths), causal):
-        results, _ = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, window=window)
+        results, _ = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, window=window,
+                            **cpref.MODES[mode].example_options(P))  # fmt: skip
         refs = oracle_shards(q, k, v, dout, sharding, causal=causal, window=window)
         for r, (got, want) in enumerate(zip(results, refs)):
             for name, a, b in zip(NAMES, got, want):
@@ -119,17 +120,25 @@ def test_ranks_that_pass_different_windows_are_named():
     assert all(e is not None and "window: rank 0: digest" in e for e in errors), errors
 
 
-@pytest.mark.parametrize("mode", [m for m in cpref.MODES if m not in WINDOWED])
-def test_a_mode_without_windows_refuses_one_by_name(mode):
+def test_a_mode_that_declares_no_windows_refuses_one_by_name(monkeypatch):
+    """A mode declares whether it takes a window; one that does not is refused before any communication."""
+    import dataclasses
+    from types import MappingProxyType
+
+    import cpref.api
+
+    modes = dict(cpref.api.MODES)
+    modes["p2p"] = dataclasses.replace(modes["p2p"], windows=False)
+    monkeypatch.setattr(cpref.api, "MODES", MappingProxyType(modes))
     sharding = cpref.Sharding([0, 16], cp_size=2)
     q, k, v = random_qkv(16, 4, 2, 8)
     local = [[sharding.shard(t, r) for t in (q, k, v)] for r in range(2)]
-    options = cpref.MODES[mode].example_options(2)
+    takes = [m for m in modes if m != "p2p"]
 
     def rank_fn(comm):
-        with pytest.raises(cpref.CPInputError, match=re.escape(f"mode={mode!r} does not take a sliding window yet") + ".*"
-                           + re.escape(str(WINDOWED))):  # fmt: skip
-            cpref.attention(*local[comm.rank], sharding, comm=comm, mode=mode, window=(3, 0), **options)
+        with pytest.raises(cpref.CPInputError, match=re.escape("mode='p2p' does not take a sliding window yet") + ".*"
+                           + re.escape(str(takes))):  # fmt: skip
+            cpref.attention(*local[comm.rank], sharding, comm=comm, mode="p2p", window=(3, 0))
 
     cluster = SimCluster(2, timeout=10.0)
     cluster.run(rank_fn)
@@ -225,3 +234,85 @@ def test_the_window_work_formula_counts_the_oracle_mask(layout, causal):
             mine = where[sharding.global_index(r)]
             count = int(mask[mine[mine >= 0]].sum())
             assert sharding.attention_work(r, causal=causal, exact=True, window=window) == count, (window, r)
+
+
+# --- traffic follows the window -----------------------------------------------------------------
+
+RING_MODES = ["p2p", "a2a+p2p"]
+
+
+def ring_of(sharding, mode):
+    """The ring a mode runs: all P ranks (p2p), or the P / a groups of a2a+p2p (its layout over P / a ranks)."""
+    if mode == "p2p":
+        return sharding
+    a = cpref.MODES[mode].example_options(sharding.cp_size)["a2a_size"]
+    return cpref.Sharding(sharding.cu_seqlens, cp_size=sharding.cp_size // a, layout=sharding.layout,
+                          cu_seqlens_padded=sharding.cu_seqlens_padded)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", RING_MODES)
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("window, causal", [((3, 0), True), ((12, 0), True), ((40, 0), True), ((5, 5), False), ((0, 0), False)])
+def test_the_ring_moves_what_the_relay_formula_says(mode, layout, window, causal):
+    """Per rank, forward and backward: the bytes and collectives of the trace are `relay_costs` of the plan's
+    sizes exactly, and the ring runs only the steps the window reaches."""
+    from cpref.api import mode_costs
+    from cpref.modes.ring_window import build_window_ring_plan, window_ring_length
+    from sim.harness import trace_split
+
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([64, 40, 96]), cp_size=P, layout=layout)
+    q, k, v, dout = attention_inputs(sharding.total, (4, 2, 8, 8), dtype=torch.bfloat16)
+    _, cluster = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, window=window, check_ranks=False,
+                        between=lambda comm: comm.barrier(), **cpref.MODES[mode].example_options(P))  # fmt: skip
+    ring = ring_of(sharding, mode)
+    S = window_ring_length(ring.bounds, ring.cp_size, layout, causal, window)
+    sizes = build_window_ring_plan(ring.bounds, ring.cp_size, 0, layout, causal, window, torch.device("cpu")).relay.sizes
+    want = mode_costs(mode, P=P, local_tokens=sharding.local_tokens, heads=(4, 2, 8, 8), dtype=torch.bfloat16,
+                      relay_sizes=sizes, **cpref.MODES[mode].example_options(P))  # fmt: skip
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), f"rank {r}"
+        assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), f"rank {r}"
+    assert len(sizes) == S  # the steps the window reaches (zigzag spreads neighbours: it needs them all)
+
+
+def test_a_causal_window_within_a_chunk_sends_one_halo_per_document():
+    """Contiguous, a causal window of w <= c keys back: one step past the own block, and of the left
+    neighbour's block only its last w rows of each document travel (the halo), in both passes."""
+    from cpref.api import mode_costs
+    from sim.harness import trace_split
+
+    P, w, docs = 4, 5, [64, 32, 96]  # chunks of 16, 8, 24 rows: w fits in each
+    sharding = cpref.Sharding(cu_from_lengths(docs), cp_size=P, layout="contiguous")
+    q, k, v, dout = attention_inputs(sharding.total, (4, 2, 8, 8))
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="p2p", window=(w, 0), check_ranks=False,
+                        between=lambda comm: comm.barrier())  # fmt: skip
+    row = 2 * (8 + 8) * 8  # Hkv (D + Dv) float64 bytes
+    full = mode_costs("p2p", P=P, local_tokens=sharding.local_tokens, heads=(4, 2, 8, 8), dtype=torch.float64)
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, _) = trace_split(cluster.trace, r)
+        assert fwd_ops == {"send_recv": 1} and fwd == len(docs) * w * row
+        assert bwd == len(docs) * w * row * 2  # the halo again, and its float64 dK/dV home
+    # against the ring without a window: P - 1 whole blocks of T_l rows, (3 x 48) / (3 x 5) = 9.6 times as much
+    assert full.forward_bytes == (P - 1) * sharding.local_tokens * row and full.forward_bytes > 9 * fwd
+
+
+@pytest.mark.parametrize("mode", RING_MODES)
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+def test_the_ring_computes_only_what_the_window_sees(mode, layout):
+    """Every kernel call's work is the visible pairs, summed over the calls the rank's exact window work, and
+    no call has a sequence with keys none of its queries sees."""
+    P, window = 4, (9, 0)
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([64, 40, 96]), cp_size=P, layout=layout)
+    q, k, v, dout = attention_inputs(sharding.total, (4, 2, 8, 8))
+    kernels = [CountingKernel() for _ in range(P)]
+    run_cp(q, k, v, dout, sharding, mode=mode, window=window, kernels=kernels, **cpref.MODES[mode].example_options(P))
+    for r in range(P):
+        for kind, seqs, causal, used in kernels[r].calls:
+            for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
+                if k1 > k0:
+                    assert any(hi > lo for lo, hi in (seqs.visible(i, x, causal, used) for x in range(q1 - q0))), (r, i)
+    if mode == "p2p":  # a2a+p2p's kernels see a2a_size ranks' queries for part of the heads
+        for r in range(P):
+            assert kernels[r].forward_work() == sharding.attention_work(r, exact=True, window=window)

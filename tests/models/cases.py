@@ -18,6 +18,13 @@ SIZES = {
     "qwen3": dict(num_heads=4, num_kv_heads=2, head_dim=12, mlp_size=48),
 }
 
+# Sliding windows (each layer's `left`: left + 1 keys, None: a full layer) on the tiny models, shorter than the
+# test documents: Qwen3 with a full then a sliding layer (the order of its max_window_layers), and Mistral's
+# architecture (LLaMA, every layer sliding).
+WINDOWED = {"qwen3-window": ("qwen3", (None, 3)), "mistral": ("llama", (3, 3))}
+# The modes that take a window (`cpref.MODES[mode].windows`)
+WINDOW_MODES = [mode for mode, spec in cpref.MODES.items() if spec.windows]
+
 
 def tiny_config(family: str, **overrides) -> ModelConfig:
     """A 2-layer model of width 32 whose weights (init_std 0.2) make every layer matter."""
@@ -35,6 +42,12 @@ def tiny_model(family: str, *, seed: int = 0, dtype=torch.float64, **overrides) 
             if p.dim() == 1:
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
     return model.to(dtype).eval()
+
+
+def windowed_model(name: str, **kw) -> CausalLM:
+    """`tiny_model` of a `WINDOWED` case: its family, with its layer windows."""
+    family, windows = WINDOWED[name]
+    return tiny_model(family, layer_windows=windows, **kw)
 
 
 def packed(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,11 @@ BAD_CONFIGS = [
     (dict(tie_embeddings="yes"), "tie_embeddings must be True or False"),
     (dict(attention_bias=1), "attention_bias must be True or False"),
     (dict(mlp_bias=None, attention_bias=0), "attention_bias must be True or False"),
+    (dict(layer_windows=(3,)), r"layer_windows=\(3,\) must hold one entry per layer \(num_layers=2\).*\(None, 4095\)"),
+    (dict(layer_windows="full"), "layer_windows='full' must hold one entry per layer"),
+    (dict(layer_windows=(None, -1)), r"layer_windows\[1\]=-1 \(int\) is neither an int >= 0 nor None; give layer 1"),
+    (dict(layer_windows=(3.0, None)), r"layer_windows\[0\]=3.0 \(float\) is neither"),
+    (dict(layer_windows=(True, None)), r"layer_windows\[0\]=True \(bool\) is neither"),
 ]
 
 
@@ -39,6 +44,16 @@ BAD_CONFIGS = [
 def test_bad_configs_are_refused_by_name(overrides, match):
     with pytest.raises(cpref.CPInputError, match=match):
         ModelConfig(**{**BASE, **overrides})
+
+
+def test_layer_windows_are_stored_canonical():
+    """A list becomes a tuple; no window in any layer is `None`; each layer's window is cpref.attention's."""
+    config = ModelConfig(**BASE, layer_windows=[None, 7])
+    assert config.layer_windows == (None, 7)
+    assert (config.window(0), config.window(1)) == ((-1, -1), (7, 0))
+    assert ModelConfig(**dataclasses.asdict(config)) == config
+    assert ModelConfig(**BASE, layer_windows=(None, None)) == ModelConfig(**BASE)
+    assert ModelConfig(**BASE, layer_windows=(0, 0)).window(1) == (0, 0)  # a window of one key: the token itself
 
 
 def test_gpt2_style_may_use_an_odd_head_dim():

@@ -5,11 +5,15 @@ loop does. Each rank's logits, padding rows included, must equal its shard of th
 the same padded stream; the real rows, put back together, must equal the CP = 1 run on the
 unpadded stream (padding is invisible). The backward as well: parameter gradients summed over
 the ranks (each rank its own replica, the loss `cpref.cp_loss`) equal those at CP = 1.
+
+With sliding-window layers (`cases.WINDOWED`) the same holds in every mode that takes a window,
+and a mode that does not refuses the model by name before any communication.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -19,14 +23,15 @@ import cpref
 from cpref.models import CPContext
 from sim import SimCluster
 from tests.helpers import assert_close
-from tests.models.cases import FAMILIES, options, packed, run_cp, tiny_model, whole
+from tests.models.cases import (FAMILIES, WINDOW_MODES, WINDOWED, forward_on_rank, options,
+                                packed, run_cp, tiny_model, whole, windowed_model)  # fmt: skip
 
 LENGTHS = [13, 7, 20]  # none a multiple of 2P: every document is padded
 
 
 @pytest.fixture(scope="module")
 def models():
-    return {family: tiny_model(family) for family in FAMILIES}
+    return {family: tiny_model(family) for family in FAMILIES} | {name: windowed_model(name) for name in WINDOWED}
 
 
 MODES = sorted(cpref.MODES)
@@ -38,7 +43,7 @@ CASES = [("qwen3", P, mode, layout) for P, layout in GRID for mode in MODES] + [
     (family, P, MODES[(i + shift) % len(MODES)], layout)
     for family, shift in (("gpt2", 0), ("llama", 2))
     for i, (P, layout) in enumerate(GRID)
-]
+] + [(name, P, mode, layout) for name in WINDOWED for P, layout in GRID for mode in WINDOW_MODES]
 
 
 @pytest.mark.parametrize("family, P, mode, layout", CASES)
@@ -56,13 +61,14 @@ def test_each_rank_gets_its_shard_of_the_cp1_logits(models, family, layout, mode
     assert_close(real, whole(model, tokens, cu), torch.float64, msg="real rows vs the unpadded CP = 1 run")
 
 
-GRAD_CASES = [("qwen3", 4, "a2a+p2p", "zigzag"), ("gpt2", 2, "all_gather", "contiguous")]
+GRAD_CASES = [("qwen3", 4, "a2a+p2p", "zigzag"), ("gpt2", 2, "all_gather", "contiguous"),
+              ("qwen3-window", 4, "a2a", "zigzag"), ("mistral", 2, "all_gather", "contiguous")]  # fmt: skip
 
 
-@pytest.mark.parametrize("family, P, mode, layout", GRAD_CASES)
-def test_gradients_summed_over_ranks_equal_cp1(family, P, mode, layout):
+@pytest.mark.parametrize("case, P, mode, layout", GRAD_CASES)
+def test_gradients_summed_over_ranks_equal_cp1(models, case, P, mode, layout):
     """The backward runs through the model at CP > 1 (each rank its own replica, `cpref.cp_loss`)."""
-    model = tiny_model(family)
+    model = models[case]
     cu, tokens = packed(LENGTHS, seed=5)
     labels = tokens.roll(-1)
 
@@ -82,3 +88,29 @@ def test_gradients_summed_over_ranks_equal_cp1(family, P, mode, layout):
     F.cross_entropy(reference(tokens, single.sharding.positions(0), single), labels).backward()
     for name, p in reference.named_parameters():
         assert_close(sum(g[name] for g in per_rank), p.grad, torch.float64, msg=name)
+
+
+def test_a_mode_without_windows_refuses_a_sliding_window_model_before_communicating(models, monkeypatch):
+    """Not a hang, not silent full attention: every rank raises, naming the sliding layers and the modes that take
+    a window, before the first layer (the Qwen3 case's full layer 0 would otherwise communicate first). Every
+    built mode takes a window, so p2p is declared without one here."""
+    import dataclasses
+    from types import MappingProxyType
+
+    import cpref.api
+    import cpref.models.model
+
+    modes = dict(cpref.api.MODES)
+    modes["p2p"] = dataclasses.replace(modes["p2p"], windows=False)
+    for module in (cpref.api, cpref.models.model):
+        if hasattr(module, "MODES"):
+            monkeypatch.setattr(module, "MODES", MappingProxyType(modes))
+    mode, takes = "p2p", [m for m in modes if m != "p2p"]
+    cu, tokens = packed(LENGTHS)
+    cluster = SimCluster(2)
+    for name, sliding in (("qwen3-window", [1]), ("mistral", [0, 1])):
+        match = re.escape(f"layers {sliding} of this model attend in a sliding window") + ".*" + re.escape(
+            f"mode={mode!r} does not take yet; run it with a mode that does: {takes}")  # fmt: skip
+        with pytest.raises(cpref.CPInputError, match=match):
+            cluster.run(lambda comm: forward_on_rank(models[name], tokens, cu, comm, mode=mode, layout="zigzag"))
+    assert cluster.trace == []  # not even the ranks' comparison of the arguments

@@ -1,4 +1,4 @@
-"""Hugging Face interop: checkpoints of the three families load, and give Hugging Face's logits.
+"""Hugging Face interop: checkpoints of the three families and Mistral load, and give Hugging Face's logits.
 
 For each family a small random `transformers` model (2 layers, hidden 64, 4 heads; 2 kv heads
 for LLaMA and Qwen3; Qwen3 with head_dim 24 != 64 / 4 and tied embeddings; one LLaMA with
@@ -8,11 +8,17 @@ one document at CP = 1: the logits equal Hugging Face's in fp32 within 1e-5. The
 document of a pack gives Hugging Face's logits of that document alone, and bad state dicts
 are refused with every offending key listed.
 
+Two cases have sliding windows of `W = 8` keys, shorter than the documents (33 tokens; a pack
+of 9, 1 and 17): Qwen3 with a sliding and a full layer (`layer_types`), and Mistral (every
+layer). They check Hugging Face's convention too: `W` keys, the token itself included, is
+`left = W - 1`; the same weights with `W + 1` keys, or without the window, give other logits.
+
 `transformers` is a test extra (`pip install -e ".[dev]"`); without it these tests skip.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -26,6 +32,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 VOCAB, T = 300, 33
+W = 8  # Hugging Face's sliding_window: keys per query, itself included
 COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 THETA_5E4 = {"rope_type": "default", "rope_theta": 5e4}
 ROPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -34,13 +41,21 @@ CASES = {  # name -> (config class, model class, config kwargs)
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(**ROPE, rope_parameters=THETA_5E4)),
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(**ROPE, attention_bias=True, mlp_bias=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(**ROPE, head_dim=24, tie_word_embeddings=True)),
+    "qwen3-sliding": ("Qwen3Config", "Qwen3ForCausalLM", dict(**ROPE, head_dim=24, use_sliding_window=True,
+                      sliding_window=W, layer_types=["sliding_attention", "full_attention"])),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(**ROPE, sliding_window=W)),
 }
+SLIDING = ("qwen3-sliding", "mistral")
 
 
 def hf_model(name: str):
-    """A random fp32 Hugging Face model in eval mode; weights ~ N(0, 0.1^2), norm weights ~ 1 + N(0, 0.1^2)."""
+    """`random_hf_model` of one of the `CASES`."""
     config_cls, model_cls, kw = CASES[name]
-    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    return random_hf_model(model_cls, getattr(transformers, config_cls)(**COMMON, **kw))
+
+
+def random_hf_model(model_cls: str, config):
+    """A random fp32 Hugging Face model in eval mode; weights ~ N(0, 0.1^2), norm weights ~ 1 + N(0, 0.1^2)."""
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).float().eval()
     g = torch.Generator().manual_seed(1)
@@ -106,13 +121,55 @@ def test_each_packed_document_gives_hugging_faces_logits_alone(saved):
 def test_a_base_model_state_dict_and_float64_load(saved):
     name, hf, dirs = saved
     prefix = "transformer." if name == "gpt2" else "model."
-    tied = name in ("gpt2", "qwen3")
+    tied = hf.config.tie_word_embeddings
     base = {k.removeprefix(prefix): v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
     model = load_pretrained(dirs["bin"], dtype=torch.float64)
     model.load_hf_state_dict(base)  # the base model's names, and a tied checkpoint without lm_head.weight
     embed = base["wte.weight" if name == "gpt2" else "embed_tokens.weight"]
     assert model.embed.weight.dtype == torch.float64
     assert torch.equal(model.embed.weight, embed.double())
+
+
+def logits_with_windows(hf, layer_windows, tokens: torch.Tensor) -> torch.Tensor:
+    """Our logits `(T, V)` of one document with `hf`'s weights and the given `layer_windows`."""
+    config = dataclasses.replace(ModelConfig.from_hf(hf.config.to_dict()), layer_windows=layer_windows)
+    model = CausalLM(config)
+    model.load_hf_state_dict(hf.state_dict())
+    with torch.no_grad():
+        return model.eval()(tokens, torch.arange(tokens.numel()), CPContext.single([0, tokens.numel()]))
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_a_window_of_w_keys_is_left_w_minus_1(name):
+    """Only `left = W - 1` gives Hugging Face's logits: one key more, one less or no window do not, so the
+    parity of the sliding cases above is the window's, not an accident of short documents."""
+    hf = hf_model(name)
+    windows = ModelConfig.from_hf(hf.config.to_dict()).layer_windows
+    assert windows == {"qwen3-sliding": (W - 1, None), "mistral": (W - 1, W - 1)}[name]
+    tokens = tokens_of(T)
+    want = hf_logits(hf, tokens)
+    assert_close(logits_with_windows(hf, windows, tokens), want, torch.float32, msg=name)
+    for shift in (1, -1):  # W + 1 and W - 1 keys
+        other = tuple(None if left is None else left + shift for left in windows)
+        assert not torch.allclose(logits_with_windows(hf, other, tokens), want, atol=1e-3), f"{name} {other}"
+    assert not torch.allclose(logits_with_windows(hf, None, tokens), want, atol=1e-3), f"{name} without a window"
+    short = tokens[:W]  # a document no longer than the window: the window changes nothing
+    assert_close(logits_with_windows(hf, None, short), hf_logits(hf, short), torch.float32, msg=f"{name} short")
+
+
+def test_qwen3_max_window_layers_slides_the_layers_from_it_on():
+    """Without `layer_types` in the file (transformers 4's Qwen3Config wrote none), layers `>= max_window_layers`
+    slide: read so, the logits are those of Hugging Face's model, whose config derived its own `layer_types`."""
+    config = transformers.Qwen3Config(**COMMON, **ROPE, head_dim=24, use_sliding_window=True, sliding_window=W,
+                                      max_window_layers=1)  # fmt: skip
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    hf = random_hf_model("Qwen3ForCausalLM", config)
+    windows = ModelConfig.from_hf({k: v for k, v in config.to_dict().items() if k != "layer_types"}).layer_windows
+    assert windows == (None, W - 1)
+    tokens = tokens_of(T, seed=2)
+    want = hf_logits(hf, tokens)
+    assert_close(logits_with_windows(hf, windows, tokens), want, torch.float32)
+    assert not torch.allclose(logits_with_windows(hf, (W - 1, None), tokens), want, atol=1e-3)  # the other layer
 
 
 def test_bad_state_dicts_are_refused_listing_every_key():

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cpref
 import cpref.checkpoint as ck
 import cpref.checkpoint_files as cf
 from cpref.comm import SingleRank
@@ -472,3 +473,20 @@ def test_checkpoint_flags_that_cannot_act_are_refused_by_name(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     assert main(["--steps", "2", *argv]) == 2
     assert capsys.readouterr().err == f"python -m sim train: {message}\n"
+
+
+def test_a_model_field_added_later_and_a_windowed_config_still_fit():
+    """A checkpoint written before `layer_windows` existed lacks the key (its default, None), and a windowed
+    model's tuple comes back from meta.json as a list: both fit the run they belong to, and another window
+    does not."""
+    from sim.tools.train import RunSpec
+
+    spec = RunSpec()
+    expect = spec.meta(3)
+    old = replace(expect, model={k: v for k, v in expect.model.items() if k != "layer_windows"})
+    ck.check_fits(old, expect)
+    windowed = replace(expect, model={**expect.model, "layer_windows": (None, 3)})
+    stored = replace(expect, model=json.loads(json.dumps(windowed.model)))
+    ck.check_fits(stored, replace(windowed, model=json.loads(json.dumps(windowed.model))))
+    with pytest.raises(cpref.CPInputError, match=r"holds another model.*layer_windows"):
+        ck.check_fits(stored, replace(expect, model={**expect.model, "layer_windows": [None, 4]}))

@@ -68,6 +68,15 @@ Heads default to $H_q = 8$, $H_{kv} = 4$ (`--heads`), head dim 32 (`--head-dim`)
 causal (`--no-causal` for full attention). `--dtype`, `--mode` and `--layout` take a comma
 list or `all`; a sweep runs in **one** launch, with a progress bar on stderr.
 
+**Sliding windows.** `--window LEFT,RIGHT` is `cpref.attention`'s `window=(left, right)` (the
+FlashAttention convention, -1 unbounded; causal means RIGHT = 0, so `--window 127,0` is a causal
+window of 128 keys, and `--no-causal --window 64,64` a symmetric one). It goes to every call
+alike: the ranks' `cpref.attention` (or `--impl`), their run without CP, the simulated cluster and
+the oracle; the table gains a `window` column. Only the modes whose declaration takes a window
+(`cpref.MODES[m].windows`) run one: `--mode all` skips the others, with a note naming them, and
+naming such a mode in `--mode` is an error. `--window -1,4` (a value starting with a minus) is
+read as `--window=-1,4`.
+
 ## Running it
 
 | where | command |
@@ -103,16 +112,16 @@ verifies any function with cpref's signature that takes the process group instea
 `comm`, against the same ground truth:
 
 ```python
-def attention(q, k, v, sharding, *, process_group, mode, causal, **options) -> torch.Tensor: ...
+def attention(q, k, v, sharding, *, process_group, mode, causal, window, **options) -> torch.Tensor: ...
 ```
 
 It gets this rank's shards (`sharding.shard(x, rank)`) on the rank's device, requiring grad,
 and the batch's [`cpref.Sharding`][cpref.sharding.Sharding] (the real and padded boundaries,
 `sharding.cp_size` and `sharding.layout`), and returns this rank's output shard; the harness
-backpropagates through it. `options` holds the mode options (`a2a_size`); `--kernel` applies
-to cpref only. `--impl` may be repeated; `--impl cpref` is cpref itself.
-`tests/backends/verify_impls.py` has a correct example (a `TorchComm` over the group, then
-`cpref.attention`) and a wrong one.
+backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` without
+`--window`), `options` holds the mode options (`a2a_size`); `--kernel` applies to cpref only.
+`--impl` may be repeated; `--impl cpref` is cpref itself. `tests/backends/verify_impls.py` has
+a correct example (a `TorchComm` over the group, then `cpref.attention`) and wrong ones.
 
 ## Faults never hang
 
@@ -130,6 +139,7 @@ import sys
 from typing import Sequence
 
 import cpref
+from cpref.kernels.contract import NO_WINDOW, check_window
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
 from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases
 from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
@@ -154,8 +164,8 @@ def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backen
         The report; under torchrun, None on every rank but 0.
 
     Raises:
-        ValueError: on cases that cannot run (unknown mode, CP size not dividing the world,
-            an `--impl` that does not import), before any process starts.
+        ValueError: on cases that cannot run (unknown mode, a window on a mode that takes none,
+            CP size not dividing the world, an `--impl` that does not import), before any process starts.
         LaunchFailure: if a rank raised or died.
     """
     # 1) everything that can be checked before a process starts
@@ -180,6 +190,9 @@ def _check(cases: Sequence[Case], world: int, backend: str) -> None:
     for case in cases:
         if case.mode not in cpref.MODES or case.layout not in cpref.LAYOUTS or case.dtype not in DTYPES:
             raise ValueError(f"case {case.label}: mode, layout or dtype unknown; modes are {sorted(cpref.MODES)}")
+        if case.windowed and not cpref.MODES[case.mode].windows:
+            raise ValueError(f"case {case.label}: mode {case.mode} takes no sliding window; "
+                             f"the modes that do: {', '.join(_window_modes())}")  # fmt: skip
         if case.cp < 1 or world % case.cp:
             raise ValueError(f"case {case.label}: CP size {case.cp} does not divide the world size {world}")
         if case.impl != "cpref":
@@ -202,6 +215,48 @@ def _ints(value: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
 
 
+def _window(value: str) -> tuple[int, int]:
+    """`LEFT,RIGHT`: two ints >= -1, `cpref.attention`'s `window=(left, right)`."""
+    try:
+        left, right = map(int, value.split(","))
+        if min(left, right) >= -1:
+            return left, right
+    except ValueError:  # not two integers
+        pass
+    raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT, two integers >= -1 (-1: unbounded), e.g. 127,0; got {value!r}")
+
+
+def _window_modes() -> list[str]:
+    """The modes that take a sliding window (`cpref.MODES[m].windows`)."""
+    return [m for m in sorted(cpref.MODES) if cpref.MODES[m].windows]
+
+
+def _glued(argv: Sequence[str]) -> list[str]:
+    """`--window -1,4` as `--window=-1,4`: argparse would take a value starting with `-` for an option."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--window" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--window={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def _windowed_modes(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """`(modes, skipped)`: under a window, `--mode all` skips the modes that take none; naming one is an error."""
+    if args.window == NO_WINDOW:
+        return args.modes, []
+    skipped = [m for m in args.modes if not cpref.MODES[m].windows]
+    if skipped and args.mode != "all":
+        raise ValueError(f"--window {_pair(args.window)}: mode {', '.join(skipped)} takes no sliding window; "
+                         f"the modes that do: {', '.join(_window_modes())} (--mode all runs those only)")  # fmt: skip
+    return [m for m in args.modes if m not in skipped], skipped
+
+
+def _pair(window: tuple[int, int]) -> str:
+    return f"{window[0]},{window[1]}"
+
+
 def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> argparse.Namespace:
     """The command line of `python -m sim verify` (`--help` lists it)."""
     p = argparse.ArgumentParser(prog=prog, description="Rank-by-rank verification of CP attention against the "
@@ -221,13 +276,21 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernel", choices=("torch", "npu"), default="torch", help="cpref's attention kernel")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window", type=_window, default=NO_WINDOW, metavar="LEFT,RIGHT",
+                   help="sliding window (-1: unbounded; causal: RIGHT 0), for the modes that take one: "
+                   f"{', '.join(_window_modes())}; --mode all skips the others (default -1,-1: none)")  # fmt: skip
     p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")
     p.add_argument("--impl", action="append", metavar="package.module:function", help="verify this function (repeatable)")
     p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: if stderr is a tty")
-    args = p.parse_args(argv)
+    args = p.parse_args(_glued(sys.argv[1:] if argv is None else argv))
+    try:
+        args.window = check_window(args.window, args.causal)  # canonical: (w, 0) under causal, (-1, -1) for none
+    except ValueError as exc:  # RIGHT > 0 under causal
+        p.error(f"--window {_pair(args.window)}: {exc} (--no-causal)")
     try:
         args.modes = _names(args.mode, sorted(cpref.MODES), "mode")
+        args.modes, args.skipped = _windowed_modes(args)
         args.layouts = _names(args.layout, list(cpref.LAYOUTS), "layout")
         args.dtypes = _names(args.dtype, list(DTYPES), "dtype")
         args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel)
@@ -241,7 +304,7 @@ def cases_from_args(args: argparse.Namespace, world: int) -> list[Case]:
     cp = args.cp or world
     return build_cases(args.modes, args.layouts, args.dtypes, cp=cp, strided=args.cp_ranks == "strided",
                        padded=(args.padded,), causal=args.causal, impls=args.impl or ("cpref",),
-                       a2a_size=args.a2a_size)  # fmt: skip
+                       a2a_size=args.a2a_size, window=args.window)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> int:
@@ -249,11 +312,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
     args = parse_args(argv, prog)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
     cases, printer = cases_from_args(args, world), int(os.environ.get("RANK", 0)) == 0
-    s = args.setup
+    s, window = args.setup, "" if args.window == NO_WINDOW else f", window {_pair(args.window)}"
+    if printer and args.skipped:
+        print(f"note: --window {_pair(args.window)} skips mode {', '.join(args.skipped)} (no sliding window); "
+              f"the modes that take one: {', '.join(_window_modes())}", flush=True)  # fmt: skip
     if printer:
         print(f"rank-by-rank verification: {len(cases)} case(s) on {world} {args.backend} rank(s), kernel {s.kernel}; "
               f"documents {','.join(map(str, s.docs))}{' padded' if args.padded else ''}, Hq={s.heads[0]} "
-              f"Hkv={s.heads[1]} D={s.head_dim}, seed {s.seed}; errors against the simulated cluster in FP64 "
+              f"Hkv={s.heads[1]} D={s.head_dim}, {'causal' if args.causal else 'full'}{window}, seed {s.seed}; "
+              "errors against the simulated cluster in FP64 "
               "(pass/fail), vs P=1: error against the oracle over that of the kernel without CP (pass: <= 2), "
               "oracle column: against the FP64 oracle", flush=True)  # fmt: skip
     try:

@@ -1,7 +1,7 @@
 """The cases of `python -m sim verify`, and the inputs every rank and the ground truth build.
 
 A [`Case`][sim.tools.verify.cases.Case] is one CP attention call, forward and backward: the mode,
-layout, dtype, padding, CP size and rank placement, mask and implementation. A
+layout, dtype, padding, CP size and rank placement, mask, sliding window and implementation. A
 [`Setup`][sim.tools.verify.cases.Setup] holds what every case of a run shares: the documents, the
 heads and the seed. Inputs never travel: every rank, and the ground truth, build the same
 global tensors from the seed with [`make_batch`][sim.tools.verify.cases.make_batch].
@@ -12,12 +12,17 @@ multiple of `g`. With padding every document must end in padding: a length that 
 a multiple of `g` loses one token, and the padded boundaries round each real length up to `g`
 (the batch's [`cpref.Sharding`][cpref.sharding.Sharding] is then `Sharding.eod_padded`).
 
+**Windows.** A case's `window` is validated and kept as cpref's `check_window` makes it
+canonical, so the label names the window that runs: under `causal` the right side is 0.
+
 Example:
     >>> case = Case("all_gather", "zigzag", "bf16", cp=4, padded=True)
     >>> lengths(Setup(docs=(1000, 3000, 500)), case)  # g = 8
     ((999, 2999, 500), (1000, 3000, 504))
     >>> case.label, case.tol(Setup())  # GQA in bf16
     ('all_gather/zigzag/bf16/pad/cp4', 0.035)
+    >>> Case("a2a", "zigzag", "fp32", cp=2, window=(127, -1)).label  # causal: right = 0
+    'a2a/zigzag/fp32/cp2/window=127,0'
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from cpref.kernels.contract import NO_WINDOW, check_window
 from cpref.layout import layout_multiple
 from cpref.sharding import Sharding
 from sim import oracle
@@ -79,6 +85,9 @@ class Case:
         strided: CP groups of non-consecutive ranks `{d, d + W/P, ...}` instead of
             `{d P, ..., d P + P - 1}`.
         causal: causal or full attention inside each document.
+        window: `(left, right)`, the sliding window of `cpref.attention` (-1: unbounded), kept in
+            cpref's canonical form (`check_window`: `(w, 0)` under `causal`; `(-1, -1)`, the
+            default, for none); only the modes with `cpref.MODES[mode].windows` take one.
         impl: `"cpref"` (`cpref.attention` over `TorchComm`) or `"package.module:function"`.
         options: mode options, e.g. `(("a2a_size", 2),)`.
     """
@@ -92,12 +101,22 @@ class Case:
     causal: bool = True
     impl: str = "cpref"
     options: tuple[tuple[str, Any], ...] = field(default=())
+    window: tuple[int, int] = NO_WINDOW
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "window", check_window(self.window, self.causal))  # a CPInputError (ValueError) if bad
+
+    @property
+    def windowed(self) -> bool:
+        """Whether this case has a sliding window."""
+        return self.window != NO_WINDOW
 
     @property
     def label(self) -> str:
-        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/options][/impl]`."""
+        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/window=L,R][/options][/impl]`."""
         parts = [self.mode, self.layout, self.dtype] + (["pad"] if self.padded else []) + [f"cp{self.cp}"]
         parts += (["strided"] if self.strided else []) + ([] if self.causal else ["full"])
+        parts += ["window={},{}".format(*self.window)] if self.windowed else []
         parts += [f"{k}={v}" for k, v in self.options] + ([] if self.impl == "cpref" else [self.impl])
         return "/".join(parts)
 
@@ -175,11 +194,13 @@ def cp_groups(world_size: int, cp: int, strided: bool) -> list[list[int]]:
 
 def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[str], *, cp: int, strided: bool = False,
                 padded: Sequence[bool] = (False,), causal: bool = True, impls: Sequence[str] = ("cpref",),
-                a2a_size: int | None = None) -> list[Case]:  # fmt: skip
+                a2a_size: int | None = None, window: tuple[int, int] = NO_WINDOW) -> list[Case]:  # fmt: skip
     """The product of the choices, as cases.
 
     `a2a_size` goes only to the modes whose options take it (the hierarchical mode); left
     None, they get 2 for an even `cp` (2 x 2 at `cp = 4`) and 1 (the ring) for an odd one.
+    `window` goes to every case: a mode without `cpref.MODES[mode].windows` is refused by
+    `sim.tools.verify.run` (the command line skips or refuses it first).
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
@@ -193,5 +214,5 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
             for layout in layouts:
                 for dtype in dtypes:
                     for pad in padded:
-                        cases.append(Case(mode, layout, dtype, cp, pad, strided, causal, impl, options))
+                        cases.append(Case(mode, layout, dtype, cp, pad, strided, causal, impl, options, window))
     return cases

@@ -12,7 +12,7 @@ starts on every process (or that torchrun's processes run). Per rank:
    gradient, and keep `out, dq, dk, dv` on the CPU;
 3. on CP rank 0 only, run the group's whole batch once more without CP
    ([`run_without_cp`][sim.tools.verify.rank.run_without_cp]: `cpref.attention` on a `SingleRank`,
-   the same kernel, dtype and device), the reference of the `vs P=1` column;
+   the same kernel, dtype, device, mask and window), the reference of the `vs P=1` column;
 4. return both (under torchrun, gather every rank's results on rank 0, which compares).
 
 A case that raises is not caught and skipped: a rank that raised can no longer be trusted to
@@ -123,7 +123,7 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     shard = lambda t: sharding.shard(t, comm.rank).to(device)  # noqa: E731
     q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
-    kwargs = dict(mode=case.mode, causal=case.causal, **dict(case.options))
+    kwargs = dict(mode=case.mode, causal=case.causal, window=case.window, **dict(case.options))
     # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
     if case.impl == "cpref":
         out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
@@ -141,7 +141,8 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     batch = make_batch(setup, case, dp)
     q, k, v = (t.to(device).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
     whole = cpref.Sharding(batch.cu, cp_size=1, cu_seqlens_padded=batch.cu_padded)  # one rank: every document whole
-    out = cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=case.causal, kernel=kernel)
+    out = cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=case.causal,
+                          window=case.window, kernel=kernel)  # fmt: skip
     out.backward(batch.dout.to(device))
     return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
 

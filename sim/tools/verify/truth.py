@@ -5,11 +5,12 @@ launch, or rank 0 under torchrun) rebuilds the group's batch from the seed, upca
 float64 (the same rounded values the ranks used) and computes, per CP rank:
 
 * **the simulated cluster's result**: `sim.harness.run_attention` in float64, the same mode,
-  layout, padding and options, on `SimCluster(P)`: every rank's `out, dq, dk, dv`;
+  layout, padding, mask, window and options, on `SimCluster(P)`: every rank's `out, dq, dk, dv`;
 * **the oracle's result**: dense FP64 attention (`sim.harness.oracle_padded`), cut into the
   same shards. The dense oracle holds a $T \times T$ score matrix per head; since attention
   never crosses a document or a KV head group, it is computed one document and one KV head
-  at a time, which is the same definition at a fraction of the memory.
+  at a time, which is the same definition at a fraction of the memory (a sliding window is
+  one document's too: its positions count from the document's start).
 
 A rank's row compares its four tensors with the simulated cluster's, elementwise as
 `torch.testing.assert_close` does with `atol = rtol = tol`:
@@ -46,6 +47,7 @@ from typing import Sequence
 import torch
 
 import cpref
+from cpref.kernels.contract import NO_WINDOW
 from sim.harness import oracle_padded, run_attention
 from sim.tools.progress import Progress
 from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, cp_groups, make_batch
@@ -135,6 +137,8 @@ class Report:
         cols += [("mode", lambda c: c.mode + "".join(f" {k}={v}" for k, v in c.options)), ("layout", lambda c: c.layout),
                  ("dtype", lambda c: c.dtype), ("pad", lambda c: "yes" if c.padded else "no")]  # fmt: skip
         cols += [("mask", lambda c: "causal" if c.causal else "full")] if len({c.causal for c in cases}) > 1 else []
+        if any(c.windowed for c in cases):  # (left, right) as --window takes it
+            cols += [("window", lambda c: "{},{}".format(*c.window) if c.windowed else "none")]
         widths = [max([len(name)] + [len(get(c)) for c in cases]) for name, get in cols]
         head = "  ".join(f"{n:<{w}}" for (n, _), w in zip(cols, widths))
         head += f"  {'cp':>2} {'rank':>4} {'dp':>3} {'r':>3}" + "".join(f"{n:>10}" for n in NAMES) + f"{'tol':>9}{'vs P=1':>12}"
@@ -157,7 +161,7 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}" if x < 1000 else f"{x:.1e}"
 
 
-def blocked_oracle(batch: Batch, causal: bool) -> tuple[torch.Tensor, ...]:
+def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, ...]:
     """The oracle's `(out, dq, dk, dv)` over the padded stream, one document and KV head at a time."""
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))
     G = q.shape[1] // k.shape[1]  # query heads per KV head
@@ -168,7 +172,8 @@ def blocked_oracle(batch: Batch, causal: bool) -> tuple[torch.Tensor, ...]:
         doc = cpref.Sharding([0, n], cp_size=1, cu_seqlens_padded=[0, m])  # the document alone, its n real tokens
         for h in range(k.shape[1]):
             qh, kh = slice(h * G, (h + 1) * G), slice(h, h + 1)  # its G query heads and its KV head
-            parts = oracle_padded(q[rows, qh], k[rows, kh], v[rows, kh], dout[rows, qh], doc, causal=causal)
+            qkv = q[rows, qh], k[rows, kh], v[rows, kh]  # (m, G, D), (m, 1, D), (m, 1, D)
+            parts = oracle_padded(*qkv, dout[rows, qh], doc, causal=causal, window=window)
             for t, part, heads in zip(full, parts, (qh, qh, kh, kh)):
                 t[rows, heads] = part  # (m, G or 1, D)
         start += m
@@ -181,10 +186,11 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     batch = make_batch(setup, case, dp)
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))  # the same values, upcast
     sharding = batch.sharding  # the case's CP size, layout and padding
-    simulated, _ = run_attention(q, k, v, dout, sharding, mode=case.mode, causal=case.causal, **dict(case.options))
-    key = (dp, case.dtype, case.causal, batch.real, batch.padded)  # the oracle depends on the batch only
+    simulated, _ = run_attention(q, k, v, dout, sharding, mode=case.mode, causal=case.causal, window=case.window,
+                                 **dict(case.options))  # fmt: skip
+    key = (dp, case.dtype, case.causal, case.window, batch.real, batch.padded)  # the oracle: the batch and mask only
     if key not in oracle_cache:
-        oracle_cache[key] = blocked_oracle(batch, case.causal)
+        oracle_cache[key] = blocked_oracle(batch, case.causal, case.window)
     shards = None if without_cp is None else [[sharding.shard(t, r) for t in without_cp] for r in range(case.cp)]
     return simulated, [[sharding.shard(t, r) for t in oracle_cache[key]] for r in range(case.cp)], shards
 

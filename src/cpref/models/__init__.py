@@ -1,10 +1,11 @@
-r"""Models with CP: GPT-2, LLaMA and Qwen3 on packed documents.
+r"""Models with CP: GPT-2, LLaMA, Qwen3 and Mistral on packed documents.
 
 `cpref.models` holds small decoder-only language models whose attention is
 [`cpref.attention`][cpref.api.attention], so that the same model code trains at any CP size,
 in any mode and layout, and at CP = 1 without communication. They load Hugging Face
-checkpoints of the three families and then give the logits of `GPT2LMHeadModel`,
-`LlamaForCausalLM` and `Qwen3ForCausalLM`.
+checkpoints of the three families and of Mistral (LLaMA with sliding windows) and then give
+the logits of `GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen3ForCausalLM` and
+`MistralForCausalLM`.
 
 ```python
 from cpref.models import CausalLM, CPContext, ModelConfig, load_pretrained
@@ -48,6 +49,18 @@ differ:
 With RoPE ([`cpref.models.rope`][cpref.models.rope]) dims $i$ and $i + D/2$ of a query or key
 at position $p$ are rotated by the angle $p\,\theta^{-2i/D}$, so a score depends on the
 positions only through $p_q - p_k$.
+
+## Sliding windows
+
+Any family's layers may attend in a sliding window, one per layer:
+`ModelConfig(..., layer_windows=(None, 4095))` keeps layer 0 full and lets the query at
+position $p$ of a document see only its keys $p - 4095 .. p$ in layer 1 (4096 keys, itself
+included: Hugging Face's `sliding_window = 4096`). Each layer passes its own
+`window=(left, 0)` to `cp.attention`; the mask stays inside each document. Mistral slides in
+every layer, Qwen3 checkpoints may mix (`layer_types`). At CP = 1 and under CP in a mode
+that takes a window (`cpref.MODES[mode].windows`) such a model runs as any other; another
+mode refuses it by name before any communication. Without `layer_windows` a model is
+exactly as it was.
 
 ## Where positions come from under CP
 
@@ -113,8 +126,8 @@ True
 
 [`load_pretrained(directory)`][cpref.models.model.load_pretrained] reads what
 `save_pretrained` writes: `config.json` ([`ModelConfig.from_hf`][cpref.models.config.ModelConfig.from_hf]
-refuses by name what these models do not implement: RoPE scaling, sliding windows, other
-activations) and `model.safetensors` or `pytorch_model.bin`
+reads the sliding windows of Qwen3 and Mistral into `layer_windows`, and refuses by name what
+these models do not implement: RoPE scaling, other activations, other attention kinds) and `model.safetensors` or `pytorch_model.bin`
 ([`cpref.models.hf_weights`][cpref.models.hf_weights] maps the names, transposes GPT-2's
 `Conv1D` weights and lists any key that does not fit). `model.load_hf_state_dict(sd)` loads
 a state dict already in memory. `transformers` itself is never imported: the tests use it to

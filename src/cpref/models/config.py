@@ -5,6 +5,10 @@ family changes (positions, norm, MLP, per-head q/k norm, default biases and tyin
 one [`Family`][cpref.models.config.Family] each in `FAMILIES`, so the model code has one
 skeleton and reads the differences from the config.
 
+Which layers attend in a sliding window is per layer and independent of the family
+(`layer_windows`): Mistral slides in every layer, a Qwen3 checkpoint may mix sliding and full
+layers, and by default every layer attends to its whole (causal) document.
+
 Fields left `None` take the family's default in `__post_init__` (`num_kv_heads = num_heads`,
 `head_dim = hidden_size / num_heads`, `mlp_size = 4 hidden_size`, and the family's eps, bias
 and tying), so a built config is fully explicit: `dataclasses.asdict(config)` round-trips
@@ -17,10 +21,11 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from cpref.checks import as_bool, as_choice, as_int
 from cpref.errors import CPInputError
+from cpref.kernels.contract import NO_WINDOW
 from cpref.models.hf_config import hf_fields
 
 __all__ = ["Family", "FAMILIES", "ModelConfig"]
@@ -91,6 +96,12 @@ class ModelConfig:
             Default: the family's (GPT-2 ties; LLaMA and Qwen3 configs say per checkpoint).
         attention_bias: biases on the q, k, v and output projections. Default: the family's.
         mlp_bias: biases on the MLP's projections. Default: the family's.
+        layer_windows: a sliding window per layer, `num_layers` entries: layer `i`'s `left`,
+            an int >= 0 (the query at position `p` of a document sees its keys `p - left .. p`,
+            `left + 1` of them, itself included: `cpref.attention`'s `window=(left, 0)`), or
+            `None` (full causal attention in that layer). Default `None`: no window in any
+            layer (a tuple of `None`s is stored as `None`). Hugging Face's `sliding_window = W`
+            is `left = W - 1`. Under CP only the modes with `cpref.MODES[mode].windows` take one.
         init_std: standard deviation of the random initial matrices (biases start at 0, norm
             weights at 1).
 
@@ -104,6 +115,12 @@ class ModelConfig:
         Traceback (most recent call last):
         ...
         cpref.errors.CPInputError: num_heads=4 is not a multiple of num_kv_heads=3: ...
+
+        A causal window of 4096 keys in the second layer only:
+
+        >>> ModelConfig(family="qwen3", vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
+        ...             layer_windows=[None, 4095]).layer_windows
+        (None, 4095)
     """
 
     family: str
@@ -120,6 +137,7 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     attention_bias: bool | None = None
     mlp_bias: bool | None = None
+    layer_windows: tuple[int | None, ...] | None = None
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -144,6 +162,7 @@ class ModelConfig:
             object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
         for name in ("tie_embeddings", "attention_bias", "mlp_bias"):
             as_bool(name, getattr(self, name))
+        self._check_windows()
 
     def _check_heads(self) -> None:
         hq = self.num_heads
@@ -167,17 +186,43 @@ class ModelConfig:
                 "choose an even head_dim"
             )
 
+    def _check_windows(self) -> None:
+        windows, n = self.layer_windows, self.num_layers
+        if windows is None:
+            return
+        example = f"e.g. {tuple([None] * (n - 1) + [4095])} for a window of 4096 keys in the last layer only"
+        if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != n:
+            raise CPInputError(
+                f"layer_windows={windows!r:.60} must hold one entry per layer (num_layers={n}): the layer's window "
+                f"left (an int >= 0: left + 1 keys) or None (full attention); {example}, or None for no window"
+            )
+        for i, left in enumerate(windows):
+            if left is not None and (isinstance(left, bool) or not isinstance(left, numbers.Integral) or left < 0):
+                raise CPInputError(
+                    f"layer_windows[{i}]={left!r} ({type(left).__name__}) is neither an int >= 0 nor None; give layer "
+                    f"{i}'s window left (left + 1 keys, itself included) or None for full attention; {example}"
+                )
+        lefts = tuple(None if left is None else int(left) for left in windows)
+        object.__setattr__(self, "layer_windows", lefts if any(left is not None for left in lefts) else None)
+
     @property
     def spec(self) -> Family:
         """The family's row of `FAMILIES`."""
         return FAMILIES[self.family]
 
+    def window(self, layer: int) -> tuple[int, int]:
+        """Layer `layer`'s `window=(left, right)` for `cpref.attention`: `(left, 0)`, or `(-1, -1)` for none."""
+        left = None if self.layer_windows is None else self.layer_windows[layer]
+        return NO_WINDOW if left is None else (left, 0)
+
     @classmethod
     def from_hf(cls, hf_config: Mapping[str, Any]) -> "ModelConfig":
-        """The config of a Hugging Face `config.json` (a dict) of GPT2Config, LlamaConfig or Qwen3Config.
+        """The config of a Hugging Face `config.json` (a dict) of GPT2Config, LlamaConfig, Qwen3Config or MistralConfig.
+
+        Sliding windows are read per layer into `layer_windows` (see `cpref.models.hf_config`).
 
         Raises:
             CPInputError: for another model type, or a feature cpref's models do not implement
-                (RoPE scaling, sliding windows, another activation, ...), naming the key.
+                (RoPE scaling, another activation, ...), naming the key.
         """
         return cls(**hf_fields(hf_config))

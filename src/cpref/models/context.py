@@ -4,7 +4,8 @@ A model's parameters are the same at every CP size; what changes with the CP set
 group, the batch's sharding, the mode) changes every step or between runs.
 So the model keeps none of it: the caller builds a `CPContext` for each batch and passes it
 to `model(tokens, position_ids, cp)`, and every attention layer calls
-[`cp.attention(q, k, v)`][cpref.models.context.CPContext.attention]. Two models with
+[`cp.attention(q, k, v, window=...)`][cpref.models.context.CPContext.attention] (the window
+is the layer's, from the model's config). Two models with
 different CP settings, or one model under two settings, then share a process without
 interfering: nothing about CP is stored where the other could see it.
 
@@ -30,6 +31,7 @@ from cpref.checks import as_bool, as_choice
 from cpref.comm import Collectives, SingleRank, check_comm
 from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel
+from cpref.kernels.contract import NO_WINDOW
 from cpref.seqlens import CuSeqlens
 from cpref.sharding import Sharding
 
@@ -105,7 +107,13 @@ class CPContext:
         """`P`, the size of the CP group."""
         return self.comm.size
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`cpref.attention` on this rank's shards: `(T_l, Hq, D), (T_l, Hkv, D), (T_l, Hkv, Dv) -> (T_l, Hq, Dv)`."""
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: tuple[int, int] = NO_WINDOW
+    ) -> torch.Tensor:
+        """`cpref.attention` on this rank's shards: `(T_l, Hq, D), (T_l, Hkv, D), (T_l, Hkv, Dv) -> (T_l, Hq, Dv)`.
+
+        `window` is the calling layer's (`cpref.attention`'s `(left, right)`; default none): it
+        belongs to the model's config, not to the CP setting, so layers of one model may differ.
+        """
         return attention(q, k, v, self.sharding, comm=self.comm, mode=self.mode, causal=self.causal,
-                         kernel=self.kernel, **self.options)  # fmt: skip
+                         window=window, kernel=self.kernel, **self.options)  # fmt: skip

@@ -3,26 +3,43 @@
 [`ModelConfig.from_hf`][cpref.models.config.ModelConfig.from_hf] builds the config from them;
 this module knows Hugging Face's keys and nothing of the config class (no import circle).
 
-Reads the dict of a `GPT2Config`, `LlamaConfig` or `Qwen3Config` as `save_pretrained` writes
-it (transformers 4.x keeps `rope_theta` / `rope_scaling` at the top level, 5.x nests them in
-`rope_parameters`; both are read). A key this module does not read cannot change the forward
-pass of these models (dropouts, token ids, caching); every key that could and that cpref's
-models do not implement is refused by name, never ignored:
+Reads the dict of a `GPT2Config`, `LlamaConfig`, `Qwen3Config` or `MistralConfig` as
+`save_pretrained` writes it (transformers 4.x keeps `rope_theta` / `rope_scaling` at the top
+level, 5.x nests them in `rope_parameters`; both are read). Mistral is the LLaMA family
+without biases, with a sliding window in every layer. A key this module does not read cannot
+change the forward pass of these models (dropouts, token ids, caching); every key that could
+and that cpref's models do not implement is refused by name, never ignored:
 
 | family | refused |
 | --- | --- |
 | all | `quantization_config` |
 | gpt2 | `activation_function` other than the tanh GELU, `scale_attn_weights: false`, `scale_attn_by_inverse_layer_idx`, `add_cross_attention` |
-| llama, qwen3 | `hidden_act` other than `silu`, RoPE scaling (`rope_type` other than `default`), `partial_rotary_factor` < 1 |
-| qwen3 | sliding windows (`use_sliding_window`, a `sliding_attention` layer type) |
+| llama, qwen3, mistral | `hidden_act` other than `silu`, RoPE scaling (`rope_type` other than `default`), `partial_rotary_factor` < 1 |
+| qwen3 | a `layer_types` entry other than `full_attention` / `sliding_attention`; `sliding_attention` layers without a window (`use_sliding_window: false` or `sliding_window: null`) |
+| mistral | `layer_types` other than every layer's `sliding_attention` (`full_attention` without a window): `MistralForCausalLM` ignores them, alternating layers are another model |
 
-Missing optional keys take the defaults of the transformers classes.
+## Sliding windows
+
+Hugging Face's `sliding_window = W` lets a token see the `W` keys up to and including itself
+(the mask keeps key `j` for query `i` when `i - W < j <= i`), so it is `left = W - 1` in
+`ModelConfig.layer_windows` (`cpref.attention`'s `window=(W - 1, 0)`); the parity tests
+check it against the models of transformers 5 at `W` and `W + 1` keys. Which layers slide:
+
+- Qwen3 (as `Qwen3Config` reads the file): the window is `sliding_window` if
+  `use_sliding_window`, else none; layer `i` slides where `layer_types[i]` is
+  `"sliding_attention"`, and without `layer_types` where `i >= max_window_layers` (the first
+  `max_window_layers` layers are full), when there is a window.
+- Mistral: every layer slides, unless `sliding_window` is null (every layer full).
+
+Missing optional keys take the defaults of the transformers classes (Mistral's
+`sliding_window` 4096, Qwen3's `max_window_layers` 28).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+from cpref.checks import as_int
 from cpref.errors import CPInputError
 
 __all__ = ["hf_fields", "HF_MODEL_TYPES"]
@@ -32,7 +49,9 @@ HF_MODEL_TYPES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
+LAYER_TYPES = ("full_attention", "sliding_attention")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -59,7 +78,11 @@ def hf_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
             f"cpref.models reads {known}"
         )
     _refuse_unless(hf.get("quantization_config") is None, family, "quantization_config (a quantized checkpoint)")
-    return _gpt2(hf) if family == "gpt2" else _rope_family(hf, family)
+    if family == "gpt2":
+        return _gpt2(hf)
+    fields = _rope_family(hf, family)
+    num_layers = as_int("num_hidden_layers", fields["num_layers"], lo=1)
+    return {**fields, "layer_windows": _layer_windows(hf, family, num_layers)}
 
 
 def _gpt2(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -99,14 +122,11 @@ def _rope_theta(hf: Mapping[str, Any], family: str) -> float:
 def _rope_family(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     _refuse_unless(act == "silu", family, f"hidden_act={act!r} (the SwiGLU MLP here uses silu)")
-    if family == "qwen3":
-        _refuse_unless(not hf.get("use_sliding_window", False), family, "use_sliding_window (sliding-window attention)")
-        kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
-        _refuse_unless(kinds == ["full_attention"], family, f"layer_types {kinds} (full attention in every layer only)")
     hidden, heads = _need(hf, "hidden_size", family), _need(hf, "num_attention_heads", family)
     head_dim = hf.get("head_dim") or (128 if family == "qwen3" else None)  # Qwen3Config's default is 128
+    biased = family != "mistral"  # MistralConfig has no attention_bias / mlp_bias: no biases anywhere
     return dict(
-        family=family,
+        family="llama" if family == "mistral" else family,
         vocab_size=_need(hf, "vocab_size", family),
         hidden_size=hidden,
         num_layers=_need(hf, "num_hidden_layers", family),
@@ -114,10 +134,43 @@ def _rope_family(hf: Mapping[str, Any], family: str) -> dict[str, Any]:
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         mlp_size=_need(hf, "intermediate_size", family),
-        max_positions=hf.get("max_position_embeddings", 32768 if family == "qwen3" else 2048),
+        max_positions=hf.get("max_position_embeddings", {"qwen3": 32768, "mistral": 131072}.get(family, 2048)),
         rope_theta=_rope_theta(hf, family),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=hf.get("attention_bias", False),
-        mlp_bias=hf.get("mlp_bias", False),
+        attention_bias=biased and hf.get("attention_bias", False),
+        mlp_bias=biased and hf.get("mlp_bias", False),
     )
+
+
+def _layer_windows(hf: Mapping[str, Any], family: str, num_layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's window `left` (`W - 1` for Hugging Face's `sliding_window = W`), None where it is full."""
+    if family == "llama":
+        return None
+    given = hf.get("layer_types")
+    if given is not None and (not isinstance(given, (list, tuple)) or len(given) != num_layers
+                              or not set(given) <= set(LAYER_TYPES)):  # fmt: skip
+        raise CPInputError(
+            f"this {family} config.json has layer_types {given!r:.200} for num_hidden_layers={num_layers}; "
+            f"cpref.models reads a list of one of {LAYER_TYPES} per layer (other attention kinds are not implemented)"
+        )
+    if family == "mistral":  # MistralForCausalLM: the window in every layer, whatever layer_types says
+        w = hf.get("sliding_window", 4096)
+        types = ["full_attention" if w is None else "sliding_attention"] * num_layers
+        _refuse_unless(given is None or list(given) == types, family,
+                       f"layer_types {list(given or ())} (MistralForCausalLM ignores them and runs {types[0]!r} in "
+                       "every layer; alternating layers are another model, e.g. model_type 'ministral')")  # fmt: skip
+    else:  # qwen3, as Qwen3Config.__post_init__ reads the file
+        w = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+        first = as_int("max_window_layers", hf.get("max_window_layers", 28), lo=0)  # the first `first` layers are full
+        types = given or [
+            "sliding_attention" if w is not None and i >= first else "full_attention" for i in range(num_layers)
+        ]
+    if "sliding_attention" in types and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        switch = f" (use_sliding_window={hf.get('use_sliding_window', False)})" if family == "qwen3" else ""
+        raise CPInputError(
+            f"this {family} config.json has sliding_attention layers but sliding_window={w!r}{switch}, which is no "
+            "window (Hugging Face builds no mask for it); set sliding_window to the window's keys, an int >= 1 (and "
+            "use_sliding_window: true for qwen3), or make those layers full_attention"
+        )
+    return tuple(w - 1 if kind == "sliding_attention" else None for kind in types)

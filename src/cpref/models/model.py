@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpref.api import MODES
 from cpref.errors import CPInputError
 from cpref.models.attention import SelfAttention
 from cpref.models.config import ModelConfig
@@ -34,12 +35,12 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """A pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; block `layer` of the model."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(config, config.hidden_size)
-        self.attn = SelfAttention(config)
+        self.attn = SelfAttention(config, layer)  # with the layer's sliding window, if it has one
         self.mlp_norm = make_norm(config, config.hidden_size)
         self.mlp = make_mlp(config)
 
@@ -53,7 +54,7 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A GPT-2, LLaMA or Qwen3 style decoder-only language model whose attention is `cpref.attention`.
+    """A GPT-2, LLaMA (Mistral: with `layer_windows`) or Qwen3 style decoder-only LM whose attention is `cpref.attention`.
 
     Args:
         config: the family and sizes.
@@ -81,7 +82,7 @@ class CausalLM(nn.Module):
         e = config.hidden_size
         self.embed = nn.Embedding(config.vocab_size, e)
         self.pos_embed = nn.Embedding(config.max_positions, e) if config.spec.positions == "learned" else None
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.num_layers))
         self.norm = make_norm(config, e)
         self.lm_head = None if config.tie_embeddings else nn.Linear(e, config.vocab_size, bias=False)
         self.reset_parameters(seed)
@@ -135,6 +136,7 @@ class CausalLM(nn.Module):
                 raise CPInputError(f"{name} must be a 1-D int64 (or int32) tensor (T_l,) for this rank's tokens, got {got}")
         if tokens.shape != position_ids.shape:
             raise CPInputError(f"tokens {tuple(tokens.shape)} and position_ids {tuple(position_ids.shape)} must match")
+        self._check_windows(cp)
         if tokens.device.type != "cpu" or tokens.numel() == 0:
             return  # range checks only where they cost no host-device synchronisation
         limits = [("tokens", tokens, self.config.vocab_size, "vocab_size")]
@@ -145,6 +147,17 @@ class CausalLM(nn.Module):
             lo, hi = int(t.min()), int(t.max())
             if lo < 0 or hi >= n:
                 raise CPInputError(f"{name} span [{lo}, {hi}] but must lie in [0, {n}), {what}; shorten or re-tokenize")
+
+    def _check_windows(self, cp: CPContext) -> None:
+        """Before the first layer: a mode that takes no window would refuse only at the first sliding layer."""
+        windows = self.config.layer_windows or ()
+        sliding = [layer for layer, left in enumerate(windows) if left is not None]
+        if sliding and not MODES[cp.mode].windows:
+            takes = [name for name, spec in MODES.items() if spec.windows]
+            raise CPInputError(
+                f"layers {sliding} of this model attend in a sliding window (layer_windows={windows}), which "
+                f"mode={cp.mode!r} does not take yet; run it with a mode that does: {takes}"
+            )
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy a Hugging Face state dict of this family into the model (cast to its dtype and device).

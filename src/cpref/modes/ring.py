@@ -13,6 +13,10 @@ Between steps every rank sends its block to rank $r + 1$ and receives the block 
 $r - 1$ (`send_recv`, shift 1). No rank ever holds more than two blocks: memory stays at
 $\frac{T}{P}$ rows whatever `P` is, the point of ring attention (Liu et al. 2023).
 
+Under a sliding window the ring runs only the steps the window reaches and moves only the rows
+it sees: [the ring under a sliding window][cpref.modes.ring_window], the same Function on another
+plan.
+
 ## Overlap
 
 The shift of step $t + 1$ is **posted before** step $t$ computes (`send_recv_async`), and
@@ -99,10 +103,11 @@ import torch
 
 from cpref.call import CPCall
 from cpref.comm import Collectives
-from cpref.kernels.contract import AttentionKernel, compute_dtype
-from cpref.costs import ModeCosts, kept_output_bytes, ring_costs, shard_bytes
+from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
+from cpref.costs import ModeCosts, kept_output_bytes, relay_costs, ring_costs, shard_bytes
 from cpref.kernels.merge import merge_partial
-from cpref.modes.ring_plan import RingPlan, RingStep, build_ring_plan
+from cpref.modes.ring_plan import RingCall, RingPlan, build_ring_plan
+from cpref.modes.ring_window import build_window_ring_plan, relay_backward, relay_forward
 from cpref.modes.shared import no_double_backward
 from cpref.modes.spec import ModeSpec
 
@@ -110,9 +115,9 @@ __all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring",
            "p2p_costs", "MODE"]
 
 
-def _block(kv: torch.Tensor, step: RingStep, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's keys and values from the packed block `(T_l, Hkv, D + Dv)`."""
-    kv = kv if step.kv_index is None else kv.index_select(0, step.kv_index)  # (T', Hkv, D + Dv)
+def _block(kv: torch.Tensor, call: RingCall, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This call's keys and values from the packed block `(T_l, Hkv, D + Dv)`."""
+    kv = kv if call.kv_index is None else kv.index_select(0, call.kv_index)  # (T', Hkv, D + Dv)
     return kv[..., :d], kv[..., d:]  # (T', Hkv, D), (T', Hkv, Dv)
 
 
@@ -120,19 +125,22 @@ def _block(kv: torch.Tensor, step: RingStep, d: int) -> tuple[torch.Tensor, torc
 def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float, out_dtype=None):
     """Forward of ring attention. Returns `(out (T_l, Hq, Dv), lse (T_l, Hq))`, out in `out_dtype`
     (default: the input dtype; the compute dtype gives the unrounded merged output)."""
-    acc, d, P = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
-    if P == 1:  # a ring of one rank is one kernel call: its own block holds every key
-        step = plan.steps[0]
-        return kernel.forward(q, k, v, step.seqs, causal=step.causal, scale=scale, out_dtype=out_dtype)
+    if plan.relay is not None:  # a sliding window: only the steps and rows it reaches (cpref.modes.ring_window)
+        return relay_forward(q, k, v, plan, comm, kernel, scale=scale, out_dtype=out_dtype)
+    acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
+    if plan.whole_rows:  # a ring of one: one kernel call on the own block sees every key
+        call = plan.steps[0].calls[0]
+        return kernel.forward(q, k, v, call.seqs, causal=call.causal, scale=scale, out_dtype=out_dtype)
     out = lse = None  # the running (T_l, Hq, Dv) output and (T_l, Hq) lse: the first block's, then merged
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv): one block travels
     for t, step in enumerate(plan.steps):
         # 1) post the shift that brings the next block, before computing on this one
-        pending = comm.send_recv_async(kv) if t + 1 < P else None
+        pending = comm.send_recv_async(kv) if t + 1 < S else None
         # 2) this block's share of every query's attention (nothing if the step is skipped)
-        if step.seqs is not None:
-            kb, vb = _block(kv, step, d)
-            out_b, lse_b = kernel.forward(q, kb, vb, step.seqs, causal=step.causal, scale=scale, out_dtype=acc)
+        for call in step.calls:
+            kb, vb = _block(kv, call, d)
+            out_b, lse_b = kernel.forward(q, kb, vb, call.seqs, causal=call.causal, window=call.window, scale=scale,
+                                          out_dtype=acc)  # fmt: skip
             # 3) merge by log-sum-exp, in float32 (the first block computed is the running result)
             if out is None:
                 out, lse = out_b, lse_b
@@ -153,40 +161,47 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
                   kv_grad_dtype=None):  # fmt: skip
     """Backward of ring attention. Returns `(dq, dk, dv)` for the local shards, dK/dV in `kv_grad_dtype`
     (default: the input dtypes; the compute dtype gives them unrounded, for a caller that sums them)."""
-    acc, d, P = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
-    if P == 1:  # one kernel call, whose rows are whole
-        step = plan.steps[0]
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, step.seqs, causal=step.causal, scale=scale, full_rows=True,
+    if plan.relay is not None:  # a sliding window (cpref.modes.ring_window)
+        return relay_backward(dout, q, k, v, out, lse, plan, comm, kernel, scale=scale, kv_grad_dtype=kv_grad_dtype)
+    acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
+    if plan.whole_rows:  # a ring of one: one kernel call, whose rows are whole
+        call = plan.steps[0].calls[0]
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.seqs, causal=call.causal, scale=scale, full_rows=True,
                                      grad_dtype=kv_grad_dtype)  # fmt: skip
         return dq.to(q.dtype), dk, dv
-    dq = None  # (T_l, Hq, D), stays home: the first block's share, then summed
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)
+    home = (1 - S) % comm.size  # after the last step, the accumulators go back to their owners (1: the ring closes)
+    dq = None  # (T_l, Hq, D), stays home: the first block's share, then summed
     dkv = None  # (T_l, Hkv, D + Dv): the accumulator of the block held now (the own block first)
     pending_dkv = None
     for t, step in enumerate(plan.steps):
         # 1) post the next K/V block
-        pending_kv = comm.send_recv_async(kv) if t + 1 < P else None
-        # 2) this block's share of the gradients, recomputed from the global lse
-        if step.seqs is not None:
-            kb, vb = _block(kv, step, d)
+        pending_kv = comm.send_recv_async(kv) if t + 1 < S else None
+        # 2) this block's share of the gradients, recomputed from the global lse, one call at a time
+        dkv_b = None
+        for call in step.calls:
+            kb, vb = _block(kv, call, d)
             dq_b, dk_b, dv_b = kernel.backward(
-                dout, q, kb, vb, out, lse, step.seqs, causal=step.causal, scale=scale, grad_dtype=acc
+                dout, q, kb, vb, out, lse, call.seqs, causal=call.causal, window=call.window, scale=scale, grad_dtype=acc
             )  # (T_l, Hq, D), (T', Hkv, D), (T', Hkv, Dv)
             dq = dq_b if dq is None else dq.add_(dq_b)
-            dkv_b = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
-            del dq_b, dk_b, dv_b, kb, vb  # freed before the next step's kernel call
-            if step.kv_index is not None:  # back to the block's rows, adding up duplicated rows
-                dkv_b = dkv_b.new_zeros(kv.shape).index_add_(0, step.kv_index, dkv_b)  # (T_l, Hkv, D + Dv)
+            part = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
+            del dq_b, dk_b, dv_b, kb, vb  # freed before the next kernel call
+            if call.kv_index is not None:  # back to the block's rows, adding up duplicated rows
+                part = (part.new_zeros(kv.shape) if dkv_b is None else dkv_b).index_add_(0, call.kv_index, part)
+            elif dkv_b is not None:
+                part = dkv_b.add_(part)
+            dkv_b = part  # (T_l, Hkv, D + Dv)
         # 3) the accumulator of the block held now arrives from the previous rank; add this share
         if pending_dkv is not None:
             dkv = pending_dkv.wait()
         if dkv is None:  # step 0 without a share: the own block's gradient starts at 0
-            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device) if step.seqs is None else dkv_b
-        elif step.seqs is not None:
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device) if dkv_b is None else dkv_b
+        elif dkv_b is not None:
             dkv += dkv_b
         dkv_b = None  # freed before the next step's kernel call
-        # 4) pass it on with the block; after the last step this brings it home
-        pending_dkv = comm.send_recv_async(dkv) if P > 1 else None
+        # 4) pass it on with the block; after the last step this brings it home (a ring of one step never left it)
+        pending_dkv = comm.send_recv_async(dkv, 1 if t + 1 < S else home) if S > 1 else None
         if pending_kv is not None:
             kv = pending_kv.wait()
     if pending_dkv is not None:
@@ -220,13 +235,16 @@ def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
     """The dtype the backward's output is kept in: the compute dtype when the ring has more than one
     step (no kernel call sees a whole row, so the kernel computes Delta from this output), else
     the input dtype (the one call recomputes its rows itself, `full_rows`)."""
-    return compute_dtype(dtype) if len(plan.steps) > 1 else dtype
+    return dtype if plan.whole_rows else compute_dtype(dtype)
 
 
 def ring_plan(call: CPCall, P: int, rank: int, layout: str) -> RingPlan:
-    """The cached ring plan of `rank` in a ring of `P` over the call's batch."""
+    """The cached ring plan of `rank` in a ring of `P` over the call's batch (under the call's window, if any)."""
     layout = layout if P > 1 else "contiguous"  # one rank: both layouts are natural order, one sequence a document
     key = ("ring", P, rank, layout, call.causal, str(call.device))
+    if call.window != NO_WINDOW:
+        return call.plan(key + (call.window,), lambda: build_window_ring_plan(call.bounds, P, rank, layout, call.causal,
+                                                                               call.window, call.device))  # fmt: skip
     return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))
 
 
@@ -240,8 +258,13 @@ def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale)
 
 
-def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows) -> ModeCosts:
-    """Per-rank traffic, collectives and saved bytes of one layer: a ring of P, the output kept unrounded."""
+def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, relay_sizes) -> ModeCosts:
+    """Per-rank traffic, collectives and saved bytes of one layer: a ring of P (or, under a window, the relay
+    of `relay_sizes` rows), the output kept unrounded."""
+    if relay_sizes is not None:
+        ring = relay_costs(relay_sizes, heads, heads[1], dtype)
+        saved = shard_bytes(local_tokens, heads, dtype) + kept_output_bytes(2, local_tokens, heads, dtype)
+        return ModeCosts(ring.forward_bytes, ring.backward_bytes, ring.forward_ops, ring.backward_ops, saved)
     ring = ring_costs(P, local_tokens, heads[1], heads, dtype)
     saved = shard_bytes(local_tokens, heads, dtype) + kept_output_bytes(P, local_tokens, heads, dtype)
     return ModeCosts(ring.forward_bytes, ring.backward_bytes, ring.forward_ops, ring.backward_ops, saved)
@@ -254,4 +277,5 @@ MODE = ModeSpec(
     plan=p2p_plan,
     collectives=frozenset({"send_recv"}),
     costs=p2p_costs,
+    windows=True,
 )

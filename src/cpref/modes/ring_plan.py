@@ -48,11 +48,33 @@ from itertools import accumulate
 
 import torch
 
-from cpref.kernels.contract import Varlen
+from cpref.kernels.contract import NO_WINDOW, Varlen
 from cpref.layout import chunk_ids
 from cpref.seqlens import Boundaries
 
-__all__ = ["RingStep", "RingPlan", "build_ring_plan"]
+__all__ = ["RingCall", "RingStep", "RingPlan", "Relay", "build_ring_plan"]
+
+
+@dataclass(frozen=True)
+class RingCall:
+    """One kernel call of a ring step.
+
+    Attributes:
+        seqs: its sequences over the rank's queries and the selected keys of the block.
+        causal: its mask.
+        kv_index: rows of the block to select, in order (None: the block as it is).
+        window: its sliding window (`(-1, -1)`: none).
+    """
+
+    seqs: Varlen
+    causal: bool
+    kv_index: torch.Tensor | None
+    window: tuple[int, int] = NO_WINDOW
+
+    @property
+    def work(self) -> int:
+        """Exact score entries per head the call computes."""
+        return self.seqs.work(self.causal, self.window)
 
 
 @dataclass(frozen=True)
@@ -61,24 +83,55 @@ class RingStep:
 
     Attributes:
         source: the rank whose K/V block is held at this step, `(r - t) mod P`.
-        seqs: the kernel call's sequences, or None when the step has no work (skipped).
-        causal: the call's mask.
-        kv_index: rows of the block to select, in order (None: the block as it is).
-        work: exact score entries per head the call computes.
+        calls: its kernel calls (none: the step is skipped; two: a window that reaches both of
+            the sender's chunks of a document, which are not adjacent).
     """
 
     source: int
-    seqs: Varlen | None
-    causal: bool
-    kv_index: torch.Tensor | None
-    work: int
+    calls: tuple[RingCall, ...]
+
+    @property
+    def work(self) -> int:
+        """Exact score entries per head the step computes."""
+        return sum(call.work for call in self.calls)
+
+
+@dataclass(frozen=True)
+class Relay:
+    """How a block travels when only some of its rows are needed further on (a sliding window,
+    `cpref.modes.ring_window`): at step `t` the rank holds the rows `R_t` of the block of rank `r - t`.
+
+    Attributes:
+        send: per step `t < S - 1`, the positions (in the block held at `t`) of the rows to pass on, `R_{t+1}`.
+        sizes: per step `t >= 1`, the rows every rank's shift carries, the largest `|R_t|` of any block (a
+            shift moves the same shape on every rank); the rows past a block's own `R_t` are zeros.
+        acc_index: per step `t >= 1`, the positions of `R_t` among `R_1`, the rows the travelling dK/dV
+            accumulator covers (None at `t = 0`: the own block's accumulator stays home).
+        home_rows: the rows of the own block that travel, `R_1`: where the accumulator adds on its return.
+    """
+
+    send: tuple[torch.Tensor, ...]
+    sizes: tuple[int, ...]
+    acc_index: tuple[torch.Tensor | None, ...]
+    home_rows: torch.Tensor
 
 
 @dataclass(frozen=True)
 class RingPlan:
-    """The `P` steps of one rank (immutable, shared by the cache)."""
+    """The steps of one rank (immutable, shared by the cache): `P`, or as many as a window reaches.
+
+    Attributes:
+        steps: step `t` holds the block of rank `(r - t) mod P`.
+        relay: None: every step holds the whole block (the classic ring); else which rows travel.
+    """
 
     steps: tuple[RingStep, ...]
+    relay: Relay | None = None
+
+    @property
+    def whole_rows(self) -> bool:
+        """Whether one kernel call sees every key of every row (the classic ring of one: no merge, no send)."""
+        return self.relay is None and len(self.steps) == 1 and len(self.steps[0].calls) == 1
 
 
 def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: list[int], causal: bool):
@@ -113,7 +166,7 @@ def _step(b: Boundaries, P: int, mult: int, rank: int, source: int, layout: str,
     is_causal = any(d for *_, d in seqs)
     q_lens = [q for q, *_ in seqs]
     if not any(q and k for q, _, k, _ in seqs):
-        return RingStep(source, None, is_causal, None, 0)
+        return RingStep(source, ())
     # keys straight from the block where the key ranges are disjoint and increasing, else selected
     starts = [k0 for _, k0, k, _ in seqs if k]
     ends = [k0 + k for _, k0, k, _ in seqs if k]
@@ -134,7 +187,7 @@ def _step(b: Boundaries, P: int, mult: int, rank: int, source: int, layout: str,
         rows = [torch.arange(k0, k0 + k) for _, k0, k, _ in seqs if k]
         kv_index = torch.cat(rows).to(device)  # (sum k_len,) rows of the block, duplicated where shared
         varlen = Varlen([0, *accumulate(q_lens)], [0, *accumulate(k for _, _, k, _ in seqs)])
-    return RingStep(source, varlen, is_causal, kv_index, varlen.work(is_causal))
+    return RingStep(source, (RingCall(varlen, is_causal, kv_index),))
 
 
 def build_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device) -> RingPlan:
