@@ -125,6 +125,18 @@ backend's collectives or with one batch of pairwise sends and receives (`exchang
 rank, with one ring shift of the same block for scale. Pairwise is gloo's default because it
 wins here; NCCL and HCCL keep their collectives.
 
+## 8. A sliding window on the fused path (`bench/window.py`)
+
+One 32768-token document, 8 heads, head dim 64, float32, forward + backward, with a causal
+window of 1024 keys (`window=(1024, 0)`), on the fused path (band tiles of 256 rows masked at
+their edges, see [the plan][cpref.kernels.torch_fused_plan]), against the same kernel over full
+causal attention, the explicit path with the window, and
+`F.scaled_dot_product_attention` with the dense $T \times T$ band as its mask. Beside the measured
+times it prints the scores each computes, counted: the ideal saving over full causal (visible
+scores, about $16\times$), the planned one (the tiles' scores, at most $w + R$ a row, about
+$13\times$) and the measured one. The dense mask takes minutes at 32k; `python -m bench.window
+--tokens 4096 --window 256` is a quick run.
+
 ## The last full run of `make bench`
 
 `make bench` (`python -m bench.all`) keeps what each benchmark prints in `bench/results/`;
@@ -136,6 +148,12 @@ rather than figures across tables or runs.
 
 ```text
 --8<-- "bench/results/kernel.txt"
+```
+
+### A sliding window on the fused path
+
+```text
+--8<-- "bench/results/window.txt"
 ```
 
 ### CP path at P = 1

@@ -33,7 +33,9 @@ Each configuration first runs one untimed step on a small document (groups, conn
 calls), then `--repeats` timed steps; the fastest is kept. The load average is printed with
 the results: on a shared machine the figures move with it.
 
-Run it with `python -m bench.scaling` (or `make bench`); `--tokens 4096` for a quick run.
+Run it with `python -m bench.scaling` (or `make bench`); `--tokens 4096` for a quick run;
+`--window 1024` for every mode under a causal sliding window (the ring then runs only the steps
+the window reaches and sends only its halo, see the ring's window page).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _batch(tokens: int, heads: int, dim: int, seed: int = 0) -> tuple[torch.Tens
     return tuple(torch.randn(tokens, heads, dim, generator=gen) for _ in range(4))
 
 
-def cp1_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> list[float]:
+def cp1_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1)) -> list[float]:
     """Seconds of each forward + backward of one kernel call over the whole batch (on every process
     of the world alike, each on its own copy, starting together: the two-process factor)."""
     kernel, (q, k, v, dout), scale = cpref.TorchKernel(), _batch(sum(lengths), heads, dim), dim**-0.5
@@ -73,13 +75,13 @@ def cp1_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> list[flo
     for _ in range(repeats):
         torch.distributed.barrier()
         start = time.perf_counter()
-        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
-        kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window)
+        kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window)
         times.append(time.perf_counter() - start)
     return times
 
 
-def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str) -> dict:
+def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str, window=(-1, -1)) -> dict:
     """One timed forward + backward of `cpref.attention` on this rank: total, compute, comm, events."""
     options = cpref.MODES[mode].example_options(comm.size)
     q, k, v, dout = (sharding.shard(t, comm.rank) for t in batch)  # (T / 2, H, D)
@@ -87,7 +89,7 @@ def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str
     comm.inner.barrier()  # every rank starts the step together (not timed)
     clock.reset()
     start = time.perf_counter()
-    out = cpref.attention(q, k, v, sharding, comm=comm, mode=mode, kernel=kernel, **options)
+    out = cpref.attention(q, k, v, sharding, comm=comm, mode=mode, kernel=kernel, window=window, **options)
     out.backward(dout)
     return {"total": time.perf_counter() - start, "compute": clock.compute, "comm": clock.comm, "events": list(clock.events)}
 
@@ -103,7 +105,7 @@ def shift_seconds(comm, tokens: int, heads: int, dim: int, repeats: int = 3) -> 
     return min(times)
 
 
-def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> dict:
+def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1)) -> dict:
     """Every mode and layout on this rank: `{(mode, layout): [one dict per timed step]}`, and the shift time."""
     clock, raw = Clock(), TorchComm()
     comm, kernel = TimedComm(raw, clock), TimedKernel(cpref.TorchKernel(), clock)
@@ -114,8 +116,8 @@ def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int) -> dict:
     results: dict = {"shift": shift_seconds(raw, sum(lengths), heads, dim)}
     for mode in sorted(cpref.MODES):
         for layout, (warm_up, timed) in shardings.items():
-            _step(comm, kernel, clock, small, warm_up, mode)  # warm-up: groups, connections, first calls
-            results[(mode, layout)] = [_step(comm, kernel, clock, batch, timed, mode) for _ in range(repeats)]
+            _step(comm, kernel, clock, small, warm_up, mode, window)  # warm-up: groups, connections, first calls
+            results[(mode, layout)] = [_step(comm, kernel, clock, batch, timed, mode, window) for _ in range(repeats)]
     return results
 
 
@@ -174,12 +176,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (fastest kept)")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="a causal sliding window of W + 1 keys, window=(W, 0), in CP = 1 and every mode")
     args = parser.parse_args(argv)
+    if args.window is not None and args.window < 0:
+        parser.error(f"--window {args.window}: the keys before each query it sees, an int >= 0")
+    window = (-1, -1) if args.window is None else (args.window, 0)
     if args.tokens % 4:
         parser.error(f"--tokens {args.tokens}: zigzag over 2 ranks needs a multiple of 4")
     for name, lengths in batches(args.tokens).items():
-        shape = (lengths, args.heads, args.head_dim, args.repeats)
-        print(f"## Strong scaling: {name} causal ({lengths}), {args.heads} heads, head dim {args.head_dim}, float32, "
+        shape = (lengths, args.heads, args.head_dim, args.repeats, window)
+        masked = "causal" if args.window is None else f"causal, window=({args.window}, 0)"
+        print(f"## Strong scaling: {name} {masked} ({lengths}), {args.heads} heads, head dim {args.head_dim}, float32, "
               f"forward + backward, 1 thread per process (load average {os.getloadavg()[0]:.2f} "
               f"on {os.cpu_count()} cores)\n")  # fmt: skip
         # 1) CP = 1: one process, one kernel call over the whole batch

@@ -91,6 +91,17 @@ PAGE_FIGURES = {
          "block it held and how many scores it computed (identified from the kernel's inputs). Zigzag does the "
          "same work on every rank at every step; contiguous skips the blocks of later ranks."),
     ],
+    "ring-window.md": [
+        ("figures/window_ring.png",
+         "A real forward of `p2p` with `window=(3, 0)` on the simulated cluster. Above, the scores the window "
+         "leaves, in the colour of the rank that computes them (grey: scores of the causal mask outside the "
+         "window); the counts are the run's kernel calls'. Below, the keys each ring step received, in their "
+         "owner's colour, read from every shift's payload; grey: the rest of the whole blocks the ring without a "
+         "window sends. Contiguous sends one halo, the last 3 rows of each document's chunk, to the next rank; "
+         "zigzag sends the front chunks' halos there too and the back chunks' the long way round, in three "
+         "shifts, to the rank before. A shift is as long on every rank as its longest halo (zero rows pad the "
+         "rest); a row is 128 B (float64, `Hkv = 2`, `D = Dv = 4`)."),
+    ],
     "ulysses.md": [
         ("figures/ulysses_exchange.png",
          "Which rank holds which (token, head) of `q` before the all-to-all (its zigzag shard of every head) and "

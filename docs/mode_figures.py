@@ -3,8 +3,10 @@
 Each function runs the mode on the simulated cluster with a recording kernel and draws what
 the kernel was actually given, identified by its contents: for every call, which rank's
 keys it saw (the rows of the call's `k` are matched against every rank's K shard) and how
-many scores it computed; for Ulysses, which (token, head) cells of `q` each rank held. The
-bytes come from the cluster's trace. A change in the code changes the figure.
+many scores it computed; for Ulysses, which (token, head) cells of `q` each rank held; for the
+ring under a window, which keys each ring shift carried (the rows of every payload are matched
+against the global K). The bytes come from the cluster's trace. A change in the code changes
+the figure.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 import cpref
+from cpref.kernels.contract import NO_WINDOW
+from sim.cluster import SimCluster
 from sim.harness import mode_trace, run_attention
+from sim.oracle import visibility_mask
 
 
 def _load_figures():
@@ -43,7 +48,8 @@ class RecordingKernel:
     def forward(self, q, k, v, seqs, **kwargs):
         # a row of k is one token's key for some heads: find the rank whose shard holds that key vector
         sources = {s for s, shard in enumerate(self.k_shards) for row in k if bool((shard == row[0]).all(-1).any())}
-        self.calls.append({"sources": sources, "work": seqs.work(kwargs["causal"]), "q": q.detach().clone()})
+        work = seqs.work(kwargs["causal"], kwargs.get("window", NO_WINDOW))
+        self.calls.append({"sources": sources, "work": work, "q": q.detach().clone()})
         return self.inner.forward(q, k, v, seqs, **kwargs)
 
     def backward(self, *args, **kwargs):
@@ -145,8 +151,121 @@ def ulysses_exchange() -> Figure:
     return fig
 
 
+# The window figure's batch: two documents of 32 tokens, chunks of 8 (contiguous) and 4 (zigzag) at P = 4;
+# a causal window of 4 keys (3 before each query): a zigzag chunk, half a contiguous one.
+WINDOW_CU, WINDOW = [0, 32, 64], (3, 0)
+DROPPED = (0.88, 0.88, 0.88)  # grey: what only the ring without a window computes or sends
+
+
+class RecordingComm:
+    """A rank's collectives that keep a copy of what each ring shift sent; everything else is forwarded."""
+
+    def __init__(self, comm) -> None:
+        self._comm, self.sent = comm, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1):
+        self.sent.append(x.detach().clone())
+        return self._comm.send_recv_async(x, shift)
+
+
+def _travel(window: tuple[int, int], layout: str) -> tuple[torch.Tensor, list[int], int, list[int]]:
+    """A forward of `p2p` under `window` (`NO_WINDOW`: the plain ring) with recording comms and kernels:
+    `(grid (P - 1, T), rows, bytes, work)`. `grid[t - 1, y]` is the rank whose block brought key `y` to step `t`
+    (-1: key `y` did not travel to step `t`), `rows` the rows of each shift's payload (padding included),
+    `bytes` one rank's forward traffic (from the trace), `work[r]` the scores rank `r`'s kernel calls computed."""
+    T, g = WINDOW_CU[-1], torch.Generator().manual_seed(0)
+    q = torch.randn(T, HQ, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(T, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+    batch, cluster = sharding(WINDOW_CU, P, layout), SimCluster(P, timeout=60.0)
+    kernels = [RecordingKernel([batch.shard(k, r) for r in range(P)]) for _ in range(P)]
+
+    def rank_fn(comm):
+        recording = RecordingComm(comm)
+        cpref.attention(*(batch.shard(x, comm.rank) for x in (q, k, v)), batch, comm=recording, mode="p2p",
+                        kernel=kernels[comm.rank], window=window, check_ranks=False)  # fmt: skip
+        return recording.sent
+
+    sent, owner = cluster.run(rank_fn), base.owner_of_tokens(WINDOW_CU, P, layout)
+    grid = torch.full((P - 1, T), -1)
+    for r in range(P):
+        for t, payload in enumerate(sent[r]):  # sent at step t, held at step t + 1: the block of rank r - t
+            holds = (payload[:, None, :, :D] == k[None]).all(-1).all(-1)  # (m, T): payload row i is key y
+            keys = holds.nonzero()[:, 1]  # (n,): zero rows, padding up to the shift's size, are no key
+            assert all(owner[y] == (r - t) % P for y in keys.tolist()), "a shift carries its sender's block"
+            grid[t, keys] = (r - t) % P
+    nbytes = sum(ev.bytes_sent[0] for ev in mode_trace(cluster) if ev.op == "send_recv")
+    return grid, [len(payload) for payload in sent[0]], nbytes, [sum(c["work"] for c in kern.calls) for kern in kernels]
+
+
+def _window_mask_panel(ax, layout: str, work: list[int]) -> None:
+    """The causal mask under the window (`sim.oracle`), each visible score in its query's rank's colour, grey
+    the scores the window drops; checked against the scores the run's kernel calls computed."""
+    cu = torch.tensor(WINDOW_CU)
+    seen, causal = visibility_mask(cu, window=WINDOW), visibility_mask(cu)  # (T, T) each
+    owner = torch.tensor(base.owner_of_tokens(WINDOW_CU, P, layout))  # (T,)
+    counted = [int(seen[owner == r].sum()) for r in range(P)]
+    assert counted == work, f"{layout}: the mask's scores per rank {counted} != the kernel calls' {work}"
+    image = torch.ones(*seen.shape, 3)  # (T, T, 3): white where nothing is seen
+    image[causal & ~seen] = torch.tensor(DROPPED)
+    image[seen] = torch.tensor([rank_color(int(r)) for r in owner])[:, None].expand_as(image)[seen]  # (n, 3)
+    ax.imshow(image.numpy(), interpolation="nearest", extent=(0, cu[-1], cu[-1], 0))
+    for b in WINDOW_CU[1:-1]:  # document boundaries
+        ax.axhline(b, color="black", linewidth=1.2)
+        ax.axvline(b, color="black", linewidth=1.2)
+    ax.set_xticks(WINDOW_CU)
+    ax.set_yticks(WINDOW_CU)
+    ax.xaxis.tick_top()
+    ax.xaxis.set_label_position("top")
+    ax.set_xlabel("key token")
+    ax.set_title(f"{layout}: {', '.join(map(str, work))} scores", loc="left")
+
+
+def _travel_panel(ax, layout: str, grid: torch.Tensor, plain: torch.Tensor) -> None:
+    """One row per ring step `t`: the keys that travelled to it, in their owner's colour; grey the keys the
+    ring without a window moves there too (every block, to every step)."""
+    image = torch.ones(*grid.shape, 3)  # (P - 1, T, 3)
+    image[plain >= 0] = torch.tensor(DROPPED)
+    for r in range(P):
+        image[grid == r] = torch.tensor(rank_color(r))
+    ax.imshow(image.numpy(), interpolation="nearest", aspect="auto", extent=(0, grid.shape[1], P, 1))
+    for r in range(P):
+        for _, start, _ in sharding(WINDOW_CU, P, layout).local_chunks(r):
+            ax.axvline(start, color="0.3", linewidth=0.6)  # chunk edges
+    for t in range(2, P):
+        ax.axhline(t, color="white", linewidth=3)
+    for b in WINDOW_CU[1:-1]:
+        ax.axvline(b, color="black", linewidth=1.2)
+    ax.set_yticks([t + 0.5 for t in range(1, P)], [f"step {t}" for t in range(1, P)])
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("key token")
+
+
+def window_ring() -> Figure:
+    """`figures/window_ring.png`: who computes the scores a causal window leaves, and which keys the ring moves."""
+    fig, axes = plt.subplots(2, 2, figsize=(WIDTH, 6.4), sharex="col", constrained_layout=True,
+                             gridspec_kw={"height_ratios": [3.2, 1.0]})  # fmt: skip
+    for col, layout in enumerate(("zigzag", "contiguous")):
+        grid, rows, nbytes, work = _travel(WINDOW, layout)
+        plain, plain_rows, plain_bytes, _ = _travel(NO_WINDOW, layout)
+        _window_mask_panel(axes[0, col], layout, work)
+        _travel_panel(axes[1, col], layout, grid, plain)
+        axes[1, col].set_title(f"sent per rank: {' + '.join(map(str, rows))} rows, {nbytes} B\n"
+                               f"no window: {' + '.join(map(str, plain_rows))} rows, {plain_bytes} B", loc="left")  # fmt: skip
+    axes[0, 0].set_ylabel("query token")
+    handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(P)]
+    handles.append(Patch(color=DROPPED, label="without the window only"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, frameon=False)
+    fig.suptitle(f"Ring, causal, window = {WINDOW} ({WINDOW[0] + 1} keys), cu_seqlens = {WINDOW_CU}, P = {P}:\n"
+                 "above, who computes each score; below, the keys sent to each step")  # fmt: skip
+    return fig
+
+
 FIGURES = {
     "figures/ring_schedule.png": ring_schedule,
+    "figures/window_ring.png": window_ring,
     "figures/hierarchical_schedule.png": hierarchical_schedule,
     "figures/ulysses_exchange.png": ulysses_exchange,
 }

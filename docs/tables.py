@@ -164,6 +164,53 @@ def which_mode() -> str:
     return "\n".join(out)
 
 
+WINDOW_DOCS, WINDOW_P = [8192, 4096, 2048], 4  # three documents, 14336 tokens over 4 ranks
+
+
+def window_balance() -> str:
+    """Max / mean of the exact causal work per rank, contiguous vs zigzag, as the window shrinks."""
+    rows = [f"Exact causal work per rank (visible scores), max / mean over the ranks: documents of "
+            f"{', '.join(map(str, WINDOW_DOCS))} tokens, `P = {WINDOW_P}`, `window=(w, 0)`.", "",
+            "| w | contiguous | zigzag |", "| --- | --- | --- |"]  # fmt: skip
+    cu = torch.tensor([0, *torch.tensor(WINDOW_DOCS).cumsum(0).tolist()])
+    for w in (None, 4096, 1024, 256, 64):
+        cells = []
+        for layout in ("contiguous", "zigzag"):
+            sharding = cpref.Sharding(cu, cp_size=WINDOW_P, layout=layout)
+            work = [sharding.attention_work(r, exact=True, window=(-1, -1) if w is None else (w, 0)) for r in range(WINDOW_P)]
+            cells.append(f"{max(work) * WINDOW_P / sum(work):.3f}")
+        rows.append(f"| {'none' if w is None else w} | " + " | ".join(cells) + " |")
+    rows += ["", "Once the window is much smaller than a chunk (here 512 to 2048 tokens), every rank does about "
+             "`(w + 1) T / P` and contiguous is balanced on its own; zigzag still helps while the window is "
+             "comparable to the chunks, and costs the ring its halo (see the ring's window page)."]  # fmt: skip
+    return "\n".join(rows)
+
+
+def window_traffic() -> str:
+    """Per-rank bytes of the ring with a causal window against the ring without one, from the plans."""
+    from cpref.api import mode_costs
+    from cpref.modes.ring_window import build_window_ring_plan
+
+    heads, T = (32, 8, 128, 128), 32768
+    rows = [f"One document of {T:,} tokens, a GQA layer (`Hq = 32`, `Hkv = 8`, `D = Dv = 128`), bf16: MiB per rank, "
+            "forward + backward, of `p2p` with `window=(w, 0)` against full causal.", "",
+            "| P | layout | full causal | w = 4095 | w = 1023 | w = 255 |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for P in (4, 8):
+        for layout in ("contiguous", "zigzag"):
+            sharding = cpref.Sharding([0, T], cp_size=P, layout=layout)
+            full = mode_costs("p2p", P=P, local_tokens=T // P, heads=heads, dtype=torch.bfloat16)
+            cells = [_mib(full.forward_bytes + full.backward_bytes)]
+            for w in (4095, 1023, 255):
+                plan = build_window_ring_plan(sharding.bounds, P, 0, layout, True, (w, 0), torch.device("cpu"))
+                c = mode_costs("p2p", P=P, local_tokens=T // P, heads=heads, dtype=torch.bfloat16, relay_sizes=plan.relay.sizes)
+                cells.append(_mib(c.forward_bytes + c.backward_bytes))
+            rows.append(f"| {P} | {layout} | " + " | ".join(cells) + " |")
+    rows += ["", "Contiguous: one step, a halo of `w` rows from the left neighbour, and its dK/dV back. Zigzag: a "
+             "rank's back chunk needs the halo of the rank after it, which the one-way ring brings only after "
+             "`P - 1` steps, through every rank between; with a window, contiguous is both balanced and cheapest."]  # fmt: skip
+    return "\n".join(rows)
+
+
 def mode_declarations() -> str:
     """Every mode as it declares itself: collectives, options (default, what it does), checks."""
     rows = ["| mode | file | collectives | options | own checks |", "| --- | --- | --- | --- | --- |"]
@@ -178,6 +225,8 @@ def mode_declarations() -> str:
 # page -> [(section title, table function)]
 TABLES = {
     "mode-spec.md": [("The modes, as they declare themselves", mode_declarations)],
+    "layout.md": [("Balance under a sliding window", window_balance)],
+    "ring-window.md": [("Traffic per rank, against full causal", window_traffic)],
     "all-gather.md": [("Communication, measured", all_gather_trace), ("Memory, measured", all_gather_memory)],
     "ring.md": [("Communication, measured", mode_trace("p2p"))],
     "ulysses.md": [("Communication, measured", mode_trace("a2a"))],

@@ -84,3 +84,22 @@ def test_fastest_samples_cheap_cases_more_and_every_case_alike():
     times = kernel.fastest(fns, repeats=2, warmup=0, budget=60.0, max_rounds=7)
     assert times["rounds"] == 7 and calls == {"a": 7, "b": 7}
     assert set(times) == {"a", "b", "rounds"} and all(times[n] >= 0.0 for n in ("a", "b"))
+
+
+def test_window_benchmark_compares_one_attention_and_runs_quick(capsys):
+    """`bench.window`: its four cases compute the same gradients (the SDPA case through its dense band
+    mask), its counts are the contract's and the plan's, and a quick run prints the table and the ratios."""
+    from bench import window
+    from cpref.kernels import Varlen
+
+    steps = window.cases(256, 31, heads=2, dim=8)
+    want = steps["window"]()
+    for name in ("explicit window", "SDPA band mask"):
+        for a, b in zip(steps[name](), want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    counts = window.scores(256, 31)
+    assert counts["visible"] == 32 * 256 - 31 * 32 // 2 == Varlen([0, 256]).work(True, (31, 0))
+    assert counts["visible"] <= counts["planned"] <= 256 * (31 + 16) < counts["causal"] < counts["dense"]
+    window.main(["--tokens", "512", "--window", "32", "--heads", "2", "--dim", "8"])
+    out = capsys.readouterr().out
+    assert "| SDPA band mask |" in out and "full causal / window: ideal 8.0x" in out and "measured" in out

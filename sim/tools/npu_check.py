@@ -18,6 +18,7 @@ loudly if the guess is wrong:
 | zero-length sequences inside the lists are fine | `no-key-rows`, `empty-sequences-*` |
 | grad with `softmax_max = lse`, `softmax_sum = 1` gives `exp(S - lse)` | every gradient, and `ring-global-lse` (a longer row's lse) |
 | at most 2048 sequences per call | `2100-sequences` |
+| `sparse_mode=4` is a band counted from each sequence's bottom-right corner, `pre_tockens` / `next_tockens` its sides (windows, shifts) | `window-*` |
 
 **Multi-rank verification.** After the single-device table, `make test-npu` runs the command
 lines of [`multi_rank_commands`][sim.tools.npu_check.multi_rank_commands]: the rank-by-rank check
@@ -54,6 +55,8 @@ class Case:
     `ring`: the keys of each sequence are split into the earlier ones (a full call) and the
     last `q_len` (a causal call); the outputs merge by lse and both backward calls get the
     merged, *global* out and lse. `optional`: an exception is reported `n/a`, not a failure.
+    `window`, `shifts`: a sliding window and explicit shifts of the sequences (the kernel
+    contract's); the reference is then a dense band per sequence.
     """
 
     name: str
@@ -64,6 +67,8 @@ class Case:
     softmax_layout: str = ""
     ring: bool = False
     optional: bool = False
+    window: tuple[int, int] = (-1, -1)
+    shifts: tuple[int, ...] | None = None
 
 
 def _many(n: int) -> tuple[int, ...]:
@@ -86,6 +91,10 @@ CASES = [
     Case("2100-sequences", _many(2100), _many(2100), (4, 2, 64, 64), True),
     Case("packed-gqa-causal-stats-TND", PACKED, PACKED, GQA, True, softmax_layout="TND", optional=True),
     Case("ring-stats-TND", (128, 64, 96), (384, 64, 200), GQA, True, softmax_layout="TND", ring=True, optional=True),
+    Case("window-causal", PACKED, PACKED, GQA, True, window=(127, 0)),
+    Case("window-full-asymmetric", PACKED, PACKED, MHA, False, window=(64, 16)),
+    Case("window-shifted", (100, 64, 40), (300, 64, 90), GQA, True, window=(50, 0), shifts=(120, -10, 30)),
+    Case("window-shifted-full", (100, 64, 40), (300, 64, 90), MLA, False, window=(20, 40), shifts=(120, -10, 30)),
 ]
 
 
@@ -144,9 +153,31 @@ def reference(q, k, v, q_lens, kv_lens, dout, *, causal: bool, scale: float):
 
 
 def _run_plain(kernel, case: Case, q, k, v, dout, scale):
-    seqs = Varlen.from_lengths(case.q_lens, case.kv_lens)
-    out, lse = kernel.forward(q, k, v, seqs, causal=case.causal, scale=scale)
-    return (out, lse, *kernel.backward(dout, q, k, v, out, lse, seqs, causal=case.causal, scale=scale))
+    seqs = Varlen.from_lengths(case.q_lens, case.kv_lens, case.shifts)
+    mask = dict(causal=case.causal, window=case.window, scale=scale)
+    out, lse = kernel.forward(q, k, v, seqs, **mask)
+    return (out, lse, *kernel.backward(dout, q, k, v, out, lse, seqs, **mask))
+
+
+def band_reference(q, k, v, case: Case, dout, *, scale: float):
+    """`(out, lse, dq, dk, dv)` in float64 of a windowed or shifted case, one dense band per sequence: query `x`
+    stands at key `p = x + shift` and sees the keys `p - left .. p + right` (the kernel contract's rule)."""
+    q, k, v, dout = (x.double().cpu().requires_grad_(x is not dout) for x in (q, k, v, dout))
+    seqs = Varlen.from_lengths(case.q_lens, case.kv_lens, case.shifts)
+    g = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
+        seen = torch.tensor([seqs.visible(i, x, case.causal, case.window) for x in range(q1 - q0)]).reshape(-1, 2)
+        y = torch.arange(k1 - k0)
+        hidden = (y[None, :] < seen[:, :1]) | (y[None, :] >= seen[:, 1:])  # (n_q, n_k)
+        s = scale * torch.einsum("xhd,yhd->hxy", q[q0:q1], k[k0:k1].repeat_interleave(g, 1)).masked_fill(hidden, -math.inf)
+        lse = torch.logsumexp(s, -1)  # (H, n_q): -inf where a row sees nothing
+        p = torch.exp(s - lse.clamp_min(-1e300)[..., None]).nan_to_num(0.0)  # (H, n_q, n_k)
+        outs.append(torch.einsum("hxy,yhd->xhd", p, v[k0:k1].repeat_interleave(g, 1)))
+        lses.append(lse.transpose(0, 1))
+    out = torch.cat(outs)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out.detach(), torch.cat(lses).detach(), dq, dk, dv
 
 
 def _run_ring(kernel, case: Case, q, k, v, dout, scale):
@@ -196,7 +227,10 @@ def run_case(make_kernel: Callable[[str], object], case: Case, dtype: torch.dtyp
     except Exception as exc:  # a failure to run is a result too: one row, and on to the next case
         note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
         return Row(case.name, name, {}, tol, "n/a" if case.optional else "ERROR", note)
-    want = reference(q, k, v, case.q_lens, case.kv_lens, dout, causal=case.causal, scale=d**-0.5)
+    if case.window != (-1, -1) or case.shifts is not None:
+        want = band_reference(q, k, v, case, dout, scale=d**-0.5)
+    else:
+        want = reference(q, k, v, case.q_lens, case.kv_lens, dout, causal=case.causal, scale=d**-0.5)
     errors, ok = _max_errors(got, want, tol)
     return Row(case.name, name, errors, tol, "pass" if ok else "FAIL")
 

@@ -98,6 +98,9 @@ PRESETS = {
     "gpt2": dict(family="gpt2", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=8, max_positions=4096),
     "llama": dict(family="llama", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2),
     "qwen3": dict(family="qwen3", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16),
+    # a LLaMA whose first layer attends in a sliding window of 64 keys and whose second is full, as Qwen3's and
+    # Gemma's mixed layers do (Mistral slides in every layer)
+    "sliding": dict(family="llama", hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2, layer_windows=(63, None)),
 }
 
 

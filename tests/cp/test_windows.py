@@ -182,8 +182,8 @@ def shifted_oracle(q, k, v, dout, q_pos, k_pos, causal, window):
 @pytest.mark.parametrize("budget", [2**24, 48])
 def test_the_kernel_masks_windows_and_shifts_as_the_contract_says(fast, budget):
     """Two sequences with explicit shifts (keys that start before, and end after, their queries), every
-    window, causal or not: the kernel (explicit path, small blocks too; the fast flag falls back to it)
-    against a dense oracle of the contract's rule. Rows that see no key come out 0 with zero gradients."""
+    window, causal or not: the kernel (explicit path, small blocks too, and the fused path) against a dense
+    oracle of the contract's rule. Rows that see no key come out 0 with zero gradients."""
     kernel = TorchKernel(fast=fast, max_block_elements=budget)
     q, k, v = random_qkv(13, 4, 2, 8)
     k, v = random_qkv(17, 2, 2, 8, seed=1)[1:]

@@ -16,17 +16,26 @@ signature, which mirrors the documented one) on anything the real op would rejec
   leading 0, which it cannot tell from a first empty sequence), of equal length, at most 2048,
   ending at `T` and `T'`;
 * `atten_mask=None` means full attention whatever `sparse_mode` says; with a mask only
-  `sparse_mode=3` is modelled, and it needs the compressed 2048 x 2048 bool mask
-  `triu(ones, 1)` on q's device and `q_len <= kv_len` for every sequence that has keys (a
-  sequence with `kv_len = 0` is a zero-length sequence, which the documentation allows);
+  `sparse_mode=3` and `sparse_mode=4` are modelled, and both need the compressed 2048 x 2048
+  bool mask `triu(ones, 1)` on q's device;
+* `sparse_mode=3` (bottom-right causal: query `i` sees key `j` iff `j <= i + Skv - Sq`) needs
+  `q_len <= kv_len` for every sequence that has keys (a sequence with `kv_len = 0` is a
+  zero-length sequence, which the documentation allows); `pre_tockens` / `next_tockens` are
+  ignored, as documented;
+* `sparse_mode=4` (band, bottom-right: query `i` sees key `j` iff
+  `c - pre_tockens <= j <= c + next_tockens` with `c = i + Skv - Sq`, the same band for every
+  sequence of the call) takes `pre_tockens` / `next_tockens` as host ints; a negative one is
+  documented only under further conditions and is not modelled (`NotImplementedError`);
 * the forward takes `scale`, the grad `scale_value` (the other name is a `TypeError`);
-* features the double does not model (pse, dropout, prefix, other masked modes) raise
-  `NotImplementedError` instead of computing something else.
+* features the double does not model (pse, dropout, prefix, other masked modes, negative
+  tokens) raise `NotImplementedError` instead of computing something else.
 
 Stricter than documented, to hold the adapter to its own rules: the grad op rejects a
 `softmax_max` that is not finite (the real op would turn it into inf/NaN) or whose 8 copies
-differ. Where the documentation is silent (rows that see no key) the double returns NaN, so
-an adapter that relies on those values fails.
+differ. Where the documentation is silent (rows that see no key: a sequence without keys, or
+a row outside its band) the double returns NaN, so an adapter that relies on those values
+fails: NaN in such a row's `out`, stats and `dq`, and in the `dk` / `dv` of a sequence that has
+one.
 
 Outputs follow the documentation: `(out, softmax_max, softmax_sum, softmax_out, seed, offset,
 numels)` with max/sum float32 (float64 for float64 inputs), each value repeated 8 times, stored
@@ -48,6 +57,7 @@ _raw_item = torch.Tensor.item
 
 MAX_SEQS = 2048
 MAX_D = 768
+MAX_TOKENS = 2147483647  # the default pre_tockens / next_tockens: unbounded
 SPARSE_MODES_TND = (0, 1, 2, 3, 4, 6, 7, 8)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -72,10 +82,11 @@ class NpuOpsDouble:
                              next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
                              actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
                              softmax_layout=""):  # fmt: skip
-        pairs, causal = self._check(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask,
-                                    scale, keep_prob, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
-                                    softmax_layout)  # fmt: skip
-        self._record("forward", atten_mask, scale, head_num, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout)
+        pairs, band = self._check(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask,
+                                  scale, keep_prob, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                                  pre_tockens, next_tockens, softmax_layout)  # fmt: skip
+        self._record("forward", atten_mask, scale, head_num, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                     pre_tockens, next_tockens, softmax_layout)  # fmt: skip
         sdt = torch.float64 if query.dtype == torch.float64 else torch.float32
         t, nq = query.shape[:2]
         out = torch.full((t, nq, value.shape[2]), float("nan"), dtype=torch.float64, device=query.device)
@@ -84,12 +95,14 @@ class NpuOpsDouble:
         for q0, q1, k0, k1 in pairs:
             if q1 == q0 or k1 == k0:
                 continue  # no query, or rows that see no key: left NaN (undocumented)
-            s, vk = self._scores(query, key, value, q0, q1, k0, k1, scale, causal)  # (Nq, Sq, Skv)
+            s, vk, empty = self._scores(query, key, value, q0, q1, k0, k1, scale, band)  # (Nq, Sq, Skv), .., (Sq,)
             mb = s.amax(-1)  # (Nq, Sq)
             p = torch.exp(s - mb.unsqueeze(-1))  # (Nq, Sq, Skv)
             lb = p.sum(-1)  # (Nq, Sq)
             out[q0:q1] = torch.einsum("hij,jhd->ihd", p / lb.unsqueeze(-1), vk)  # (Sq, Nq, Dv)
             m[q0:q1], el[q0:q1] = mb.T, lb.T  # (Sq, Nq)
+            for x in (out, m, el):  # rows outside their band: undocumented
+                x[q0:q1].masked_fill_(empty.view(-1, *[1] * (x.dim() - 1)), float("nan"))
         smax, ssum = (_to_storage(x, pairs, softmax_layout).to(sdt) for x in (m, el))
         return out.to(query.dtype), smax, ssum, torch.empty(0, device=query.device), 0, 0, 0
 
@@ -99,10 +112,11 @@ class NpuOpsDouble:
                                   pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, seed=0,
                                   offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                                   sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout=""):  # fmt: skip
-        pairs, causal = self._check(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask,
-                                    scale_value, keep_prob, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
-                                    softmax_layout)  # fmt: skip
-        self._record("backward", atten_mask, scale_value, head_num, actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout)
+        pairs, band = self._check(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask,
+                                  scale_value, keep_prob, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                                  pre_tockens, next_tockens, softmax_layout)  # fmt: skip
+        self._record("backward", atten_mask, scale_value, head_num, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+                     pre_tockens, next_tockens, softmax_layout)  # fmt: skip
         t, nq, dv_dim = query.shape[0], query.shape[1], value.shape[2]
         sdt = torch.float64 if query.dtype == torch.float64 else torch.float32
         for name, x in (("dy", dy), ("attention_in", attention_in)):
@@ -125,7 +139,7 @@ class NpuOpsDouble:
         for q0, q1, k0, k1 in pairs:
             if q1 == q0 or k1 == k0:
                 continue  # rows that see no key: dq left NaN (undocumented)
-            s, vk = self._scores(query, key, value, q0, q1, k0, k1, scale_value, causal)  # (Nq, Sq, Skv)
+            s, vk, empty = self._scores(query, key, value, q0, q1, k0, k1, scale_value, band)  # (Nq, Sq, Skv), .., (Sq,)
             p = torch.exp(s - m[q0:q1].T.unsqueeze(-1)) / el[q0:q1].T.unsqueeze(-1)  # (Nq, Sq, Skv)
             dv[k0:k1] = torch.einsum("hij,ihd->jhd", p, dout[q0:q1])  # dV = P^T dO
             dp = torch.einsum("ihd,jhd->hij", dout[q0:q1], vk)  # dP = dO V^T
@@ -133,32 +147,42 @@ class NpuOpsDouble:
             kq = key[k0:k1].double().repeat_interleave(g, dim=1)  # (Skv, Nq, D)
             dq[q0:q1] = scale_value * torch.einsum("hij,jhd->ihd", ds, kq)  # dQ = s dS K
             dk[k0:k1] = scale_value * torch.einsum("hij,ihd->jhd", ds, query[q0:q1].double())  # dK = s dS^T Q
+            if _values_readable(empty) and _raw_item(empty.any()):  # a row outside its band: undocumented, for its
+                dq[q0:q1].masked_fill_(empty.view(-1, 1, 1), float("nan"))  # dq and for the sequence's dk, dv
+                dk[k0:k1], dv[k0:k1] = float("nan"), float("nan")
         hkv = key.shape[1]
         dk = dk.view(key.shape[0], hkv, g, -1).sum(2)  # (T', Nq, D) -> (T', Nkv, D): sum over a group
         dv = dv.view(key.shape[0], hkv, g, -1).sum(2)  # (T', Nkv, Dv)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), torch.empty(0, device=query.device)
 
     @staticmethod
-    def _scores(query, key, value, q0, q1, k0, k1, scale, causal):
-        """Masked float64 scores `(Nq, Sq, Skv)` of one sequence, and its values per query head."""
+    def _scores(query, key, value, q0, q1, k0, k1, scale, band):
+        """Masked float64 scores `(Nq, Sq, Skv)` of one sequence, its values per query head, and its rows that
+        see no key `(Sq,)`; `band` is `(pre, next)` from the bottom-right corner, None: no mask."""
         g = query.shape[1] // key.shape[1]
         kq = key[k0:k1].double().repeat_interleave(g, dim=1)  # (Skv, Nq, D)
         vq = value[k0:k1].double().repeat_interleave(g, dim=1)  # (Skv, Nq, Dv)
         s = scale * torch.einsum("ihd,jhd->hij", query[q0:q1].double(), kq)  # (Nq, Sq, Skv)
-        if causal:  # bottom-right: query i sees key j iff j <= i + Skv - Sq
+        hidden = torch.zeros(q1 - q0, k1 - k0, dtype=torch.bool, device=query.device)  # (Sq, Skv)
+        if band is not None:  # bottom-right: query i sees key j iff c - pre <= j <= c + next, c = i + Skv - Sq
+            pre, nxt = band
             i = torch.arange(q1 - q0, device=query.device).unsqueeze(1)  # (Sq, 1)
             j = torch.arange(k1 - k0, device=query.device).unsqueeze(0)  # (1, Skv)
-            s = s.masked_fill(j > i + (k1 - k0) - (q1 - q0), float("-inf"))  # (Nq, Sq, Skv)
-        return s, vq
+            c = i + (k1 - k0) - (q1 - q0)  # (Sq, 1)
+            hidden = (j < c - pre) | (j > c + nxt)  # (Sq, Skv)
+            s = s.masked_fill(hidden, float("-inf"))  # (Nq, Sq, Skv)
+        return s, vq, hidden.all(-1)
 
-    def _record(self, op, atten_mask, scale, head_num, seq_q, seq_kv, sparse_mode, softmax_layout) -> None:
+    def _record(self, op, atten_mask, scale, head_num, seq_q, seq_kv, sparse_mode, pre, nxt, softmax_layout) -> None:
         self.calls.append(dict(op=op, atten_mask=atten_mask, scale=scale, head_num=head_num, actual_seq_qlen=list(seq_q),
-                               actual_seq_kvlen=list(seq_kv), sparse_mode=sparse_mode, softmax_layout=softmax_layout))  # fmt: skip
+                               actual_seq_kvlen=list(seq_kv), sparse_mode=sparse_mode, pre_tockens=pre,
+                               next_tockens=nxt, softmax_layout=softmax_layout))  # fmt: skip
 
     @staticmethod
     def _check(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob, prefix,
-               seq_q, seq_kv, sparse_mode, softmax_layout):  # fmt: skip
-        """Validate as documented; return each sequence's `(q0, q1, k0, k1)` and whether it is masked causal."""
+               seq_q, seq_kv, sparse_mode, pre, nxt, softmax_layout):  # fmt: skip
+        """Validate as documented; return each sequence's `(q0, q1, k0, k1)` and the band that masks them all
+        (`(pre, next)` from each sequence's bottom-right corner; None: no mask)."""
         _require(input_layout == "TND", f"input_layout={input_layout!r}: the double models TND only")
         tensors = (query, key, value)
         _require(all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in tensors), "TND needs 3-d q, k, v")
@@ -183,18 +207,25 @@ class NpuOpsDouble:
         _require(len(seq_q) == len(seq_kv), f"{len(seq_q)} q lengths but {len(seq_kv)} kv lengths")
         _require(type(sparse_mode) is int and sparse_mode in SPARSE_MODES_TND, f"sparse_mode={sparse_mode!r} for TND")
         pairs = list(zip([0, *seq_q[:-1]], seq_q, [0, *seq_kv[:-1]], seq_kv))
+        _require(all(type(x) is int and -MAX_TOKENS <= x <= MAX_TOKENS for x in (pre, nxt)),
+                 f"pre_tockens={pre!r}, next_tockens={nxt!r} must be host ints (int32)")  # fmt: skip
         if atten_mask is None:
-            return pairs, False  # no mask: full attention, sparse_mode and tokens ignored
-        if sparse_mode != 3:
+            return pairs, None  # no mask: full attention, sparse_mode and tokens ignored
+        if sparse_mode not in (3, 4):
             raise NotImplementedError(f"npu_fusion_attention double: sparse_mode={sparse_mode} with a mask is not modelled")
         _require(isinstance(atten_mask, torch.Tensor) and atten_mask.dtype == torch.bool
                  and tuple(atten_mask.shape) == (2048, 2048) and atten_mask.device == query.device,
-                 "sparse_mode=3 needs the compressed (2048, 2048) bool mask on q's device")  # fmt: skip
+                 f"sparse_mode={sparse_mode} needs the compressed (2048, 2048) bool mask on q's device")  # fmt: skip
         if _values_readable(atten_mask):
             _require(torch.equal(atten_mask, _compressed_mask(atten_mask.device)), "the mask must be triu(ones(2048, 2048), 1)")
+        if sparse_mode == 4:  # band, bottom-right: the same pre / next tokens for every sequence
+            if pre < 0 or nxt < 0:
+                raise NotImplementedError(f"npu_fusion_attention double: sparse_mode=4 with pre_tockens={pre}, "
+                                          f"next_tockens={nxt}: a negative side is not modelled")  # fmt: skip
+            return pairs, (pre, nxt)
         for q0, q1, k0, k1 in pairs:  # a kv_len = 0 sequence is a zero-length sequence: allowed
             _require(q1 - q0 <= k1 - k0 or k1 == k0, f"sparse_mode=3 needs q_len <= kv_len, got {q1 - q0} > {k1 - k0}")
-        return pairs, True
+        return pairs, (MAX_TOKENS, 0)  # bottom-right causal: tokens ignored
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,8 +5,10 @@ This is a contract test, not a hardware test. `tests/kernels/npu_double.py` mode
 softmax-stat storage) and rejects what the real op rejects; these tests check that `NpuKernel`
 builds valid arguments, rewrites the edge cases the op does not take, converts the stats into
 the contract's natural-log lse, and so matches the FP64 oracle (`reference`, from the
-`TorchKernel` tests) at 1e-10 in float64. Whether the NPU itself behaves as documented is
-checked by `make test-npu` (`sim.tools.npu_check`) on a machine that has one.
+`TorchKernel` tests) at 1e-10 in float64; with windows and shifts it matches `TorchKernel`'s
+explicit path (checked against a dense oracle of the contract's rule in
+`tests/cp/test_windows.py`). Whether the NPU itself behaves as documented is checked by
+`make test-npu` (`sim.tools.npu_check`) on a machine that has one.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import sys
 import pytest
 import torch
 
+import cpref
 import sim.tools.npu_check
 from cpref.errors import CPInputError
-from cpref.kernels import AttentionKernel, NpuKernel, Varlen
+from cpref.kernels import AttentionKernel, NpuKernel, TorchKernel, Varlen
+from cpref.kernels.npu_plan import UNBOUNDED
 from sim import oracle
+from sim.harness import oracle_shards, run_attention
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 from tests.kernels.npu_double import NpuOpsDouble
 from tests.kernels.test_torch_kernel import HEADS, check_owned_results, reference
@@ -37,10 +42,10 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def run(kernel, q, k, v, seqs, dout, *, causal, scale):
+def run(kernel, q, k, v, seqs, dout, *, causal, scale, window=(-1, -1)):
     """`(out, lse, dq, dk, dv)` from the kernel's forward and backward."""
-    out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=scale)
-    return (out, lse, *kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=scale))
+    out, lse = kernel.forward(q, k, v, seqs, causal=causal, scale=scale, window=window)
+    return (out, lse, *kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, window=window))
 
 
 def check(q_lens, kv_lens, heads=HEADS["gqa"], dtype=torch.float64, *, causal, seed=0, **kernel_kwargs):
@@ -206,22 +211,26 @@ def test_no_host_sync_after_the_first_call(monkeypatch, layout):
     kernel = NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout, max_seqs_per_call=2)
     q, k, v = random_qkv(24, 4, 2, 8, seed=1)[0], *random_qkv(14, 4, 2, 8, seed=2)[1:]
     seqs, dout = Varlen.from_lengths([12, 5, 3, 4], [5, 5, 0, 4]), torch.randn(24, 4, 8, dtype=torch.float64)
-    for causal in (True, False):  # warm: builds the plans and the mask
-        run(kernel, q, k, v, seqs, dout, causal=causal, scale=0.3)
+    shifted = Varlen(seqs.cu_q, seqs.cu_kv, shifts=[2, 0, -1, 3])
+    cases = [(seqs, True, (-1, -1)), (seqs, False, (-1, -1)), (seqs, True, (2, 0)), (shifted, False, (1, 3))]
+    for s, causal, window in cases:  # warm: builds the plans and the mask
+        run(kernel, q, k, v, s, dout, causal=causal, scale=0.3, window=window)
     counter = _SyncCounter(monkeypatch)
-    for causal in (True, False):
-        run(kernel, q, k, v, seqs, dout, causal=causal, scale=0.3)
+    for s, causal, window in cases:
+        run(kernel, q, k, v, s, dout, causal=causal, scale=0.3, window=window)
     monkeypatch.undo()
     assert counter.count == {}
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_no_data_dependent_op_runs_on_the_meta_device(causal):
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (True, (2, 0)), (False, (1, 3))],
+                         ids=["causal", "full", "causal-window", "window-shifted"])  # fmt: skip
+def test_no_data_dependent_op_runs_on_the_meta_device(causal, window):
     """Meta tensors have shapes but no values: any op whose size depends on data would fail."""
     kernel = NpuKernel(ops=NpuOpsDouble(), max_seqs_per_call=2)
     q, k, v = (torch.empty(n, h, 8, device="meta") for n, h in ((24, 4), (14, 2), (14, 2)))
-    seqs = Varlen.from_lengths([12, 5, 3, 4], [5, 5, 0, 4])
-    out, lse, dq, dk, dv = run(kernel, q, k, v, seqs, torch.empty(24, 4, 8, device="meta"), causal=causal, scale=0.3)
+    seqs = Varlen.from_lengths([12, 5, 3, 4], [5, 5, 0, 4], shifts=None if causal else [2, 0, -1, 3])
+    dout = torch.empty(24, 4, 8, device="meta")
+    out, lse, dq, dk, dv = run(kernel, q, k, v, seqs, dout, causal=causal, scale=0.3, window=window)
     assert (out.shape, lse.shape, dq.shape, dk.shape, dv.shape) == ((24, 4, 8), (24, 4), q.shape, k.shape, v.shape)
 
 
@@ -266,7 +275,8 @@ def test_bad_inputs_raise_cp_input_error():
 
 def test_the_harness_passes_on_the_cpu_with_the_double(capsys):
     """`make test-npu`'s case list and table, run through the double in float64 (no NPU needed)."""
-    names = ("packed-mla-causal", "no-key-rows", "empty-sequences-full", "ring-global-lse", "ring-stats-TND")
+    names = ("packed-mla-causal", "no-key-rows", "empty-sequences-full", "ring-global-lse", "ring-stats-TND",
+             "window-causal", "window-full-asymmetric", "window-shifted", "window-shifted-full")
     cases = [c for c in sim.tools.npu_check.CASES if c.name in names]
     rows = sim.tools.npu_check.run_cases(lambda layout: NpuKernel(ops=NpuOpsDouble(), softmax_layout=layout),
                                    torch.device("cpu"), [torch.float64], cases=cases, small=True)  # fmt: skip
@@ -292,3 +302,120 @@ def test_an_output_passed_unrounded_is_rounded_for_the_op():
     wide = kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=0.3)
     rounded = kernel.backward(dout, q, k, v, out.to(torch.bfloat16), lse, seqs, causal=True, scale=0.3)
     assert all(a.dtype == torch.bfloat16 and torch.equal(a, b) for a, b in zip(wide, rounded))
+
+
+# --- sliding windows and shifts: sparse_mode=4 ---------------------------------------------------
+
+EXPLICIT = TorchKernel(fast=False)  # the contract's masks, checked against a dense oracle in tests/cp/test_windows.py
+WINDOWS = [(True, (0, 0)), (True, (1, 0)), (True, (3, 0)), (True, (40, 0)), (True, (-1, 0)), (False, (0, 0)),
+           (False, (2, 2)), (False, (1, 4)), (False, (4, 1)), (False, (-1, 2)), (False, (3, -1)), (False, (-1, -1))]  # fmt: skip
+WINDOW_IDS = [f"{'causal' if c else 'full'}{w}" for c, w in WINDOWS]
+
+
+def check_banded(q_lens, kv_lens, shifts=None, heads=HEADS["gqa"], *, causal, window, seed=0, **kernel_kwargs):
+    """NpuKernel over the double vs TorchKernel's explicit path, forward and backward in float64, with a window
+    and shifts; returns the sequences, the results and the double."""
+    hq, hkv, d, dv = heads
+    double, seqs = NpuOpsDouble(), Varlen.from_lengths(q_lens, kv_lens, shifts)
+    q = random_qkv(sum(q_lens), hq, hkv, d, dv, seed=seed)[0]
+    _, k, v = random_qkv(sum(kv_lens), hq, hkv, d, dv, seed=seed + 1)
+    dout = random_qkv(sum(q_lens), hq, hkv, dv, seed=seed + 2)[0]
+    kwargs = dict(causal=causal, scale=d**-0.5, window=window)
+    got = run(NpuKernel(ops=double, **kernel_kwargs), q, k, v, seqs, dout, **kwargs)
+    want = run(EXPLICIT, q, k, v, seqs, dout, **kwargs)
+    for name, g, w, like in zip(("out", "lse", "dq", "dk", "dv"), got, want, (dout, None, q, k, v)):
+        assert g.dtype == (torch.float64 if like is None else like.dtype) and g.shape == w.shape, name
+        assert not g.isnan().any(), name
+        assert_close(g, w, torch.float64, f"{name} causal={causal} window={window}")
+    return seqs, got, double
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["head-major", "TND"])
+@pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mla"]], ids=["gqa", "mla"])
+@pytest.mark.parametrize("causal, window", WINDOWS, ids=WINDOW_IDS)
+def test_windows_match_the_contract(causal, window, heads, layout):
+    """Bottom-right sequences (more queries than keys, fewer, one query, none, no keys), every kind of window."""
+    _, _, double = check_banded([7, 12, 1, 9, 0, 5], [7, 5, 4, 14, 3, 0], None, heads, causal=causal, window=window,
+                                softmax_layout=layout)  # fmt: skip
+    modes = {c["sparse_mode"] for c in double.calls}
+    assert modes == ({0} if window == (-1, -1) else {3} if causal and window[0] < 0 else {4}), modes
+
+
+@pytest.mark.parametrize("max_seqs", [2048, 1, 2], ids=lambda n: f"max_seqs={n}")
+@pytest.mark.parametrize("causal, window", WINDOWS, ids=WINDOW_IDS)
+def test_shifts_match_the_contract_and_rows_that_see_no_key_give_zero(causal, window, max_seqs):
+    """Keys that start before their queries, end after them, lie wholly before or after them: rows outside
+    every band are split off (out 0, lse -inf, dq 0), and every call has one band."""
+    q_lens, kv_lens, shifts = [6, 7, 5, 4, 3, 6], [10, 7, 6, 3, 2, 4], [5, -2, 3, 9, -4, -1]
+    seqs, (out, lse, dq, _, _), double = check_banded(q_lens, kv_lens, shifts, causal=causal, window=window,
+                                                      max_seqs_per_call=max_seqs)  # fmt: skip
+    spans = [(q0 + x, seqs.visible(i, x, causal, window)) for i, (q0, q1, _, _) in enumerate(seqs.pairs())
+             for x in range(q1 - q0)]  # fmt: skip
+    blind = [row for row, (lo, hi) in spans if hi <= lo]
+    assert blind or window == (-1, -1)  # the case has rows that see no key
+    assert (out[blind] == 0).all() and (lse[blind] == float("-inf")).all() and (dq[blind] == 0).all()
+    for c in double.calls:
+        assert len(c["actual_seq_qlen"]) <= max_seqs
+        if c["sparse_mode"] == 4:
+            assert 0 <= c["pre_tockens"] <= UNBOUNDED and 0 <= c["next_tockens"] <= UNBOUNDED
+
+
+def test_the_calls_follow_the_bands():
+    """Known cases, call by call. Full attention with window (1, 1): sequence 0 is bottom-right, band (1, 1);
+    sequence 1's queries stand 2 keys early (delta = -2), so its last key is seen by none and is split off,
+    and the rest is band (2, 0); sequence 2 is sequence 0 again; no row of sequence 3 sees a key. Causal,
+    shifts [2, 1, 4] of 5 keys for 3 queries: bottom-right; one early (its last key split off); two late."""
+    M = UNBOUNDED
+    cases = [  # (q_lens, kv_lens, shifts, causal, window): [(sparse_mode, pre, next, seq_qlen, seq_kvlen), ...]
+        (([4, 4, 4, 3], [6, 6, 6, 2], [2, 0, 2, 5], False, (1, 1)),
+         [(4, 1, 1, [4], [6]), (4, 2, 0, [4, 4], [5, 6]), (4, 1, 1, [4, 7, 7], [6, 6, 8])]),
+        (([3, 3, 3], [5, 5, 5], [2, 1, 4], True, (2, 0)), [(4, 2, 0, [3, 6, 6], [5, 9, 10]), (4, 0, 2, [3], [5])]),
+        (([3, 3, 3], [5, 5, 5], [2, 1, 4], True, (-1, -1)), [(3, M, M, [3, 6, 6], [5, 9, 10]), (4, M, 2, [3], [5])]),
+        (([3, 3, 3], [5, 5, 5], [2, 1, 4], False, (-1, -1)), [(0, M, M, [3, 6, 9], [5, 10, 15])]),
+    ]  # fmt: skip
+    for (q_lens, kv_lens, shifts, causal, window), want in cases:
+        _, _, double = check_banded(q_lens, kv_lens, shifts, causal=causal, window=window)
+        got = [(c["sparse_mode"], c["pre_tockens"], c["next_tockens"], c["actual_seq_qlen"], c["actual_seq_kvlen"])
+               for c in double.calls]  # fmt: skip
+        assert [c["op"] for c in double.calls] == ["forward"] * len(want) + ["backward"] * len(want)
+        assert got == want + want, (q_lens, shifts, causal, window)
+        assert all((c["atten_mask"] is None) == (c["sparse_mode"] == 0) for c in double.calls)
+
+
+def test_a_window_that_bounds_nothing_is_the_call_without_one():
+    """`window=(-1, 0)` with causal, `(-1, -1)`, and shifts equal to bottom-right: bitwise the plain call, same records."""
+    q_lens, kv_lens = [12, 5, 3, 4], [5, 9, 0, 4]
+    q, k, v = random_qkv(24, 4, 2, 8, seed=1)[0], *random_qkv(18, 4, 2, 8, seed=2)[1:]
+    dout = random_qkv(24, 4, 4, 8, seed=3)[0]
+    plain, same = Varlen.from_lengths(q_lens, kv_lens), Varlen.from_lengths(q_lens, kv_lens, [-7, 4, -3, 0])
+    for causal, window in ((True, (-1, 0)), (True, (-1, -1)), (False, (-1, -1))):
+        runs = []
+        for seqs, w in ((plain, (-1, -1)), (same, (-1, -1)), (plain, window)):
+            double = NpuOpsDouble()
+            runs.append((run(NpuKernel(ops=double), q, k, v, seqs, dout, causal=causal, scale=0.3, window=w), double.calls))
+        records = lambda calls: [{**c, "atten_mask": c["atten_mask"] is not None} for c in calls]  # noqa: E731
+        (base, base_calls), *others = runs
+        for results, calls in others:
+            assert all(torch.equal(a, b) for a, b in zip(results, base))
+            assert records(calls) == records(base_calls)
+        assert {c["sparse_mode"] for c in base_calls} == ({3} if causal else {0})
+
+
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("causal, window", [(True, (3, 0)), (False, (2, 5))], ids=["causal(3,0)", "full(2,5)"])
+@pytest.mark.parametrize("mode", ["all_gather", "p2p"])
+def test_windowed_modes_run_on_the_npu_kernel_rank_by_rank(mode, causal, window, layout):
+    """The modes' windowed kernel calls (all-gather's one call with shifted key spans, the ring's per-step calls
+    over halos) through NpuKernel and the double: band calls made, every rank equal to the FP64 oracle."""
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([5, 17, 2, 11]), cp_size=P, layout=layout)
+    q, k, v = random_qkv(sharding.total, 4, 2, 8, seed=3)
+    dout = random_qkv(sharding.total, 4, 4, 8, seed=4)[0]
+    doubles = [NpuOpsDouble() for _ in range(P)]
+    results, _ = run_attention(q, k, v, dout, sharding, mode=mode, kernels=[NpuKernel(ops=d) for d in doubles],
+                               causal=causal, window=window)  # fmt: skip
+    assert any(c["sparse_mode"] == 4 for d in doubles for c in d.calls)  # the op's band did the work
+    refs = oracle_shards(q, k, v, dout, sharding, causal=causal, window=window)
+    for r, (got, want) in enumerate(zip(results, refs)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, torch.float64, msg=f"{mode} {layout} window={window} rank {r} {name}")

@@ -37,6 +37,7 @@ TINY = {
     "gpt2": dict(family="gpt2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, max_positions=128),
     "llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2),
     "qwen3": dict(family="qwen3", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16),
+    "sliding": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, layer_windows=(7, None)),
 }
 
 
@@ -76,6 +77,8 @@ def assert_parity(got, want, rtol):
 # every family x mode x layout at CP 2, CP 4 and DP 2 x CP 2; non-consecutive CP groups for one family
 CASES = [(f, m, lay, t) for f in FAMILIES for m in MODES for lay in cpref.LAYOUTS for t in ("cp2", "cp4", "dp2xcp2")]
 CASES += [("llama", m, "zigzag", "dp2xcp2-strided") for m in MODES]
+# a sliding layer (a window of 8 keys, in packs of 64 tokens: it matters) beside a full one, every mode and layout
+CASES += [("sliding", m, lay, t) for m in MODES for lay in cpref.LAYOUTS for t in ("cp2", "cp4")]
 
 
 @pytest.mark.parametrize("family, mode, layout, topology", CASES, ids=["-".join(c) for c in CASES])
@@ -87,6 +90,7 @@ def test_fp32_loss_and_grad_norm_match_cp1_for_10_steps(family, mode, layout, to
 
 
 BF16_CASES = [(f, m, "cp4") for f in FAMILIES for m in MODES] + [(f, "p2p", t) for f in FAMILIES for t in ("cp2", "dp2xcp2")]
+BF16_CASES += [("sliding", m, "cp4") for m in MODES]
 
 
 @pytest.mark.parametrize("family, mode, topology", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])

@@ -16,23 +16,42 @@ context-parallel code; nothing here has been run on an NPU by its author (see *U
 | `seqs.cu_q[1:]`, `seqs.cu_kv[1:]` | `actual_seq_qlen`, `actual_seq_kvlen`: host lists, cumulative, no leading 0 |
 | `causal=True` | `sparse_mode=3` (bottom-right) with the compressed mask below |
 | `causal=False` | `atten_mask=None`: no masking at all, whatever `sparse_mode` says |
+| `window=(w, 0)` with `causal=True` | `sparse_mode=4` (band, bottom-right), the compressed mask, `pre_tockens=w`, `next_tockens=0` |
+| `window=(left, right)`, `causal=False` | `sparse_mode=4`, `pre_tockens=left`, `next_tockens=right`; a side of $-1$: the default $2^{31} - 1$ |
+| `window=(-1, -1)`, `causal=False` | `atten_mask=None`, as without a window |
+| `Varlen(shifts=...)`, shift $d$ | `pre_tockens=left - delta`, `next_tockens=right + delta` with $\delta = d - (n_k - n_q)$ (of what the rewrites below leave); one call per run of sequences with the same pair |
 
 **Mask rules.** Bottom-right causal means query $x$ of a sequence with $n_q$ queries and
 $n_k$ keys sees key $y$ iff $y \le x + n_k - n_q$. The op takes it as `sparse_mode=3` plus the
 *compressed* mask `torch.triu(torch.ones(2048, 2048, dtype=torch.bool), 1)` (True = hidden),
 whatever the sequence lengths; the kernel builds it once per device and reuses it. Rows with
 $j < n_q - n_k$ see no key, and the op's documentation disagrees with itself about them, so
-the kernel never sends them (next paragraph).
+the kernel never sends them (next paragraphs).
+
+**Windows and shifts.** `sparse_mode=4` is the band of the same corner: with
+`pre_tockens` $a$ and `next_tockens` $b$ query $x$ sees key $y$ iff
+$c_x - a \le y \le c_x + b$, $c_x = x + n_k - n_q$, with the same compressed mask. The
+contract's query $x$ stands at $p = x + d$ and sees $p - \mathrm{left} \le y \le p + \mathrm{right}$
+($\mathrm{right} = 0$ under causal), which is that band with $a = \mathrm{left} - \delta$,
+$b = \mathrm{right} + \delta$ and $\delta = d - (n_k - n_q)$: 0 for a bottom-right sequence, so
+a window without shifts is one band, `(left, right)`. The op takes one band per call, so the plan cuts the sequences into runs
+whose bands agree. A band that is plain causal, $(2^{31} - 1, 0)$, is sent as `sparse_mode=3`,
+and one unbounded on both sides with no mask. Plain causal attention (no window, bottom-right)
+is exactly the `sparse_mode=3` call above.
 
 **Lengths the op does not get.** The lists are rewritten on the host, once per `Varlen`
-(`cpref.kernels.npu_plan`): a causal sequence with $n_q > n_k$ is split into
-$(n_q - n_k, 0)$ and $(n_k, n_k)$; rows of an entry with no key are *dead*: their `out` is
-overwritten with 0 and their `lse` with $-\infty$ through a cached index, and in backward their
-`dout` is zeroed, their lse replaced by a finite 0 (so no $-\infty$ reaches the op) and their
-`dq` zeroed. Sequences with neither queries nor keys are dropped, neighbours without queries
-(or without keys) merge into one, calls with more than 2048 sequences are split, and a call
-in which no row sees a key is never made. A sequence with no key at all stays in the lists as
-a zero-length sequence, which the op allows.
+and window (`cpref.kernels.npu_plan`): the rows of a sequence that see no key (before its
+band reaches key 0, or after it has passed the last key) are split off, as are the keys after
+the last one any row sees; under plain causal, a sequence with $n_q > n_k$ becomes
+$(n_q - n_k, 0)$ and $(n_k, n_k)$. What is left of each sequence has rows that all see a key,
+and a band with both sides $\ge 0$: the op is documented to take a negative side only under
+further conditions, and it never gets one. Rows of an entry with no key are *dead*: their
+`out` is overwritten with 0 and their `lse` with $-\infty$ through a cached index, and in
+backward their `dout` is zeroed, their lse replaced by a finite 0 (so no $-\infty$ reaches the
+op) and their `dq` zeroed. Sequences with neither queries nor keys are dropped, neighbours
+without queries (or without keys) merge into one, calls with more than 2048 sequences are
+split, and a call in which no row sees a key is never made. A sequence with no key at all
+stays in the lists as a zero-length sequence, which the op allows.
 
 **Softmax statistics.** The forward returns, per row and head, the max $m$ and the sum
 $\ell$ of the *scaled* logits $S = s\, q k^\top$ as float32, each value replicated 8 times in
@@ -59,10 +78,11 @@ dead-row index and the stat index are built once per `Varlen` and device and cac
 every device op is a slice, gather, fill or concatenation of known size.
 
 **Unverified** (no NPU was available): the head-major stat storage, zero-length sequences
-inside a list (also a `kv_len = 0` one under `sparse_mode=3`), the 2048 sequences per call,
+inside a list (also a `kv_len = 0` one under `sparse_mode=3` or `4`), the 2048 sequences per call,
+that `sparse_mode=4` in TND counts its band from each sequence's bottom-right corner,
 and that the grad op takes `softmax_max = lse, softmax_sum = 1` as it is documented to. `make test-npu`
 (`python -m sim.tools.npu_check`) runs this kernel against the FP64 oracle on an NPU with cases
-built to fail loudly on each wrong guess.
+built to fail loudly on each wrong guess; windowed and shifted cases are not among them yet.
 """
 
 from __future__ import annotations
@@ -75,7 +95,7 @@ import torch
 
 from cpref.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, Varlen, check_heads, check_window, compute_dtype
-from cpref.kernels.npu_plan import Call, plan_calls
+from cpref.kernels.npu_plan import CAUSAL, FULL, Call, plan_calls
 
 __all__ = ["NpuKernel"]
 
@@ -143,9 +163,8 @@ class NpuKernel:
 
         The op rounds `out` to the input dtype; with `out_dtype` it is returned upcast.
         """
-        _no_window_yet(window, causal, seqs)
-        calls = self._plan(q, k, v, seqs, causal, scale)
-        parts = [self._forward_call(q[c.rows], k[c.keys], v[c.keys], c, causal, scale) for c in calls]  # row slices: views
+        calls = self._plan(q, k, v, seqs, causal, window, scale)
+        parts = [self._forward_call(q[c.rows], k[c.keys], v[c.keys], c, scale) for c in calls]  # row slices: views
         out, lse = parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts]), torch.cat([m for _, m in parts]))
         return out.to(out_dtype or out.dtype), lse  # (T, Hq, Dv), (T, Hq)
 
@@ -170,24 +189,23 @@ class NpuKernel:
         `full_rows` is accepted and ignored: the grad op computes its row sums from `out`.
         The op rounds the gradients to the input dtype; with `grad_dtype` they are returned upcast.
         """
-        _no_window_yet(window, causal, seqs)
-        calls = self._plan(q, k, v, seqs, causal, scale)
+        calls = self._plan(q, k, v, seqs, causal, window, scale)
         out = out.to(q.dtype)  # the op takes attention_in in the input dtype
         parts = [
-            self._backward_call(dout[c.rows], q[c.rows], k[c.keys], v[c.keys], out[c.rows], lse[c.rows], c, causal, scale)
+            self._backward_call(dout[c.rows], q[c.rows], k[c.keys], v[c.keys], out[c.rows], lse[c.rows], c, scale)
             for c in calls
         ]
         grads = parts[0] if len(parts) == 1 else tuple(torch.cat(g) for g in zip(*parts))  # (T, Hq, D), (T', Hkv, D|Dv)
         return tuple(g.to(grad_dtype or g.dtype) for g in grads)
 
-    def _forward_call(self, q, k, v, call: Call, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_call(self, q, k, v, call: Call, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         cdt = compute_dtype(q.dtype)
         if not call.live:  # no row sees a key: out = 0, lse = -inf, without calling the op
             return q.new_zeros(*q.shape[:2], v.shape[2]), torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
         # 1) the fused op: out (T_c, Hq, Dv), stats (T_c, Hq, 8) in storage order
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no-ops for row slices of contiguous inputs
         out, smax, ssum, *_ = self.ops.npu_fusion_attention(
-            q, k, v, q.shape[1], "TND", scale=float(scale), **self._call_kwargs(call, causal, q.device)
+            q, k, v, q.shape[1], "TND", scale=float(scale), **self._call_kwargs(call, q.device)
         )
         # 2) lse = max + ln(sum), from the first of the 8 copies, still in storage order
         lse = smax[..., 0].to(cdt) + ssum[..., 0].to(cdt).log()  # (T_c, Hq)
@@ -199,7 +217,7 @@ class NpuKernel:
             lse.index_fill_(0, call.dead, float("-inf"))  # (T_c, Hq)
         return out, lse
 
-    def _backward_call(self, dout, q, k, v, out, lse, call: Call, causal: bool, scale: float):
+    def _backward_call(self, dout, q, k, v, out, lse, call: Call, scale: float):
         if not call.live:  # no row sees a key: no gradient
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # 1) dead rows: no gradient flows in, and a finite lse (never -inf) goes to the op
@@ -212,7 +230,7 @@ class NpuKernel:
         dq, dk, dv, *_ = self.ops.npu_fusion_attention_grad(
             q, k, v, dout, q.shape[1], "TND",
             softmax_max=smax, softmax_sum=torch.ones_like(smax), attention_in=out, scale_value=float(scale),
-            **self._call_kwargs(call, causal, q.device),
+            **self._call_kwargs(call, q.device),
         )  # fmt: skip
         # 3) dead rows keep a zero dq
         if call.dead is not None:
@@ -227,13 +245,16 @@ class NpuKernel:
             flat = torch.empty_like(flat).index_copy_(0, call.stat_index, flat)  # (T_c*Hq,) storage order
         return flat.view(t, hq, 1).expand(t, hq, STAT_COPIES).contiguous()  # (T_c, Hq, 8)
 
-    def _call_kwargs(self, call: Call, causal: bool, device: torch.device) -> dict[str, Any]:
-        """The keywords forward and backward share: lists, mask and sparse mode, stat layout."""
+    def _call_kwargs(self, call: Call, device: torch.device) -> dict[str, Any]:
+        """The keywords forward and backward share: lists, mask, sparse mode and tokens (from the call's band), stat layout."""
         kwargs: dict[str, Any] = {"actual_seq_qlen": call.seq_qlen, "actual_seq_kvlen": call.seq_kvlen}
-        if causal:  # bottom-right causal: sparse mode 3 and the compressed mask
-            kwargs.update(atten_mask=self._mask(device), sparse_mode=3)
-        else:  # no mask: full attention within every sequence
+        if call.band == FULL:  # no mask: full attention within every sequence
             kwargs.update(atten_mask=None, sparse_mode=0)
+        elif call.band == CAUSAL:  # bottom-right causal: sparse mode 3 and the compressed mask
+            kwargs.update(atten_mask=self._mask(device), sparse_mode=3)
+        else:  # a bottom-right band: sparse mode 4, the compressed mask, and the band's two sides
+            pre, nxt = call.band
+            kwargs.update(atten_mask=self._mask(device), sparse_mode=4, pre_tockens=pre, next_tockens=nxt)
         if self.softmax_layout:  # older torch_npu has no such keyword: pass it only when asked
             kwargs["softmax_layout"] = self.softmax_layout
         return kwargs
@@ -247,14 +268,15 @@ class NpuKernel:
                 self._masks[key] = torch.triu(ones, diagonal=1)  # (2048, 2048)
             return self._masks[key]
 
-    def _plan(self, q, k, v, seqs: Varlen, causal: bool, scale: float) -> list[Call]:
-        """Validate on the host, then the calls for `seqs` (built once per Varlen, heads, device)."""
+    def _plan(self, q, k, v, seqs: Varlen, causal: bool, window: tuple[int, int], scale: float) -> list[Call]:
+        """Validate on the host, then the calls for `seqs` (built once per Varlen, mask, heads, device)."""
+        window = check_window(window, causal)
         _check(q, k, v, seqs, scale)
-        key = ("NpuKernel.plan", bool(causal), q.shape[1], str(q.device), self.softmax_layout, self.max_seqs_per_call)
+        key = ("NpuKernel.plan", bool(causal), window, q.shape[1], str(q.device), self.softmax_layout, self.max_seqs_per_call)
         return seqs.cached(
             key,
             lambda: plan_calls(
-                seqs, causal=bool(causal), hq=q.shape[1], device=q.device,
+                seqs, causal=bool(causal), window=window, hq=q.shape[1], device=q.device,
                 head_major_stats=not self.softmax_layout, max_seqs=self.max_seqs_per_call,
             ),
         )  # fmt: skip
@@ -279,9 +301,3 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, scal
             f"but q has {q.shape[0]} rows and k {k.shape[0]}"
         )
 
-
-def _no_window_yet(window: tuple[int, int], causal: bool, seqs: Varlen) -> None:
-    """The window's mapping onto the op (`sparse_mode=4`, `pre_tockens` / `next_tockens`) is not written yet: refuse by name."""
-    if check_window(window, causal) != NO_WINDOW or not seqs.bottom_right:
-        raise CPInputError(f"NpuKernel does not take a sliding window or shifted sequences yet (window={window}); use "
-                           "cpref.TorchKernel() for windowed attention")  # fmt: skip

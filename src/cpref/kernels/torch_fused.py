@@ -39,6 +39,15 @@ plan) are one strided `(B, H, S, D)` view of the packed tensors, made with `unfo
 (one document, or a run of equal ones), the op's outputs, laid out token-major, already are
 the packed `out`, `lse` and gradients, and are returned as views.
 
+**Sliding windows and shifts.** The op takes an additive mask (0 or $-\infty$ on each logit, in
+the compute dtype; it takes no boolean one), but computes every score of its call, masked or
+not. A windowed or shifted call is therefore cut into tiles of $R$ rows, each over only the keys
+of its band ([the plan][cpref.kernels.torch_fused_plan]): a mask-free middle that all its rows
+see, and masked edges at most $R$ keys wide, merged into it by lse as above, so that the work is
+$T (w + R)$ for a band of $w$ keys rather than $T^2 / 2$. Each row lies in one tile, so the
+backward gives each part the merged `(out, lse)` as above; neighbouring tiles share keys, so
+their dK and dV are added up, in passes over every $s$-th part of a run, whose keys are disjoint.
+
 **MQA.** The op reads key head `h // G` itself (GQA and MQA without copies), except in the
 backward with one K/V head: there the op recomputes some logits one ulp away from those of
 its forward (PyTorch 2.13 on a CPU, at query lengths such as 5 to 11 or 37 to 39; not seen
@@ -55,19 +64,20 @@ float16/bfloat16, $\Delta$ must not come from the rounded `out`; the backward th
 the float32 output (one more forward) and passes that to the op.
 
 **Memory.** The op keeps its scores in tiles of at most $256 \times 512$ per thread (one in the
-forward, two in the backward) whatever the length; everything else is $O(T)$. A
+forward, two in the backward) whatever the length; everything else is $O(T)$ (with a window,
+the op's dK and dV of a run's tiles, $(w + R) / R$ times the keys, and masks of at most
+$R \times 2R$ per kind of tile). A
 `max_block_elements` below one tile per thread selects the explicit path.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.contract import NO_WINDOW, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
+from cpref.kernels.torch_fused_plan import Run, is_plain, plan_band_runs, plan_runs
 
 __all__ = ["FUSED_TILE_ELEMENTS", "fused_available", "fused_forward", "fused_backward"]
 
@@ -93,67 +103,10 @@ def fused_available(device: torch.device, max_block_elements: int) -> bool:
     return has_op and device.type == "cpu" and max_block_elements >= FUSED_TILE_ELEMENTS * torch.get_num_threads()
 
 
-class Run(NamedTuple):
-    """`count` sequence parts of `rows` queries and `keys` keys, equally spaced: one fused call."""
-
-    q0: int  # first query row of the first part
-    q_step: int  # rows between the starts of consecutive parts
-    k0: int  # first key row of the first part
-    k_step: int
-    count: int
-    rows: int
-    keys: int
-    causal: bool  # a causal square (rows == keys), else every key is visible
-    merge: bool  # the visible part of a split sequence: merged into its causal square by lse
-
-
-def _parts(q0: int, q1: int, k0: int, k1: int, causal: bool) -> list[tuple[int, int, int, int, bool, bool]]:
-    """`(q start, k start, rows, keys, causal, merge)` of one sequence's fused calls."""
-    n_q, n_k = q1 - q0, k1 - k0
-    if n_q == 0 or n_k == 0:
-        return []
-    if not causal:
-        return [(q0, k0, n_q, n_k, False, False)]
-    if n_q >= n_k:  # query x sees y <= x - (n_q - n_k): the first n_q - n_k rows see nothing
-        return [(q1 - n_k, k0, n_k, n_k, True, False)]
-    # keys [k1 - n_q, k1): a causal square; keys [k0, k1 - n_q): visible to every row, merged after
-    return [(q0, k1 - n_q, n_q, n_q, True, False), (q0, k0, n_q, n_k - n_q, False, True)]
-
-
-def _progressions(starts: list[tuple[int, int]]) -> list[tuple[int, int, int, int, int]]:
-    """Cut `starts` into maximal runs advancing by one `(q, k)` step: `(q0, q_step, k0, k_step, count)`."""
-    runs, i = [], 0
-    while i < len(starts):
-        (q0, k0), j = starts[i], i + 1
-        step = (starts[j][0] - q0, starts[j][1] - k0) if j < len(starts) else (1, 1)
-        while j < len(starts) and (starts[j][0] - starts[j - 1][0], starts[j][1] - starts[j - 1][1]) == step:
-            j += 1
-        runs.append((q0, step[0], k0, step[1], j - i))
-        i = j
-    return runs
-
-
-def plan_runs(seqs: Varlen, causal: bool, max_period: int = 4) -> list[Run]:
-    """The fused calls of `seqs`: parts grouped by shape, cut into equally spaced runs; merges last.
-
-    Parts of one shape that alternate between patterns (the all-gather plan's chunk `j` and
-    chunk `2P - 1 - j` of every document) are split into `period` interleaved lists first;
-    the period from 1 to `max_period` that gives the fewest runs wins.
-    """
-    shapes: dict[tuple[int, int, bool, bool], list[tuple[int, int]]] = {}
-    for q0, q1, k0, k1 in seqs.pairs():
-        for qs, ks, rows, keys, square, merge in _parts(q0, q1, k0, k1, causal):
-            shapes.setdefault((rows, keys, square, merge), []).append((qs, ks))
-    runs = []
-    for (rows, keys, square, merge), starts in shapes.items():
-        periods = range(1, min(max_period, len(starts)) + 1)
-        best = min(([r for p in range(period) for r in _progressions(starts[p::period])] for period in periods), key=len)
-        runs += [Run(q0, q_step, k0, k_step, count, rows, keys, square, merge) for q0, q_step, k0, k_step, count in best]
-    return sorted(runs, key=lambda run: run.merge)  # stable: every causal square before its merge
-
-
 def _view(x: torch.Tensor, start: int, step: int, count: int, n: int) -> torch.Tensor:
     """`count` windows of `n` rows, `step` apart, of a token-major `x`: `(T, H[, X]) -> (B, H, n[, X])`."""
+    if step == 0:  # the same rows every time (a band's tiles that all see its every key): a stride-0 batch
+        return x[start : start + n].expand(count, *x[start : start + n].shape).transpose(1, 2)  # (B, H, n[, X])
     w = x[start : start + (count - 1) * step + n].unfold(0, n, step)  # (B, H, X, n) or (B, H, n)
     return w.permute(0, 1, 3, 2) if x.dim() == 3 else w  # (B, H, n, X)
 
@@ -182,21 +135,25 @@ def _narrow(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return x[..., :dim].to(dtype, memory_format=torch.contiguous_format)
 
 
-def _runs(seqs: Varlen, causal: bool) -> list[Run]:
-    return seqs.cached(("TorchKernel.fused_runs", bool(causal)), lambda: plan_runs(seqs, bool(causal)))
+def _runs(seqs: Varlen, causal: bool, window: tuple[int, int] = NO_WINDOW) -> list[Run]:
+    """The plan of `seqs` (`cpref.kernels.torch_fused_plan`), made once per `Varlen`, mask and window."""
+    if is_plain(seqs, causal, window):
+        return seqs.cached(("TorchKernel.fused_runs", bool(causal)), lambda: plan_runs(seqs, bool(causal)))
+    return seqs.cached(("TorchKernel.fused_band_runs", bool(causal), window), lambda: plan_band_runs(seqs, bool(causal), window))
 
 
-def _unreached(seqs: Varlen, causal: bool, rows: int, stream: str) -> list[tuple[int, int]]:
+def _unreached(seqs: Varlen, causal: bool, rows: int, stream: str, window: tuple[int, int] = NO_WINDOW) -> list[tuple[int, int]]:
     """Row ranges `[a, b)` of the query (`stream="q"`) or key (`"k"`) stream that no fused call writes.
 
-    Every other row of `out`, `lse`, `dq`, `dk`, `dv` is written by exactly one call (a merged
-    part adds to rows its causal square wrote), so only these are filled: 0, and `lse` = -inf.
+    Every other query row of `out`, `lse`, `dq` is written by exactly one call (a merged part
+    adds to rows an earlier part wrote), so only these are filled: 0, and `lse` = -inf. So are
+    the keys of a plain plan; a band's keys are shared by its tiles and added up from zero.
     """
 
     def build() -> list[tuple[int, int]]:  # host integers only: no tensor, no device
         reached = sorted(
             (first + i * step, first + i * step + n)
-            for run in _runs(seqs, causal) if stream == "k" or not run.merge
+            for run in _runs(seqs, causal, window) if stream == "k" or not run.merge
             for first, step, n in [(run.k0, run.k_step, run.keys) if stream == "k" else (run.q0, run.q_step, run.rows)]
             for i in range(run.count)
         )  # fmt: skip
@@ -207,7 +164,31 @@ def _unreached(seqs: Varlen, causal: bool, rows: int, stream: str) -> list[tuple
             end = max(end, b)
         return gaps
 
-    return seqs.cached(("TorchKernel.fused_unreached", bool(causal), stream, rows), build)
+    return seqs.cached(("TorchKernel.fused_unreached", bool(causal), window, stream, rows), build)
+
+
+def _mask(seqs: Varlen, run: Run, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The op's keyword for a band part's mask: `attn_mask (1, 1, rows, keys)`, 0 where a row sees a key and
+    -inf elsewhere (the op adds it to the logits; it takes no bool mask); none (`{}`) for a part without one."""
+    if run.seen is None:
+        return {}
+
+    def build() -> torch.Tensor:
+        y = torch.arange(run.keys, device=device)  # (M,) the part's keys
+        bounds = torch.tensor(run.seen, device=device)  # (R, 2) each row's [lo, hi) among them
+        hidden = (y[None, :] < bounds[:, :1]) | (y[None, :] >= bounds[:, 1:])  # (R, M)
+        return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))[None, None]
+
+    return {"attn_mask": seqs.cached(("TorchKernel.fused_mask", run.seen, dtype, str(device)), build)}
+
+
+def _add_keys(x: torch.Tensor, run: Run, grads: torch.Tensor) -> None:
+    """`x[keys of part i] += grads[i]` for a band run `(B, H, n_k, D)`, whose parts' keys overlap (neighbouring
+    tiles share keys): in `s` passes over every `s`-th part, whose keys do not."""
+    s = run.count if run.k_step == 0 else min(run.count, -(-run.keys // run.k_step))
+    for j in range(s):
+        n = len(range(j, run.count, s))
+        _view(x, run.k0 + j * run.k_step, max(1, s * run.k_step), n, run.keys).add_(grads[j::s])  # (n, H, n_k, D)
 
 
 def _whole(runs: list[Run], tokens: int, keys: int) -> bool:
@@ -224,21 +205,25 @@ def _packed(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])  # (B, S, H[, X]) -> (T, H[, X])
 
 
-def fused_forward(q, k, v, seqs: Varlen, *, causal: bool, scale: float, out_dtype=None, padded: bool = False):
+def fused_forward(q, k, v, seqs: Varlen, *, causal: bool, scale: float, window=NO_WINDOW, out_dtype=None, padded: bool = False):
     """`(out (T, Hq, Dv), lse (T, Hq))` through the fused op; `padded`: keep out in the compute dtype, D wide."""
     cdt, d, dv = compute_dtype(q.dtype), q.shape[2], v.shape[2]
     qc, kc, vc = _prepared(q, cdt), _prepared(k, cdt), _prepared(v, cdt, d)  # (T, Hq, D), (T', Hkv, D) x 2
-    runs = _runs(seqs, causal)
+    runs = _runs(seqs, causal, window)
+
+    def attend(run: Run) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hq, n, D), (B, Hq, n)
+        mask = _mask(seqs, run, cdt, q.device)
+        return _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale, **mask)
+
     if _whole(runs, q.shape[0], k.shape[0]):  # one call: its outputs are the packed tensors, no copy
-        run = runs[0]
-        out, lse = map(_packed, _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale))
+        out, lse = map(_packed, attend(runs[0]))
         return (out, lse) if padded else (_narrow(out, dv, out_dtype or q.dtype), lse)
     out = q.new_empty((q.shape[0], q.shape[1], d), dtype=cdt)  # (T, Hq, D)
     lse = q.new_empty(q.shape[:2], dtype=cdt)  # (T, Hq)
-    for a, b in _unreached(seqs, causal, q.shape[0], "q"):  # rows that see no key: out = 0, lse = -inf
+    for a, b in _unreached(seqs, causal, q.shape[0], "q", window):  # rows that see no key: out = 0, lse = -inf
         out[a:b], lse[a:b] = 0.0, float("-inf")
     for run in runs:
-        o_r, lse_r = _FORWARD(_queries(qc, run), _keys(kc, run), _keys(vc, run), 0.0, run.causal, scale=scale)
+        o_r, lse_r = attend(run)
         if run.merge:
             merge_partial(_queries(out, run), _queries(lse, run), o_r, lse_r)  # (B, H, n, D), (B, H, n)
         else:
@@ -249,16 +234,17 @@ def fused_forward(q, k, v, seqs: Varlen, *, causal: bool, scale: float, out_dtyp
     return _narrow(out, dv, out_dtype or q.dtype), lse  # (T, Hq, Dv)
 
 
-def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale: float, full_rows: bool = False, grad_dtype=None):
+def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale: float, window=NO_WINDOW,
+                   full_rows: bool = False, grad_dtype=None):  # fmt: skip
     """`(dq, dk, dv)` through the fused op's backward; see the module docstring."""
     cdt, d, dv = compute_dtype(q.dtype), q.shape[2], v.shape[2]
     qc, kc, vc = _prepared(q, cdt), _prepared(k, cdt), _prepared(v, cdt, d)
     doc = _prepared(dout, cdt, d)  # (T, Hq, D)
     if full_rows and q.dtype != cdt:  # Delta from the float32 output, not from `out` rounded to the input dtype
-        oc = fused_forward(q, k, v, seqs, causal=causal, scale=scale, padded=True)[0]  # (T, Hq, D)
+        oc = fused_forward(q, k, v, seqs, causal=causal, scale=scale, window=window, padded=True)[0]  # (T, Hq, D)
     else:
         oc = _prepared(out, cdt, d)  # (T, Hq, D)
-    lse, runs = lse.to(cdt), _runs(seqs, causal)
+    lse, runs = lse.to(cdt), _runs(seqs, causal, window)
     hq, mqa = q.shape[1], k.shape[1] == 1 < q.shape[1]  # one K/V head: broadcast it (see MQA above)
 
     def grads(run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (B, Hq, n, D), (B, Hkv, n_k, D) x 2
@@ -266,7 +252,7 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
         if mqa:
             k_r, v_r = k_r.expand(-1, hq, -1, -1), v_r.expand(-1, hq, -1, -1)  # (B, Hq, n_k, D), stride 0: no copy
         inputs = (_queries(doc, run), _queries(qc, run), k_r, v_r, _queries(oc, run), _queries(lse, run))
-        dq_r, dk_r, dv_r = _BACKWARD(*inputs, 0.0, run.causal, scale=scale)
+        dq_r, dk_r, dv_r = _BACKWARD(*inputs, 0.0, run.causal, scale=scale, **_mask(seqs, run, cdt, q.device))
         if mqa:  # every query head's share of the one K/V head, summed in float32
             dk_r, dv_r = dk_r.sum(1, keepdim=True), dv_r.sum(1, keepdim=True)  # (B, 1, n_k, D)
         return dq_r, dk_r, dv_r
@@ -274,10 +260,12 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
     if _whole(runs, q.shape[0], k.shape[0]):  # one call: its gradients are the packed tensors, no copy
         dq, dk, dvp = map(_packed, grads(runs[0]))
         return _narrow(dq, d, grad_dtype or q.dtype), _narrow(dk, d, grad_dtype or k.dtype), _narrow(dvp, dv, grad_dtype or v.dtype)
-    dq, dk, dvp = (x.new_empty(x.shape) for x in (qc, kc, vc))  # (T, Hq, D), (T', Hkv, D) x 2, contiguous
-    for a, b in _unreached(seqs, causal, q.shape[0], "q"):  # rows and keys no call reaches: zero gradients
+    plain = is_plain(seqs, causal, window)  # every key in one part; a band's tiles share keys, added up from zero
+    dq = qc.new_empty(qc.shape)  # (T, Hq, D)
+    dk, dvp = ((x.new_empty if plain else x.new_zeros)(x.shape) for x in (kc, vc))  # (T', Hkv, D) x 2, contiguous
+    for a, b in _unreached(seqs, causal, q.shape[0], "q", window):  # rows and keys no call reaches: zero gradients
         dq[a:b] = 0.0
-    for a, b in _unreached(seqs, causal, k.shape[0], "k"):
+    for a, b in _unreached(seqs, causal, k.shape[0], "k") if plain else ():
         dk[a:b], dvp[a:b] = 0.0, 0.0
     for run in runs:
         dq_r, dk_r, dv_r = grads(run)
@@ -285,6 +273,10 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
             _queries(dq, run).add_(dq_r)  # (B, Hq, n, D): the second part of these rows
         else:
             _queries(dq, run).copy_(dq_r)
-        _keys(dk, run).copy_(dk_r)  # (B, Hkv, n_k, D): every key belongs to one part
-        _keys(dvp, run).copy_(dv_r)
+        if plain:
+            _keys(dk, run).copy_(dk_r)  # (B, Hkv, n_k, D): every key belongs to one part
+            _keys(dvp, run).copy_(dv_r)
+        else:
+            _add_keys(dk, run, dk_r)
+            _add_keys(dvp, run, dv_r)
     return _narrow(dq, d, grad_dtype or q.dtype), _narrow(dk, d, grad_dtype or k.dtype), _narrow(dvp, dv, grad_dtype or v.dtype)

@@ -58,8 +58,8 @@ its cache afterwards; the kernel never reads a device tensor back to the host.
 **The fast path.** This explicit path is the reference. On a CPU, `TorchKernel()` runs the
 same contract through PyTorch's fused attention instead
 ([`cpref.kernels.torch_fused`][cpref.kernels.torch_fused]: bottom-right causal blocks split
-and merged by lse, one call per run of equal sequences), which the tests check against this
-path and the oracle; `TorchKernel(fast=False)` always takes the explicit path.
+and merged by lse, one call per run of equal sequences, windows as tiles of their band), which
+the tests check against this path and the oracle; `TorchKernel(fast=False)` always takes the explicit path.
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ class TorchKernel:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
         check_inputs(q, k, v, seqs)
         window = check_window(window, causal)
-        if self._fused(q, seqs, window):
-            return fused_forward(q, k, v, seqs, causal=causal, scale=scale, out_dtype=out_dtype)
+        if self._fused(q):
+            return fused_forward(q, k, v, seqs, causal=causal, scale=scale, window=window, out_dtype=out_dtype)
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
         blocks, size = self._blocks(q, seqs, causal, window)
         # 1) head-major operands in the compute dtype, one score buffer for every block
@@ -269,9 +269,10 @@ class TorchKernel:
         """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`."""
         check_inputs(q, k, v, seqs)
         window = check_window(window, causal)
-        if self._fused(q, seqs, window):
+        if self._fused(q):
             return fused_backward(
-                dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, full_rows=full_rows, grad_dtype=grad_dtype
+                dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, window=window, full_rows=full_rows,
+                grad_dtype=grad_dtype,
             )
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
         blocks, size = self._blocks(q, seqs, causal, window)
@@ -298,11 +299,10 @@ class TorchKernel:
         # 4) back to token-major, in the input dtypes (or grad_dtype)
         return dq, dk.transpose(0, 1).to(grad_dtype or k.dtype), dv.transpose(0, 1).to(grad_dtype or v.dtype)  # (T', Hkv, .)
 
-    def _fused(self, q: torch.Tensor, seqs: Varlen, window: tuple[int, int]) -> bool:
-        """Whether the call takes the fused CPU path: bottom-right sequences without a window (a windowed
-        or shifted call takes the explicit path, which masks exactly what the contract says)."""
-        plain = window == (-1, -1) and seqs.bottom_right
-        return self.fast and plain and fused_available(q.device, self.max_block_elements)
+    def _fused(self, q: torch.Tensor) -> bool:
+        """Whether the call takes the fused CPU path: with `fast`, on a CPU, within the budget; windows and
+        shifts included (the path tiles their bands, `cpref.kernels.torch_fused_plan`)."""
+        return self.fast and fused_available(q.device, self.max_block_elements)
 
     def _blocks(self, q: torch.Tensor, seqs: Varlen, causal: bool, window: tuple[int, int]) -> tuple[list[_Block], int]:
         """The blocks of every sequence and the largest buffer size.

@@ -20,7 +20,8 @@ left neighbour's block; with `window=(0, 0)`, $S = 1$ and nothing is sent at all
 only $R_{t+1}$, the rows some later rank's calls read, so each shift sends the rows still needed
 downstream ($R_1 \supseteq R_2 \supseteq \dots$). With the contiguous layout and a causal window of
 $w \le c$ keys before each query, $R_1$ is the last $w$ real rows of each document's chunk: a halo
-of $w$ rows per document instead of the whole block.
+of $w$ rows per document instead of the whole block. The figure at the bottom of this page draws,
+from a real run in both layouts, which keys each shift carries.
 
 **Backward.** K/V take the same way again. The own block's dK/dV share (step 0) stays home; a
 travelling float32 accumulator covers $R_1$, each later step adds its share at its rows, and
