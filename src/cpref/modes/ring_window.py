@@ -25,9 +25,11 @@ from a real run in both layouts, which keys each shift carries.
 
 **Backward.** K/V take the same way again. The own block's dK/dV share (step 0) stays home; a
 travelling float32 accumulator covers $R_1$, each later step adds its share at its rows, and
-after step $S - 1$ one shift of $-(S - 1)$ brings it home, where it is added at $R_1$. Per rank,
-with $n_t = |R_t|$ rows of $H_{kv} (D + D_v)$ elements: forward $\sum_{t=1}^{S-1} n_t$ rows in $b$
-bytes, backward the same plus $(S - 1)\, n_1$ rows in $f$ bytes (`cpref.costs.relay_costs`).
+after step $S - 1$ one shift of $-(S - 1)$ brings it home, where it is added at $R_1$. A shift
+moves one shape on every rank, so step $t$'s carries $m_t = \max_s |R_t(s)|$ rows of
+$H_{kv} (D + D_v)$ elements (zeros past a block's own $R_t$). Per rank: forward
+$\sum_{t=1}^{S-1} m_t$ rows in $b$ bytes, backward the same plus $(S - 1)\, m_1$ rows in $f$ bytes
+(`cpref.costs.relay_costs`, asserted from the trace).
 """
 
 from __future__ import annotations
