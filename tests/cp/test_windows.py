@@ -316,3 +316,24 @@ def test_the_ring_computes_only_what_the_window_sees(mode, layout):
     if mode == "p2p":  # a2a+p2p's kernels see a2a_size ranks' queries for part of the heads
         for r in range(P):
             assert kernels[r].forward_work() == sharding.attention_work(r, exact=True, window=window)
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["default", "save_gathered_kv"])
+def test_all_gather_saves_for_backward_only_what_the_window_selects(save):
+    """With `save_gathered_kv` the backward keeps the selected K/V: under a window those are the window's rows
+    only (the plan's `sum(kv_len)`), and the saved bytes are the formula's with that count, rank by rank."""
+    from cpref.api import mode_costs
+    from cpref.modes.all_gather_plan import build_all_gather_plan
+    from sim.harness import saved_bytes
+
+    P, window = 4, (5, 0)
+    sharding = cpref.Sharding(cu_from_lengths([64, 32, 96]), cp_size=P)
+    q, k, v, _ = attention_inputs(sharding.total, (4, 2, 8, 8))
+    measured = saved_bytes(q, k, v, sharding, mode="all_gather", window=window, save_gathered_kv=save, check_ranks=False)
+    for r in range(P):
+        plan = build_all_gather_plan(sharding.bounds, P, r, "zigzag", True, torch.device("cpu"), window)
+        rows = plan.seqs.total_kv
+        assert rows <= sharding.local_tokens * (window[0] + 1)  # at most w + 1 keys for each query
+        want = mode_costs("all_gather", P=P, local_tokens=sharding.local_tokens, heads=(4, 2, 8, 8),
+                          dtype=torch.float64, selected_kv_rows=rows, save_gathered_kv=save)  # fmt: skip
+        assert measured[r] == want.saved_bytes, r
