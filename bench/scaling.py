@@ -21,21 +21,23 @@ into **compute** (time inside kernel calls), **comm wait** (time inside collecti
 ring-shift waits) and **other** (the rest: validation, plans, merging, copies), measured by
 the timing proxies of `bench.timed` around the communicator and the kernel.
 
-For the ring (`p2p`) it also prints every step of each rank: the kernel's compute time and
-the time then spent waiting for the next block (posting the shifts and waiting on them), and
-the **fraction of communication hidden** behind compute, $1 - \text{exposed} / (n \cdot t_s)$,
-where $t_s$ is the time of one blocking shift of the same block measured alone on the same
-processes, $n$ the number of shifts, and a step's exposed communication its wait up to what
-its shifts take alone (waiting longer is waiting for the other rank's compute: imbalance,
-which the per-step times show).
+For the ring (`p2p`) it also prints every kernel call of each rank (one per step without a
+window; under one a step can make two): its compute time and the time then spent waiting for
+the next block (posting the shifts and waiting on them), and the **fraction of communication
+hidden** behind compute, $1 - \text{exposed} / (n \cdot t_s)$, where $t_s$ is the time of one
+blocking shift of the ring's largest payload (the block, or under a window the largest halo)
+measured alone on the same processes, $n$ the number of shifts, and a call's exposed
+communication its wait up to what its shifts take alone (waiting longer is waiting for the
+other rank's compute: imbalance, which the per-call times show).
 
 Each configuration first runs one untimed step on a small document (groups, connections, first
 calls), then `--repeats` timed steps; the fastest is kept. The load average is printed with
 the results: on a shared machine the figures move with it.
 
-Run it with `python -m bench.scaling` (or `make bench`); `--tokens 4096` for a quick run;
-`--window 1024` for every mode under a causal sliding window (the ring then runs only the steps
-the window reaches and sends only its halo, see the ring's window page).
+Both batches run twice: full causal, and under a causal sliding window `window=(1024, 0)` (the
+ring then sends each rank only the halo its window reads, see the ring's window page, and the
+shift it is compared with is one of that size). Run it with `python -m bench.scaling` (or
+`make bench`); `--tokens 4096` for a quick run; `--window none 256 4096` for other windows.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import cpref
 from bench.timed import Clock, TimedComm, TimedKernel
 from cpref.backends import TorchComm
 from cpref.kernels import Varlen
+from cpref.modes.ring_window import build_window_ring_plan
 from sim.tools.launch import launch
 
 TARGET = 1.8
@@ -94,9 +97,9 @@ def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str
     return {"total": time.perf_counter() - start, "compute": clock.compute, "comm": clock.comm, "events": list(clock.events)}
 
 
-def shift_seconds(comm, tokens: int, heads: int, dim: int, repeats: int = 3) -> float:
-    """The fastest blocking ring shift of one K/V block `(T / 2, H, 2 D)` float32, alone."""
-    kv, times = torch.randn(tokens // comm.size, heads, 2 * dim), []
+def shift_seconds(comm, rows: int, heads: int, dim: int, repeats: int = 3) -> float:
+    """The fastest blocking ring shift of `rows` rows of K/V, `(rows, H, 2 D)` float32, alone."""
+    kv, times = torch.randn(rows, heads, 2 * dim), []
     for _ in range(repeats):
         comm.barrier()
         start = time.perf_counter()
@@ -105,15 +108,25 @@ def shift_seconds(comm, tokens: int, heads: int, dim: int, repeats: int = 3) -> 
     return min(times)
 
 
+def shifted_rows(sharding: cpref.Sharding, window: tuple[int, int]) -> int:
+    """The rows of the ring's largest shift: the whole block, or under a window the largest halo of the plan."""
+    if window == (-1, -1):
+        return sharding.local_tokens
+    plan = build_window_ring_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, True, window, torch.device("cpu"))
+    return max(plan.halo.sizes)
+
+
 def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1)) -> dict:
-    """Every mode and layout on this rank: `{(mode, layout): [one dict per timed step]}`, and the shift time."""
+    """Every mode and layout on this rank: `{(mode, layout): [one dict per timed step]}`, and per layout the time
+    of one of the ring's shifts alone (`("shift", layout)`)."""
     clock, raw = Clock(), TorchComm()
     comm, kernel = TimedComm(raw, clock), TimedKernel(cpref.TorchKernel(), clock)
     batch, small = _batch(sum(lengths), heads, dim), _batch(256, heads, dim, seed=1)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     shardings = {layout: (cpref.Sharding([0, 256], cp_size=comm.size, layout=layout),
                           cpref.Sharding(cu, cp_size=comm.size, layout=layout)) for layout in cpref.LAYOUTS}  # fmt: skip
-    results: dict = {"shift": shift_seconds(raw, sum(lengths), heads, dim)}
+    results: dict = {("shift", layout): shift_seconds(raw, shifted_rows(timed, window), heads, dim)
+                     for layout, (_, timed) in shardings.items()}  # fmt: skip
     for mode in sorted(cpref.MODES):
         for layout, (warm_up, timed) in shardings.items():
             _step(comm, kernel, clock, small, warm_up, mode, window)  # warm-up: groups, connections, first calls
@@ -144,8 +157,8 @@ def report(t1: float, per_rank: list[dict]) -> list[str]:
     """The table: per mode and layout, T(CP=2), the speedup, each rank's split; the ring's steps."""
     head = f"{'mode':<11} {'layout':<11} {'T(CP=2)':>8} {'speedup':>8} {'target':>7}   rank  {'total':>7} {'compute':>8} {'comm wait':>10} {'other':>7}"
     lines, ring = [head, "-" * len(head)], []
-    t_shift = max(rank["shift"] for rank in per_rank)
-    for key in (k for k in per_rank[0] if k != "shift"):
+    t_shift = {layout: max(rank[("shift", layout)] for rank in per_rank) for layout in cpref.LAYOUTS}
+    for key in (k for k in per_rank[0] if k[0] != "shift"):
         steps = list(zip(*(rank[key] for rank in per_rank)))  # per timed step: one dict per rank
         best = min(steps, key=lambda step: max(r["total"] for r in step))  # the fastest step
         t2 = max(r["total"] for r in best)
@@ -156,8 +169,9 @@ def report(t1: float, per_rank: list[dict]) -> list[str]:
             other = r["total"] - r["compute"] - r["comm"]
             lines.append(f"{lead}   {rank:>4}  {r['total']:>6.2f}s {r['compute']:>7.2f}s {r['comm']:>9.2f}s {other:>6.2f}s")
             if mode == "p2p":
-                ring.append(_ring_line(layout, rank, ring_steps(r["events"]), t_shift))
-    title = f"\nring (p2p) per step: kernel compute / then waiting for the next block (one shift alone: {t_shift * 1e3:.1f} ms)"
+                ring.append(_ring_line(layout, rank, ring_steps(r["events"]), t_shift[layout]))
+    alone = ", ".join(f"{layout} {t * 1e3:.1f} ms" for layout, t in t_shift.items())
+    title = f"\nring (p2p) per kernel call: compute / then waiting for the next block (its largest shift alone: {alone})"
     return [*lines, title, *ring]
 
 
@@ -176,17 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (fastest kept)")
-    parser.add_argument("--window", type=int, default=None, metavar="W",
-                        help="a causal sliding window of W + 1 keys, window=(W, 0), in CP = 1 and every mode")
+    parser.add_argument("--window", nargs="+", default=["none", "1024"], metavar="W",
+                        help="causal sliding windows of W + 1 keys, window=(W, 0), in CP = 1 and every mode, one table "
+                             "each ('none': full causal)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.window is not None and args.window < 0:
-        parser.error(f"--window {args.window}: the keys before each query it sees, an int >= 0")
-    window = (-1, -1) if args.window is None else (args.window, 0)
+    windows = [_window(parser, w) for w in args.window]
     if args.tokens % 4:
         parser.error(f"--tokens {args.tokens}: zigzag over 2 ranks needs a multiple of 4")
-    for name, lengths in batches(args.tokens).items():
+    for window, (name, lengths) in ((w, batch) for w in windows for batch in batches(args.tokens).items()):
         shape = (lengths, args.heads, args.head_dim, args.repeats, window)
-        masked = "causal" if args.window is None else f"causal, window=({args.window}, 0)"
+        masked = "causal" if window == (-1, -1) else f"causal, window={window}"
         print(f"## Strong scaling: {name} {masked} ({lengths}), {args.heads} heads, head dim {args.head_dim}, float32, "
               f"forward + backward, 1 thread per process (load average {os.getloadavg()[0]:.2f} "
               f"on {os.cpu_count()} cores)\n")  # fmt: skip
@@ -202,6 +215,15 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(report(t1, per_rank)))
         print(f"\nspeedup = T(CP=1) / T(CP=2); target >= {TARGET} for zigzag (printed, not asserted); "
               f"load average now {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+
+
+def _window(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """`none` -> no window; `W` (an int >= 0) -> `(W, 0)`."""
+    if text == "none":
+        return (-1, -1)
+    if not text.isdigit():
+        parser.error(f"--window {text}: the keys before each query it sees, an int >= 0, or 'none'")
+    return (int(text), 0)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def window_balance() -> str:
         rows.append(f"| {'none' if w is None else w} | " + " | ".join(cells) + " |")
     rows += ["", "Once the window is much smaller than a chunk (here 512 to 2048 tokens), every rank does about "
              "`(w + 1) T / P` and contiguous is balanced on its own; zigzag still helps while the window is "
-             "comparable to the chunks, and costs the ring its halo (see the ring's window page)."]  # fmt: skip
+             "comparable to the chunks, and costs the ring a second halo, from the rank after (see the ring's window page)."]  # fmt: skip
     return "\n".join(rows)
 
 
@@ -202,12 +202,13 @@ def window_traffic() -> str:
             cells = [_mib(full.forward_bytes + full.backward_bytes)]
             for w in (4095, 1023, 255):
                 plan = build_window_ring_plan(sharding.bounds, P, 0, layout, True, (w, 0), torch.device("cpu"))
-                c = mode_costs("p2p", P=P, local_tokens=T // P, heads=heads, dtype=torch.bfloat16, relay_sizes=plan.relay.sizes)
+                c = mode_costs("p2p", P=P, local_tokens=T // P, heads=heads, dtype=torch.bfloat16, halo_sizes=plan.halo.sizes)
                 cells.append(_mib(c.forward_bytes + c.backward_bytes))
             rows.append(f"| {P} | {layout} | " + " | ".join(cells) + " |")
-    rows += ["", "Contiguous: one step, a halo of `w` rows from the left neighbour, and its dK/dV back. Zigzag: a "
-             "rank's back chunk needs the halo of the rank after it, which the one-way ring brings only after "
-             "`P - 1` steps, through every rank between; with a window, contiguous is both balanced and cheapest."]  # fmt: skip
+    rows += ["", "Contiguous: one shift, a halo of `w` rows from the left neighbour, and its dK/dV back. Zigzag: two, "
+             "the front chunk's halo from the rank before and the back chunk's from the rank after (`P - 1` ranks "
+             "back), so twice the bytes; with a window much smaller than a chunk, contiguous is both balanced and "
+             "cheapest."]  # fmt: skip
     return "\n".join(rows)
 
 

@@ -23,8 +23,8 @@ $p = P / a$ the ring of the hierarchical mode.
 | `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward (dK/dV as for `a2a`) $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a`, $+\,T_l H_q D_v (f - b)$ for $p > 1$ |
 
 Under a sliding window the ring levels of `p2p` and `a2a+p2p` move only what the window reaches
-([`relay_costs`][cpref.costs.relay_costs]: $S - 1$ shifts of the rows still needed downstream,
-forward and backward, and $S - 1$ of the float32 accumulator over the first step's rows), and
+([`halo_costs`][cpref.costs.halo_costs]: for each distance $d$ the window reaches, one shift
+of the rows the rank $d$ ahead reads, forward and backward, and one of their float32 dK/dV back), and
 `all_gather` and `a2a` move what they move without one (`all_gather` selects, computes and
 saves only the visible rows; `a2a` runs its one call windowed).
 
@@ -69,7 +69,7 @@ from cpref.errors import CPInputError
 from cpref.kernels.contract import compute_dtype
 from cpref.modes.shared import head_split
 
-__all__ = ["ModeCosts", "element_bytes", "relay_costs", "shard_bytes", "kept_output_bytes", "ring_costs",
+__all__ = ["ModeCosts", "element_bytes", "halo_costs", "shard_bytes", "kept_output_bytes", "ring_costs",
            "exchange_costs", "combine"]
 
 
@@ -117,15 +117,15 @@ def ring_costs(p: int, t: int, hkv: int, heads: tuple[int, int, int, int], dtype
     return ModeCosts(fwd, bwd, +Counter(send_recv=p - 1), +Counter(send_recv=2 * p - 1 if p > 1 else 0))
 
 
-def relay_costs(sizes: tuple[int, ...], heads: tuple[int, int, int, int], hkv: int, dtype: torch.dtype) -> ModeCosts:
-    """The windowed ring (`cpref.modes.ring_window`): `sizes[t]` rows of `hkv` key/value heads arrive at step `t >= 1`
-    (saved bytes: none). Forward: those shifts; backward: them again, and `S - 1` shifts of the float32
-    accumulator over `sizes[1]` rows (the last one home)."""
+def halo_costs(sizes: tuple[int, ...], heads: tuple[int, int, int, int], hkv: int, dtype: torch.dtype) -> ModeCosts:
+    """The windowed ring (`cpref.modes.ring_window`): at each step `t >= 1` one shift brings `sizes[t]` rows of `hkv`
+    key/value heads (saved bytes: none). Forward: those shifts; backward: them again, and each step's float32
+    dK/dV share of the same rows back to its owner."""
     b, f = element_bytes(dtype)
-    row, S = hkv * (heads[2] + heads[3]), len(sizes)
+    row, n = hkv * (heads[2] + heads[3]), len(sizes) - 1  # n: the distances the window reaches
     fwd = sum(sizes[1:]) * row * b
-    bwd = fwd + (S - 1) * sizes[1] * row * f if S > 1 else 0
-    return ModeCosts(fwd, bwd, +Counter(send_recv=S - 1), +Counter(send_recv=2 * (S - 1)))
+    bwd = fwd + sum(sizes[1:]) * row * f
+    return ModeCosts(fwd, bwd, +Counter(send_recv=n), +Counter(send_recv=2 * n))
 
 
 def exchange_costs(a: int, t: int, heads: tuple[int, int, int, int], dtype: torch.dtype) -> ModeCosts:

@@ -253,11 +253,11 @@ def ring_of(sharding, mode):
 @pytest.mark.parametrize("mode", RING_MODES)
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("window, causal", [((3, 0), True), ((12, 0), True), ((40, 0), True), ((5, 5), False), ((0, 0), False)])
-def test_the_ring_moves_what_the_relay_formula_says(mode, layout, window, causal):
-    """Per rank, forward and backward: the bytes and collectives of the trace are `relay_costs` of the plan's
-    sizes exactly, and the ring runs only the steps the window reaches."""
+def test_the_ring_moves_what_the_halo_formula_says(mode, layout, window, causal):
+    """Per rank, forward and backward: the bytes and collectives of the trace are `halo_costs` of the plan's
+    sizes exactly, and the ring runs only the distances the window reaches."""
     from cpref.api import mode_costs
-    from cpref.modes.ring_window import build_window_ring_plan, window_ring_length
+    from cpref.modes.ring_window import build_window_ring_plan, window_distances
     from sim.harness import trace_split
 
     P = 4
@@ -266,15 +266,15 @@ def test_the_ring_moves_what_the_relay_formula_says(mode, layout, window, causal
     _, cluster = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, window=window, check_ranks=False,
                         between=lambda comm: comm.barrier(), **cpref.MODES[mode].example_options(P))  # fmt: skip
     ring = ring_of(sharding, mode)
-    S = window_ring_length(ring.bounds, ring.cp_size, layout, causal, window)
-    sizes = build_window_ring_plan(ring.bounds, ring.cp_size, 0, layout, causal, window, torch.device("cpu")).relay.sizes
+    distances = window_distances(ring.bounds, ring.cp_size, layout, causal, window)
+    sizes = build_window_ring_plan(ring.bounds, ring.cp_size, 0, layout, causal, window, torch.device("cpu")).halo.sizes
     want = mode_costs(mode, P=P, local_tokens=sharding.local_tokens, heads=(4, 2, 8, 8), dtype=torch.bfloat16,
-                      relay_sizes=sizes, **cpref.MODES[mode].example_options(P))  # fmt: skip
+                      halo_sizes=sizes, **cpref.MODES[mode].example_options(P))  # fmt: skip
     for r in range(P):
         (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
         assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), f"rank {r}"
         assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), f"rank {r}"
-    assert len(sizes) == S  # the steps the window reaches (zigzag spreads neighbours: it needs them all)
+    assert len(sizes) == 1 + len(distances)  # the own block, then one shift per distance the window reaches
 
 
 def test_a_causal_window_within_a_chunk_sends_one_halo_per_document():
@@ -296,6 +296,48 @@ def test_a_causal_window_within_a_chunk_sends_one_halo_per_document():
         assert bwd == len(docs) * w * row * 2  # the halo again, and its float64 dK/dV home
     # against the ring without a window: P - 1 whole blocks of T_l rows, (3 x 48) / (3 x 5) = 9.6 times as much
     assert full.forward_bytes == (P - 1) * sharding.local_tokens * row and full.forward_bytes > 9 * fwd
+
+
+def test_zigzag_under_a_window_within_a_chunk_exchanges_halos_with_both_neighbours():
+    """Zigzag, a causal window of w <= c keys back: the front chunk reads the rank before, the back chunk the
+    rank after, so exactly two shifts (distances 1 and P - 1) of w rows per document each, not a relay round
+    the ring through every rank between."""
+    from sim.harness import trace_split
+
+    P, w, docs = 4, 3, [64, 32, 96]  # zigzag chunks of 8, 4, 12 rows: w fits in each
+    sharding = cpref.Sharding(cu_from_lengths(docs), cp_size=P, layout="zigzag")
+    q, k, v, dout = attention_inputs(sharding.total, (4, 2, 8, 8))
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="p2p", window=(w, 0), check_ranks=False,
+                        between=lambda comm: comm.barrier())  # fmt: skip
+    row = 2 * (8 + 8) * 8  # Hkv (D + Dv) float64 bytes
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert fwd_ops == {"send_recv": 2} and fwd == 2 * len(docs) * w * row, r
+        assert bwd_ops == {"send_recv": 4} and bwd == 2 * fwd, r  # the halos again, and their dK/dV home
+    fwd_shifts = [ev.param for ev in cluster.trace if ev.op == "send_recv"][:2]
+    assert fwd_shifts == ["shift=1", f"shift={P - 1}"]  # straight to the neighbour on each side
+
+
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("window, causal", [((3, 0), True), ((12, 0), True), ((40, 0), True), ((5, 5), False),
+                                            ((2, 30), False), ((-1, 4), False)])  # fmt: skip
+def test_every_row_a_rank_receives_is_read_by_it(layout, window, causal):
+    """The direct schedule's claim, from the plans of all ranks: at each distance the rows a rank sends are
+    exactly the rows its receiver's calls read (no row travels to a rank that does not read it, none is
+    missing), and the shift's size is the largest such set."""
+    from cpref.modes.ring_window import build_window_ring_plan
+
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([64, 40, 96]), cp_size=P, layout=layout)
+    plans = [build_window_ring_plan(sharding.bounds, P, r, layout, causal, window, torch.device("cpu")) for r in range(P)]
+    assert len({p.halo.shifts for p in plans}) == 1 and len({p.halo.sizes for p in plans}) == 1  # ranks agree
+    for r, plan in enumerate(plans):
+        for t, d in enumerate(plan.halo.shifts[1:], start=1):
+            receiver = plans[(r + d) % P]
+            read = torch.unique(torch.cat([c.kv_index for c in receiver.steps[t].calls] + [torch.zeros(0, dtype=torch.int64)]))
+            assert receiver.steps[t].source == r
+            assert read.tolist() == list(range(len(plan.halo.send[t]))), (r, d)  # all it sends, nothing more
+        assert plan.halo.sizes[1:] == tuple(max(len(p.halo.send[t]) for p in plans) for t in range(1, len(plan.halo.shifts)))
 
 
 @pytest.mark.parametrize("mode", RING_MODES)

@@ -218,7 +218,7 @@ def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"])
 
 
-def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, relay_sizes, save_gathered_kv) -> ModeCosts:
+def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, save_gathered_kv) -> ModeCosts:
     """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.costs`)."""
     hq, hkv, d, dv = heads
     t, (b, f) = local_tokens, element_bytes(dtype)

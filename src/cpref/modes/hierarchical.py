@@ -56,7 +56,7 @@ from cpref.call import CPCall
 from cpref.checks import as_int
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
-from cpref.costs import ModeCosts, combine, exchange_costs, kept_output_bytes, relay_costs, ring_costs
+from cpref.costs import ModeCosts, combine, exchange_costs, kept_output_bytes, halo_costs, ring_costs
 from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_dtype
 from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
@@ -152,16 +152,16 @@ def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)
 
 
-def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, relay_sizes, a2a_size) -> ModeCosts:
+def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, a2a_size) -> ModeCosts:
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over `a`, a ring of `P / a`."""
     a, t = a2a_size, local_tokens
     if a is None or P % a:
         raise CPInputError(f"mode 'a2a+p2p' has costs for an a2a_size dividing P = {P}, got {a}")
     exchange = exchange_costs(a, t, heads, dtype)
     h = heads[1] * head_split(heads[0], heads[1], a)  # key/value heads after the exchange's replication
-    if relay_sizes is not None:  # a window: the relay over the ring of P / a groups, rows of h / a heads
-        relay = relay_costs(relay_sizes, heads, h // a, dtype)
-        return combine(exchange, relay, saved=exchange.saved_bytes + kept_output_bytes(2, t, heads, dtype))
+    if halo_sizes is not None:  # a window: the halo shifts over the ring of P / a groups, rows of h / a heads
+        halo = halo_costs(halo_sizes, heads, h // a, dtype)
+        return combine(exchange, halo, saved=exchange.saved_bytes + kept_output_bytes(2, t, heads, dtype))
     ring = ring_costs(P // a, t, h, heads, dtype)
     return combine(exchange, ring, saved=exchange.saved_bytes + kept_output_bytes(P // a, t, heads, dtype))
 

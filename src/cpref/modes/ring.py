@@ -13,9 +13,9 @@ Between steps every rank sends its block to rank $r + 1$ and receives the block 
 $r - 1$ (`send_recv`, shift 1). No rank ever holds more than two blocks: memory stays at
 $\frac{T}{P}$ rows whatever `P` is, the point of ring attention (Liu et al. 2023).
 
-Under a sliding window the ring runs only the steps the window reaches and moves only the rows
-it sees: [the ring under a sliding window][cpref.modes.ring_window], the same Function on another
-plan.
+Under a sliding window each rank receives, directly from the ranks whose keys its window
+reaches, only the rows it reads: [the ring under a sliding window][cpref.modes.ring_window], the
+same Function on another plan.
 
 ## Overlap
 
@@ -104,10 +104,10 @@ import torch
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
-from cpref.costs import ModeCosts, kept_output_bytes, relay_costs, ring_costs, shard_bytes
+from cpref.costs import ModeCosts, kept_output_bytes, halo_costs, ring_costs, shard_bytes
 from cpref.kernels.merge import merge_partial
 from cpref.modes.ring_plan import RingCall, RingPlan, build_ring_plan
-from cpref.modes.ring_window import build_window_ring_plan, relay_backward, relay_forward
+from cpref.modes.ring_window import build_window_ring_plan, halo_backward, halo_forward
 from cpref.modes.shared import no_double_backward
 from cpref.modes.spec import ModeSpec
 
@@ -125,8 +125,8 @@ def _block(kv: torch.Tensor, call: RingCall, d: int) -> tuple[torch.Tensor, torc
 def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float, out_dtype=None):
     """Forward of ring attention. Returns `(out (T_l, Hq, Dv), lse (T_l, Hq))`, out in `out_dtype`
     (default: the input dtype; the compute dtype gives the unrounded merged output)."""
-    if plan.relay is not None:  # a sliding window: only the steps and rows it reaches (cpref.modes.ring_window)
-        return relay_forward(q, k, v, plan, comm, kernel, scale=scale, out_dtype=out_dtype)
+    if plan.halo is not None:  # a sliding window: only the ranks and rows it reaches (cpref.modes.ring_window)
+        return halo_forward(q, k, v, plan, comm, kernel, scale=scale, out_dtype=out_dtype)
     acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
     if plan.whole_rows:  # a ring of one: one kernel call on the own block sees every key
         call = plan.steps[0].calls[0]
@@ -161,8 +161,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
                   kv_grad_dtype=None):  # fmt: skip
     """Backward of ring attention. Returns `(dq, dk, dv)` for the local shards, dK/dV in `kv_grad_dtype`
     (default: the input dtypes; the compute dtype gives them unrounded, for a caller that sums them)."""
-    if plan.relay is not None:  # a sliding window (cpref.modes.ring_window)
-        return relay_backward(dout, q, k, v, out, lse, plan, comm, kernel, scale=scale, kv_grad_dtype=kv_grad_dtype)
+    if plan.halo is not None:  # a sliding window (cpref.modes.ring_window)
+        return halo_backward(dout, q, k, v, out, lse, plan, comm, kernel, scale=scale, kv_grad_dtype=kv_grad_dtype)
     acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
     if plan.whole_rows:  # a ring of one: one kernel call, whose rows are whole
         call = plan.steps[0].calls[0]
@@ -258,11 +258,11 @@ def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale)
 
 
-def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, relay_sizes) -> ModeCosts:
-    """Per-rank traffic, collectives and saved bytes of one layer: a ring of P (or, under a window, the relay
-    of `relay_sizes` rows), the output kept unrounded."""
-    if relay_sizes is not None:
-        ring = relay_costs(relay_sizes, heads, heads[1], dtype)
+def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes) -> ModeCosts:
+    """Per-rank traffic, collectives and saved bytes of one layer: a ring of P (or, under a window, the shifts
+    of `halo_sizes` rows), the output kept unrounded."""
+    if halo_sizes is not None:
+        ring = halo_costs(halo_sizes, heads, heads[1], dtype)
         saved = shard_bytes(local_tokens, heads, dtype) + kept_output_bytes(2, local_tokens, heads, dtype)
         return ModeCosts(ring.forward_bytes, ring.backward_bytes, ring.forward_ops, ring.backward_ops, saved)
     ring = ring_costs(P, local_tokens, heads[1], heads, dtype)

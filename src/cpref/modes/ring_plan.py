@@ -52,7 +52,7 @@ from cpref.kernels.contract import NO_WINDOW, Varlen
 from cpref.layout import chunk_ids
 from cpref.seqlens import Boundaries
 
-__all__ = ["RingCall", "RingStep", "RingPlan", "Relay", "build_ring_plan"]
+__all__ = ["RingCall", "RingStep", "RingPlan", "Halo", "build_ring_plan"]
 
 
 @dataclass(frozen=True)
@@ -97,23 +97,21 @@ class RingStep:
 
 
 @dataclass(frozen=True)
-class Relay:
-    """How a block travels when only some of its rows are needed further on (a sliding window,
-    `cpref.modes.ring_window`): at step `t` the rank holds the rows `R_t` of the block of rank `r - t`.
+class Halo:
+    """Which rows of a block travel, and to whom, when only some are read (a sliding window,
+    `cpref.modes.ring_window`): step `t` holds the rows `R_d` of the block of rank `r - d`, `d = shifts[t]`.
 
     Attributes:
-        send: per step `t < S - 1`, the positions (in the block held at `t`) of the rows to pass on, `R_{t+1}`.
-        sizes: per step `t >= 1`, the rows every rank's shift carries, the largest `|R_t|` of any block (a
-            shift moves the same shape on every rank); the rows past a block's own `R_t` are zeros.
-        acc_index: per step `t >= 1`, the positions of `R_t` among `R_1`, the rows the travelling dK/dV
-            accumulator covers (None at `t = 0`: the own block's accumulator stays home).
-        home_rows: the rows of the own block that travel, `R_1`: where the accumulator adds on its return.
+        shifts: per step, its distance `d` (0: the own block, then the distances the window reaches, increasing).
+        send: per step `t >= 1`, the positions in the own block of the rows rank `r + d` reads, `R_d(r)`: what
+            the forward sends there, and where the share that comes back is added (None at `t = 0`).
+        sizes: per step, the rows every rank's shift carries, the largest `|R_d|` of any block (a shift moves
+            the same shape on every rank); the rows past a block's own `R_d` are zeros (0 at `t = 0`).
     """
 
-    send: tuple[torch.Tensor, ...]
+    shifts: tuple[int, ...]
+    send: tuple[torch.Tensor | None, ...]
     sizes: tuple[int, ...]
-    acc_index: tuple[torch.Tensor | None, ...]
-    home_rows: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -122,16 +120,16 @@ class RingPlan:
 
     Attributes:
         steps: step `t` holds the block of rank `(r - t) mod P`.
-        relay: None: every step holds the whole block (the classic ring); else which rows travel.
+        halo: None: every step holds the whole block (the classic ring); else which rows travel, to whom.
     """
 
     steps: tuple[RingStep, ...]
-    relay: Relay | None = None
+    halo: Halo | None = None
 
     @property
     def whole_rows(self) -> bool:
         """Whether one kernel call sees every key of every row (the classic ring of one: no merge, no send)."""
-        return self.relay is None and len(self.steps) == 1 and len(self.steps[0].calls) == 1
+        return self.halo is None and len(self.steps) == 1 and len(self.steps[0].calls) == 1
 
 
 def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: list[int], causal: bool):

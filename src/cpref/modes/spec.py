@@ -68,9 +68,9 @@ class ModeSpec:
         run: `run(q, k, v, call, comm) -> out` for a validated `CPCall`.
         plan: `plan(call) -> plan`: this rank's cached plan for the call (what `run` uses).
         collectives: the collectives it calls (checked against the backend's limits).
-        costs: `costs(P=, local_tokens=, heads=, dtype=, selected_kv_rows=, relay_sizes=, **options)
+        costs: `costs(P=, local_tokens=, heads=, dtype=, selected_kv_rows=, halo_sizes=, **options)
             -> ModeCosts`: the per-rank traffic, collectives and saved bytes of one layer
-            (`cpref.costs`); `relay_sizes`: a windowed ring's rows per step (its plan's `relay.sizes`).
+            (`cpref.costs`); `halo_sizes`: a windowed ring's rows per step (its plan's `halo.sizes`).
         options: its keyword options.
         check: its own validation of a `CPCall` (e.g. head counts), before any communication.
         windows: whether it takes a sliding window (`cpref.attention(..., window=)`); one that
@@ -104,7 +104,7 @@ class ModeSpec:
         return {o.name: o.parse(given[o.name]) if given.get(o.name) is not None else o.default for o in self.options}
 
     def mode_costs(self, *, P: int, local_tokens: int, heads: tuple[int, int, int, int], dtype: torch.dtype,
-                   selected_kv_rows: int | None = None, relay_sizes: tuple[int, ...] | None = None,
+                   selected_kv_rows: int | None = None, halo_sizes: tuple[int, ...] | None = None,
                    **options: Any) -> ModeCosts:  # fmt: skip
         """Its per-rank costs of one layer, with `options` parsed as `cpref.attention` parses them
         (an option given as None is absent, as there)."""
@@ -112,4 +112,4 @@ class ModeSpec:
         if unknown:
             raise CPInputError(f"mode {self.name!r} has no option {unknown[0]!r}; its options: {[o.name for o in self.options]}")
         return self.costs(P=P, local_tokens=local_tokens, heads=heads, dtype=dtype, selected_kv_rows=selected_kv_rows,
-                          relay_sizes=relay_sizes, **self.parse_options(options))  # fmt: skip
+                          halo_sizes=halo_sizes, **self.parse_options(options))  # fmt: skip
