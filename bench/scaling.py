@@ -6,7 +6,7 @@ dim 64, float32, forward + backward, one thread per process:
 * **T(CP=1)**: one process runs `TorchKernel` forward + backward over the whole batch,
   which is what every mode reduces to at CP = 1;
 * **T(CP=2)**: two processes (`sim.tools.launch`, gloo) run `cpref.attention` forward + backward
-  for every mode of `cpref.MODES` and both layouts, each rank on its shard; a step lasts
+  for every mode of `cpref.MODES` and every layout, each rank on its shard; a step lasts
   as long as its slowest rank (the ranks start each step together, after a barrier).
 
 It prints the speedup T(CP=1) / T(CP=2) (target, printed and never asserted: at least 1.8

@@ -103,20 +103,23 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     owner = owner_of_tokens(cu, cp_size, layout)
     for t, r in enumerate(owner):
         ax.add_patch(Rectangle((t, 0), 1, 1, facecolor=rank_color(r), edgecolor=rank_color(r), linewidth=0.5))
-    # Chunk numbers: chunk j of document i, as rank r holds it (Sharding.local_chunks).
+    # Chunk numbers: chunk j of document i, as rank r holds it (Sharding.local_chunks); stream: the rank's pieces.
     for r in range(cp_size):
         for doc, start, end in sharding(cu, cp_size, layout).local_chunks(r):
             c = end - start
-            j = (start - cu[doc]) // c
+            label = str(r) if layout == "stream" else str((start - cu[doc]) // c)
             ax.add_patch(Rectangle((start, 0), c, 1, fill=False, edgecolor="0.25", linewidth=0.8))
-            ax.text((start + end) / 2, 0.5, str(j), ha="center", va="center", color="white", fontweight="bold")
+            ax.text((start + end) / 2, 0.5, label, ha="center", va="center", color="white", fontweight="bold")
     # Document boundaries and names.
     for i in range(len(cu) - 1):
         ax.axvline(cu[i], color="black", linewidth=2.5)
         ax.text((cu[i] + cu[i + 1]) / 2, 1.12, f"doc {i}: {cu[i + 1] - cu[i]}", ha="center", va="bottom")
     ax.axvline(cu[-1], color="black", linewidth=2.5)
-    mult = cpref.layout.layout_multiple(layout, cp_size)
-    ax.set_title(f"{layout}: every document in {mult} chunks (number: chunk j)", loc="left")
+    if layout == "stream":
+        ax.set_title(f"stream: the batch in {cp_size} equal pieces, cut at document boundaries (number: rank)", loc="left")
+    else:
+        mult = cpref.layout.layout_multiple(layout, cp_size)
+        ax.set_title(f"{layout}: every document in {mult} chunks (number: chunk j)", loc="left")
     ax.set_xlim(-0.5, cu[-1] + 0.5)
     ax.set_ylim(-0.1, 1.7)
     ax.set_yticks([])
@@ -126,8 +129,8 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
 
 
 def layouts() -> Figure:
-    """`figures/layouts.png`: which rank holds which chunk, contiguous vs zigzag."""
-    fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 3.9), constrained_layout=True)
+    """`figures/layouts.png`: which rank holds which chunk, in every layout."""
+    fig, axes = plt.subplots(len(cpref.LAYOUTS), 1, figsize=(WIDTH, 1.95 * len(cpref.LAYOUTS)), constrained_layout=True)
     for ax, layout in zip(axes, cpref.LAYOUTS):
         _draw_stream(ax, LAYOUT_CU, LAYOUT_P, layout)
     axes[-1].set_xlabel("global token index (doc i: its length in tokens)")
@@ -139,13 +142,13 @@ def layouts() -> Figure:
 def work() -> Figure:
     """`figures/work.png`: causal attention work per rank under both metrics, contiguous vs zigzag."""
     fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.6), sharey=True, constrained_layout=True)
-    width = 0.4
+    width = 0.8 / len(cpref.LAYOUTS)
     metrics = [("block metric: sum(q_len * kv_len)", False), ("exact count of visible scores", True)]
     for ax, (title, exact) in zip(axes, metrics):
-        for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//"))):
+        for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//", ".."), strict=True)):
             batch = sharding(LAYOUT_CU, LAYOUT_P, layout)
             w = [batch.attention_work(r, exact=exact) for r in range(LAYOUT_P)]
-            xs = [r + (k - 0.5) * width for r in range(LAYOUT_P)]
+            xs = [r + (k - (len(cpref.LAYOUTS) - 1) / 2) * width for r in range(LAYOUT_P)]
             bars = ax.bar(xs, w, width, color=[rank_color(r) for r in range(LAYOUT_P)], hatch=hatch,
                           edgecolor="0.2", label=f"{layout}: max/mean {max(w) / (sum(w) / len(w)):.2f}")
             ax.bar_label(bars, rotation=90, padding=2)
@@ -154,7 +157,7 @@ def work() -> Figure:
         ax.legend(frameon=False, loc="upper left")
         ax.spines[["top", "right"]].set_visible(False)
     axes[0].set_ylabel("scores per head")
-    axes[0].set_ylim(0, 1.45 * axes[0].get_ylim()[1])  # room for the legend above the bars
+    axes[0].set_ylim(0, 1.6 * axes[0].get_ylim()[1])  # room for the legend above the bars
     fig.suptitle(f"causal attention work per rank, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}")
     return fig
 
@@ -203,10 +206,12 @@ def _mask_panel(ax, cu: list[int], cp_size: int, layout: str) -> None:
 def attention_mask() -> Figure:
     """`figures/attention_mask.png`: who computes which score, contiguous vs zigzag vs striped."""
     layouts_drawn = [*cpref.LAYOUTS, "striped"]
-    fig, axes = plt.subplots(1, len(layouts_drawn), figsize=(WIDTH, 4.4), constrained_layout=True)
-    for ax, layout in zip(axes, layouts_drawn):
+    rows = -(-len(layouts_drawn) // 2)  # two panels a row: each with its work table below
+    fig, axes = plt.subplots(rows, 2, figsize=(WIDTH, 5.0 * rows), constrained_layout=True, squeeze=False)
+    for ax, layout in zip(axes.flat, layouts_drawn):
         _mask_panel(ax, LAYOUT_CU, LAYOUT_P, layout)
-    axes[0].set_ylabel("query token")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("query token")
     _rank_legend(fig, LAYOUT_P)
     fig.suptitle(f"causal mask with EOD reset, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}:\n"
                  "each score in the colour of the rank that computes it; work in scores per head")

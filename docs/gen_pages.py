@@ -72,8 +72,10 @@ GUIDE = [
 # caption without backticks.
 PAGE_FIGURES = {
     "layout.md": [
-        ("figures/layouts.png", "Which rank holds which chunk of each document, contiguous vs zigzag."),
-        ("figures/work.png", "Causal attention work per rank under both metrics: zigzag makes every rank's work equal."),
+        ("figures/layouts.png", "Which rank holds which chunk of each document (contiguous, zigzag), or which "
+         "piece of the stream (stream: documents straddle ranks, none is padded)."),
+        ("figures/work.png", "Causal attention work per rank under both metrics: zigzag makes every rank's work "
+         "equal; stream is unbalanced like contiguous, over the whole batch at once."),
         ("figures/attention_mask.png",
          "The causal mask of a packed batch, each visible score coloured by the rank that computes it "
          "(the rank holding its query); black lines are document boundaries. Below each panel, every "

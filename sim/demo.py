@@ -1,9 +1,9 @@
 """`make demo`: shard a packed batch over a CP group and run every CP mode on the simulated cluster.
 
-Part 1 shards three documents over a CP group of 4 in both layouts (one `cpref.Sharding`
+Part 1 shards three documents over a CP group of 4 in every layout (one `cpref.Sharding`
 each) and prints, per rank, the tokens held and the causal attention work, as exact score
 counts and as the block metric `sum(q_len * kv_len)`, with the imbalance (max / mean) of each.
-Part 2 runs every CP mode in both layouts on the simulated cluster in FP64, forward and
+Part 2 runs every CP mode in every layout on the simulated cluster in FP64, forward and
 backward, and prints one row per mode and layout: the largest error of out, dQ, dK, dV on
 any rank against the dense FP64 oracle, the imbalance of the kernel work actually done, the
 bytes each rank sent (from the cluster's trace), the bytes each rank saved for backward

@@ -66,3 +66,22 @@ def only_the_comparison(trace) -> bool:
     row = (torch.int64, (1, len(FIELDS)))
     events = [(e.op, e.dtype, e.shape) for e in trace]
     return events in ([], [("all_gather", *row)], [("all_reduce", *row)] * 2)
+
+
+def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1)):
+    """`mode_costs` of one call as the mode runs it: under a window, or with a layout whose ring sends only what
+    is read (stream), the ring level's shift sizes come from its plan (over P, or the P / a groups of a2a+p2p)."""
+    import cpref
+    from cpref.api import mode_costs
+    from cpref.modes.ring_window import build_window_ring_plan
+    from cpref.seqlens import CHUNKED_LAYOUTS
+
+    options = cpref.MODES[mode].example_options(sharding.cp_size)
+    sizes = None
+    if mode in ("p2p", "a2a+p2p") and (tuple(window) != (-1, -1) or sharding.layout not in CHUNKED_LAYOUTS):
+        p = sharding.cp_size // options.get("a2a_size", 1)
+        if p > 1:
+            layout = sharding.layout
+            sizes = build_window_ring_plan(sharding.bounds, p, 0, layout, causal, tuple(window), torch.device("cpu")).halo.sizes
+    return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
+                      halo_sizes=sizes, **options)  # fmt: skip

@@ -3,8 +3,8 @@
 import torch
 
 import cpref
-from cpref.api import mode_costs
 from sim import demo
+from tests.helpers import expected_costs
 
 
 def test_demo_runs_and_reports(capsys):
@@ -16,13 +16,12 @@ def test_demo_runs_and_reports(capsys):
     assert "exact scores = 1.000, block metric = 1.000" in out
     rows = {tuple(line.split()[:2]): line.split() for line in out.splitlines() if line.strip().split()[:1] and line.split()[0] in cpref.MODES}
     assert set(rows) == {(m, lay) for m in cpref.MODES for lay in cpref.LAYOUTS}
-    t_l = sum(demo.LENGTHS) // P
     for (mode, layout), cols in rows.items():
         assert float(cols[2]) <= 1e-10  # max |err| against the oracle
         if layout == "zigzag":
             assert cols[3] == "1.000"  # every rank does the same kernel work
-        costs = mode_costs(mode, P=P, local_tokens=t_l, heads=(demo.HQ, demo.HKV, demo.D, demo.D), dtype=torch.float64,
-                           **cpref.MODES[mode].example_options(P))  # fmt: skip
+        sharding = cpref.Sharding(demo._cu(demo.LENGTHS), cp_size=P, layout=layout)
+        costs = expected_costs(mode, sharding, (demo.HQ, demo.HKV, demo.D, demo.D), torch.float64)
         assert int(cols[4]) == costs.forward_bytes + costs.backward_bytes  # bytes sent per rank
         assert int(cols[5]) == costs.saved_bytes
     assert "within 1e-10" in out

@@ -57,7 +57,7 @@ class CPCall:
 
     @property
     def layout(self) -> str:
-        """`"zigzag"` or `"contiguous"`."""
+        """`"zigzag"`, `"contiguous"` or `"stream"`."""
         return self.sharding.layout
 
     @property

@@ -25,6 +25,22 @@ order above.
 
 --8<-- "src/cpref/layout.py:chunks"
 
+* **stream**: the packed batch as one stream of $T$ tokens, cut into `P` equal contiguous pieces
+  of $T / P$: rank `r` holds tokens $[rT/P, (r+1)T/P)$, and documents may straddle ranks. No
+  document needs padding; only the batch must be a multiple of `P` (padded at its end, the last
+  document's padding). This is how DeepSpeed-Ulysses, ring-flash-attention's "llama3"
+  all-gather and picotron shard a packed batch, and it makes their implementations verifiable
+  here (`sim verify --impl ... --layout stream`). Its causal work is as unbalanced as
+  contiguous's, for the whole batch at once: a rank's queries see every earlier key of their
+  documents, so the last rank of a long document does the most.
+
+Every layout is, per rank, a list of **pieces** `(doc, start, end)` in local order
+([`local_chunks`][cpref.layout.local_chunks]): two per document and rank for zigzag, one for
+contiguous, and for stream one for each document that overlaps the rank's range. The data
+path (shard, unshard, positions) and the modes' plans for stream are written on the pieces;
+the chunked layouts keep their direct chunk arithmetic (the MindSpeed RFC's indexing), which
+the tests check against the pieces.
+
 ## Why zigzag: causal work per rank
 
 Work is counted in **score entries per head**, two ways that agree on zigzag and differ on
@@ -132,7 +148,7 @@ def _bounds(cu_seqlens: CuSeqlens | Boundaries) -> Boundaries:
 
 
 def local_chunks(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int, layout: str) -> list[tuple[int, int, int]]:
-    """The global token ranges rank `rank` holds, in local order.
+    """The global token ranges rank `rank` holds, in local order: the layout's pieces.
 
     Returns:
         A list of `(doc, start, end)`: document index and half-open range in the (padded) stream.
@@ -140,6 +156,10 @@ def local_chunks(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int,
     b = _bounds(cu_seqlens)
     mult = b.check_divisible(layout, cp_size)
     rank = as_int("rank", rank, lo=0, hi=cp_size)
+    if layout == "stream":  # the rank's piece of the stream, cut at the document boundaries
+        lo, hi = rank * b.total // cp_size, (rank + 1) * b.total // cp_size
+        ends = [(doc, max(lo, b.padded[doc]), min(hi, b.padded[doc + 1])) for doc in range(b.num_docs)]
+        return [(doc, s, e) for doc, s, e in ends if e > s]
     out = []
     for doc in range(b.num_docs):
         c = b.padded_len(doc) // mult  # chunk size c_i

@@ -20,7 +20,7 @@ from cpref.cache import CACHE, CacheInfo, cache_info, clear_cache
 from cpref.checks import as_bool, as_choice, as_int
 from cpref.errors import CPInputError
 from cpref.modes.all_gather_plan import build_all_gather_plan
-from cpref.seqlens import LAYOUTS
+from cpref.seqlens import CHUNKED_LAYOUTS, LAYOUTS
 
 __all__ = [
     "get_thd_load_balanced_cp_metadata",
@@ -83,6 +83,10 @@ def get_thd_load_balanced_cp_metadata(
     P = as_int("cp_size", cp_size, lo=1)
     rank = as_int("rank", rank, lo=0, hi=P)
     layout, causal, device = as_choice("layout", layout, LAYOUTS), as_bool("causal", causal), as_device(device)
+    if layout not in CHUNKED_LAYOUTS:
+        raise CPInputError(f"layout {layout!r}: the RFC's metadata indexes per-document chunks, layout 'zigzag' or "
+                           f"'contiguous'; for {layout!r} call cpref.attention(..., mode='all_gather') with a "
+                           f"cpref.Sharding(..., layout={layout!r})")  # fmt: skip
     entry = CACHE.entry(cu_seqlens, cu_seqlens_padded, ends_only_ok=True)
     key = ("all_gather", P, rank, layout, causal, str(device))  # the mode's key: one plan for both (P > 1)
     plan = entry.plan(key, lambda: build_all_gather_plan(entry.bounds, P, rank, layout, causal, device))

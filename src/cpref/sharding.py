@@ -16,7 +16,8 @@ be written: `cpref.attention` takes the layout and `P` from the object that shar
 tensors, and raises if the communicator's size is not `sharding.cp_size`.
 
 Documents whose lengths are not multiples of the layout's granularity (`P` contiguous, `2P`
-zigzag, see [`cpref.layout`][cpref.layout]) are padded at their end:
+zigzag, see [`cpref.layout`][cpref.layout]), or a batch whose length is not a multiple of `P`
+(stream), are padded at their end (for stream: only the last document, at the batch's end):
 [`Sharding.eod_padded`][cpref.sharding.Sharding.eod_padded] computes the padded boundaries,
 [`pad`][cpref.sharding.Sharding.pad] pads a tensor of the real stream and
 [`unpad`][cpref.sharding.Sharding.unpad] drops the padding again;
@@ -55,13 +56,14 @@ class Sharding:
     Args:
         cu_seqlens: global real document boundaries, leading 0 (a 1-D integer tensor or a list).
         cp_size: the CP group size `P`.
-        layout: `"zigzag"` (default) or `"contiguous"`.
+        layout: `"zigzag"` (default), `"contiguous"` or `"stream"` (see [`cpref.layout`][cpref.layout]).
         cu_seqlens_padded: the padded boundaries that define the shards (each document padded
-            at its end to a multiple of the layout's granularity), or None without padding.
+            at its end to a multiple of the layout's granularity; for stream, the batch padded at its
+            end to a multiple of `P`), or None without padding.
 
     Raises:
-        CPInputError: for invalid boundaries, CP size or layout, or a document whose (padded)
-            length is not a multiple of the layout's granularity, naming it and the fix.
+        CPInputError: for invalid boundaries, CP size or layout, or a document (for stream: a batch)
+            whose (padded) length is not a multiple of the layout's granularity, naming it and the fix.
 
     Examples:
         >>> s = Sharding([0, 8, 20], cp_size=2, layout="contiguous")
@@ -85,17 +87,24 @@ class Sharding:
 
     @classmethod
     def eod_padded(cls, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag") -> "Sharding":
-        """The sharding of `cu_seqlens` with every document padded at its end to the layout's granularity.
+        """The sharding of `cu_seqlens` with every document padded at its end to the layout's granularity
+        (for `stream`: the last document padded, so that the batch is a multiple of `cp_size`).
 
         Examples:
             >>> Sharding.eod_padded([0, 5, 8], cp_size=2, layout="contiguous").cu_seqlens_padded
             (0, 6, 10)
+            >>> Sharding.eod_padded([0, 5, 8], cp_size=4, layout="stream").cu_seqlens_padded
+            (0, 5, 8)
+            >>> Sharding.eod_padded([0, 5, 9], cp_size=4, layout="stream").cu_seqlens_padded
+            (0, 5, 12)
         """
         mult = layout_multiple(layout, cp_size)
         real = CACHE.entry(cu_seqlens).bounds.real
         padded = [0]
         for start, end in zip(real, real[1:]):
             padded.append(padded[-1] + -(-(end - start) // mult) * mult)  # ceil to a multiple
+        if layout == "stream":  # only the batch's end: the last document takes the padding
+            padded[-1] = -(-padded[-1] // as_int("cp_size", cp_size, lo=1)) * cp_size
         return cls(cu_seqlens, cp_size=cp_size, layout=layout, cu_seqlens_padded=padded)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -114,7 +123,7 @@ class Sharding:
 
     @property
     def layout(self) -> str:
-        """`"zigzag"` or `"contiguous"`."""
+        """`"zigzag"`, `"contiguous"` or `"stream"`."""
         return self._layout
 
     @property

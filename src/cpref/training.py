@@ -86,7 +86,7 @@ class TrainConfig:
 
     Attributes:
         mode: the CP mode (`cpref.MODES`).
-        layout: `"zigzag"` or `"contiguous"`.
+        layout: `"zigzag"`, `"contiguous"` or `"stream"`.
         options: the mode's options, e.g. `{"a2a_size": 2}`.
         micro_batches: packs per DP replica and step (gradient accumulation).
         lr: AdamW learning rate.

@@ -8,6 +8,9 @@ Each has cpref's signature with the process group in place of `comm`:
 * `off_within_tolerance_on_rank_1`: wrong by less than the fixed tolerance, but about ten times
   the kernel's own error: only the `vs P=1` column catches it;
 * `drops_window`: wrong under a sliding window (it runs without the window it was given);
+* `stream_ulysses` (`examples.stream_ulysses`): a correct peer, a DeepSpeed-style Ulysses over the
+  stream layout, and `stream_ulysses_without_eod_reset`, the same attending across documents (causal over
+  the whole stream, the bug of a packed batch run without its boundaries);
 * `raises_on_rank_1`, `killed_mid_collective`, `mismatched_causal`: faults the harness must
   turn into a clear report instead of a hang.
 """
@@ -20,6 +23,7 @@ import signal
 import torch
 
 import cpref
+import examples.stream_ulysses
 from cpref.backends import TorchComm
 
 _COMMS: dict[int, TorchComm] = {}
@@ -35,6 +39,17 @@ def _comm(process_group) -> TorchComm:
 def cpref_over_group(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Correct: cpref.attention over a TorchComm of the group."""
     return cpref.attention(q, k, v, sharding, comm=_comm(process_group), **kwargs)
+
+
+def stream_ulysses(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Correct: the peer of `examples.stream_ulysses`."""
+    return examples.stream_ulysses.attention(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+def stream_ulysses_without_eod_reset(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Wrong on packed batches: the peer told the stream is one document (no EOD reset between documents)."""
+    one = cpref.Sharding([0, sharding.total], cp_size=sharding.cp_size, layout="stream")
+    return examples.stream_ulysses.attention(q, k, v, one, process_group=process_group, **kwargs)
 
 
 def biased_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:

@@ -37,11 +37,13 @@ def losses(stats):
     return [(s.step, s.loss, s.grad_norm) for s in stats]
 
 
-@pytest.mark.parametrize("resume_cp, mode", [(1, "all_gather"), (4, "a2a+p2p"), (2, "a2a")])
-def test_resuming_at_another_cp_size_continues_the_run_step_for_step(tmp_path, resume_cp, mode):
+@pytest.mark.parametrize("resume_cp, mode, layout", [(1, "all_gather", "zigzag"), (4, "a2a+p2p", "zigzag"),
+                                                     (2, "a2a", "zigzag"), (4, "p2p", "stream")])  # fmt: skip
+def test_resuming_at_another_cp_size_continues_the_run_step_for_step(tmp_path, resume_cp, mode, layout):
+    """Saved at CP = 2 (p2p, zigzag), resumed at another CP size, mode or layout: the same run, step for step."""
     whole = losses(run_sim(spec(2, 8)))
     first = losses(run_sim(spec(2, 4, save=str(tmp_path / "ckpt"))))
-    rest = losses(run_sim(spec(resume_cp, 8, mode=mode, resume=str(tmp_path / "ckpt"))))
+    rest = losses(run_sim(spec(resume_cp, 8, mode=mode, layout=layout, resume=str(tmp_path / "ckpt"))))
     assert first == whole[:4]  # the same run up to the save
     assert [s for s, *_ in rest] == [4, 5, 6, 7]
     for (step, loss, norm), (_, loss_ref, norm_ref) in zip(rest, whole[4:]):

@@ -8,7 +8,7 @@ rank** against the simulated cluster's FP64 ground truth:
 python -m sim verify --backend gloo --nproc 2 --mode all --layout all
 ```
 
-starts 2 processes, runs every mode of `cpref.MODES` in both layouts, forward and backward,
+starts 2 processes, runs every mode of `cpref.MODES` in every layout, forward and backward,
 and prints one row per case and rank: the largest error of `out`, `dQ`, `dK`, `dV`, the
 tolerance, how far the rank is from the oracle relative to the same kernel without CP
 (`vs P=1`), the largest error against the oracle, and pass/fail:
@@ -122,6 +122,14 @@ backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` wi
 `--window`), `options` holds the mode options (`a2a_size`); `--kernel` applies to cpref only.
 `--impl` may be repeated; `--impl cpref` is cpref itself. `tests/backends/verify_impls.py` has
 a correct example (a `TorchComm` over the group, then `cpref.attention`) and wrong ones.
+`examples/stream_ulysses.py` is a peer written the way
+DeepSpeed-Ulysses is (`torch.distributed` and SDPA only, contiguous shards of the whole packed
+stream): `--layout stream` describes its sharding, so it is verified on packed batches:
+
+```bash
+python -m sim verify --nproc 2 --mode a2a --layout stream --padded --docs 100,250,38 \
+    --impl examples.stream_ulysses:attention
+```
 
 ## Faults never hang
 

@@ -11,6 +11,9 @@ global tensors from the seed with [`make_batch`][sim.tools.verify.cases.make_bat
 multiple of `g`. With padding every document must end in padding: a length that is already
 a multiple of `g` loses one token, and the padded boundaries round each real length up to `g`
 (the batch's [`cpref.Sharding`][cpref.sharding.Sharding] is then `Sharding.eod_padded`).
+The stream layout needs only the batch to be a multiple of `P`: the last document is rounded
+up (without padding) or padded up to it (with padding, after losing a token if the batch
+already is one), the others are used as given.
 
 **Windows.** A case's `window` is validated and kept as cpref's `check_window` makes it
 canonical, so the label names the window that runs: under `causal` the right side is 0.
@@ -78,7 +81,7 @@ class Case:
 
     Attributes:
         mode: a key of `cpref.MODES`.
-        layout: `"zigzag"` or `"contiguous"`.
+        layout: `"zigzag"`, `"contiguous"` or `"stream"`.
         dtype: `"fp64"`, `"fp32"`, `"fp16"` or `"bf16"`.
         cp: the CP size `P`; the world of `W` ranks holds `W / P` CP groups (DP).
         padded: real lengths that are not multiples of the granularity, with `cu_seqlens_padded`.
@@ -145,6 +148,13 @@ def lengths(setup: Setup, case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]
     """`(real, padded)` document lengths of `case` (see the module docstring)."""
     g = layout_multiple(case.layout, case.cp)
     up = lambda n: -(-n // g) * g  # noqa: E731  ceil to a multiple of g
+    if case.layout == "stream":  # only the batch's length matters: its last document takes what rounds it to P
+        docs = list(setup.docs)
+        if case.padded and sum(docs) % case.cp == 0:
+            docs[-1] -= 1  # so that the batch ends in padding
+        last = docs[-1] + -sum(docs) % case.cp  # the last document, up to a batch that P divides
+        real = tuple(docs if case.padded else [*docs[:-1], last])
+        return real, (*docs[:-1], last)
     if not case.padded:
         real = tuple(up(n) for n in setup.docs)
         return real, real

@@ -87,11 +87,11 @@ import torch
 
 from cpref.call import CPCall
 from cpref.kernels.contract import NO_WINDOW, Varlen
-from cpref.layout import chunk_ids, chunk_owner
+from cpref.layout import chunk_ids, chunk_owner, local_chunks
 from cpref.modes.shared import whole_documents
-from cpref.seqlens import Boundaries
+from cpref.seqlens import CHUNKED_LAYOUTS, Boundaries
 
-__all__ = ["AllGatherPlan", "all_gather_plan", "build_all_gather_plan"]
+__all__ = ["AllGatherPlan", "all_gather_plan", "build_all_gather_plan", "build_piece_all_gather_plan"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,41 @@ def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal:
     return AllGatherPlan(kv_index, seqs, window)
 
 
+def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
+                                window: tuple[int, int] = NO_WINDOW) -> AllGatherPlan:  # fmt: skip
+    """The selecting plan from the layout's pieces (`cpref.layout.local_chunks`), for any layout: every local
+    piece's real queries against the keys they see, found through each document's map from position to row of
+    the rank-major buffer (one sequence per piece and its padding; explicit shifts)."""
+    T_l = b.total // P
+    where: dict[int, list[tuple[int, int, int]]] = {}  # doc -> (first position, last + 1, first gathered row)
+    for r in range(P):
+        row = r * T_l
+        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
+            where.setdefault(doc, []).append((s - b.padded[doc], e - b.padded[doc], row))
+            row += e - s
+
+    def span(doc: int, lo: int, hi: int) -> list[torch.Tensor]:
+        """Rows of the document's keys at positions `[lo, hi)`, in natural order."""
+        return [torch.arange(row + max(lo, a) - a, row + min(hi, z) - a) for a, z, row in sorted(where[doc])
+                if min(hi, z) > max(lo, a)]  # fmt: skip
+
+    left, right = window if window != NO_WINDOW else (-1, -1)
+    right = 0 if causal else right
+    keys, q_lens, kv_lens, shifts = [], [], [], []
+    for doc, s, e in local_chunks(b, cp_size=P, rank=rank, layout=layout):
+        a, z, n = s - b.padded[doc], e - b.padded[doc], b.real_len(doc)
+        zr = a + b.real_in(doc, a, z)  # real queries [a, zr)
+        lo = 0 if left < 0 else max(0, a - left)
+        hi = n if right < 0 else min(n, zr + right)
+        for n_q, rows, shift in ((zr - a, span(doc, lo, hi) if zr > a else [], a - lo), (z - zr, [], None)):
+            if n_q:
+                n_k = sum(len(x) for x in rows)
+                keys += rows
+                q_lens.append(n_q), kv_lens.append(n_k), shifts.append(n_k - n_q if shift is None or not n_k else shift)
+    kv_index = (torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)).to(device)  # (sum kv_len,)
+    return AllGatherPlan(kv_index, Varlen.from_lengths(q_lens, kv_lens, shifts), window)
+
+
 def all_gather_plan(call: CPCall) -> AllGatherPlan:
     """This rank's cached plan for the call: the selecting plan, or at `P = 1` the documents over the local K/V."""
     if call.P == 1:  # the documents over the local K/V (the facade's selecting plan has another key)
@@ -201,5 +236,5 @@ def all_gather_plan(call: CPCall) -> AllGatherPlan:
     key = ("all_gather", call.P, call.rank, call.layout, call.causal, str(call.device))  # metadata's facade shares it
     if call.window != NO_WINDOW:
         key += (call.window,)
-    return call.plan(key, lambda: build_all_gather_plan(call.bounds, call.P, call.rank, call.layout, call.causal, call.device,
-                                                        call.window))  # fmt: skip
+    build = build_all_gather_plan if call.layout in CHUNKED_LAYOUTS else build_piece_all_gather_plan
+    return call.plan(key, lambda: build(call.bounds, call.P, call.rank, call.layout, call.causal, call.device, call.window))

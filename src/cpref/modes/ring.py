@@ -13,8 +13,8 @@ Between steps every rank sends its block to rank $r + 1$ and receives the block 
 $r - 1$ (`send_recv`, shift 1). No rank ever holds more than two blocks: memory stays at
 $\frac{T}{P}$ rows whatever `P` is, the point of ring attention (Liu et al. 2023).
 
-Under a sliding window each rank receives, directly from the ranks whose keys its window
-reaches, only the rows it reads: [the ring under a sliding window][cpref.modes.ring_window], the
+Under a sliding window, or with the stream layout, each rank receives, directly from the ranks whose keys it
+reads, only the rows it reads: [the ring under a sliding window][cpref.modes.ring_window], the
 same Function on another plan.
 
 ## Overlap
@@ -110,6 +110,7 @@ from cpref.modes.ring_plan import RingCall, RingPlan, build_ring_plan
 from cpref.modes.ring_window import build_window_ring_plan, halo_backward, halo_forward
 from cpref.modes.shared import no_double_backward
 from cpref.modes.spec import ModeSpec
+from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring", "saved_out_dtype", "p2p_plan",
            "p2p_costs", "MODE"]
@@ -240,9 +241,9 @@ def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
 
 def ring_plan(call: CPCall, P: int, rank: int, layout: str) -> RingPlan:
     """The cached ring plan of `rank` in a ring of `P` over the call's batch (under the call's window, if any)."""
-    layout = layout if P > 1 else "contiguous"  # one rank: both layouts are natural order, one sequence a document
+    layout = layout if P > 1 else "contiguous"  # one rank: every layout is natural order, one sequence a document
     key = ("ring", P, rank, layout, call.causal, str(call.device))
-    if call.window != NO_WINDOW:
+    if call.window != NO_WINDOW or layout not in CHUNKED_LAYOUTS:  # only the rows each rank reads (ring_window)
         return call.plan(key + (call.window,), lambda: build_window_ring_plan(call.bounds, P, rank, layout, call.causal,
                                                                                call.window, call.device))  # fmt: skip
     return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))

@@ -1,16 +1,29 @@
-r"""The ring under a sliding window: only the ranks the window reaches, only the rows it sees.
+r"""The ring under a sliding window, and over the stream layout: each rank gets only the rows it reads.
 
 With `window=(left, right)` the query at position $p$ sees the keys $[p - \ell, p + r]$ of its
 document. The ring of [`cpref.modes.ring`][cpref.modes.ring] then wastes most of what it moves:
 a block far from a rank's queries holds no key they see, and a block passes every rank on its
-way round. This variant plans from the window and sends each rank, directly, the rows it reads.
+way round. This variant plans from what each rank reads and sends it, directly, only that.
+
+The same plan serves the `stream` layout ([`cpref.layout`][cpref.layout]), with or without a
+window: there a rank's pieces are cut from one stream, so a document reaches only the ranks it
+straddles, and a rank reads the blocks of the ranks before it only as far back as its first
+document began. The classic ring would send every block everywhere; this one sends nothing to
+a rank whose documents start on it, and for a document that straddles ranks only the rows of
+that document.
+
+The plan is written on the layout's **pieces** (`(doc, start, end)` per rank, in local order,
+`cpref.layout.local_chunks`): a chunk of the chunked layouts, or a document's part of a rank's
+range of the stream.
 
 **Calls.** Rank $r$ attends to the block of rank $s = (r - d) \bmod P$, at *distance* $d$. For
-each of the sender's chunks of a document, each local query chunk's real queries $[a, z)$ see
-the keys of that chunk in $[a - \ell, z + r)$; the pairs with keys form one kernel call with
+each of the sender's pieces of a document, each local query piece's real queries $[a, z)$ see
+the keys of that piece in $[a - \ell, z + r)$ (without a window: all of it, up to $z$ under a
+causal mask); the pairs with keys form one kernel call with
 explicit shifts (query $a$ stands at key $a - \mathrm{lo}$, [the kernel contract][cpref.kernels.contract]).
 A sender's two zigzag chunks of a document are not adjacent, so a query chunk whose window
-reaches both needs two calls, merged by lse like two steps.
+reaches both needs two calls, merged by lse like two steps (one call per piece *slot*: the
+$k$-th piece the sender holds of each document).
 
 **Distances.** The plan keeps distance 0 (the own block) and the distances
 $\mathcal{D} \subseteq \{1, \dots, P - 1\}$ at which some rank's queries see a key of the block
@@ -46,50 +59,62 @@ InfiniBand, HCCS) that costs the same; on a physical ring it would take $\min(d,
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import torch
 
 from cpref.comm import Collectives
 from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
-from cpref.layout import chunk_ids
+from cpref.layout import local_chunks
 from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.seqlens import Boundaries
 
 __all__ = ["build_window_ring_plan", "window_distances", "halo_forward", "halo_backward"]
 
 
-def _sequences(b: Boundaries, P: int, mult: int, rank: int, source: int, slot: int, layout: str,
-               causal: bool, window: tuple[int, int]):  # fmt: skip
-    """`(q_len, kv_len, shift, first key row)` of every sequence of the call over the sender's chunk `slot` of each
-    document: each local query chunk's real queries `[a, z)` against the keys of that chunk within their window."""
-    mine, theirs = chunk_ids(rank, P, layout), chunk_ids(source, P, layout)
+def _pieces(b: Boundaries, P: int, rank: int, layout: str) -> list[tuple[int, int, int, int]]:
+    """`(doc, a, z, row)` of every piece rank `rank` holds, in local order: positions `[a, z)` of document `doc`
+    (padding included), at row `row` of its buffer (`cpref.layout.local_chunks`)."""
+    out, row = [], 0
+    for doc, s, e in local_chunks(b, cp_size=P, rank=rank, layout=layout):
+        out.append((doc, s - b.padded[doc], e - b.padded[doc], row))
+        row += e - s
+    return out
+
+
+def _sequences(b: Boundaries, mine, theirs, slot: int, causal: bool, window: tuple[int, int]):
+    """`(q_len, kv_len, shift, first key row)` of every sequence of the call over the sender's piece `slot` of each
+    document: each local piece's real queries `[a, z)` against the keys of that piece within their window."""
     left, right = window[0], 0 if causal else window[1]
-    out, offset = [], 0  # offset: the document's first row in every buffer
-    for i in range(b.num_docs):
-        c = b.padded_len(i) // mult
-        jj = theirs[slot]
-        k0, k1 = jj * c, jj * c + b.real_in(i, jj * c, (jj + 1) * c)  # the sender chunk's real key positions
-        for j in mine:
-            a = j * c
-            z = a + b.real_in(i, a, a + c)  # real query positions [a, z)
+    held: dict[int, list] = {}
+    for doc, a, z, row in theirs:
+        held.setdefault(doc, []).append((a, z, row))
+    out = []
+    for doc, a, z, _ in mine:
+        zr = a + b.real_in(doc, a, z)  # real query positions [a, zr)
+        pieces = held.get(doc, [])
+        if slot < len(pieces) and zr > a:
+            k0, k1, row = pieces[slot]
+            k1 = k0 + b.real_in(doc, k0, k1)  # the sender piece's real key positions [k0, k1)
             lo = k0 if left < 0 else max(k0, a - left)
-            hi = k1 if right < 0 else min(k1, z + right)
-            if z > a and hi > lo:
-                out += [(z - a, hi - lo, a - lo, offset + slot * c + lo - k0), (c - (z - a), 0, 0, 0)]  # real, padding
-            else:
-                out.append((c, 0, 0, 0))  # the chunk sees nothing of this sender chunk
-        offset += len(mine) * c
+            hi = k1 if right < 0 else min(k1, zr + right)
+            if hi > lo:
+                out += [(zr - a, hi - lo, a - lo, row + lo - k0), (z - zr, 0, 0, 0)]  # real, padding
+                continue
+        out.append((z - a, 0, 0, 0))  # the piece sees nothing of this sender piece
     return [seq for seq in out if seq[0]]
 
 
-def _calls(b: Boundaries, P: int, mult: int, rank: int, source: int, layout: str, causal: bool,
+def _calls(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bool,
            window: tuple[int, int]) -> list[tuple[Varlen, torch.Tensor]]:  # fmt: skip
-    """`(seqs, rows)` of every call of one step: one per sender chunk slot some local query's window reaches;
+    """`(seqs, rows)` of every call of one step: one per sender piece slot some local query's window reaches;
     `rows` are the block's rows each call reads, in the original block's coordinates."""
+    mine, theirs = _pieces(b, P, rank, layout), _pieces(b, P, source, layout)
+    slots = max(Counter(doc for doc, *_ in theirs).values(), default=0)  # the most pieces of one document
     calls = []
-    for slot in range(len(chunk_ids(source, P, layout))):
-        seqs = _sequences(b, P, mult, rank, source, slot, layout, causal, window)
+    for slot in range(slots):
+        seqs = _sequences(b, mine, theirs, slot, causal, window)
         if any(n_k for _, n_k, _, _ in seqs):
             rows = torch.cat([torch.arange(first, first + n_k) for _, n_k, _, first in seqs if n_k])  # (sum kv_len,)
             varlen = Varlen.from_lengths([n for n, *_ in seqs], [n_k for _, n_k, _, _ in seqs], [d for _, _, d, _ in seqs])
@@ -99,27 +124,26 @@ def _calls(b: Boundaries, P: int, mult: int, rank: int, source: int, layout: str
 
 def window_distances(b: Boundaries, P: int, layout: str, causal: bool, window: tuple[int, int]) -> tuple[int, ...]:
     """`D`: the distances `d` in `1 .. P - 1` at which some rank's queries see a key of the block of rank `r - d`."""
-    mult = b.check_divisible(layout, P)
-    return tuple(d for d in range(1, P) if any(_calls(b, P, mult, r, (r - d) % P, layout, causal, window) for r in range(P)))
+    b.check_divisible(layout, P)
+    return tuple(d for d in range(1, P) if any(_calls(b, P, r, (r - d) % P, layout, causal, window) for r in range(P)))
 
 
 def build_window_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, window: tuple[int, int],
                            device: torch.device) -> RingPlan:  # fmt: skip
     """The steps of rank `rank`, one per distance in `(0, *D)`, and the rows each shift carries (module docstring)."""
-    mult = b.check_divisible(layout, P)
     shifts = (0, *window_distances(b, P, layout, causal, window))
 
     @functools.cache
     def reads(r: int, d: int) -> torch.Tensor:
         """`R_d(r - d)`: the rows of the block of rank `r - d` that rank `r`'s calls read (sorted, unique)."""
-        rows = [rows for _, rows in _calls(b, P, mult, r, (r - d) % P, layout, causal, window)]
+        rows = [rows for _, rows in _calls(b, P, r, (r - d) % P, layout, causal, window)]
         return torch.unique(torch.cat(rows)) if rows else torch.zeros(0, dtype=torch.int64)
 
     steps = []
     for d in shifts:
         held = reads(rank, d) if d else None  # None: the whole own block
         calls = []
-        for seqs, rows in _calls(b, P, mult, rank, (rank - d) % P, layout, causal, window):
+        for seqs, rows in _calls(b, P, rank, (rank - d) % P, layout, causal, window):
             local = rows if held is None else torch.searchsorted(held, rows)  # positions among the rows received
             calls.append(RingCall(seqs, causal, local.to(device), window))
         steps.append(RingStep((rank - d) % P, tuple(calls)))

@@ -1,0 +1,102 @@
+"""The stream layout: the batch cut into P equal pieces, documents straddling ranks.
+
+Exactness in every mode, P and mask is in the suites parametrised over `cpref.LAYOUTS`
+(test_every_mode, test_modes, test_windows); here: what stream moves, what it costs in work,
+and the piece plans checked against the chunked layouts' direct arithmetic.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpref
+from cpref.kernels.contract import NO_WINDOW
+from cpref.modes.all_gather_plan import build_all_gather_plan, build_piece_all_gather_plan
+from cpref.seqlens import CHUNKED_LAYOUTS
+from sim.harness import trace_split
+from tests.helpers import attention_inputs, cu_from_lengths, expected_costs
+from tests.cp.conftest import run_cp
+
+HEADS = (4, 2, 8, 8)
+
+
+def test_a_stream_rank_holds_one_contiguous_piece_of_the_batch():
+    """Rank r holds tokens [r T / P, (r + 1) T / P), cut at the document boundaries, and positions restart at them."""
+    s = cpref.Sharding.eod_padded([0, 5, 17, 30], cp_size=4, layout="stream")  # the last document padded to 32
+    assert s.cu_seqlens_padded == (0, 5, 17, 32)
+    assert [s.local_chunks(r) for r in range(4)] == [[(0, 0, 5), (1, 5, 8)], [(1, 8, 16)], [(1, 16, 17), (2, 17, 24)],
+                                                     [(2, 24, 32)]]  # fmt: skip
+    assert s.positions(2).tolist() == [11, 0, 1, 2, 3, 4, 5, 6]
+    assert torch.equal(torch.cat([s.global_index(r) for r in range(4)]), torch.arange(32))
+
+
+@pytest.mark.parametrize("mode", ["p2p", "a2a+p2p"])
+def test_the_ring_sends_nothing_when_no_document_straddles_ranks(mode):
+    """Documents that each sit on one rank (of the P ranks, or of the P / a groups) are attended to at home:
+    the ring level sends nothing at all, forward or backward."""
+    P = 4
+    sharding = cpref.Sharding(cu_from_lengths([10, 6, 16, 8, 8, 16]), cp_size=P, layout="stream")  # T_l = 16
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    _, cluster = run_cp(q, k, v, dout, sharding, mode=mode, check_ranks=False, between=lambda comm: comm.barrier(),
+                         **cpref.MODES[mode].example_options(P))  # fmt: skip
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert "send_recv" not in fwd_ops and "send_recv" not in bwd_ops, (r, fwd_ops, bwd_ops)
+
+
+def test_the_ring_sends_only_the_straddling_document_rows_their_readers_see():
+    """One document straddles ranks 1 to 3 and the others sit on one rank: rank r reads, of each rank before it,
+    only the rows of that document; bytes per rank are the halo formula of the plan's sizes, exactly."""
+    P = 4
+    sharding = cpref.Sharding(cu_from_lengths([16, 4, 36, 8]), cp_size=P, layout="stream")  # doc 2: [20, 56)
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="p2p", check_ranks=False, between=lambda comm: comm.barrier())
+    from cpref.modes.ring_window import build_window_ring_plan
+
+    plans = [build_window_ring_plan(sharding.bounds, P, r, "stream", True, NO_WINDOW, torch.device("cpu")) for r in range(P)]
+    assert plans[0].halo.shifts == (0, 1, 2)  # rank 3 reads from ranks 2 and 1; nothing is 3 ranks back
+    # rank 1 sends rank 2 (d = 1) and rank 3 (d = 2) its 12 rows of document 2; rank 2 sends rank 3 its 16
+    assert [len(x) for x in plans[1].halo.send[1:]] == [12, 12] and [len(x) for x in plans[2].halo.send[1:]] == [16, 0]
+    assert plans[0].halo.sizes == (0, 16, 12)
+    want = expected_costs("p2p", sharding, HEADS, torch.float64)
+    for r in range(P):
+        (fwd, _), (bwd, _) = trace_split(cluster.trace, r)
+        assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), r
+    row = HEADS[1] * (HEADS[2] + HEADS[3]) * 8
+    assert want.forward_bytes == (16 + 12) * row  # of the classic ring's (P - 1) T_l = 48 rows
+
+
+def test_stream_work_is_unbalanced_as_contiguous_for_one_document():
+    """On one document stream is contiguous (the same pieces), so its causal work grows with the rank."""
+    cu = cu_from_lengths([64])
+    stream, contiguous = (cpref.Sharding(cu, cp_size=4, layout=lay) for lay in ("stream", "contiguous"))
+    assert [stream.local_chunks(r) for r in range(4)] == [contiguous.local_chunks(r) for r in range(4)]
+    work = [stream.attention_work(r, exact=True) for r in range(4)]
+    assert work == sorted(work) and work[-1] > 3 * work[0]
+
+
+def _visible_rows(plan, causal: bool) -> list[list[int]]:
+    """For each local query row, the rows of the rank-major K/V its sequence lets it see (the plan's meaning)."""
+    seqs, out = plan.seqs, []
+    for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
+        for x in range(q1 - q0):
+            lo, hi = seqs.visible(i, x, causal, plan.window)
+            out.append(sorted(plan.kv_index[k0 + lo : k0 + hi].tolist()) if hi > lo else [])
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(CHUNKED_LAYOUTS), st.sampled_from([2, 3, 4]), st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       st.booleans(), st.sampled_from([NO_WINDOW, (2, 0), (5, 3), (0, 0)]), st.booleans())  # fmt: skip
+def test_the_piece_plan_selects_what_the_rfc_indexing_selects(layout, P, units, causal, window, padded):
+    """The all-gather plan written on pieces (what stream runs) and the RFC's chunk arithmetic (what the chunked
+    layouts run) give every query row the same visible keys of the rank-major buffer, on every rank."""
+    window = (window[0], 0) if causal and window != NO_WINDOW else window
+    mult = cpref.layout.layout_multiple(layout, P)
+    lengths = [n * mult - (1 if padded and n * mult > 1 else 0) for n in units]
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P, layout=layout)
+    for r in range(P):
+        rfc = build_all_gather_plan(sharding.bounds, P, r, layout, causal, torch.device("cpu"), window)
+        pieces = build_piece_all_gather_plan(sharding.bounds, P, r, layout, causal, torch.device("cpu"), window)
+        assert _visible_rows(pieces, causal) == _visible_rows(rfc, causal), r
