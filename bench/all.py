@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives")
+BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -25,6 +25,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
+import torch  # noqa: E402
+
 import cpref  # noqa: E402
 
 COLUMN_PX = 688  # content column at a 1280 px window (material: 61rem grid, two 12.1rem sidebars)
@@ -107,7 +109,7 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     for r in range(cp_size):
         for doc, start, end in sharding(cu, cp_size, layout).local_chunks(r):
             c = end - start
-            label = str(r) if layout == "stream" else str((start - cu[doc]) // c)
+            label = str(r) if layout not in cpref.layout.CHUNKED_LAYOUTS else str((start - cu[doc]) // c)
             ax.add_patch(Rectangle((start, 0), c, 1, fill=False, edgecolor="0.25", linewidth=0.8))
             ax.text((start + end) / 2, 0.5, label, ha="center", va="center", color="white", fontweight="bold")
     # Document boundaries and names.
@@ -117,6 +119,8 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     ax.axvline(cu[-1], color="black", linewidth=2.5)
     if layout == "stream":
         ax.set_title(f"stream: the batch in {cp_size} equal pieces, cut at document boundaries (number: rank)", loc="left")
+    elif layout == "balanced":
+        ax.set_title("balanced: whole documents, the heaviest cut in zigzag pairs (number: rank)", loc="left")
     else:
         mult = cpref.layout.layout_multiple(layout, cp_size)
         ax.set_title(f"{layout}: every document in {mult} chunks (number: chunk j)", loc="left")
@@ -145,7 +149,7 @@ def work() -> Figure:
     width = 0.8 / len(cpref.LAYOUTS)
     metrics = [("block metric: sum(q_len * kv_len)", False), ("exact count of visible scores", True)]
     for ax, (title, exact) in zip(axes, metrics):
-        for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//", ".."), strict=True)):
+        for k, (layout, hatch) in enumerate(zip(cpref.LAYOUTS, ("", "//", "..", "xx"), strict=True)):
             batch = sharding(LAYOUT_CU, LAYOUT_P, layout)
             w = [batch.attention_work(r, exact=exact) for r in range(LAYOUT_P)]
             xs = [r + (k - (len(cpref.LAYOUTS) - 1) / 2) * width for r in range(LAYOUT_P)]
@@ -159,6 +163,54 @@ def work() -> Figure:
     axes[0].set_ylabel("scores per head")
     axes[0].set_ylim(0, 1.6 * axes[0].get_ylim()[1])  # room for the legend above the bars
     fig.suptitle(f"causal attention work per rank, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}")
+    return fig
+
+
+def _long_tail(n: int = 24, seed: int = 0) -> list[int]:
+    """`n` document lengths drawn lognormal (median about 55 tokens, a heavy tail), between 4 and 1000."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randn(n, generator=g).mul(1.1).add(4.0).exp().round().clamp(4, 1000)]
+
+
+def _owner_bar(ax, batch: cpref.Sharding, title: str) -> None:
+    """The padded stream as a bar, each token in its owner's colour (padding hatched), documents as black lines."""
+    owner = torch.full((batch.total,), -1)
+    for r in range(batch.cp_size):
+        owner[batch.global_index(r)] = r
+    image = torch.tensor([rank_color(int(r)) for r in owner])[None]  # (1, T, 3)
+    ax.imshow(image.numpy(), aspect="auto", interpolation="nearest", extent=(0, batch.total, 0, 1))
+    for i, (a, z) in enumerate(zip(batch.cu_seqlens_padded, batch.cu_seqlens_padded[1:])):
+        ax.axvline(a, color="black", linewidth=0.8)
+        real = a + batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]
+        if z > real:
+            ax.add_patch(Rectangle((real, 0), z - real, 1, fill=False, hatch="////", edgecolor="white", linewidth=0))
+    ax.set_yticks([])
+    ax.set_title(title, loc="left")
+
+
+def balanced() -> Figure:
+    """`figures/balanced.png`: zigzag against balanced on a long-tailed pack: who holds what, and the work."""
+    lengths, P = _long_tail(), 4
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    fig, axes = plt.subplots(3, 1, figsize=(WIDTH, 5.6), constrained_layout=True, gridspec_kw={"height_ratios": [1, 1, 2.2]})
+    work = {}
+    for ax, layout in zip(axes, ("zigzag", "balanced")):
+        batch = cpref.Sharding.eod_padded(cu, cp_size=P, layout=layout)
+        pad = batch.total - cu[-1]
+        _owner_bar(ax, batch, f"{layout}: {batch.total} tokens, {pad} of them padding (hatched)")
+        work[layout] = [batch.attention_work(r, exact=True) for r in range(P)]
+    axes[1].set_xlabel("token of the padded stream (black lines: documents)")
+    width = 0.4
+    for k, (layout, hatch) in enumerate(zip(work, ("//", ""))):
+        w = work[layout]
+        axes[2].bar([r + (k - 0.5) * width for r in range(P)], w, width, color=[rank_color(r) for r in range(P)],
+                    hatch=hatch, edgecolor="0.2", label=f"{layout}: max/mean {max(w) / (sum(w) / len(w)):.3f}")  # fmt: skip
+    axes[2].set_xticks(range(P), [f"rank {r}" for r in range(P)])
+    axes[2].set_ylabel("causal scores per head")
+    axes[2].set_ylim(0, 1.35 * max(max(w) for w in work.values()))
+    axes[2].legend(frameon=False, loc="upper left", ncols=2)
+    axes[2].spines[["top", "right"]].set_visible(False)
+    fig.suptitle(f"{len(lengths)} documents of {min(lengths)} to {max(lengths)} tokens (lognormal), P = {P}")
     return fig
 
 
@@ -277,6 +329,7 @@ def rank_major_index() -> Figure:
 FIGURES = {
     "figures/layouts.png": layouts,
     "figures/work.png": work,
+    "figures/balanced.png": balanced,
     "figures/attention_mask.png": attention_mask,
     "figures/rank_major_index.png": rank_major_index,
 }

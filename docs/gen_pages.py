@@ -34,6 +34,7 @@ from mkdocs.structure.files import InclusionLevel  # noqa: E402
 # The guide, in nav order: (page, nav title, module). Add a module with one line.
 GUIDE = [
     ("layout.md", "Data model and layouts", "cpref.layout"),
+    ("balanced.md", "The balanced layout", "cpref.balanced"),
     ("oracle.md", "The FP64 oracle", "sim.oracle"),
     ("kernel-contract.md", "The attention kernel contract", "cpref.kernels.contract"),
     ("torch-kernel.md", "TorchKernel", "cpref.kernels.torch_kernel"),
@@ -73,7 +74,8 @@ GUIDE = [
 PAGE_FIGURES = {
     "layout.md": [
         ("figures/layouts.png", "Which rank holds which chunk of each document (contiguous, zigzag), or which "
-         "piece of the stream (stream: documents straddle ranks, none is padded)."),
+         "piece of the stream (stream: documents straddle ranks, none is padded), or which whole document or "
+         "zigzag pair of a cut one (balanced)."),
         ("figures/work.png", "Causal attention work per rank under both metrics: zigzag makes every rank's work "
          "equal; stream is unbalanced like contiguous, over the whole batch at once."),
         ("figures/attention_mask.png",
@@ -93,6 +95,13 @@ PAGE_FIGURES = {
          "block it held and how many scores it computed (identified from the kernel's inputs). Zigzag does the "
          "same work on every rank at every step; contiguous skips the blocks of later ranks."),
     ],
+    "balanced.md": [
+        ("figures/balanced.png",
+         "A long-tailed pack of 24 documents over `P = 4`: which rank holds which tokens in the zigzag layout "
+         "(every document cut in 8 chunks, each padded to a multiple of 8) and in the balanced one (the few "
+         "long documents cut in zigzag pairs over the ranks they need, every other document whole on one "
+         "rank), and each rank's causal work."),
+    ],
     "ring-window.md": [
         ("figures/window_ring.png",
          "A real forward of `p2p` with `window=(3, 0)` on the simulated cluster. Above, the scores the window "
@@ -100,8 +109,8 @@ PAGE_FIGURES = {
          "window); the counts are the run's kernel calls'. Below, the keys each ring step received, in their "
          "owner's colour, read from every shift's payload; grey: the rest of the whole blocks the ring without a "
          "window sends. Contiguous sends one halo, the last 3 rows of each document's chunk, to the next rank; "
-         "zigzag sends the front chunks' halos there too and the back chunks' the long way round, in three "
-         "shifts, to the rank before. A shift is as long on every rank as its longest halo (zero rows pad the "
+         "zigzag sends the front chunks' halos there too and the back chunks' straight to the rank before (3 ranks "
+         "on, modulo 4): two shifts. A shift is as long on every rank as its longest halo (zero rows pad the "
          "rest); a row is 128 B (float64, `Hkv = 2`, `D = Dv = 4`)."),
     ],
     "ulysses.md": [

@@ -79,9 +79,9 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
     options = cpref.MODES[mode].example_options(sharding.cp_size)
     sizes = None
     if mode in ("p2p", "a2a+p2p") and (tuple(window) != (-1, -1) or sharding.layout not in CHUNKED_LAYOUTS):
-        p = sharding.cp_size // options.get("a2a_size", 1)
-        if p > 1:
-            layout = sharding.layout
-            sizes = build_window_ring_plan(sharding.bounds, p, 0, layout, causal, tuple(window), torch.device("cpu")).halo.sizes
+        a = options.get("a2a_size", 1)
+        if sharding.cp_size > a:  # a ring of P / a members, each a groups of a ranks
+            sizes = build_window_ring_plan(sharding.bounds, sharding.cp_size // a, 0, sharding.layout, causal, tuple(window),
+                                           torch.device("cpu"), a).halo.sizes  # fmt: skip
     return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
                       halo_sizes=sizes, **options)  # fmt: skip

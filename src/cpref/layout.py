@@ -34,6 +34,12 @@ order above.
   contiguous's, for the whole batch at once: a rank's queries see every earlier key of their
   documents, so the last rank of a long document does the most.
 
+* **balanced**: a plan computed from the boundaries and `P` alone ([the balanced layout][cpref.balanced]):
+  every rank holds the same number of tokens (the batch padded at its end only), short
+  documents stay whole on one rank and only the heaviest are cut, in zigzag pairs over the
+  ranks, until the largest rank's causal work is within 2% of the mean. A document held whole
+  costs the ring no communication.
+
 Every layout is, per rank, a list of **pieces** `(doc, start, end)` in local order
 ([`local_chunks`][cpref.layout.local_chunks]): two per document and rank for zigzag, one for
 contiguous, and for stream one for each document that overlaps the rank's range. The data
@@ -107,16 +113,19 @@ from typing import Sequence
 
 import torch
 
+from cpref.balanced import balanced_pieces
 from cpref.checks import as_int
 from cpref.errors import CPInputError
-from cpref.seqlens import LAYOUTS, Boundaries, CuSeqlens, layout_multiple
+from cpref.seqlens import CHUNKED_LAYOUTS, LAYOUTS, Boundaries, CuSeqlens, layout_multiple
 
 __all__ = [
     "LAYOUTS",
     "layout_multiple",
     "chunk_ids",
     "chunk_owner",
+    "CHUNKED_LAYOUTS",
     "local_chunks",
+    "group_chunks",
     "global_index",
     "positions",
     "shard",
@@ -160,10 +169,28 @@ def local_chunks(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, rank: int,
         lo, hi = rank * b.total // cp_size, (rank + 1) * b.total // cp_size
         ends = [(doc, max(lo, b.padded[doc]), min(hi, b.padded[doc + 1])) for doc in range(b.num_docs)]
         return [(doc, s, e) for doc, s, e in ends if e > s]
+    if layout == "balanced" and cp_size > 1:  # the plan of cpref.balanced
+        return list(balanced_pieces(b, cp_size)[rank])
     out = []
     for doc in range(b.num_docs):
         c = b.padded_len(doc) // mult  # chunk size c_i
         out += [(doc, b.padded[doc] + j * c, b.padded[doc] + (j + 1) * c) for j in chunk_ids(rank, cp_size, layout)]
+    return out
+
+
+def group_chunks(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, group: int, g: int, layout: str) -> list[tuple[int, int, int]]:
+    """The pieces the `group` consecutive ranks `g group .. (g + 1) group - 1` hold together: theirs, in stream
+    order, adjacent ones merged. For contiguous, zigzag and stream these hold the tokens of the layout over
+    `cp_size / group` ranks at rank `g`, in its order (zigzag nests: `cpref.modes.hierarchical`); for balanced,
+    the union."""
+    b = _bounds(cu_seqlens)
+    pieces = sorted(p for r in range(g * group, (g + 1) * group) for p in local_chunks(b, cp_size=cp_size, rank=r, layout=layout))
+    out: list[tuple[int, int, int]] = []
+    for doc, s, e in pieces:
+        if out and out[-1][0] == doc and out[-1][2] == s:
+            out[-1] = (doc, out[-1][1], e)
+        else:
+            out.append((doc, s, e))
     return out
 
 

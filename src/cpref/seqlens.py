@@ -74,13 +74,13 @@ def _check_cu(cu: list[int], name: str) -> tuple[int, ...]:
     return tuple(cu)
 
 
-LAYOUTS = ("contiguous", "zigzag", "stream")
+LAYOUTS = ("contiguous", "zigzag", "stream", "balanced")
 CHUNKED_LAYOUTS = ("contiguous", "zigzag")  # the layouts that cut every document into P or 2P equal chunks
 
 
 def layout_multiple(layout: str, cp_size: int) -> int:
-    """The granularity a document length must be a multiple of: `P` (contiguous), `2P` (zigzag), 1 (stream,
-    whose constraint is on the whole batch: see `Boundaries.check_divisible`).
+    """The granularity a document length must be a multiple of: `P` (contiguous), `2P` (zigzag), 1 (stream and
+    balanced, whose constraint is on the whole batch: see `Boundaries.check_divisible`).
 
     The layouts themselves are `cpref.layout`'s; the rule lives here, below it, because
     `Boundaries.check_divisible` applies it (`cpref.layout` re-exports it).
@@ -90,7 +90,7 @@ def layout_multiple(layout: str, cp_size: int) -> int:
     """
     as_choice("layout", layout, LAYOUTS)
     P = as_int("cp_size", cp_size, lo=1)
-    if P == 1 or layout == "stream":
+    if P == 1 or layout not in CHUNKED_LAYOUTS:
         return 1
     return (2 if layout == "zigzag" else 1) * P
 
@@ -170,14 +170,14 @@ class Boundaries:
         return max(0, min(end, self.real_len(i)) - start)
 
     def check_divisible(self, layout: str, cp_size: int) -> int:
-        """Raise unless every padded length is a multiple of the layout's granularity (for `stream`: unless the
-        batch's length is a multiple of `cp_size`); return the granularity."""
+        """Raise unless every padded length is a multiple of the layout's granularity (for `stream` and `balanced`:
+        unless the batch's length is a multiple of `cp_size`); return the granularity."""
         mult = layout_multiple(layout, cp_size)
-        if layout == "stream" and self.total % cp_size:
+        if layout not in CHUNKED_LAYOUTS and self.total % cp_size:
             raise CPInputError(
-                f"the batch has {self.total} tokens, not a multiple of cp_size={cp_size}: the stream layout cuts the "
-                f"batch into {cp_size} equal pieces; pad the batch at its end: build the sharding with "
-                f"cpref.Sharding.eod_padded(cu_seqlens, cp_size={cp_size}, layout='stream'), which pads the last "
+                f"the batch has {self.total} tokens, not a multiple of cp_size={cp_size}: the {layout} layout gives "
+                f"every rank {self.total}/{cp_size} tokens; pad the batch at its end: build the sharding with "
+                f"cpref.Sharding.eod_padded(cu_seqlens, cp_size={cp_size}, layout={layout!r}), which pads the last "
                 f"document, and pad the tensors with sharding.pad(x) (padding then stays out of attention)"
             )
         for i in range(self.num_docs):

@@ -103,7 +103,7 @@ class Sharding:
         padded = [0]
         for start, end in zip(real, real[1:]):
             padded.append(padded[-1] + -(-(end - start) // mult) * mult)  # ceil to a multiple
-        if layout == "stream":  # only the batch's end: the last document takes the padding
+        if layout in ("stream", "balanced"):  # only the batch's end: the last document takes the padding
             padded[-1] = -(-padded[-1] // as_int("cp_size", cp_size, lo=1)) * cp_size
         return cls(cu_seqlens, cp_size=cp_size, layout=layout, cu_seqlens_padded=padded)
 

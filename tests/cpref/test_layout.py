@@ -16,13 +16,13 @@ from tests.helpers import cu_from_lengths
 
 @st.composite
 def packed(draw, layout=None):
-    """A random packed batch: (cu_seqlens, P, layout), every document divisible by the layout (for stream: any
-    lengths, the last one making the batch a multiple of P)."""
+    """A random packed batch: (cu_seqlens, P, layout), every document divisible by the layout (for stream and
+    balanced: any lengths, the last one making the batch a multiple of P)."""
     P = draw(st.integers(1, 8))
     layout = layout or draw(st.sampled_from(LAYOUTS))
     mult = layout_multiple(layout, P)
-    lengths = draw(st.lists(st.integers(1, 4 if layout != "stream" else 20).map(lambda n: n * mult), min_size=1, max_size=5))
-    if layout == "stream":
+    lengths = draw(st.lists(st.integers(1, 4 if layout in CHUNKED_LAYOUTS else 20).map(lambda n: n * mult), min_size=1, max_size=5))
+    if layout not in CHUNKED_LAYOUTS:
         lengths[-1] += -sum(lengths) % P
     return cu_from_lengths(lengths), P, layout
 
@@ -231,3 +231,18 @@ def test_boundaries_report_padding_only_when_a_document_is_padded():
     assert not cpref.Boundaries.parse([0, 8, 16], [0, 8, 16]).is_padded
     assert cpref.Boundaries.parse([0, 5, 12], [0, 8, 16]).is_padded
     assert cpref.Boundaries.parse([0, 8, 15], [0, 8, 16]).is_padded  # only the last document padded
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "stream"])
+@pytest.mark.parametrize("P, a", [(4, 2), (8, 2), (8, 4), (6, 3), (4, 4)])
+def test_groups_of_consecutive_ranks_hold_the_layout_over_fewer_ranks(layout, P, a):
+    """The nesting a2a+p2p relies on: `a` consecutive ranks hold together exactly the tokens of the layout over
+    `P / a` ranks (zigzag's two runs of chunks are its chunks g and 2p - 1 - g), in the same order."""
+    mult = layout_multiple(layout, P)
+    cu = cu_from_lengths([mult * 3, mult * 5 + (7 if layout == "stream" else 0), mult])
+    if layout == "stream":
+        cu[-1] += -int(cu[-1]) % P
+    for g in range(P // a):
+        got = cpref.layout.group_chunks(cu, cp_size=P, group=a, g=g, layout=layout)
+        want = cpref.layout.global_index(cu, cp_size=P // a, rank=g, layout=layout if P > a else "contiguous")
+        assert torch.cat([torch.arange(s, e) for _, s, e in got]).tolist() == want.tolist(), g

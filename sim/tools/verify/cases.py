@@ -148,7 +148,7 @@ def lengths(setup: Setup, case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]
     """`(real, padded)` document lengths of `case` (see the module docstring)."""
     g = layout_multiple(case.layout, case.cp)
     up = lambda n: -(-n // g) * g  # noqa: E731  ceil to a multiple of g
-    if case.layout == "stream":  # only the batch's length matters: its last document takes what rounds it to P
+    if case.layout in ("stream", "balanced"):  # only the batch's length matters: its last document rounds it to P
         docs = list(setup.docs)
         if case.padded and sum(docs) % case.cp == 0:
             docs[-1] -= 1  # so that the batch ends in padding

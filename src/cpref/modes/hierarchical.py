@@ -142,7 +142,7 @@ def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan]:
     """`(exchange, ring)`: this rank's a2a group exchange plan and its plan in the ring of `P / a` groups."""
     a = call.options["a2a_size"]
     g = call.rank // a  # this rank's place in its ring: the index of its a2a group
-    return a2a_plan(call, a, g, call.heads[1], with_attention=False), ring_plan(call, call.P // a, g, call.layout)
+    return a2a_plan(call, a, g, call.heads[1], with_attention=False), ring_plan(call, call.P // a, g, call.layout, a)
 
 
 def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:

@@ -239,13 +239,16 @@ def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
     return dtype if plan.whole_rows else compute_dtype(dtype)
 
 
-def ring_plan(call: CPCall, P: int, rank: int, layout: str) -> RingPlan:
-    """The cached ring plan of `rank` in a ring of `P` over the call's batch (under the call's window, if any)."""
-    layout = layout if P > 1 else "contiguous"  # one rank: every layout is natural order, one sequence a document
+def ring_plan(call: CPCall, P: int, rank: int, layout: str, group: int = 1) -> RingPlan:
+    """The cached ring plan of member `rank` in a ring of `P` over the call's batch (under the call's window, if any);
+    each member a group of `group` consecutive ranks (the ring of `a2a+p2p`) holding `cpref.layout.group_chunks`."""
+    if P == 1:  # one member holds the batch in natural order, one sequence a document, whatever the layout
+        layout, group = "contiguous", 1
     key = ("ring", P, rank, layout, call.causal, str(call.device))
     if call.window != NO_WINDOW or layout not in CHUNKED_LAYOUTS:  # only the rows each rank reads (ring_window)
-        return call.plan(key + (call.window,), lambda: build_window_ring_plan(call.bounds, P, rank, layout, call.causal,
-                                                                               call.window, call.device))  # fmt: skip
+        return call.plan(key + (call.window, group), lambda: build_window_ring_plan(
+            call.bounds, P, rank, layout, call.causal, call.window, call.device, group))  # fmt: skip
+    # the chunked layouts nest: a group of `group` ranks holds the layout's chunks over P members (group_chunks)
     return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))
 
 

@@ -66,18 +66,24 @@ import torch
 from cpref.comm import Collectives
 from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
-from cpref.layout import local_chunks
+from cpref.layout import group_chunks, local_chunks
 from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.seqlens import Boundaries
 
 __all__ = ["build_window_ring_plan", "window_distances", "halo_forward", "halo_backward"]
 
 
-def _pieces(b: Boundaries, P: int, rank: int, layout: str) -> list[tuple[int, int, int, int]]:
-    """`(doc, a, z, row)` of every piece rank `rank` holds, in local order: positions `[a, z)` of document `doc`
-    (padding included), at row `row` of its buffer (`cpref.layout.local_chunks`)."""
+def _pieces(b: Boundaries, P: int, rank: int, layout: str, group: int = 1) -> list[tuple[int, int, int, int]]:
+    """`(doc, a, z, row)` of every piece ring member `rank` holds, in local order: positions `[a, z)` of document
+    `doc` (padding included), at row `row` of its buffer. A member is a rank (`group = 1`,
+    `cpref.layout.local_chunks`) or, in the ring of `a2a+p2p`, a group of `group` ranks of a layout over
+    `P group` ranks (`cpref.layout.group_chunks`)."""
+    if group == 1:
+        chunks = local_chunks(b, cp_size=P, rank=rank, layout=layout)
+    else:
+        chunks = group_chunks(b, cp_size=P * group, group=group, g=rank, layout=layout)
     out, row = [], 0
-    for doc, s, e in local_chunks(b, cp_size=P, rank=rank, layout=layout):
+    for doc, s, e in chunks:
         out.append((doc, s - b.padded[doc], e - b.padded[doc], row))
         row += e - s
     return out
@@ -106,11 +112,11 @@ def _sequences(b: Boundaries, mine, theirs, slot: int, causal: bool, window: tup
     return [seq for seq in out if seq[0]]
 
 
-def _calls(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bool,
-           window: tuple[int, int]) -> list[tuple[Varlen, torch.Tensor]]:  # fmt: skip
+def _calls(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bool, window: tuple[int, int],
+           group: int = 1) -> list[tuple[Varlen, torch.Tensor]]:  # fmt: skip
     """`(seqs, rows)` of every call of one step: one per sender piece slot some local query's window reaches;
     `rows` are the block's rows each call reads, in the original block's coordinates."""
-    mine, theirs = _pieces(b, P, rank, layout), _pieces(b, P, source, layout)
+    mine, theirs = _pieces(b, P, rank, layout, group), _pieces(b, P, source, layout, group)
     slots = max(Counter(doc for doc, *_ in theirs).values(), default=0)  # the most pieces of one document
     calls = []
     for slot in range(slots):
@@ -122,28 +128,30 @@ def _calls(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: b
     return calls
 
 
-def window_distances(b: Boundaries, P: int, layout: str, causal: bool, window: tuple[int, int]) -> tuple[int, ...]:
-    """`D`: the distances `d` in `1 .. P - 1` at which some rank's queries see a key of the block of rank `r - d`."""
-    b.check_divisible(layout, P)
-    return tuple(d for d in range(1, P) if any(_calls(b, P, r, (r - d) % P, layout, causal, window) for r in range(P)))
+def window_distances(b: Boundaries, P: int, layout: str, causal: bool, window: tuple[int, int],
+                     group: int = 1) -> tuple[int, ...]:  # fmt: skip
+    """`D`: the distances `d` in `1 .. P - 1` at which some member's queries see a key of the block of member `r - d`."""
+    b.check_divisible(layout, P * group)
+    return tuple(d for d in range(1, P) if any(_calls(b, P, r, (r - d) % P, layout, causal, window, group) for r in range(P)))
 
 
 def build_window_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, window: tuple[int, int],
-                           device: torch.device) -> RingPlan:  # fmt: skip
-    """The steps of rank `rank`, one per distance in `(0, *D)`, and the rows each shift carries (module docstring)."""
-    shifts = (0, *window_distances(b, P, layout, causal, window))
+                           device: torch.device, group: int = 1) -> RingPlan:  # fmt: skip
+    """The steps of ring member `rank` (of `P`; each a group of `group` ranks, see `_pieces`), one per distance in
+    `(0, *D)`, and the rows each shift carries (module docstring)."""
+    shifts = (0, *window_distances(b, P, layout, causal, window, group))
 
     @functools.cache
     def reads(r: int, d: int) -> torch.Tensor:
         """`R_d(r - d)`: the rows of the block of rank `r - d` that rank `r`'s calls read (sorted, unique)."""
-        rows = [rows for _, rows in _calls(b, P, r, (r - d) % P, layout, causal, window)]
+        rows = [rows for _, rows in _calls(b, P, r, (r - d) % P, layout, causal, window, group)]
         return torch.unique(torch.cat(rows)) if rows else torch.zeros(0, dtype=torch.int64)
 
     steps = []
     for d in shifts:
         held = reads(rank, d) if d else None  # None: the whole own block
         calls = []
-        for seqs, rows in _calls(b, P, rank, (rank - d) % P, layout, causal, window):
+        for seqs, rows in _calls(b, P, rank, (rank - d) % P, layout, causal, window, group):
             local = rows if held is None else torch.searchsorted(held, rows)  # positions among the rows received
             calls.append(RingCall(seqs, causal, local.to(device), window))
         steps.append(RingStep((rank - d) % P, tuple(calls)))

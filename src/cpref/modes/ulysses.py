@@ -61,7 +61,7 @@ from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, Varlen, compute_dtype
-from cpref.layout import global_index
+from cpref.layout import global_index, group_chunks
 from cpref.costs import ModeCosts, exchange_costs
 from cpref.modes.shared import head_split, no_double_backward, whole_documents
 from cpref.modes.spec import ModeSpec
@@ -102,11 +102,11 @@ class A2APlan:
 
 
 def a2a_permutation(b: Boundaries, P: int, a: int, g: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(perm, inv_perm)`: gathered tokens of a2a group `g` (ranks `g a .. g a + a - 1`) into the
-    local order of the layout over `P / a` ranks at rank `g` (natural order when `a == P`)."""
-    p = P // a
+    """`(perm, inv_perm)`: gathered tokens of a2a group `g` (ranks `g a .. g a + a - 1`) into the stream order
+    of the group's pieces (`cpref.layout.group_chunks`: the layout over `P / a` ranks at rank `g` for the
+    chunked layouts and stream; natural order when `a == P`)."""
     received = torch.cat([global_index(b, cp_size=P, rank=g * a + j, layout=layout) for j in range(a)])  # (a T_l,)
-    wanted = global_index(b, cp_size=p, rank=g, layout=layout if p > 1 else "contiguous")  # (a T_l,)
+    wanted = torch.cat([torch.arange(s, e) for _, s, e in group_chunks(b, cp_size=P, group=a, g=g, layout=layout)])
     where = torch.full((b.total,), -1, dtype=torch.int64)
     where[received] = torch.arange(len(received))  # global token -> row of the gathered buffer
     perm = where[wanted]

@@ -1,0 +1,163 @@
+r"""Benchmark: the layouts on realistic packed batches: padding, causal balance and traffic per mode.
+
+Every layout of `cpref.LAYOUTS`, every mode of `cpref.MODES` (with `example_options(P)`), at
+$P = 2, 4, 8$, on three packs:
+
+* **stdlib 32k** and **stdlib 128k**: the first pack of 32768 and of 131072 tokens of
+  `cpref.packing.pack_documents(cpref.packing.stdlib_documents(), T)`, the lengths of this
+  interpreter's standard library files as byte tokens (a few long documents);
+* **lognormal 64k**: many documents drawn from a long-tailed distribution. Document lengths in
+  pretraining corpora are roughly lognormal with a heavy tail (many short pages, a few books),
+  so the lengths are $\lceil X \rceil$, $\ln X \sim \mathcal{N}(\ln 512, 1)$ (median 512 tokens,
+  mean $512\, e^{1/2} \approx 844$), drawn with `torch.Generator().manual_seed(0)` and laid end
+  to end by `pack_documents` into its first pack of 65536 tokens: each document gets its
+  end-of-document token and the one that crosses the pack's end is cut there (69 documents).
+
+Each batch is sharded by `cpref.Sharding.eod_padded(cu_seqlens, cp_size=P, layout=layout)`. Per
+layout, mode-independent: the padding tokens as a share of the padded batch, and the causal work
+largest / mean over ranks, `sharding.attention_work(r, exact=True)` (the real scores). Per mode,
+from forward + backward of `cpref.attention` on `sim.SimCluster(P)` with a kernel that computes
+nothing (zeros of the contract's shapes and dtypes, so the collectives move real-shaped tensors):
+
+* **bytes**: the busiest rank's bytes sent, exact, summed over the mode's trace events;
+* **kernel work**: largest / mean over ranks of $\sum$ `seqs.work(causal, window)` times the call's
+  query heads, over the kernel calls, forward and backward: the scores the ranks would compute,
+  padding included (times the heads, so that Ulysses's rank, all tokens of `Hq / P` heads, compares);
+* **model time**: $\max_r (W_r / F + B_r / B)$ with $W_r$ the rank's kernel work, $B_r$ its bytes,
+  $F$ and $B$ the constants below, printed in the header. It is a model, not a measurement.
+
+Heads are tiny (`Hq = 8` so that Ulysses splits them over 8 ranks, `Hkv = 1`, `D = Dv = 8`,
+float32): bytes grow with heads and head dims, the work per head does not. At the end, for the
+lognormal pack at the largest $P$, the `"balanced"` layout's goals (when it is in
+`cpref.LAYOUTS`), printed as met or not, never asserted.
+
+Run it with `python -m bench.layouts`; `--quick` runs only $P = 2, 4$ on the 32k and lognormal packs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import cpref
+from cpref.kernels.contract import compute_dtype
+from cpref.packing import pack_documents, stdlib_documents
+from sim.harness import mode_trace, run_attention
+
+F = 2e11  # modelled compute: score entries per second
+B = 50e9  # modelled bandwidth: bytes per second each rank sends
+HQ, HKV, D, DV = 8, 1, 8, 8
+GOALS = {"padding %": 1.0, "work max/mean": 1.05, "bytes / zigzag": 1 / 3}  # the balanced layout's, at most
+
+
+class ZeroKernel:
+    """The `AttentionKernel` contract's shapes and dtypes, all zeros; records the work of every call."""
+
+    def __init__(self) -> None:
+        self.work = 0
+
+    def count(self, seqs: cpref.Varlen, causal: bool, window: tuple[int, int], heads: int) -> None:
+        """Add the call's scores, all its query heads (`Varlen.work` is per head, computed once per `Varlen`)."""
+        self.work += heads * seqs.cached(("bench.layouts work", causal, window), lambda: seqs.work(causal, window))
+
+    def forward(self, q, k, v, seqs, *, causal, scale, window=(-1, -1), out_dtype=None):
+        self.count(seqs, causal, window, q.shape[1])
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=out_dtype or q.dtype)  # (T, Hq, Dv)
+        return out, q.new_zeros(q.shape[:2], dtype=compute_dtype(q.dtype))  # (T, Hq)
+
+    def backward(self, dout, q, k, v, out, lse, seqs, *, causal, scale, window=(-1, -1), full_rows=False, grad_dtype=None):
+        self.count(seqs, causal, window, q.shape[1])
+        return tuple(torch.zeros_like(x, dtype=grad_dtype or x.dtype) for x in (q, k, v))  # like (q, k, v)
+
+
+def lognormal_pack(tokens: int = 65536, median: float = 512.0, sigma: float = 1.0, seed: int = 0) -> list[int]:
+    """`cu_seqlens` of the first pack of `tokens` of lognormal documents (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.empty(4 * tokens // int(median)).log_normal_(math.log(median), sigma, generator=g).ceil().long()
+    documents = (torch.zeros(n, dtype=torch.long) for n in lengths.tolist())  # (n,) token ids do not matter
+    return next(pack_documents(documents, tokens)).cu_seqlens.tolist()
+
+
+def packs(quick: bool) -> dict[str, list[int]]:
+    """`{name: cu_seqlens}` of the packs to run."""
+    sizes = {"stdlib 32k": 32768} if quick else {"stdlib 32k": 32768, "stdlib 128k": 131072}
+    out = {name: next(pack_documents(stdlib_documents(), n)).cu_seqlens.tolist() for name, n in sizes.items()}
+    return {**out, "lognormal 64k": lognormal_pack()}
+
+
+def ratio(values: list[int]) -> float:
+    """Largest over mean."""
+    return max(values) * len(values) / sum(values) if sum(values) else 1.0
+
+
+def run_mode(sharding: cpref.Sharding, mode: str) -> dict[str, float]:
+    """Forward + backward of `mode` with zero kernels: busiest rank's bytes, kernel work max/mean, model time."""
+    P, T = sharding.cp_size, sharding.total
+    q, dout = torch.zeros(T, HQ, D), torch.zeros(T, HQ, DV)  # (T, Hq, D), (T, Hq, Dv)
+    k, v = torch.zeros(T, HKV, D), torch.zeros(T, HKV, DV)  # (T, Hkv, D), (T, Hkv, Dv)
+    kernels = [ZeroKernel() for _ in range(P)]
+    _, cluster = run_attention(q, k, v, dout, sharding, mode=mode, kernels=kernels, check_ranks=False,
+                               **cpref.MODES[mode].example_options(P))  # fmt: skip
+    events = mode_trace(cluster)
+    sent = [sum(ev.bytes_sent[ev.group.index(r)] for ev in events if r in ev.group) for r in range(P)]
+    work = [kern.work for kern in kernels]
+    model = max(w / F + b / B for w, b in zip(work, sent))
+    return {"bytes": max(sent), "kernel work": ratio(work), "model ms": model * 1e3}
+
+
+def run_layout(cu: list[int], P: int, layout: str) -> dict:
+    """Padding %, exact causal work max/mean, and `{mode: run_mode(...)}` of one layout."""
+    sharding = cpref.Sharding.eod_padded(cu, cp_size=P, layout=layout)
+    padding = 100.0 * (sharding.total - cu[-1]) / sharding.total
+    work = ratio([sharding.attention_work(r, exact=True) for r in range(P)])
+    return {"padding %": padding, "work max/mean": work, "modes": {m: run_mode(sharding, m) for m in sorted(cpref.MODES)}}
+
+
+def table(name: str, cu: list[int], P: int, rows: dict[str, dict]) -> str:
+    """One pack at one `P`: a Markdown table, a row per layout and mode."""
+    lines = [f"### {name}: {len(cu) - 1} documents, {cu[-1]} tokens, P = {P} (model: F = {F:.0e} scores/s, B = {B:.0e} B/s)",
+             "", "| layout | padding | causal work max/mean | mode | bytes (busiest rank) | kernel work max/mean "
+             "| model time |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+    for layout, row in rows.items():
+        for i, (mode, m) in enumerate(row["modes"].items()):
+            head = f"| {layout} | {row['padding %']:.2f}% | {row['work max/mean']:.3f} |" if i == 0 else "| | | |"
+            lines.append(f"{head} {mode} | {m['bytes']:,} | {m['kernel work']:.3f} | {m['model ms']:.2f} ms |")
+    return "\n".join(lines)
+
+
+def goals(rows: dict[str, dict], P: int, layout: str = "balanced") -> str:
+    """`layout`'s goals against `GOALS` (bytes against zigzag's, mode by mode), each met or not."""
+    if layout not in rows:
+        return f"goals: layout {layout!r} is not in cpref.LAYOUTS {cpref.LAYOUTS}; nothing to check"
+    row, lines = rows[layout], [f"goals of {layout!r}, lognormal pack, P = {P} (printed, not asserted):"]
+
+    def line(what: str, value: float, goal: float) -> str:
+        return f"  {what}: {value:.3f} (goal {'<' if what == 'padding %' else '<='} {goal:.3g}): " + (
+            "met" if (value < goal if what == "padding %" else value <= goal) else "not met")
+
+    lines += [line(what, row[what], GOALS[what]) for what in ("padding %", "work max/mean")]
+    for mode, m in row["modes"].items():
+        base = rows["zigzag"]["modes"][mode]["bytes"]
+        lines.append(line(f"{mode} bytes / zigzag", m["bytes"] / base if base else math.inf, GOALS["bytes / zigzag"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="P = 2, 4 on the 32k and the lognormal pack only")
+    args = parser.parse_args(argv)
+    sizes = (2, 4) if args.quick else (2, 4, 8)
+    print(f"## Layouts on packed batches: heads Hq = {HQ}, Hkv = {HKV}, D = Dv = {D}, float32, causal, "
+          f"forward + backward on the simulated cluster; model times are a model, not a measurement\n")  # fmt: skip
+    for name, cu in packs(args.quick).items():
+        for P in sizes:
+            cpref.clear_cache()  # one batch's plans at a time
+            rows = {layout: run_layout(cu, P, layout) for layout in cpref.LAYOUTS}
+            print(table(name, cu, P, rows) + "\n", flush=True)
+    print(goals(rows, P))  # the last pack is the lognormal one, the last P the largest
+
+
+if __name__ == "__main__":
+    main()
