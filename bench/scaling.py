@@ -6,7 +6,8 @@ dim 64, float32, forward + backward, one thread per process:
 * **T(CP=1)**: one process runs `TorchKernel` forward + backward over the whole batch,
   which is what every mode reduces to at CP = 1;
 * **T(CP=2)**: two processes (`sim.tools.launch`, gloo) run `cpref.attention` forward + backward
-  for every mode of `cpref.MODES` and every layout, each rank on its shard; a step lasts
+  for every mode of `cpref.MODES` and both chunked layouts (contiguous, zigzag; the stream and
+  balanced layouts' costs are counted in `bench/layouts.py`), each rank on its shard; a step lasts
   as long as its slowest rank (the ranks start each step together, after a barrier).
 
 It prints the speedup T(CP=1) / T(CP=2) (target, printed and never asserted: at least 1.8
@@ -53,9 +54,11 @@ from bench.timed import Clock, TimedComm, TimedKernel
 from cpref.backends import TorchComm
 from cpref.kernels import Varlen
 from cpref.modes.ring_window import build_window_ring_plan
+from cpref.seqlens import CHUNKED_LAYOUTS
 from sim.tools.launch import launch
 
 TARGET = 1.8
+TIMED_LAYOUTS = CHUNKED_LAYOUTS  # the stream and balanced layouts' counted costs are bench.layouts' tables
 
 
 def batches(tokens: int) -> dict[str, list[int]]:
@@ -124,7 +127,7 @@ def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1,
     batch, small = _batch(sum(lengths), heads, dim), _batch(256, heads, dim, seed=1)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     shardings = {layout: (cpref.Sharding([0, 256], cp_size=comm.size, layout=layout),
-                          cpref.Sharding(cu, cp_size=comm.size, layout=layout)) for layout in cpref.LAYOUTS}  # fmt: skip
+                          cpref.Sharding(cu, cp_size=comm.size, layout=layout)) for layout in TIMED_LAYOUTS}  # fmt: skip
     results: dict = {("shift", layout): shift_seconds(raw, shifted_rows(timed, window), heads, dim)
                      for layout, (_, timed) in shardings.items()}  # fmt: skip
     for mode in sorted(cpref.MODES):
@@ -157,7 +160,7 @@ def report(t1: float, per_rank: list[dict]) -> list[str]:
     """The table: per mode and layout, T(CP=2), the speedup, each rank's split; the ring's steps."""
     head = f"{'mode':<11} {'layout':<11} {'T(CP=2)':>8} {'speedup':>8} {'target':>7}   rank  {'total':>7} {'compute':>8} {'comm wait':>10} {'other':>7}"
     lines, ring = [head, "-" * len(head)], []
-    t_shift = {layout: max(rank[("shift", layout)] for rank in per_rank) for layout in cpref.LAYOUTS}
+    t_shift = {layout: max(rank[("shift", layout)] for rank in per_rank) for layout in TIMED_LAYOUTS}
     for key in (k for k in per_rank[0] if k[0] != "shift"):
         steps = list(zip(*(rank[key] for rank in per_rank)))  # per timed step: one dict per rank
         best = min(steps, key=lambda step: max(r["total"] for r in step))  # the fastest step

@@ -45,6 +45,7 @@ GUIDE = [
     ("cache.md", "The batch cache", "cpref.cache"),
     ("sharding.md", "Sharding a batch", "cpref.sharding"),
     ("metadata.md", "Load-balanced metadata", "cpref.modes.all_gather_plan"),
+    ("all-gather-pieces.md", "All-gather over pieces", "cpref.modes.all_gather_pieces"),
     ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
     ("merge.md", "Merging partial results", "cpref.kernels.merge"),
     ("ring-plan.md", "The ring's steps", "cpref.modes.ring_plan"),

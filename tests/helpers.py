@@ -69,19 +69,25 @@ def only_the_comparison(trace) -> bool:
 
 
 def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1)):
-    """`mode_costs` of one call as the mode runs it: under a window, or with a layout whose ring sends only what
-    is read (stream), the ring level's shift sizes come from its plan (over P, or the P / a groups of a2a+p2p)."""
+    """`mode_costs` of one call as the mode runs it: under a window, or with a layout whose plans send only what
+    is read (stream, balanced), the ring level's shift sizes come from its plan (over P, or the P / a groups of
+    a2a+p2p), and all_gather's gathered rows from its plan."""
     import cpref
     from cpref.api import mode_costs
+    from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
     from cpref.modes.ring_window import build_window_ring_plan
     from cpref.seqlens import CHUNKED_LAYOUTS
 
-    options = cpref.MODES[mode].example_options(sharding.cp_size)
-    sizes = None
-    if mode in ("p2p", "a2a+p2p") and (tuple(window) != (-1, -1) or sharding.layout not in CHUNKED_LAYOUTS):
+    options, cpu, window = cpref.MODES[mode].example_options(sharding.cp_size), torch.device("cpu"), tuple(window)
+    sizes = gathered = None
+    by_pieces = sharding.layout not in CHUNKED_LAYOUTS and sharding.cp_size > 1
+    if mode in ("p2p", "a2a+p2p") and (window != (-1, -1) or by_pieces):
         a = options.get("a2a_size", 1)
         if sharding.cp_size > a:  # a ring of P / a members, each a groups of a ranks
-            sizes = build_window_ring_plan(sharding.bounds, sharding.cp_size // a, 0, sharding.layout, causal, tuple(window),
-                                           torch.device("cpu"), a).halo.sizes  # fmt: skip
+            sizes = build_window_ring_plan(sharding.bounds, sharding.cp_size // a, 0, sharding.layout, causal, window,
+                                           cpu, a).halo.sizes  # fmt: skip
+    if mode == "all_gather" and by_pieces:
+        plan = build_piece_all_gather_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, causal, cpu, window)
+        gathered = plan.gathered_rows
     return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
-                      halo_sizes=sizes, **options)  # fmt: skip
+                      halo_sizes=sizes, gathered_rows=gathered, **options)  # fmt: skip

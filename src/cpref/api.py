@@ -103,7 +103,9 @@ def mode_costs(mode: str, **arguments: Any) -> ModeCosts:
     Args:
         mode: a name in `MODES`.
         **arguments: `P`, `local_tokens`, `heads`, `dtype`, `selected_kv_rows` (the all-gather
-            plan's `sum(kv_len)`, for `save_gathered_kv`) and the mode's options.
+            plan's `sum(kv_len)`, for `save_gathered_kv`), `halo_sizes` (the ring plan's `halo.sizes`, under a
+            window or with the stream and balanced layouts), `gathered_rows` (the all-gather plan's, with
+            those layouts) and the mode's options.
     """
     return MODES[as_choice("mode", mode, list(MODES))].mode_costs(**arguments)
 

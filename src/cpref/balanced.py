@@ -11,13 +11,17 @@ plan:
 2. **Work.** A document of $n$ real tokens costs $w = n(n+1)/2$ causal scores; the mean per
    rank is $W^* = \sum_i w_i / P$.
 3. **Order.** Documents are placed by decreasing $w$ (ties: by index).
-4. **Cut what must be cut.** The heaviest documents are cut in zigzag pairs over the `P`
-   ranks: $2P$ chunks as equal as integers allow (the spare tokens to the ranks with the most
-   room, which keeps the ranks' room within one token), rank $r$ taking chunks $r$ and $2P - 1 - r$,
-   which gives every rank $1/P$ of the document's tokens and, as zigzag does, about $1/P$ of its
-   work. First every document with $w > W^*$ (it would make its rank the slowest however the
-   rest is placed); then, one at a time in decreasing $w$, the next heaviest, until steps 5 and
-   6 leave the largest rank within 2% of $W^*$ (`TOLERANCE`), or every document is cut.
+4. **Cut what must be cut.** The heaviest documents are cut in zigzag pairs over $k$ ranks,
+   the $k$ least loaded with room (ties: by index): $2k$ chunks as equal as integers allow (the
+   spare tokens to the ranks with the most room, which keeps their room within one token), the
+   $s$-th of the $k$ ranks taking chunks $s$ and $2k - 1 - s$, which gives each $1/k$ of the
+   document's tokens and, as zigzag does, about $1/k$ of its work; only those $k$ ranks ever
+   exchange its K/V. First every document with $w > W^*$ is cut (it would make its rank the
+   slowest however the rest is placed), over $k = \lceil w / W^* \rceil$ ranks (at least 2);
+   if steps 5 and 6 then leave the largest rank more than 2% above $W^*$ (`TOLERANCE`), every
+   $k$ is doubled (up to `P`: a cut over few ranks leaves them little room for the whole
+   documents that would balance the others), and when all are at `P`, the next heaviest
+   document is cut too, and so on, until the tolerance holds or every document is cut.
 5. **Keep the rest whole.** Every other document goes, whole, to the least loaded rank that has
    room for it (longest-processing-time first, the classic greedy for balancing loads).
 6. **Fill.** A document that fits on no rank (the ranks are full in tokens before they are in
@@ -27,8 +31,9 @@ plan:
 
 Each rank's tokens are its pieces `(doc, start, end)` in stream order
 ([`cpref.layout.local_chunks`][cpref.layout.local_chunks]); every mode runs the layout from
-them. A document held whole costs no communication in the modes that send only what is read
-(the ring, `p2p` and the ring level of `a2a+p2p`: [the ring that sends only what is read][cpref.modes.ring_window]).
+them. A document held whole costs no communication in the modes that send only what is read:
+the ring (`p2p` and the ring level of `a2a+p2p`: [the ring that sends only what is read][cpref.modes.ring_window])
+and `all_gather` ([the all-gather over pieces][cpref.modes.all_gather_pieces]).
 
 ## What it guarantees
 
@@ -37,21 +42,24 @@ them. A document held whole costs no communication in the modes that send only w
 * **Work**: the largest rank does at most $(1 + 0.02) W^*$, or every document is cut, and then
   the plan is zigzag without its per-document padding (every rank within integer rounding of
   $1/P$ of every document).
-* **Fewest cuts for it, greedily**: the cut documents are the shortest prefix, in decreasing
-  $w$, of the documents after which the greedy meets the tolerance; a document outside it is
-  cut only in step 6, when at its turn no rank has $n$ tokens of room.
-* **Cut documents balance themselves**: each puts the same tokens (to one) and about the same
-  work on every rank, so it cannot unbalance the plan, and the whole documents are balanced by
-  the greedy on top of them.
+* **Few cuts, over few ranks, greedily**: the cut documents are the shortest prefix, in
+  decreasing $w$, of the documents after which the greedy meets the tolerance, each over the
+  fewest ranks of the doubling that meets it; a document outside the prefix is cut only in step
+  6, when at its turn no rank has $n$ tokens of room.
+* **Cut documents balance themselves** over their $k$ ranks: each puts the same tokens (to one)
+  and about the same work on each of them, and the whole documents are balanced by the greedy
+  on top.
 
 ## Where it falls short
 
-* The plan is greedy, not optimal: it cuts whole documents over all `P` ranks where cutting one
-  over a sub-group (fewer ranks exchanging its K/V) or moving a few whole documents would do;
-  a search would move fewer bytes for the same balance.
-* Only the modes that send what is read profit in bytes: `p2p` and the ring level of `a2a+p2p`.
-  `all_gather` still gathers every rank's K/V and `a2a` still exchanges every token, whole
-  documents included (gathering or exchanging only the cut part is not implemented yet).
+* The plan is greedy, not optimal: its doubling of `k` and its prefix of cut documents are a
+  coarse search; a finer one (each document's own `k`, moving a few whole documents) would move
+  fewer bytes for the same balance.
+* `a2a` (and the exchange level of `a2a+p2p`) still exchanges every token, whole documents
+  included: attending to whole documents locally with all heads and exchanging only the cut
+  part is not implemented yet. `p2p` sends only what is read, and `all_gather` gathers only the
+  rows other ranks read ([the all-gather over pieces][cpref.modes.all_gather_pieces]), both
+  padded to the most any rank sends.
 * It balances the causal work of full attention; under a sliding window, or without a causal
   mask, the work of a document is another function of its length, which it does not use.
 * The hierarchical mode (`a2a+p2p`) runs its ring over groups of `a` consecutive ranks, whose
@@ -62,6 +70,7 @@ them. A document held whole costs no communication in the modes that send only w
 from __future__ import annotations
 
 import functools
+import math
 
 from cpref.seqlens import Boundaries
 
@@ -85,7 +94,13 @@ def balanced_pieces(b: Boundaries, P: int) -> tuple[tuple[tuple[int, int, int], 
     order = sorted(range(b.num_docs), key=lambda i: (-works[i], i))  # the heaviest first
     cut = sum(w > mean for w in works)  # 4) at least every document heavier than a rank's share
     while True:
-        held, load, room = _place(b, P, order, cut)
+        spread = 1
+        while True:  # each cut document over k = spread ceil(w / W*) ranks (at least 2, at most P)
+            ks = [min(P, max(2, spread * math.ceil(works[doc] / mean))) for doc in order[:cut]]
+            held, load, room = _place(b, P, order, ks)
+            if max(load) <= (1 + TOLERANCE) * mean or all(k == P for k in ks):
+                break
+            spread *= 2
         if max(load) <= (1 + TOLERANCE) * mean or cut == len(order):
             break
         cut += 1  # the next heaviest document is cut too
@@ -100,8 +115,9 @@ def balanced_pieces(b: Boundaries, P: int) -> tuple[tuple[tuple[int, int, int], 
     return tuple(_in_stream_order(b, pieces) for pieces in held)
 
 
-def _place(b: Boundaries, P: int, order: list[int], cut: int):
-    """Steps 4 to 6 with the first `cut` documents of `order` cut over all ranks: `(held, load, room)` per rank."""
+def _place(b: Boundaries, P: int, order: list[int], ks: list[int]):
+    """Steps 4 to 6 with the first `len(ks)` documents of `order` cut, the `i`-th over `ks[i]` ranks:
+    `(held, load, room)` per rank."""
     room, load = [b.total // P] * P, [0] * P
     held: list[list[tuple[int, int, int]]] = [[] for _ in range(P)]  # (doc, first position, last + 1)
 
@@ -110,29 +126,36 @@ def _place(b: Boundaries, P: int, order: list[int], cut: int):
         room[r] -= z - a
         load[r] += piece_work(a, z)
 
-    for doc in order[:cut]:  # 4) zigzag pairs over the P ranks: 2P chunks as equal as integers allow
-        n = b.real_len(doc)
-        by_room = sorted(range(P), key=lambda r: (-room[r], r))  # the spare tokens go where there is most room
-        spare = set([*by_room, *(2 * P - 1 - r for r in by_room)][: n % (2 * P)])  # front chunks first, then back
-        sizes = [n // (2 * P) + (j in spare) for j in range(2 * P)]
-        starts = [sum(sizes[:j]) for j in range(2 * P)]
-        for r in range(P):
-            for j in (r, 2 * P - 1 - r):
-                if sizes[j]:
-                    put(r, doc, starts[j], starts[j] + sizes[j])
-    for doc in order[cut:]:
-        n = b.real_len(doc)
-        fits = sorted((load[r], r) for r in range(P) if room[r] >= n)
-        if fits:  # 5) whole, to the least loaded rank with room
-            put(fits[0][1], doc, 0, n)
-            continue
-        a = 0  # 6) fill: contiguous pieces over the least loaded ranks with room
+    def fill(doc: int, n: int) -> None:  # 6) contiguous pieces over the least loaded ranks with room
+        a = 0
         for _, r in sorted((load[r], r) for r in range(P) if room[r]):
             z = min(n, a + room[r])
             put(r, doc, a, z)
             a = z
             if a == n:
                 break
+
+    for doc, k in zip(order, ks):  # 4) zigzag pairs over k ranks: 2k chunks as equal as integers allow
+        n = b.real_len(doc)
+        ranks = sorted(r for _, r in sorted((load[r], r) for r in range(P) if room[r] >= -(-n // k))[:k])
+        if len(ranks) < k:
+            fill(doc, n)
+            continue
+        by_room = sorted(range(k), key=lambda s: (-room[ranks[s]], s))  # the spare tokens go where there is most room
+        spare = set([*by_room, *(2 * k - 1 - s for s in by_room)][: n % (2 * k)])  # front chunks first, then back
+        sizes = [n // (2 * k) + (j in spare) for j in range(2 * k)]
+        starts = [sum(sizes[:j]) for j in range(2 * k)]
+        for s, r in enumerate(ranks):
+            for j in (s, 2 * k - 1 - s):
+                if sizes[j]:
+                    put(r, doc, starts[j], starts[j] + sizes[j])
+    for doc in order[len(ks):]:
+        n = b.real_len(doc)
+        fits = sorted((load[r], r) for r in range(P) if room[r] >= n)
+        if fits:  # 5) whole, to the least loaded rank with room
+            put(fits[0][1], doc, 0, n)
+        else:
+            fill(doc, n)
     return held, load, room
 
 

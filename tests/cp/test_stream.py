@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpref
+from cpref.api import mode_costs
 from cpref.kernels.contract import NO_WINDOW
-from cpref.modes.all_gather_plan import build_all_gather_plan, build_piece_all_gather_plan
+from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
+from cpref.modes.all_gather_plan import build_all_gather_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
 from sim.harness import trace_split
 from tests.helpers import attention_inputs, cu_from_lengths, expected_costs
@@ -67,6 +69,37 @@ def test_the_ring_sends_only_the_straddling_document_rows_their_readers_see():
     assert want.forward_bytes == (16 + 12) * row  # of the classic ring's (P - 1) T_l = 48 rows
 
 
+@pytest.mark.parametrize("layout", ["stream", "balanced"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_all_gather_moves_only_the_rows_other_ranks_read(layout, causal):
+    """Bytes and collectives of all_gather per rank are the formula with the plan's gathered rows, exactly; the
+    gathered rows are those of documents held by more than one rank (the most any rank shares), not the shard."""
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([8] * 10 + [40] + [8] * 10), cp_size=P, layout=layout)
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="all_gather", causal=causal, check_ranks=False,
+                        between=lambda comm: comm.barrier())  # fmt: skip
+    want = expected_costs("all_gather", sharding, HEADS, torch.float64, causal)
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), r
+        assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), r
+    whole = mode_costs("all_gather", P=P, local_tokens=sharding.local_tokens, heads=HEADS, dtype=torch.float64)
+    # balanced: only the document of 40 is cut (10 rows a rank). stream (ranks of 50 tokens): rank 1 holds 20 rows
+    # of it that rank 2 reads; without a causal mask rank 2 shares 26, its 20 of it and 6 of a document of 8
+    rows = 10 if layout == "balanced" else (20 if causal else 26)
+    assert want.forward_bytes == whole.forward_bytes * rows // sharding.local_tokens
+
+
+def test_all_gather_gathers_nothing_when_every_document_sits_on_one_rank():
+    P = 4
+    sharding = cpref.Sharding(cu_from_lengths([16] * 8), cp_size=P, layout="balanced")
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="all_gather", check_ranks=False, between=lambda comm: comm.barrier())
+    for r in range(P):
+        assert trace_split(cluster.trace, r) == ((0, {}), (0, {})), r
+
+
 def test_stream_work_is_unbalanced_as_contiguous_for_one_document():
     """On one document stream is contiguous (the same pieces), so its causal work grows with the rank."""
     cu = cu_from_lengths([64])
@@ -76,13 +109,14 @@ def test_stream_work_is_unbalanced_as_contiguous_for_one_document():
     assert work == sorted(work) and work[-1] > 3 * work[0]
 
 
-def _visible_rows(plan, causal: bool) -> list[list[int]]:
-    """For each local query row, the rows of the rank-major K/V its sequence lets it see (the plan's meaning)."""
+def _visible_tokens(plan, causal: bool, source) -> list[list[int]]:
+    """For each local query row, the global tokens its sequence lets it see (`source[row]`: the token of a
+    row of the buffer `kv_index` points into)."""
     seqs, out = plan.seqs, []
     for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
         for x in range(q1 - q0):
             lo, hi = seqs.visible(i, x, causal, plan.window)
-            out.append(sorted(plan.kv_index[k0 + lo : k0 + hi].tolist()) if hi > lo else [])
+            out.append(sorted(source[plan.kv_index[k0 + lo : k0 + hi]].tolist()) if hi > lo else [])
     return out
 
 
@@ -90,13 +124,18 @@ def _visible_rows(plan, causal: bool) -> list[list[int]]:
 @given(st.sampled_from(CHUNKED_LAYOUTS), st.sampled_from([2, 3, 4]), st.lists(st.integers(1, 5), min_size=1, max_size=4),
        st.booleans(), st.sampled_from([NO_WINDOW, (2, 0), (5, 3), (0, 0)]), st.booleans())  # fmt: skip
 def test_the_piece_plan_selects_what_the_rfc_indexing_selects(layout, P, units, causal, window, padded):
-    """The all-gather plan written on pieces (what stream runs) and the RFC's chunk arithmetic (what the chunked
-    layouts run) give every query row the same visible keys of the rank-major buffer, on every rank."""
+    """The all-gather plan written on pieces (what stream and balanced run: the local shard, then the rows others
+    read) and the RFC's chunk arithmetic (the rank-major buffer of the chunked layouts) give every query row the
+    same visible tokens, on every rank."""
     window = (window[0], 0) if causal and window != NO_WINDOW else window
     mult = cpref.layout.layout_multiple(layout, P)
     lengths = [n * mult - (1 if padded and n * mult > 1 else 0) for n in units]
-    sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P, layout=layout)
+    s = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P, layout=layout)
+    index = [s.global_index(r) for r in range(P)]
+    pieces = [build_piece_all_gather_plan(s.bounds, P, r, layout, causal, torch.device("cpu"), window) for r in range(P)]
+    m = pieces[0].gathered_rows
+    gathered = torch.cat([torch.cat([index[o][p.shared], torch.full((m - len(p.shared),), -1)]) for o, p in enumerate(pieces)])
     for r in range(P):
-        rfc = build_all_gather_plan(sharding.bounds, P, r, layout, causal, torch.device("cpu"), window)
-        pieces = build_piece_all_gather_plan(sharding.bounds, P, r, layout, causal, torch.device("cpu"), window)
-        assert _visible_rows(pieces, causal) == _visible_rows(rfc, causal), r
+        rfc = build_all_gather_plan(s.bounds, P, r, layout, causal, torch.device("cpu"), window)
+        want = _visible_tokens(rfc, causal, torch.cat(index))  # rank-major
+        assert _visible_tokens(pieces[r], causal, torch.cat([index[r], gathered])) == want, r

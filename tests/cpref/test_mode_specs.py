@@ -71,7 +71,7 @@ def test_a_mode_in_a_new_file_is_collected_with_its_options(tmp_path, monkeypatc
         def toy_plan(call):
             return None
 
-        def toy_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, width):
+        def toy_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, width):
             return ModeCosts(width * local_tokens, 0)
 
         MODE = ModeSpec(name="toy", order=1.5, run=run_toy, plan=toy_plan, collectives=frozenset(), costs=toy_costs,

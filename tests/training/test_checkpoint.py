@@ -38,7 +38,7 @@ def losses(stats):
 
 
 @pytest.mark.parametrize("resume_cp, mode, layout", [(1, "all_gather", "zigzag"), (4, "a2a+p2p", "zigzag"),
-                                                     (2, "a2a", "zigzag"), (4, "p2p", "stream")])  # fmt: skip
+                                                     (2, "a2a", "zigzag"), (4, "p2p", "stream"), (4, "all_gather", "balanced")])  # fmt: skip
 def test_resuming_at_another_cp_size_continues_the_run_step_for_step(tmp_path, resume_cp, mode, layout):
     """Saved at CP = 2 (p2p, zigzag), resumed at another CP size, mode or layout: the same run, step for step."""
     whole = losses(run_sim(spec(2, 8)))

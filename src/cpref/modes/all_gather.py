@@ -16,6 +16,10 @@ makes it efficient on packed (THD) batches with three ideas.
    attention call: chunk `j` with its prefix of `(j + 1) c_i` keys is one sequence, and the
    kernel's bottom-right causal mask aligns its last query with its last key.
 
+With the stream and balanced layouts, which keep documents whole where they can, the plan
+gathers only the rows other ranks read ([the all-gather over pieces][cpref.modes.all_gather_pieces]);
+the Function is the same.
+
 The backward mirrors the forward with the matching collective:
 
 $$ \text{forward: } K_{all} = \mathrm{AllGather}(K), \qquad
@@ -118,16 +122,19 @@ from cpref.call import CPCall
 from cpref.checks import as_bool
 from cpref.comm import Collectives
 from cpref.costs import ModeCosts, element_bytes, shard_bytes
-from cpref.kernels.contract import AttentionKernel, compute_dtype
-from cpref.modes.all_gather_plan import AllGatherPlan, all_gather_plan
-from cpref.modes.shared import no_double_backward
+from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
+from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
+from cpref.modes.all_gather_plan import AllGatherPlan, build_all_gather_plan
+from cpref.modes.shared import no_double_backward, whole_documents
 from cpref.modes.spec import ModeSpec, Option
+from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = [
     "AllGatherKVFunc",
     "AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced",
     "all_gather_forward",
     "all_gather_backward",
+    "all_gather_plan",
     "run_all_gather",
     "all_gather_costs",
     "MODE",
@@ -138,11 +145,23 @@ def gather_selected(k, v, plan: AllGatherPlan, comm: Collectives) -> tuple[torch
     """All-gather K and V (rank-major) and select each query sequence's keys: `(k_sel, v_sel)`."""
     if plan.kv_index is None:  # P = 1: the local K/V are every key, in order (see the plan)
         return k, v
+    if plan.shared is not None:  # only the rows others read, after the local shard (cpref.modes.all_gather_pieces)
+        k_src, v_src = (_with_shared(x, plan, comm) for x in (k, v))  # (T_l + P m, Hkv, D | Dv)
+        return k_src.index_select(0, plan.kv_index), v_src.index_select(0, plan.kv_index)
     k_all = comm.all_gather(k)  # (T_l, Hkv, D) -> (P T_l, Hkv, D)
     v_all = comm.all_gather(v)  # (T_l, Hkv, Dv) -> (P T_l, Hkv, Dv)
     k_sel = k_all.index_select(0, plan.kv_index)  # (sum kv_len, Hkv, D)
     v_sel = v_all.index_select(0, plan.kv_index)  # (sum kv_len, Hkv, Dv)
     return k_sel, v_sel
+
+
+def _with_shared(x: torch.Tensor, plan: AllGatherPlan, comm: Collectives) -> torch.Tensor:
+    """The local shard followed by every rank's shared rows, rank-major: `(T_l + P m, ...)` (no gather if m = 0)."""
+    if not plan.gathered_rows:
+        return x
+    mine = x.new_zeros((plan.gathered_rows, *x.shape[1:]))  # (m, ...): this rank's shared rows, then zeros
+    mine[: len(plan.shared)] = x.index_select(0, plan.shared)
+    return torch.cat([x, comm.all_gather(mine)])
 
 
 # --8<-- [start:forward]
@@ -168,6 +187,9 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
         dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, window=plan.window, scale=scale, full_rows=True,
         grad_dtype=acc,
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
+    if plan.shared is not None:  # the local part stays, the gathered part goes home (cpref.modes.all_gather_pieces)
+        dk, dv = (_shared_grad(g, plan, comm, q.shape[0]) for g in (dk_sel, dv_sel))
+        return dq.to(q.dtype), dk.to(k_sel.dtype), dv.to(v_sel.dtype)
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer, in float32
     dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:])).index_add_(0, plan.kv_index, dk_sel)  # (P T_l, Hkv, D)
     dv_all = dv_sel.new_zeros((rows, *dv_sel.shape[1:])).index_add_(0, plan.kv_index, dv_sel)  # (P T_l, Hkv, Dv)
@@ -176,6 +198,17 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
     dv = comm.reduce_scatter(dv_all).to(v_sel.dtype)  # (P T_l, Hkv, Dv) -> (T_l, Hkv, Dv)
     return dq.to(q.dtype), dk, dv
 # --8<-- [end:backward]
+
+
+def _shared_grad(g_sel: torch.Tensor, plan: AllGatherPlan, comm: Collectives, t_l: int) -> torch.Tensor:
+    """dK (or dV) of the local shard from the selected keys' partials: the local rows' sums, plus the shared
+    rows' sums over the ranks that read them (one reduce-scatter of the gathered part, in float32)."""
+    m = plan.gathered_rows
+    g_src = g_sel.new_zeros((t_l + comm.size * m, *g_sel.shape[1:])).index_add_(0, plan.kv_index, g_sel)
+    g = g_src[:t_l]  # (T_l, ...)
+    if m:
+        g.index_add_(0, plan.shared, comm.reduce_scatter(g_src[t_l:])[: len(plan.shared)])  # (P m) -> (m)
+    return g
 
 
 class AllGatherKVFunc(torch.autograd.Function):
@@ -212,22 +245,39 @@ class AllGatherKVFunc(torch.autograd.Function):
 AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced = AllGatherKVFunc
 
 
+def all_gather_plan(call: CPCall) -> AllGatherPlan:
+    """This rank's cached plan for the call: the selecting plan (the RFC's for the chunked layouts, the pieces'
+    for stream and balanced), or at `P = 1` the documents over the local K/V."""
+    if call.P == 1:  # the documents over the local K/V (the facade's selecting plan has another key)
+        return call.plan(("all_gather local", call.window), lambda: AllGatherPlan(None, whole_documents(call.bounds), call.window))
+    key = ("all_gather", call.P, call.rank, call.layout, call.causal, str(call.device))  # metadata's facade shares it
+    if call.window != NO_WINDOW:
+        key += (call.window,)
+    build = build_all_gather_plan if call.layout in CHUNKED_LAYOUTS else build_piece_all_gather_plan
+    return call.plan(key, lambda: build(call.bounds, call.P, call.rank, call.layout, call.causal, call.device, call.window))
+
+
 def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: this rank's plan from the batch cache, then the Function."""
     plan = all_gather_plan(call)
     return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"])
 
 
-def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, save_gathered_kv) -> ModeCosts:
-    """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.costs`)."""
+def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows,
+                     save_gathered_kv) -> ModeCosts:  # fmt: skip
+    """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.costs`); with
+    `gathered_rows` (stream, balanced: `cpref.modes.all_gather_pieces`) only those rows of each rank travel."""
     hq, hkv, d, dv = heads
     t, (b, f) = local_tokens, element_bytes(dtype)
-    fwd = (P - 1) * t * hkv * (d + dv) * b
+    rows = t if gathered_rows is None else gathered_rows  # what each rank contributes to the all-gather
+    fwd = (P - 1) * rows * hkv * (d + dv) * b
     saved = shard_bytes(t, heads, dtype)
     if save_gathered_kv:  # the query side as usual, and the selected K/V rows instead of the local shards
         saved = t * (b * (hq * d + hq * dv) + f * hq) + selected_kv_rows * hkv * (d + dv) * b
     bwd_ops = Counter(reduce_scatter=2) + (Counter() if save_gathered_kv else Counter(all_gather=2))
-    bwd = (0 if save_gathered_kv else fwd) + (P - 1) * t * hkv * (d + dv) * f  # re-gather, float32 dK/dV
+    bwd = (0 if save_gathered_kv else fwd) + (P - 1) * rows * hkv * (d + dv) * f  # re-gather, float32 dK/dV
+    if rows == 0:  # nothing to gather: no collective at all
+        return ModeCosts(0, 0, Counter(), Counter(), saved)
     return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved)
 
 

@@ -85,13 +85,11 @@ from typing import Any, Mapping
 
 import torch
 
-from cpref.call import CPCall
 from cpref.kernels.contract import NO_WINDOW, Varlen
-from cpref.layout import chunk_ids, chunk_owner, local_chunks
-from cpref.modes.shared import whole_documents
-from cpref.seqlens import CHUNKED_LAYOUTS, Boundaries
+from cpref.layout import chunk_ids, chunk_owner
+from cpref.seqlens import Boundaries
 
-__all__ = ["AllGatherPlan", "all_gather_plan", "build_all_gather_plan", "build_piece_all_gather_plan"]
+__all__ = ["AllGatherPlan", "build_all_gather_plan"]
 
 
 @dataclass(frozen=True)
@@ -104,11 +102,18 @@ class AllGatherPlan:
         seqs: the kernel call's query and key sequences, host lengths (with explicit shifts
             where a window's key range does not end at its queries' end).
         window: the kernel call's `(left, right)` window (`(-1, -1)`: none).
+        shared: None: the all-gather moves every rank's whole shard and `kv_index` points into the rank-major
+            buffer (the chunked layouts). Else the rows of the local shard that other ranks read, which alone
+            are gathered, zero-padded to `gathered_rows` on every rank; `kv_index` then points into the local
+            shard followed by the gathered rows, rank-major (`cpref.modes.all_gather_pieces`).
+        gathered_rows: the rows every rank contributes to the all-gather (with `shared`).
     """
 
     kv_index: torch.Tensor | None
     seqs: Varlen
     window: tuple[int, int] = NO_WINDOW
+    shared: torch.Tensor | None = None
+    gathered_rows: int = 0
 
     def as_mapping(self, P: int) -> Mapping[str, Any]:
         """A read-only view with the MindSpeed RFC's keys (of a selecting plan, over `P` ranks)."""
@@ -192,49 +197,3 @@ def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal:
 
     seqs = Varlen.from_lengths(q_lens, kv_lens, shifts if window != NO_WINDOW else None)
     return AllGatherPlan(kv_index, seqs, window)
-
-
-def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
-                                window: tuple[int, int] = NO_WINDOW) -> AllGatherPlan:  # fmt: skip
-    """The selecting plan from the layout's pieces (`cpref.layout.local_chunks`), for any layout: every local
-    piece's real queries against the keys they see, found through each document's map from position to row of
-    the rank-major buffer (one sequence per piece and its padding; explicit shifts)."""
-    T_l = b.total // P
-    where: dict[int, list[tuple[int, int, int]]] = {}  # doc -> (first position, last + 1, first gathered row)
-    for r in range(P):
-        row = r * T_l
-        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
-            where.setdefault(doc, []).append((s - b.padded[doc], e - b.padded[doc], row))
-            row += e - s
-
-    def span(doc: int, lo: int, hi: int) -> list[torch.Tensor]:
-        """Rows of the document's keys at positions `[lo, hi)`, in natural order."""
-        return [torch.arange(row + max(lo, a) - a, row + min(hi, z) - a) for a, z, row in sorted(where[doc])
-                if min(hi, z) > max(lo, a)]  # fmt: skip
-
-    left, right = window if window != NO_WINDOW else (-1, -1)
-    right = 0 if causal else right
-    keys, q_lens, kv_lens, shifts = [], [], [], []
-    for doc, s, e in local_chunks(b, cp_size=P, rank=rank, layout=layout):
-        a, z, n = s - b.padded[doc], e - b.padded[doc], b.real_len(doc)
-        zr = a + b.real_in(doc, a, z)  # real queries [a, zr)
-        lo = 0 if left < 0 else max(0, a - left)
-        hi = n if right < 0 else min(n, zr + right)
-        for n_q, rows, shift in ((zr - a, span(doc, lo, hi) if zr > a else [], a - lo), (z - zr, [], None)):
-            if n_q:
-                n_k = sum(len(x) for x in rows)
-                keys += rows
-                q_lens.append(n_q), kv_lens.append(n_k), shifts.append(n_k - n_q if shift is None or not n_k else shift)
-    kv_index = (torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)).to(device)  # (sum kv_len,)
-    return AllGatherPlan(kv_index, Varlen.from_lengths(q_lens, kv_lens, shifts), window)
-
-
-def all_gather_plan(call: CPCall) -> AllGatherPlan:
-    """This rank's cached plan for the call: the selecting plan, or at `P = 1` the documents over the local K/V."""
-    if call.P == 1:  # the documents over the local K/V (the facade's selecting plan has another key)
-        return call.plan(("all_gather local", call.window), lambda: AllGatherPlan(None, whole_documents(call.bounds), call.window))
-    key = ("all_gather", call.P, call.rank, call.layout, call.causal, str(call.device))  # metadata's facade shares it
-    if call.window != NO_WINDOW:
-        key += (call.window,)
-    build = build_all_gather_plan if call.layout in CHUNKED_LAYOUTS else build_piece_all_gather_plan
-    return call.plan(key, lambda: build(call.bounds, call.P, call.rank, call.layout, call.causal, call.device, call.window))

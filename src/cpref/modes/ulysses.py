@@ -236,7 +236,7 @@ def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return UlyssesFunc.apply(q, k, v, ulysses_plan(call), comm, call.kernel, call.causal, call.scale)
 
 
-def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes) -> ModeCosts:
+def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows) -> ModeCosts:
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over all P ranks."""
     return exchange_costs(P, local_tokens, heads, dtype)
 

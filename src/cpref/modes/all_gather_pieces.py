@@ -1,0 +1,88 @@
+r"""The all-gather plan for the stream and balanced layouts: gather only the rows others read.
+
+The chunked layouts cut every document over every rank, so every rank needs keys of every
+other rank and the all-gather moves whole shards ([the RFC's plan][cpref.modes.all_gather_plan]).
+With the layouts that keep documents whole or cut them only across some ranks
+([`cpref.layout`][cpref.layout]: `stream`, `balanced`), most of a rank's keys are read by its
+own queries only. This plan, written on the layout's pieces (`(doc, start, end)` per rank):
+
+1. **Reads.** Each local piece's real queries $[a, z)$ see the keys $[lo, hi)$ of their document
+   (the causal prefix up to $z$, the whole document without a causal mask, or the window's
+   span), wherever those keys are held.
+2. **Shared rows.** Rank $s$'s *shared* rows are those of its shard that some other rank reads,
+   in local order; every rank pads its list to the longest, $m$ rows, which is all it
+   contributes to the all-gather (`gathered_rows`, from the boundaries alone, so every rank
+   agrees). A batch whose documents all sit on one rank each gathers nothing ($m = 0$).
+3. **Source buffer.** The keys come from the local shard followed by the gathered rows,
+   rank-major: `(T_l + P m, Hkv, D)`. `kv_index` picks each query sequence's keys from it in
+   natural order, the rank's own keys from its shard, the others' from their gathered rows.
+
+The backward adds each key's gradient at its source row (`index_add_`), keeps the local part,
+reduce-scatters the gathered part (float32, as the RFC's path does) and adds what comes back at
+the shared rows. Per rank: forward $(P - 1)\, m\, H_{kv} (D + D_v)$ elements, backward the same
+again (re-gathered) plus $(P - 1)\, m\, H_{kv} (D + D_v)$ float32 elements of dK/dV, against
+$(P - 1)\, T_l$ rows of the whole-shard gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpref.kernels.contract import NO_WINDOW, Varlen
+from cpref.layout import local_chunks
+from cpref.modes.all_gather_plan import AllGatherPlan
+from cpref.seqlens import Boundaries
+
+__all__ = ["build_piece_all_gather_plan"]
+
+
+def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
+                                window: tuple[int, int] = NO_WINDOW) -> AllGatherPlan:  # fmt: skip
+    """Rank `rank`'s plan (module docstring): its sequences, its shared rows and every key's source row."""
+    T_l = b.total // P
+    pieces = [local_chunks(b, cp_size=P, rank=r, layout=layout) for r in range(P)]
+    held: dict[int, list[tuple[int, int, int, int]]] = {}  # doc -> (first position, last + 1, rank, first local row)
+    for r in range(P):
+        row = 0
+        for doc, s, e in pieces[r]:
+            held.setdefault(doc, []).append((s - b.padded[doc], e - b.padded[doc], r, row))
+            row += e - s
+    for doc in held:
+        held[doc].sort()
+    left, right = window if window != NO_WINDOW else (-1, -1)
+    right = 0 if causal else right
+
+    def reads(r: int):
+        """`(n_q, n_pad, [(owner, first row, last row + 1), ...], shift)` of each local piece of rank `r`."""
+        out = []
+        for doc, s, e in pieces[r]:
+            a, z, n = s - b.padded[doc], e - b.padded[doc], b.real_len(doc)
+            zr = a + b.real_in(doc, a, z)  # real queries [a, zr)
+            lo = 0 if left < 0 else max(0, a - left)
+            hi = n if right < 0 else min(n, zr + right)
+            spans = [(o, row + max(lo, pa) - pa, row + min(hi, pz) - pa) for pa, pz, o, row in held[doc]
+                     if zr > a and min(hi, pz) > max(lo, pa)]  # fmt: skip
+            out.append((zr - a, z - zr, spans, a - lo))
+        return out
+
+    # 1) and 2): the rows of each rank that another rank reads, sorted
+    wanted: list[list[torch.Tensor]] = [[] for _ in range(P)]
+    for r in range(P):
+        for _, _, spans, _ in reads(r):
+            for o, r0, r1 in spans:
+                if o != r:
+                    wanted[o].append(torch.arange(r0, r1))
+    shared = [torch.unique(torch.cat(w)) if w else torch.zeros(0, dtype=torch.int64) for w in wanted]
+    m = max(len(x) for x in shared)
+    # 3) this rank's key rows in the source buffer: its shard, then the gathered rows, rank-major
+    keys, q_lens, kv_lens, shifts = [], [], [], []
+    for n_q, n_pad, spans, shift in reads(rank):
+        rows = [torch.arange(r0, r1) if o == rank else T_l + o * m + torch.searchsorted(shared[o], torch.arange(r0, r1))
+                for o, r0, r1 in spans]  # fmt: skip
+        for count, keys_of, d in ((n_q, rows, shift), (n_pad, [], None)):
+            if count:
+                n_k = sum(len(x) for x in keys_of)
+                keys += keys_of
+                q_lens.append(count), kv_lens.append(n_k), shifts.append(d if d is not None and n_k else n_k - count)
+    kv_index = (torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)).to(device)  # (sum kv_len,)
+    return AllGatherPlan(kv_index, Varlen.from_lengths(q_lens, kv_lens, shifts), window, shared[rank].to(device), m)
