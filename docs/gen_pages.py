@@ -52,6 +52,7 @@ GUIDE = [
     ("ring.md", "Ring attention (p2p)", "cpref.modes.ring"),
     ("ring-window.md", "The ring under a sliding window", "cpref.modes.ring_window"),
     ("ulysses.md", "Ulysses (a2a)", "cpref.modes.ulysses"),
+    ("ulysses-split.md", "Ulysses for stream and balanced", "cpref.modes.ulysses_split"),
     ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
     ("which-mode.md", "Which mode when", "cpref.costs"),
     ("mode-spec.md", "Modes that declare themselves", "cpref.modes.spec"),

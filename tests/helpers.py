@@ -71,7 +71,7 @@ def only_the_comparison(trace) -> bool:
 def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1)):
     """`mode_costs` of one call as the mode runs it: under a window, or with a layout whose plans send only what
     is read (stream, balanced), the ring level's shift sizes come from its plan (over P, or the P / a groups of
-    a2a+p2p), and all_gather's gathered rows from its plan."""
+    a2a+p2p), and all_gather's and a2a's gathered rows from their plans."""
     import cpref
     from cpref.api import mode_costs
     from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
@@ -89,5 +89,10 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
     if mode == "all_gather" and by_pieces:
         plan = build_piece_all_gather_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, causal, cpu, window)
         gathered = plan.gathered_rows
+    if mode == "a2a" and by_pieces:
+        from cpref.modes.ulysses_split import build_split_plan
+
+        gathered = build_split_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, heads[0], heads[1], window,
+                                    cpu).rows  # fmt: skip
     return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
                       halo_sizes=sizes, gathered_rows=gathered, **options)  # fmt: skip

@@ -3,6 +3,7 @@
 import torch
 
 import cpref
+from cpref.seqlens import CHUNKED_LAYOUTS
 from sim import demo
 from tests.helpers import expected_costs
 
@@ -23,7 +24,10 @@ def test_demo_runs_and_reports(capsys):
         sharding = cpref.Sharding(demo._cu(demo.LENGTHS), cp_size=P, layout=layout)
         costs = expected_costs(mode, sharding, (demo.HQ, demo.HKV, demo.D, demo.D), torch.float64)
         assert int(cols[4]) == costs.forward_bytes + costs.backward_bytes  # bytes sent per rank
-        assert int(cols[5]) == costs.saved_bytes
+        if mode == "a2a" and layout not in CHUNKED_LAYOUTS:  # split Ulysses: ranks save differently, within the bound
+            assert max(int(x) for x in cols[5].split("-")) <= costs.saved_bytes
+        else:
+            assert int(cols[5]) == costs.saved_bytes
     assert "within 1e-10" in out
     # part 3: the production path on 2 gloo processes: a passing row per mode, layout and rank
     rows = [line.split() for line in verified.splitlines() if line.split()[:1] and line.split()[0] in cpref.MODES]

@@ -33,7 +33,8 @@ Each rank's tokens are its pieces `(doc, start, end)` in stream order
 ([`cpref.layout.local_chunks`][cpref.layout.local_chunks]); every mode runs the layout from
 them. A document held whole costs no communication in the modes that send only what is read:
 the ring (`p2p` and the ring level of `a2a+p2p`: [the ring that sends only what is read][cpref.modes.ring_window])
-and `all_gather` ([the all-gather over pieces][cpref.modes.all_gather_pieces]).
+`all_gather` ([the all-gather over pieces][cpref.modes.all_gather_pieces]) and `a2a`
+([Ulysses for stream and balanced][cpref.modes.ulysses_split]).
 
 ## What it guarantees
 
@@ -55,11 +56,12 @@ and `all_gather` ([the all-gather over pieces][cpref.modes.all_gather_pieces]).
 * The plan is greedy, not optimal: its doubling of `k` and its prefix of cut documents are a
   coarse search; a finer one (each document's own `k`, moving a few whole documents) would move
   fewer bytes for the same balance.
-* `a2a` (and the exchange level of `a2a+p2p`) still exchanges every token, whole documents
-  included: attending to whole documents locally with all heads and exchanging only the cut
-  part is not implemented yet. `p2p` sends only what is read, and `all_gather` gathers only the
-  rows other ranks read ([the all-gather over pieces][cpref.modes.all_gather_pieces]), both
-  padded to the most any rank sends.
+* The exchange level of `a2a+p2p` still exchanges every token of its group, whole documents
+  included. `a2a` exchanges only the cut documents and attends to the whole ones where they are
+  ([Ulysses for stream and balanced][cpref.modes.ulysses_split]), `p2p` sends only what is
+  read, and `all_gather` gathers only the rows other ranks read
+  ([the all-gather over pieces][cpref.modes.all_gather_pieces]), each padded to the most any
+  rank sends.
 * It balances the causal work of full attention; under a sliding window, or without a causal
   mask, the work of a document is another function of its length, which it does not use.
 * The hierarchical mode (`a2a+p2p`) runs its ring over groups of `a` consecutive ranks, whose

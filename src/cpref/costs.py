@@ -27,9 +27,10 @@ Under a sliding window the ring levels of `p2p` and `a2a+p2p` move only what the
 of the rows the rank $d$ ahead reads, forward and backward, and one of their float32 dK/dV back), and
 `all_gather` and `a2a` move what they move without one (`all_gather` selects, computes and
 saves only the visible rows; `a2a` runs its one call windowed). With the stream and balanced
-layouts the ring levels move only what is read too, window or not, and `all_gather` gathers
+layouts the ring levels move only what is read too, window or not, `all_gather` gathers
 only the `gathered_rows` of each rank that other ranks read
-([`cpref.modes.all_gather_pieces`][cpref.modes.all_gather_pieces]).
+([`cpref.modes.all_gather_pieces`][cpref.modes.all_gather_pieces]), and `a2a` exchanges only the
+`gathered_rows` of the documents that span ranks ([`cpref.modes.ulysses_split`][cpref.modes.ulysses_split]).
 
 Every call adds the ranks' comparison of their arguments, one host all-gather of an int64 row
 ([`cpref.consistency`][cpref.consistency]), and the hierarchical mode's first call on a

@@ -18,7 +18,7 @@ from cpref.modes.all_gather_plan import build_all_gather_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
 from sim.harness import trace_split
 from tests.helpers import attention_inputs, cu_from_lengths, expected_costs
-from tests.cp.conftest import run_cp
+from tests.cp.conftest import CountingKernel, run_cp
 
 HEADS = (4, 2, 8, 8)
 
@@ -96,6 +96,40 @@ def test_all_gather_gathers_nothing_when_every_document_sits_on_one_rank():
     sharding = cpref.Sharding(cu_from_lengths([16] * 8), cp_size=P, layout="balanced")
     q, k, v, dout = attention_inputs(sharding.total, HEADS)
     _, cluster = run_cp(q, k, v, dout, sharding, mode="all_gather", check_ranks=False, between=lambda comm: comm.barrier())
+    for r in range(P):
+        assert trace_split(cluster.trace, r) == ((0, {}), (0, {})), r
+
+
+@pytest.mark.parametrize("layout", ["stream", "balanced"])
+def test_a2a_exchanges_only_the_documents_that_span_ranks(layout):
+    """Ulysses over stream or balanced: the documents held whole stay home (all heads, one call), the others take
+    the exchange padded to the most any rank has; bytes and collectives are the formula's, exactly, and the
+    saved bytes at most its bound, on every rank."""
+    from sim.harness import saved_bytes
+
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([8] * 10 + [40] + [8] * 10), cp_size=P, layout=layout)
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    kernels = [CountingKernel() for _ in range(P)]
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="a2a", check_ranks=False, kernels=kernels,
+                        between=lambda comm: comm.barrier())  # fmt: skip
+    want = expected_costs("a2a", sharding, HEADS, torch.float64)
+    saved = saved_bytes(q, k, v, sharding, mode="a2a", check_ranks=False)
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), r
+        assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), r
+        assert saved[r] <= want.saved_bytes, r
+        assert kernels[r].forward_calls == 2  # the documents held here, and the shared ones
+    whole = mode_costs("a2a", P=P, local_tokens=sharding.local_tokens, heads=HEADS, dtype=torch.float64)
+    assert 0 < want.forward_bytes < whole.forward_bytes
+
+
+def test_a2a_moves_nothing_when_every_document_sits_on_one_rank():
+    P = 4
+    sharding = cpref.Sharding(cu_from_lengths([16] * 8), cp_size=P, layout="balanced")
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="a2a", check_ranks=False, between=lambda comm: comm.barrier())
     for r in range(P):
         assert trace_split(cluster.trace, r) == ((0, {}), (0, {})), r
 

@@ -61,9 +61,8 @@ from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_d
 from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
-from cpref.modes.ulysses import (
-    A2APlan, a2a_gather, a2a_plan, a2a_scatter, check_a2a_heads, kv_grad_dtype, replicate, scatter_grads,
-)
+from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.ulysses import check_a2a_heads
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size",
            "hierarchical_plan", "hierarchical_costs", "MODE"]

@@ -1,0 +1,178 @@
+r"""Ulysses for the stream and balanced layouts: exchange only the documents that span ranks.
+
+[Ulysses][cpref.modes.ulysses] trades the sequence split for a head split so that every rank
+sees whole documents. With the layouts that keep documents whole ([`cpref.layout`][cpref.layout]:
+`balanced`, and every document of `stream` that does not straddle a rank boundary), a rank
+already holds whole documents for all heads: exchanging them moves bytes for nothing. This
+variant splits each rank's rows in two:
+
+* **own** rows: the documents whose real tokens all sit on this rank (and any padding of a
+  document that does not span ranks): one kernel call, all heads, no communication;
+* **shared** rows: the documents whose real tokens span ranks. Every rank pads its shared rows
+  to the most any rank has, $m$ (from the boundaries alone, so every rank agrees), and those
+  $(m, H, X)$ take Ulysses' exchange: all-to-all to $(P m, H / P, X)$, a permutation into
+  document order (the padding slots last), one kernel call over the shared documents, and
+  back.
+
+The two outputs are written into their rows. The backward mirrors it: the own rows' gradients
+come from one backward call, the shared rows' through the same exchanges (dK/dV of replicated
+key/value heads in float32, as in Ulysses). Per rank the traffic is Ulysses' on $m$ rows
+instead of $T_l$ (`cpref.costs.exchange_costs` with `gathered_rows` $= m$); a batch whose
+documents all sit on one rank each moves nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpref.call import CPCall
+from cpref.comm import Collectives
+from cpref.kernels.contract import Varlen
+from cpref.layout import local_chunks
+from cpref.modes.shared import head_split, no_double_backward
+from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.seqlens import Boundaries
+
+__all__ = ["SplitPlan", "SplitUlyssesFunc", "build_split_plan", "split_plan"]
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One rank's split (module docstring).
+
+    Attributes:
+        own: `(n_own,)` local rows of the documents held here whole, in local order.
+        own_seqs: the own call's sequences over those rows (whole documents, padding as rows with no keys).
+        shared: `(c,)` local rows of the documents that span ranks, in local order.
+        rows: `m`, the shared rows every rank exchanges (its own `c`, then zeros).
+        exchange: the exchange of the `P m` gathered rows and the call over them (`attend`).
+    """
+
+    own: torch.Tensor
+    own_seqs: Varlen
+    shared: torch.Tensor
+    rows: int
+    exchange: A2APlan
+
+
+def _shared_docs(b: Boundaries, P: int, layout: str) -> set[int]:
+    """The documents whose real tokens sit on more than one rank."""
+    holders: dict[int, set[int]] = {}
+    for r in range(P):
+        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
+            if b.real_in(doc, s - b.padded[doc], e - b.padded[doc]):
+                holders.setdefault(doc, set()).add(r)
+    return {doc for doc, ranks in holders.items() if len(ranks) > 1}
+
+
+def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, window, device) -> SplitPlan:
+    """Rank `rank`'s split plan (no caching)."""
+    shared_docs = _shared_docs(b, P, layout)
+    shared_ids, own_rows, own_lens = [], [], []  # per rank: global ids of its shared rows
+    for r in range(P):
+        ids, row = [], 0
+        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
+            if doc in shared_docs:
+                ids.append(torch.arange(s, e))
+            elif r == rank:  # an own piece: its real part sees itself, its padding nothing
+                n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
+                own_rows.append(torch.arange(row, row + e - s))
+                own_lens += [(n_real, n_real), (0, e - s - n_real), (e - s - n_real, 0)]  # padding: keys, queries
+            row += e - s
+        shared_ids.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64))
+    m = max(len(x) for x in shared_ids)
+    index = torch.zeros(b.total, dtype=torch.int64)
+    index[torch.cat([torch.arange(s, e) for doc, s, e in local_chunks(b, cp_size=P, rank=rank, layout=layout)])] = \
+        torch.arange(b.total // P)  # global token -> local row of this rank
+    shared_local = index[shared_ids[rank]]  # (c,)
+    # the gathered buffer: rank-major, each rank's shared rows then padding slots; wanted: document order, slots last
+    received = torch.cat([torch.cat([x, torch.full((m - len(x),), -1)]) for x in shared_ids])  # (P m,)
+    real = received >= 0
+    order = torch.argsort(torch.where(real, received, b.total + torch.arange(len(received))))
+    perm = order if not torch.equal(order, torch.arange(len(order))) else None
+    lens = []
+    for doc in sorted(shared_docs):
+        n, pad = b.real_len(doc), b.padded_len(doc) - b.real_len(doc)
+        lens += [(n, n), (0, pad), (pad, 0)]  # a document, its padding as keys no query sees, as queries with none
+    slots = P * m - int(real.sum())
+    lens += [(0, slots), (slots, 0)]  # the padding slots, the same way
+    attend = _varlen(lens)
+    exchange = A2APlan(perm.to(device) if perm is not None else None,
+                       torch.argsort(perm).to(device) if perm is not None else None,
+                       head_split(hq, hkv, P), attend, window)  # fmt: skip
+    own_seqs = _varlen(own_lens)
+    own = (torch.cat(own_rows) if own_rows else torch.zeros(0, dtype=torch.int64)).to(device)
+    return SplitPlan(own, own_seqs, shared_local.to(device), m, exchange)
+
+
+def _varlen(lens: list[tuple[int, int]]) -> Varlen:
+    """The sequences `(q_len, kv_len)`, empty ones dropped (`Varlen([0], [0])` when none is left)."""
+    kept = [(a, k) for a, k in lens if a or k]
+    return Varlen.from_lengths(*zip(*kept)) if kept else Varlen([0], [0])
+
+
+def split_plan(call: CPCall) -> SplitPlan:
+    """The cached split plan of this rank."""
+    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.window, str(call.device))
+    return call.plan(key, lambda: build_split_plan(call.bounds, call.P, call.rank, call.layout, call.heads[0],
+                                                   call.heads[1], call.window, call.device))  # fmt: skip
+
+
+def _padded(x: torch.Tensor, rows: torch.Tensor, m: int) -> torch.Tensor:
+    """`x[rows]` followed by zero rows up to `m`: `(m, ...)`."""
+    out = x.new_zeros((m, *x.shape[1:]))
+    out[: len(rows)] = x.index_select(0, rows)
+    return out
+
+
+class SplitUlyssesFunc(torch.autograd.Function):
+    """Autograd Function: own rows attended here with all heads; shared rows through Ulysses' exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, q, k, v, plan: SplitPlan, comm: Collectives, kernel, causal: bool, scale: float):
+        """The own rows' call with all heads; the shared rows' exchange, call and exchange back; one output."""
+        ex, m, window = plan.exchange, plan.rows, plan.exchange.window
+        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv)
+        own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
+        out_o = lse_o = None
+        if len(plan.own):  # 1) the documents held here: all heads, no communication
+            out_o, lse_o = kernel.forward(*own, plan.own_seqs, causal=causal, window=window, scale=scale)
+            out.index_copy_(0, plan.own, out_o)
+        saved = [out_o, lse_o]
+        if m:  # 2) the shared documents: Ulysses over the m rows every rank exchanges
+            qg = a2a_gather(_padded(q, plan.shared, m), ex, comm)  # (P m, Hq/P, D)
+            kg = a2a_gather(replicate(_padded(k, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, D)
+            vg = a2a_gather(replicate(_padded(v, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, Dv)
+            out_g, lse_g = kernel.forward(qg, kg, vg, ex.attend, causal=causal, window=window, scale=scale)
+            out.index_copy_(0, plan.shared, a2a_scatter(out_g, ex, comm)[: len(plan.shared)])
+            saved += [qg, kg, vg, out_g, lse_g]
+        ctx.save_for_backward(*own, *saved)
+        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, ctx.dtypes = plan, comm, kernel, causal, scale, (k.dtype, v.dtype)
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout):
+        """The own rows' backward call; the shared rows' through the exchanges; the gradients at their rows."""
+        no_double_backward()
+        plan, comm, kernel, m = ctx.plan, ctx.comm, ctx.kernel, ctx.plan.rows
+        ex, window = plan.exchange, plan.exchange.window
+        q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
+        dq, dk, dv = (dout.new_zeros(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
+        if len(plan.own):  # 1) the own rows: one backward call
+            grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o, plan.own_seqs,
+                                    causal=ctx.causal, window=window, scale=ctx.scale, full_rows=True)  # fmt: skip
+            for g, own_grad in zip((dq, dk, dv), grads):
+                g.index_copy_(0, plan.own, own_grad.to(g.dtype))
+        if m:  # 2) the shared rows: the exchanges around one backward call
+            qg, kg, vg, out_g, lse_g = gathered
+            dout_g = a2a_gather(_padded(dout, plan.shared, m), ex, comm)  # (P m, Hq/P, Dv)
+            grads = list(kernel.backward(dout_g, qg, kg, vg, out_g, lse_g, ex.attend, causal=ctx.causal, window=window,
+                                         scale=ctx.scale, full_rows=True, grad_dtype=kv_grad_dtype(ex, kg.dtype)))  # fmt: skip
+            grads[0] = grads[0].to(qg.dtype)
+            for g, shared_grad in zip((dq, dk, dv), scatter_grads(grads, ex, comm, ctx.dtypes)):
+                g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
+        return dq, dk, dv, None, None, None, None, None
