@@ -40,9 +40,12 @@ the ring (`p2p` and the ring level of `a2a+p2p`: [the ring that sends only what 
 
 * **Token equality**, exactly: steps 4 to 6 place every real token at most $T_l$ to a rank,
   and the padding, $P T_l - \sum_i n_i$ tokens, is exactly the room they leave.
-* **Work**: the largest rank does at most $(1 + 0.02) W^*$, or every document is cut, and then
-  the plan is zigzag without its per-document padding (every rank within integer rounding of
-  $1/P$ of every document).
+* **Work**: the largest rank does at most $(1 + 0.02) W^*$, or every document is cut over all
+  `P` ranks, and then the plan is zigzag without its per-document padding (every rank within
+  integer rounding of $1/P$ of every document). Cuts over all `P` always fit: each gives every
+  rank $2 \lfloor n / 2P \rfloor$ tokens and the spare ones to the ranks with the most room, so
+  the ranks' room stays within one token of each other, and it never runs out before the
+  tokens do.
 * **Few cuts, over few ranks, greedily**: the cut documents are the shortest prefix, in
   decreasing $w$, of the documents after which the greedy meets the tolerance, each over the
   fewest ranks of the doubling that meets it; a document outside the prefix is cut only in step
@@ -91,6 +94,7 @@ TOLERANCE = 0.02  # the largest rank's causal work may exceed the mean by this f
 def balanced_pieces(b: Boundaries, P: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """Per rank, the pieces `(doc, start, end)` it holds, in stream order, `[start, end)` in the padded
     stream (the module docstring's plan). The batch's length must be a multiple of `P`."""
+    b.check_divisible("balanced", P)
     works = [piece_work(0, b.real_len(i)) for i in range(b.num_docs)]
     mean = sum(works) / P  # W*
     order = sorted(range(b.num_docs), key=lambda i: (-works[i], i))  # the heaviest first
@@ -139,13 +143,13 @@ def _place(b: Boundaries, P: int, order: list[int], ks: list[int]):
 
     for doc, k in zip(order, ks):  # 4) zigzag pairs over k ranks: 2k chunks as equal as integers allow
         n = b.real_len(doc)
-        ranks = sorted(r for _, r in sorted((load[r], r) for r in range(P) if room[r] >= -(-n // k))[:k])
-        if len(ranks) < k:
-            fill(doc, n)
-            continue
-        by_room = sorted(range(k), key=lambda s: (-room[ranks[s]], s))  # the spare tokens go where there is most room
+        ranks = sorted(r for _, r in sorted((load[r], r) for r in range(P) if room[r] >= 2 * (n // (2 * k)))[:k])
+        by_room = sorted(range(len(ranks)), key=lambda s: (-room[ranks[s]], s))  # spare tokens where there is most room
         spare = set([*by_room, *(2 * k - 1 - s for s in by_room)][: n % (2 * k)])  # front chunks first, then back
         sizes = [n // (2 * k) + (j in spare) for j in range(2 * k)]
+        if len(ranks) < k or any(room[r] < sizes[s] + sizes[2 * k - 1 - s] for s, r in enumerate(ranks)):
+            fill(doc, n)  # no k ranks with room for their share (never when every cut is over all P: see above)
+            continue
         starts = [sum(sizes[:j]) for j in range(2 * k)]
         for s, r in enumerate(ranks):
             for j in (s, 2 * k - 1 - s):

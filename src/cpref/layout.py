@@ -184,6 +184,10 @@ def group_chunks(cu_seqlens: CuSeqlens | Boundaries, *, cp_size: int, group: int
     `cp_size / group` ranks at rank `g`, in its order (zigzag nests: `cpref.modes.hierarchical`); for balanced,
     the union."""
     b = _bounds(cu_seqlens)
+    group = as_int("group", group, lo=1)
+    if as_int("cp_size", cp_size, lo=1) % group:
+        raise CPInputError(f"group={group} does not divide cp_size={cp_size}: the groups are of consecutive ranks")
+    g = as_int("g", g, lo=0, hi=cp_size // group)
     pieces = sorted(p for r in range(g * group, (g + 1) * group) for p in local_chunks(b, cp_size=cp_size, rank=r, layout=layout))
     out: list[tuple[int, int, int]] = []
     for doc, s, e in pieces:

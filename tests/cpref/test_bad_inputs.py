@@ -12,7 +12,10 @@ import pytest
 import torch
 
 import cpref
+from cpref.balanced import balanced_pieces
 from cpref.errors import CPInputError
+from cpref.seqlens import Boundaries
+from examples import stream_ulysses
 from cpref.kernels import TorchKernel, Varlen
 from sim import SimCluster
 from sim.cluster import SimComm
@@ -190,6 +193,14 @@ OTHER_CASES = [
     ("metadata rank bool", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, True), r"rank must be an int, got True \(bool\)"),
     ("metadata cp_size string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], "2", 0), r"cp_size must be an int, got '2' \(str\)"),
     ("metadata device", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, "gpu0"), r"device 'gpu0' is not a torch device"),
+    ("group not dividing", lambda: cpref.layout.group_chunks([0, 8], cp_size=4, group=3, g=0, layout="stream"),
+     r"group=3 does not divide cp_size=4"),
+    ("group index out of range", lambda: cpref.layout.group_chunks([0, 8], cp_size=4, group=2, g=2, layout="stream"),
+     r"g=2 is outside \[0, 2\)"),
+    ("balanced plan of a batch P does not divide", lambda: balanced_pieces(Boundaries.parse([0, 9]), 2),
+     r"the batch has 9 tokens, not a multiple of cp_size=2: the balanced layout"),
+    ("stream peer on another layout", lambda: stream_ulysses.attention(Q, K, V, SHARDING, process_group=None),
+     r"this Ulysses shards the packed batch as one stream; got layout 'zigzag': run it with --layout stream"),
     ("metadata layout stream", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, layout="stream"),
      r"layout 'stream': the RFC's metadata indexes per-document chunks.*mode='all_gather'"),
     ("metadata causal string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, causal="yes"), r"causal must be True or False"),

@@ -125,7 +125,7 @@ from cpref.costs import ModeCosts, element_bytes, shard_bytes
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
 from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
 from cpref.modes.all_gather_plan import AllGatherPlan, build_all_gather_plan
-from cpref.modes.shared import no_double_backward, whole_documents
+from cpref.modes.shared import no_double_backward, padded_rows, whole_documents
 from cpref.modes.spec import ModeSpec, Option
 from cpref.seqlens import CHUNKED_LAYOUTS
 
@@ -159,8 +159,7 @@ def _with_shared(x: torch.Tensor, plan: AllGatherPlan, comm: Collectives) -> tor
     """The local shard followed by every rank's shared rows, rank-major: `(T_l + P m, ...)` (no gather if m = 0)."""
     if not plan.gathered_rows:
         return x
-    mine = x.new_zeros((plan.gathered_rows, *x.shape[1:]))  # (m, ...): this rank's shared rows, then zeros
-    mine[: len(plan.shared)] = x.index_select(0, plan.shared)
+    mine = padded_rows(x, plan.shared, plan.gathered_rows)  # (m, ...): this rank's shared rows, then zeros
     return torch.cat([x, comm.all_gather(mine)])
 
 

@@ -68,6 +68,7 @@ from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
 from cpref.layout import group_chunks, local_chunks
 from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
+from cpref.modes.shared import padded_rows
 from cpref.seqlens import Boundaries
 
 __all__ = ["build_window_ring_plan", "window_distances", "halo_forward", "halo_backward"]
@@ -162,10 +163,7 @@ def build_window_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal
 
 def _outgoing(kv: torch.Tensor, halo: Halo, t: int) -> torch.Tensor:
     """The own rows `R_d` of step `t`'s distance, zero-padded to the shift's size: `(m_d, Hkv, D + Dv)`."""
-    rows = halo.send[t]
-    out = kv.new_zeros((halo.sizes[t], *kv.shape[1:]))  # (m_d, Hkv, D + Dv)
-    out[: len(rows)] = kv.index_select(0, rows)
-    return out
+    return padded_rows(kv, halo.send[t], halo.sizes[t])  # (m_d, Hkv, D + Dv)
 
 
 def _block(kv: torch.Tensor, call: RingCall, d: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from cpref.errors import CPInputError
 from cpref.kernels.contract import Varlen
 from cpref.seqlens import Boundaries
 
-__all__ = ["no_double_backward", "whole_documents", "head_split"]
+__all__ = ["no_double_backward", "whole_documents", "document_sequences", "padded_rows", "head_split"]
 
 
 def no_double_backward() -> None:
@@ -39,15 +39,21 @@ def whole_documents(b: Boundaries) -> Varlen:
         >>> whole_documents(Boundaries.parse([0, 3, 5], [0, 4, 6]))  # (3, 3) doc 0, (0, 1) its padding keys, (1, 0) its padding query, (2, 2) doc 1
         Varlen(cu_q=[0, 3, 3, 4, 6], cu_kv=[0, 3, 4, 4, 6])
     """
-    q_lens, kv_lens = [], []
-    for i in range(b.num_docs):
-        n, pad = b.real_len(i), b.padded_len(i) - b.real_len(i)
-        # (n, n): the document; (0, pad): its padding keys, seen by no query; (pad, 0): its padding queries
-        for n_q, n_k in ((n, n), (0, pad), (pad, 0)):
-            if n_q or n_k:
-                q_lens.append(n_q)
-                kv_lens.append(n_k)
-    return Varlen.from_lengths(q_lens, kv_lens)
+    lens = [seq for i in range(b.num_docs) for seq in document_sequences(b.real_len(i), b.padded_len(i) - b.real_len(i))]
+    return Varlen.from_lengths([n_q for n_q, _ in lens], [n_k for _, n_k in lens])
+
+
+def document_sequences(n: int, pad: int) -> list[tuple[int, int]]:
+    """`(q_len, kv_len)` of a document of `n` real tokens and `pad` padding ones, rows in order: `(n, n)` the
+    document, `(0, pad)` its padding keys, seen by no query, `(pad, 0)` its padding queries; empty ones dropped."""
+    return [(n_q, n_k) for n_q, n_k in ((n, n), (0, pad), (pad, 0)) if n_q or n_k]
+
+
+def padded_rows(x: torch.Tensor, rows: torch.Tensor, m: int) -> torch.Tensor:
+    """`x[rows]` followed by zero rows up to `m` (a payload every rank sends at one shape): `(m, ...)`."""
+    out = x.new_zeros((m, *x.shape[1:]))
+    out[: len(rows)] = x.index_select(0, rows)
+    return out
 
 
 def head_split(hq: int, hkv: int, a: int) -> int | None:

@@ -32,7 +32,7 @@ from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.kernels.contract import Varlen
 from cpref.layout import local_chunks
-from cpref.modes.shared import head_split, no_double_backward
+from cpref.modes.shared import document_sequences, head_split, no_double_backward, padded_rows
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.seqlens import Boundaries
 
@@ -80,7 +80,7 @@ def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv
             elif r == rank:  # an own piece: its real part sees itself, its padding nothing
                 n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
                 own_rows.append(torch.arange(row, row + e - s))
-                own_lens += [(n_real, n_real), (0, e - s - n_real), (e - s - n_real, 0)]  # padding: keys, queries
+                own_lens += document_sequences(n_real, e - s - n_real)
             row += e - s
         shared_ids.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64))
     m = max(len(x) for x in shared_ids)
@@ -95,10 +95,8 @@ def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv
     perm = order if not torch.equal(order, torch.arange(len(order))) else None
     lens = []
     for doc in sorted(shared_docs):
-        n, pad = b.real_len(doc), b.padded_len(doc) - b.real_len(doc)
-        lens += [(n, n), (0, pad), (pad, 0)]  # a document, its padding as keys no query sees, as queries with none
-    slots = P * m - int(real.sum())
-    lens += [(0, slots), (slots, 0)]  # the padding slots, the same way
+        lens += document_sequences(b.real_len(doc), b.padded_len(doc) - b.real_len(doc))
+    lens += document_sequences(0, P * m - int(real.sum()))  # the padding slots, as padding
     attend = _varlen(lens)
     exchange = A2APlan(perm.to(device) if perm is not None else None,
                        torch.argsort(perm).to(device) if perm is not None else None,
@@ -109,9 +107,8 @@ def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv
 
 
 def _varlen(lens: list[tuple[int, int]]) -> Varlen:
-    """The sequences `(q_len, kv_len)`, empty ones dropped (`Varlen([0], [0])` when none is left)."""
-    kept = [(a, k) for a, k in lens if a or k]
-    return Varlen.from_lengths(*zip(*kept)) if kept else Varlen([0], [0])
+    """The sequences `(q_len, kv_len)` (`Varlen([0], [0])` when there are none)."""
+    return Varlen.from_lengths(*zip(*lens)) if lens else Varlen([0], [0])
 
 
 def split_plan(call: CPCall) -> SplitPlan:
@@ -119,13 +116,6 @@ def split_plan(call: CPCall) -> SplitPlan:
     key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.window, str(call.device))
     return call.plan(key, lambda: build_split_plan(call.bounds, call.P, call.rank, call.layout, call.heads[0],
                                                    call.heads[1], call.window, call.device))  # fmt: skip
-
-
-def _padded(x: torch.Tensor, rows: torch.Tensor, m: int) -> torch.Tensor:
-    """`x[rows]` followed by zero rows up to `m`: `(m, ...)`."""
-    out = x.new_zeros((m, *x.shape[1:]))
-    out[: len(rows)] = x.index_select(0, rows)
-    return out
 
 
 class SplitUlyssesFunc(torch.autograd.Function):
@@ -143,9 +133,9 @@ class SplitUlyssesFunc(torch.autograd.Function):
             out.index_copy_(0, plan.own, out_o)
         saved = [out_o, lse_o]
         if m:  # 2) the shared documents: Ulysses over the m rows every rank exchanges
-            qg = a2a_gather(_padded(q, plan.shared, m), ex, comm)  # (P m, Hq/P, D)
-            kg = a2a_gather(replicate(_padded(k, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, D)
-            vg = a2a_gather(replicate(_padded(v, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, Dv)
+            qg = a2a_gather(padded_rows(q, plan.shared, m), ex, comm)  # (P m, Hq/P, D)
+            kg = a2a_gather(replicate(padded_rows(k, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, D)
+            vg = a2a_gather(replicate(padded_rows(v, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, Dv)
             out_g, lse_g = kernel.forward(qg, kg, vg, ex.attend, causal=causal, window=window, scale=scale)
             out.index_copy_(0, plan.shared, a2a_scatter(out_g, ex, comm)[: len(plan.shared)])
             saved += [qg, kg, vg, out_g, lse_g]
@@ -169,7 +159,7 @@ class SplitUlyssesFunc(torch.autograd.Function):
                 g.index_copy_(0, plan.own, own_grad.to(g.dtype))
         if m:  # 2) the shared rows: the exchanges around one backward call
             qg, kg, vg, out_g, lse_g = gathered
-            dout_g = a2a_gather(_padded(dout, plan.shared, m), ex, comm)  # (P m, Hq/P, Dv)
+            dout_g = a2a_gather(padded_rows(dout, plan.shared, m), ex, comm)  # (P m, Hq/P, Dv)
             grads = list(kernel.backward(dout_g, qg, kg, vg, out_g, lse_g, ex.attend, causal=ctx.causal, window=window,
                                          scale=ctx.scale, full_rows=True, grad_dtype=kv_grad_dtype(ex, kg.dtype)))  # fmt: skip
             grads[0] = grads[0].to(qg.dtype)
