@@ -14,8 +14,10 @@ $P = 2, 4, 8$, on three packs:
   end-of-document token and the one that crosses the pack's end is cut there (69 documents).
 
 Each batch is sharded by `cpref.Sharding.eod_padded(cu_seqlens, cp_size=P, layout=layout)`. Per
-layout, mode-independent: the padding tokens as a share of the padded batch, and the causal work
-largest / mean over ranks, `sharding.attention_work(r, exact=True)` (the real scores). Per mode,
+layout, mode-independent: the padding tokens as a share of the padded batch, the causal work
+largest / mean over ranks, `sharding.attention_work(r, exact=True)` (the real scores), and the
+busiest rank's **shared rows**, its tokens of documents whose real tokens sit on more than one
+rank (what `all_gather` and `a2a` move for the layouts that keep documents whole). Per mode,
 from forward + backward of `cpref.attention` on `sim.SimCluster(P)` with a kernel that computes
 nothing (zeros of the contract's shapes and dtypes, so the collectives move real-shaped tensors):
 
@@ -29,7 +31,8 @@ nothing (zeros of the contract's shapes and dtypes, so the collectives move real
 Heads are tiny (`Hq = 8` so that Ulysses splits them over 8 ranks, `Hkv = 1`, `D = Dv = 8`,
 float32): bytes grow with heads and head dims, the work per head does not. At the end, for the
 lognormal pack at the largest $P$, the `"balanced"` layout's goals (when it is in
-`cpref.LAYOUTS`), printed as met or not, never asserted.
+`cpref.LAYOUTS`), printed as met or not, never asserted, and its shared rows against their lower
+bound (the tokens of the documents no rank can hold whole, over $P$).
 
 Run it with `python -m bench.layouts`; `--quick` runs only $P = 2, 4$ on the 32k and lognormal packs.
 """
@@ -42,6 +45,7 @@ import math
 import torch
 
 import cpref
+from cpref.balanced import TOLERANCE, piece_work
 from cpref.kernels.contract import compute_dtype
 from cpref.packing import pack_documents, stdlib_documents
 from sim.harness import mode_trace, run_attention
@@ -107,27 +111,49 @@ def run_mode(sharding: cpref.Sharding, mode: str) -> dict[str, float]:
     return {"bytes": max(sent), "kernel work": ratio(work), "model ms": model * 1e3}
 
 
+def shared_rows(sharding: cpref.Sharding) -> int:
+    """The busiest rank's rows of documents whose real tokens sit on more than one rank."""
+    cu, cu_padded, P = sharding.cu_seqlens, sharding.cu_seqlens_padded, sharding.cp_size
+    pieces = [sharding.local_chunks(r) for r in range(P)]
+    holders: dict[int, set[int]] = {}
+    for r in range(P):
+        for doc, s, e in pieces[r]:
+            if s - cu_padded[doc] < cu[doc + 1] - cu[doc]:  # the piece holds real tokens
+                holders.setdefault(doc, set()).add(r)
+    return max(sum(e - s for doc, s, e in pieces[r] if len(holders.get(doc, ())) > 1) for r in range(P))
+
+
+def shared_bound(cu: list[int], P: int) -> float:
+    """A lower bound on `shared_rows` of `balanced`: the tokens of the documents heavier than a rank may be
+    (`cpref.balanced.TOLERANCE`), which no rank can hold whole, over `P`."""
+    works = [piece_work(0, b - a) for a, b in zip(cu, cu[1:])]
+    cap = (1 + TOLERANCE) * sum(works) / P
+    return sum(b - a for a, b, w in zip(cu, cu[1:], works) if w > cap) / P
+
+
 def run_layout(cu: list[int], P: int, layout: str) -> dict:
-    """Padding %, exact causal work max/mean, and `{mode: run_mode(...)}` of one layout."""
+    """Padding %, exact causal work max/mean, shared rows and `{mode: run_mode(...)}` of one layout."""
     sharding = cpref.Sharding.eod_padded(cu, cp_size=P, layout=layout)
     padding = 100.0 * (sharding.total - cu[-1]) / sharding.total
     work = ratio([sharding.attention_work(r, exact=True) for r in range(P)])
-    return {"padding %": padding, "work max/mean": work, "modes": {m: run_mode(sharding, m) for m in sorted(cpref.MODES)}}
+    return {"padding %": padding, "work max/mean": work, "shared rows": shared_rows(sharding),
+            "modes": {m: run_mode(sharding, m) for m in sorted(cpref.MODES)}}  # fmt: skip
 
 
 def table(name: str, cu: list[int], P: int, rows: dict[str, dict]) -> str:
     """One pack at one `P`: a Markdown table, a row per layout and mode."""
     lines = [f"### {name}: {len(cu) - 1} documents, {cu[-1]} tokens, P = {P} (model: F = {F:.0e} scores/s, B = {B:.0e} B/s)",
-             "", "| layout | padding | causal work max/mean | mode | bytes (busiest rank) | kernel work max/mean "
-             "| model time |", "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
+             "", "| layout | padding | causal work max/mean | shared rows | mode | bytes (busiest rank) "
+             "| kernel work max/mean | model time |", "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]  # fmt: skip
     for layout, row in rows.items():
         for i, (mode, m) in enumerate(row["modes"].items()):
-            head = f"| {layout} | {row['padding %']:.2f}% | {row['work max/mean']:.3f} |" if i == 0 else "| | | |"
+            head = (f"| {layout} | {row['padding %']:.2f}% | {row['work max/mean']:.3f} | {row['shared rows']:,} |"
+                    if i == 0 else "| | | | |")  # fmt: skip
             lines.append(f"{head} {mode} | {m['bytes']:,} | {m['kernel work']:.3f} | {m['model ms']:.2f} ms |")
     return "\n".join(lines)
 
 
-def goals(rows: dict[str, dict], P: int, layout: str = "balanced") -> str:
+def goals(rows: dict[str, dict], cu: list[int], P: int, layout: str = "balanced") -> str:
     """`layout`'s goals against `GOALS` (bytes against zigzag's, mode by mode), each met or not."""
     if layout not in rows:
         return f"goals: layout {layout!r} is not in cpref.LAYOUTS {cpref.LAYOUTS}; nothing to check"
@@ -138,6 +164,9 @@ def goals(rows: dict[str, dict], P: int, layout: str = "balanced") -> str:
             "met" if (value < goal if what == "padding %" else value <= goal) else "not met")
 
     lines += [line(what, row[what], GOALS[what]) for what in ("padding %", "work max/mean")]
+    bound = shared_bound(cu, P)
+    lines.append(f"  shared rows (busiest rank): {row['shared rows']:,}, {row['shared rows'] / bound:.3f} times the bound "
+                 f"{bound:,.1f} (the tokens of the documents no rank can hold whole, over P)")  # fmt: skip
     for mode, m in row["modes"].items():
         base = rows["zigzag"]["modes"][mode]["bytes"]
         lines.append(line(f"{mode} bytes / zigzag", m["bytes"] / base if base else math.inf, GOALS["bytes / zigzag"]))
@@ -156,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             cpref.clear_cache()  # one batch's plans at a time
             rows = {layout: run_layout(cu, P, layout) for layout in cpref.LAYOUTS}
             print(table(name, cu, P, rows) + "\n", flush=True)
-    print(goals(rows, P))  # the last pack is the lognormal one, the last P the largest
+    print(goals(rows, cu, P))  # the last pack is the lognormal one, the last P the largest
 
 
 if __name__ == "__main__":

@@ -142,14 +142,16 @@ $13\times$) and the measured one. The dense mask takes minutes at 32k; `python -
 Every layout and every mode at $P = 2, 4, 8$ on three packs: the first 32768 and 131072 tokens
 of the standard library's source files (`cpref.packing.stdlib_documents`, a few long
 documents) and 65536 tokens of 69 documents with lognormal lengths (median 512, $\sigma = 1$,
-the long tail of pretraining corpora). Per layout: the padding `Sharding.eod_padded` adds and
-the exact causal work of the busiest rank over the mean; per mode, from forward + backward on
+the long tail of pretraining corpora). Per layout: the padding `Sharding.eod_padded` adds, the
+exact causal work of the busiest rank over the mean and its shared rows (its tokens of
+documents on more than one rank); per mode, from forward + backward on
 the simulated cluster with a kernel that computes nothing (tiny heads, real-shaped
 collectives): the busiest rank's bytes sent, counted from the trace, its kernel work over the
 mean, and a modelled time $\max_r (W_r / F + B_r / B)$ with the constants printed in the
 header: a model, not a measurement. Nothing is timed, so the figures do not move with the
 machine. At the end, the `balanced` layout's goals (padding under 1%, work within 1.05 of the
-mean, a third of zigzag's bytes), printed as met or not. `python -m bench.layouts --quick` is a
+mean, a third of zigzag's bytes), printed as met or not, and its shared rows against their lower
+bound. `python -m bench.layouts --quick` is a
 quick run.
 
 ## The last full run of `make bench`

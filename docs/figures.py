@@ -120,7 +120,7 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     if layout == "stream":
         ax.set_title(f"stream: the batch in {cp_size} equal pieces, cut at document boundaries (number: rank)", loc="left")
     elif layout == "balanced":
-        ax.set_title("balanced: whole documents, the heaviest cut in zigzag pairs (number: rank)", loc="left")
+        ax.set_title("balanced: whole documents, the heaviest cut in symmetric pairs (number: rank)", loc="left")
     else:
         mult = cpref.layout.layout_multiple(layout, cp_size)
         ax.set_title(f"{layout}: every document in {mult} chunks (number: chunk j)", loc="left")

@@ -101,8 +101,8 @@ PAGE_FIGURES = {
         ("figures/balanced.png",
          "A long-tailed pack of 24 documents over `P = 4`: which rank holds which tokens in the zigzag layout "
          "(every document cut in 8 chunks, each padded to a multiple of 8) and in the balanced one (the few "
-         "long documents cut in zigzag pairs over the ranks they need, every other document whole on one "
-         "rank), and each rank's causal work."),
+         "long documents cut in symmetric pairs, in the uneven shares that balance each rank's work, every other "
+         "document whole on one rank), and each rank's causal work."),
     ],
     "ring-window.md": [
         ("figures/window_ring.png",

@@ -36,8 +36,8 @@ order above.
 
 * **balanced**: a plan computed from the boundaries and `P` alone ([the balanced layout][cpref.balanced]):
   every rank holds the same number of tokens (the batch padded at its end only), short
-  documents stay whole on one rank and only the heaviest are cut, in zigzag pairs over the
-  ranks, until the largest rank's causal work is within 2% of the mean. A document held whole
+  documents stay whole on one rank and only the heaviest are cut, in symmetric pairs whose
+  uneven shares make each rank's causal work within 2% of the mean. A document held whole
   costs the ring no communication.
 
 Every layout is, per rank, a list of **pieces** `(doc, start, end)` in local order
