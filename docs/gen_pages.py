@@ -54,6 +54,7 @@ GUIDE = [
     ("ulysses.md", "Ulysses (a2a)", "cpref.modes.ulysses"),
     ("ulysses-split.md", "Ulysses for stream and balanced", "cpref.modes.ulysses_split"),
     ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
+    ("hierarchical-split.md", "a2a+p2p for stream and balanced", "cpref.modes.hierarchical_split"),
     ("which-mode.md", "Which mode when", "cpref.costs"),
     ("mode-spec.md", "Modes that declare themselves", "cpref.modes.spec"),
     ("api.md", "The attention API", "cpref.api"),
@@ -124,6 +125,13 @@ PAGE_FIGURES = {
         ("figures/parity.png",
          "Two real runs of `python -m sim train`, drawn when this site was built: the loss of each step at CP = 1 "
          "and at CP = 4 lie on top of each other; below, their relative difference."),
+    ],
+    "hierarchical-split.md": [
+        ("figures/split_traffic.png",
+         "A long-tailed pack of 24 documents under balanced over `P = 4`: each rank's own rows (documents it holds "
+         "whole, attended at home with all heads) and shared rows (padded to the most any rank has), and the bytes "
+         "each rank sends in `a2a` and `a2a+p2p` (a2a_size 2), split, against zigzag, where every row is exchanged; "
+         "from a run on the simulated cluster."),
     ],
     "hierarchical.md": [
         ("figures/hierarchical_schedule.png",

@@ -265,7 +265,57 @@ def window_ring() -> Figure:
     return fig
 
 
+def _bytes_per_rank(mode: str, batch: cpref.Sharding, **options) -> list[int]:
+    """Forward + backward of `mode` on the simulated cluster: the bytes each rank sent, from the trace."""
+    T, Pb = batch.total, batch.cp_size
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(T, HQ, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(T, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))
+    _, cluster = run_attention(q, k, v, dout, batch, mode=mode, check_ranks=False, **options)
+    events = mode_trace(cluster)
+    return [sum(ev.bytes_sent[ev.group.index(r)] for ev in events if r in ev.group) for r in range(Pb)]
+
+
+def split_traffic() -> Figure:
+    """`figures/split_traffic.png`: own and shared rows per rank under balanced, and what the split modes send."""
+    from cpref.modes.ulysses_split import split_rows
+
+    lengths = base._long_tail()
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    batches = {layout: cpref.Sharding.eod_padded(cu, cp_size=P, layout=layout) for layout in ("zigzag", "balanced")}
+    bal = batches["balanced"]
+    splits = [split_rows(bal.bounds, P, r, "balanced", torch.device("cpu")) for r in range(P)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(WIDTH, 5.4), constrained_layout=True)
+    own = [len(s.own) for s in splits]
+    shared = [len(s.shared) for s in splits]
+    top.barh(range(P), own, color=[rank_color(r) for r in range(P)], label="own rows: stay home, all heads")
+    top.barh(range(P), shared, left=own, color="0.55", label="shared rows: exchanged")
+    top.barh(range(P), [splits[0].rows - c for c in shared], left=[o + c for o, c in zip(own, shared)], color="none",
+             edgecolor="0.3", hatch="///", label=f"zeros up to m = {splits[0].rows}, exchanged too")  # fmt: skip
+    top.set_yticks(range(P), [f"rank {r}" for r in range(P)])
+    top.invert_yaxis()
+    top.set_xlabel(f"rows of the rank's shard (T_l = {bal.local_tokens})")
+    top.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncols=2)
+    top.set_title(f"balanced, {len(lengths)} documents (lognormal), P = {P}: each rank's rows", loc="left")
+    runs = [("a2a", {}), ("a2a+p2p", {"a2a_size": 2})]
+    width = 0.2
+    for i, (mode, options) in enumerate(runs):
+        for j, layout in enumerate(batches):
+            sent = _bytes_per_rank(mode, batches[layout], **options)
+            x = [r + (2 * i + j - 1.5) * width for r in range(P)]
+            bottom.bar(x, [b / 1e3 for b in sent], width, color=rank_color(4 + i), hatch="" if j else "//",
+                       edgecolor="0.2", label=f"{mode}, {layout}" + (" (split)" if j else " (every row)"))  # fmt: skip
+    bottom.set_xticks(range(P), [f"rank {r}" for r in range(P)])
+    bottom.set_ylabel("kB sent, fwd + bwd")
+    bottom.legend(frameon=False, ncols=2, loc="upper left")
+    bottom.set_ylim(0, bottom.get_ylim()[1] * 1.45)
+    bottom.spines[["top", "right"]].set_visible(False)
+    bottom.set_title("bytes each rank sends (from the trace)", loc="left")
+    return fig
+
+
 FIGURES = {
+    "figures/split_traffic.png": split_traffic,
     "figures/ring_schedule.png": ring_schedule,
     "figures/window_ring.png": window_ring,
     "figures/hierarchical_schedule.png": hierarchical_schedule,

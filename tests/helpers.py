@@ -71,7 +71,7 @@ def only_the_comparison(trace) -> bool:
 def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1)):
     """`mode_costs` of one call as the mode runs it: under a window, or with a layout whose plans send only what
     is read (stream, balanced), the ring level's shift sizes come from its plan (over P, or the P / a groups of
-    a2a+p2p), and all_gather's and a2a's gathered rows from their plans."""
+    a2a+p2p), and all_gather's, a2a's and a2a+p2p's gathered rows from their plans."""
     import cpref
     from cpref.api import mode_costs
     from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
@@ -81,7 +81,13 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
     options, cpu, window = cpref.MODES[mode].example_options(sharding.cp_size), torch.device("cpu"), tuple(window)
     sizes = gathered = None
     by_pieces = sharding.layout not in CHUNKED_LAYOUTS and sharding.cp_size > 1
-    if mode in ("p2p", "a2a+p2p") and (window != (-1, -1) or by_pieces):
+    if mode == "a2a+p2p" and by_pieces:  # the split plan: the shared rows' exchange and ring
+        from cpref.modes.hierarchical_split import build_split_hierarchical_plan
+
+        plan = build_split_hierarchical_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, options["a2a_size"],
+                                             heads[0], heads[1], causal, window, cpu)  # fmt: skip
+        gathered, sizes = plan.rows, plan.ring.halo.sizes
+    elif mode in ("p2p", "a2a+p2p") and (window != (-1, -1) or by_pieces):
         a = options.get("a2a_size", 1)
         if sharding.cp_size > a:  # a ring of P / a members, each a groups of a ranks
             sizes = build_window_ring_plan(sharding.bounds, sharding.cp_size // a, 0, sharding.layout, causal, window,

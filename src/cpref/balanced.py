@@ -54,9 +54,10 @@ share of the work. (Zigzag's chunks $r$ and $2P - 1 - r$ are one such pair, of e
 Each rank's tokens are its pieces `(doc, start, end)` in stream order
 ([`cpref.layout.local_chunks`][cpref.layout.local_chunks]); every mode runs the layout from
 them. A document held whole costs no communication in the modes that send only what is read:
-the ring (`p2p` and the ring level of `a2a+p2p`: [the ring that sends only what is read][cpref.modes.ring_window])
-`all_gather` ([the all-gather over pieces][cpref.modes.all_gather_pieces]) and `a2a`
-([Ulysses for stream and balanced][cpref.modes.ulysses_split]).
+the ring (`p2p`: [the ring that sends only what is read][cpref.modes.ring_window]),
+`all_gather` ([the all-gather over pieces][cpref.modes.all_gather_pieces]), `a2a`
+([Ulysses for stream and balanced][cpref.modes.ulysses_split]) and `a2a+p2p`
+([the hierarchy for stream and balanced][cpref.modes.hierarchical_split]).
 
 ## What it guarantees
 
@@ -82,13 +83,13 @@ the ring (`p2p` and the ring level of `a2a+p2p`: [the ring that sends only what 
   bench prints both). A finer search (moving a few whole documents after step 4) would close
   some of it.
 * **Ulysses balances differently.** `a2a` attends to a rank's whole documents where they are
-  and to the shared ones over all ranks by heads, so its ranks' work is $L_r + W_{pool} / P$:
+  and to the shared ones over all ranks by heads (`a2a+p2p` over its group's), so its ranks'
+  work is $L_r + W_{pool} / P$:
   the shares step 4 made uneven to balance $L_r$ do not count. A heavy document kept whole (one
   that fits) then makes its rank Ulysses' busiest; on the bench's long-tailed pack at $P = 8$
   the kernel work of `a2a` is 1.25 times the mean. Cutting that document as well balances it, but
   then its tokens are shared rows: for Ulysses on such a pack, balance and a third of the bytes
   exclude each other (the bench shows both columns).
-* The exchange level of `a2a+p2p` exchanges every token of its group, whole documents included.
 * It balances the causal work of full attention; under a sliding window, or without a causal
   mask, the work of a document is another function of its length, which it does not use.
 * The hierarchical mode (`a2a+p2p`) runs its ring over groups of `a` consecutive ranks, whose

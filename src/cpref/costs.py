@@ -30,7 +30,9 @@ saves only the visible rows; `a2a` runs its one call windowed). With the stream 
 layouts the ring levels move only what is read too, window or not, `all_gather` gathers
 only the `gathered_rows` of each rank that other ranks read
 ([`cpref.modes.all_gather_pieces`][cpref.modes.all_gather_pieces]), and `a2a` exchanges only the
-`gathered_rows` of the documents that span ranks ([`cpref.modes.ulysses_split`][cpref.modes.ulysses_split]).
+`gathered_rows` of the documents that span ranks ([`cpref.modes.ulysses_split`][cpref.modes.ulysses_split]),
+as does the exchange level of `a2a+p2p`, whose ring then rings those rows alone, `halo_sizes` of its
+plan ([`cpref.modes.hierarchical_split`][cpref.modes.hierarchical_split]).
 
 Every call adds the ranks' comparison of their arguments, one host all-gather of an int64 row
 ([`cpref.consistency`][cpref.consistency]), and the hierarchical mode's first call on a

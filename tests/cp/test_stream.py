@@ -116,6 +116,49 @@ def test_a2a_exchanges_only_the_documents_that_span_ranks(layout):
     assert 0 < want.forward_bytes < whole.forward_bytes
 
 
+@pytest.mark.parametrize("layout", ["stream", "balanced"])
+@pytest.mark.parametrize(("P", "a"), [(4, 2), (8, 2), (8, 4)])
+def test_a2a_p2p_exchanges_and_rings_only_the_documents_that_span_ranks(layout, P, a):
+    """The hierarchy over stream or balanced: the documents held whole stay home (all heads, one call), the others
+    take the exchange inside the group padded to the most any rank has, then a ring over the groups of those rows
+    only; bytes and collectives are the formula's with the plan's rows and shifts, exactly, the saved bytes at
+    most its bound, on every rank, and the traffic a fraction of the unsplit hierarchy's."""
+    from sim.harness import saved_bytes
+
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([8] * 40 + [60] + [8] * 60 + [90]), cp_size=P, layout=layout)
+    heads = (8, 2, 8, 8)
+    q, k, v, dout = attention_inputs(sharding.total, heads)
+    kernels = [CountingKernel() for _ in range(P)]
+    _, cluster = run_cp(q, k, v, dout, sharding, mode="a2a+p2p", a2a_size=a, check_ranks=False, kernels=kernels,
+                        between=lambda comm: comm.barrier())  # fmt: skip
+    want = mode_costs("a2a+p2p", P=P, local_tokens=sharding.local_tokens, heads=heads, dtype=torch.float64,
+                      a2a_size=a, **_split_rows_and_shifts(sharding, a, heads))  # fmt: skip
+    if a == cpref.MODES["a2a+p2p"].example_options(P)["a2a_size"]:
+        assert want == expected_costs("a2a+p2p", sharding, heads, torch.float64)  # the helper the demo test uses
+    saved = saved_bytes(q, k, v, sharding, mode="a2a+p2p", a2a_size=a, check_ranks=False)
+    for r in range(P):
+        (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
+        assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), r
+        assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), r
+        assert saved[r] <= want.saved_bytes, r
+    from cpref.modes.ring_window import build_window_ring_plan  # the unsplit hierarchy: every row exchanged
+
+    ring = build_window_ring_plan(sharding.bounds, P // a, 0, layout, True, NO_WINDOW, torch.device("cpu"), a)
+    whole = mode_costs("a2a+p2p", P=P, local_tokens=sharding.local_tokens, heads=heads, dtype=torch.float64,
+                       a2a_size=a, halo_sizes=ring.halo.sizes)  # fmt: skip
+    assert 0 < want.forward_bytes < whole.forward_bytes / 2
+
+
+def _split_rows_and_shifts(sharding, a: int, heads) -> dict:
+    """The split plan's `gathered_rows` and its ring's `halo_sizes`, from rank 0's plan (every rank's agree)."""
+    from cpref.modes.hierarchical_split import build_split_hierarchical_plan
+
+    plans = [build_split_hierarchical_plan(sharding.bounds, sharding.cp_size, r, sharding.layout, a, heads[0], heads[1],
+                                           True, NO_WINDOW, torch.device("cpu")) for r in range(sharding.cp_size)]  # fmt: skip
+    assert len({(p.rows, p.ring.halo.sizes) for p in plans}) == 1
+    return {"gathered_rows": plans[0].rows, "halo_sizes": plans[0].ring.halo.sizes}
+
+
 def test_stream_work_is_unbalanced_as_contiguous_for_one_document():
     """On one document stream is contiguous (the same pieces), so its causal work grows with the rank."""
     cu = cu_from_lengths([64])

@@ -32,6 +32,13 @@ built from global token ids and checks the nesting as it is built.
 With `a = 1` the exchange does nothing and this is the ring (`p2p`); with `a = P` the ring
 has one step and this is Ulysses (`a2a`): both reduce exactly, bit for bit.
 
+## Stream and balanced
+
+The layouts that keep documents whole do not nest this way, and most of their documents need
+no exchange at all: for them the mode runs [its split form][cpref.modes.hierarchical_split],
+which attends to a rank's whole documents at home and takes only the documents that span
+ranks through the exchange and the ring.
+
 ## Cost per rank
 
 Forward: the a2a traffic of Ulysses over `a` ranks,
@@ -62,7 +69,9 @@ from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.hierarchical_split import SplitHierarchicalFunc, SplitHierarchicalPlan, split_hierarchical_plan
 from cpref.modes.ulysses import check_a2a_heads
+from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size",
            "hierarchical_plan", "hierarchical_costs", "MODE"]
@@ -137,8 +146,12 @@ def check_hierarchical(call: CPCall) -> None:
     check_a2a_heads(call.heads[0], call.heads[1], a, call.P, f"mode 'a2a+p2p' with a2a_size={a}")
 
 
-def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan]:
-    """`(exchange, ring)`: this rank's a2a group exchange plan and its plan in the ring of `P / a` groups."""
+def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan] | SplitHierarchicalPlan:
+    """`(exchange, ring)`: this rank's a2a group exchange plan and its plan in the ring of `P / a` groups; for the
+    stream and balanced layouts, the split plan (`cpref.modes.hierarchical_split`: only the documents that span
+    ranks travel)."""
+    if call.layout not in CHUNKED_LAYOUTS and call.P > 1:
+        return split_hierarchical_plan(call)
     a = call.options["a2a_size"]
     g = call.rank // a  # this rank's place in its ring: the index of its a2a group
     return a2a_plan(call, a, g, call.heads[1], with_attention=False), ring_plan(call, call.P // a, g, call.layout, a)
@@ -147,7 +160,10 @@ def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan]:
 def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: the sub-groups, the exchange and ring plans, then the Function."""
     a2a_comm, ring_comm = subgroups(comm, call.options["a2a_size"])
-    exchange, ring = hierarchical_plan(call)
+    plan = hierarchical_plan(call)
+    if isinstance(plan, SplitHierarchicalPlan):
+        return SplitHierarchicalFunc.apply(q, k, v, plan, a2a_comm, ring_comm, call.kernel, call.causal, call.scale)
+    exchange, ring = plan
     return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)
 
 
@@ -156,8 +172,15 @@ def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_
     a, t = a2a_size, local_tokens
     if a is None or P % a:
         raise CPInputError(f"mode 'a2a+p2p' has costs for an a2a_size dividing P = {P}, got {a}")
-    exchange = exchange_costs(a, t, heads, dtype)
+    exchange = exchange_costs(a, t if gathered_rows is None else gathered_rows, heads, dtype)
     h = heads[1] * head_split(heads[0], heads[1], a)  # key/value heads after the exchange's replication
+    if gathered_rows is not None:  # stream, balanced: the split plan, the own rows at home (an upper bound, as a2a's)
+        own = exchange_costs(1, t, heads, dtype)  # an exchange over one rank: no traffic, the saved rows
+        if not gathered_rows:
+            return own
+        own = own.saved_bytes
+        halo = halo_costs(halo_sizes, heads, h // a, dtype)
+        return combine(exchange, halo, saved=own + exchange.saved_bytes + kept_output_bytes(2, gathered_rows, heads, dtype))
     if halo_sizes is not None:  # a window: the halo shifts over the ring of P / a groups, rows of h / a heads
         halo = halo_costs(halo_sizes, heads, h // a, dtype)
         return combine(exchange, halo, saved=exchange.saved_bytes + kept_output_bytes(2, t, heads, dtype))

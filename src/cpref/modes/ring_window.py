@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -71,7 +72,9 @@ from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.modes.shared import padded_rows
 from cpref.seqlens import Boundaries
 
-__all__ = ["build_window_ring_plan", "window_distances", "halo_forward", "halo_backward"]
+__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "halo_forward", "halo_backward"]
+
+Real = Callable[[int, int, int], int]  # real(doc, a, z): the real tokens of positions [a, z) of document doc
 
 
 def _pieces(b: Boundaries, P: int, rank: int, layout: str, group: int = 1) -> list[tuple[int, int, int, int]]:
@@ -90,7 +93,7 @@ def _pieces(b: Boundaries, P: int, rank: int, layout: str, group: int = 1) -> li
     return out
 
 
-def _sequences(b: Boundaries, mine, theirs, slot: int, causal: bool, window: tuple[int, int]):
+def _sequences(real: Real, mine, theirs, slot: int, causal: bool, window: tuple[int, int]):
     """`(q_len, kv_len, shift, first key row)` of every sequence of the call over the sender's piece `slot` of each
     document: each local piece's real queries `[a, z)` against the keys of that piece within their window."""
     left, right = window[0], 0 if causal else window[1]
@@ -99,11 +102,11 @@ def _sequences(b: Boundaries, mine, theirs, slot: int, causal: bool, window: tup
         held.setdefault(doc, []).append((a, z, row))
     out = []
     for doc, a, z, _ in mine:
-        zr = a + b.real_in(doc, a, z)  # real query positions [a, zr)
+        zr = a + real(doc, a, z)  # real query positions [a, zr)
         pieces = held.get(doc, [])
         if slot < len(pieces) and zr > a:
             k0, k1, row = pieces[slot]
-            k1 = k0 + b.real_in(doc, k0, k1)  # the sender piece's real key positions [k0, k1)
+            k1 = k0 + real(doc, k0, k1)  # the sender piece's real key positions [k0, k1)
             lo = k0 if left < 0 else max(k0, a - left)
             hi = k1 if right < 0 else min(k1, zr + right)
             if hi > lo:
@@ -113,15 +116,14 @@ def _sequences(b: Boundaries, mine, theirs, slot: int, causal: bool, window: tup
     return [seq for seq in out if seq[0]]
 
 
-def _calls(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: bool, window: tuple[int, int],
-           group: int = 1) -> list[tuple[Varlen, torch.Tensor]]:  # fmt: skip
+def _calls(real: Real, members, rank: int, source: int, causal: bool, window: tuple[int, int]) -> list[tuple[Varlen, torch.Tensor]]:
     """`(seqs, rows)` of every call of one step: one per sender piece slot some local query's window reaches;
     `rows` are the block's rows each call reads, in the original block's coordinates."""
-    mine, theirs = _pieces(b, P, rank, layout, group), _pieces(b, P, source, layout, group)
+    mine, theirs = members[rank], members[source]
     slots = max(Counter(doc for doc, *_ in theirs).values(), default=0)  # the most pieces of one document
     calls = []
     for slot in range(slots):
-        seqs = _sequences(b, mine, theirs, slot, causal, window)
+        seqs = _sequences(real, mine, theirs, slot, causal, window)
         if any(n_k for _, n_k, _, _ in seqs):
             rows = torch.cat([torch.arange(first, first + n_k) for _, n_k, _, first in seqs if n_k])  # (sum kv_len,)
             varlen = Varlen.from_lengths([n for n, *_ in seqs], [n_k for _, n_k, _, _ in seqs], [d for _, _, d, _ in seqs])
@@ -129,30 +131,49 @@ def _calls(b: Boundaries, P: int, rank: int, source: int, layout: str, causal: b
     return calls
 
 
+def _members(b: Boundaries, P: int, layout: str, group: int) -> list[list[tuple[int, int, int, int]]]:
+    """Every ring member's pieces (`_pieces`)."""
+    b.check_divisible(layout, P * group)
+    return [_pieces(b, P, r, layout, group) for r in range(P)]
+
+
+def _distances(real: Real, members, causal: bool, window: tuple[int, int]) -> tuple[int, ...]:
+    P = len(members)
+    return tuple(d for d in range(1, P) if any(_calls(real, members, r, (r - d) % P, causal, window) for r in range(P)))
+
+
 def window_distances(b: Boundaries, P: int, layout: str, causal: bool, window: tuple[int, int],
                      group: int = 1) -> tuple[int, ...]:  # fmt: skip
     """`D`: the distances `d` in `1 .. P - 1` at which some member's queries see a key of the block of member `r - d`."""
-    b.check_divisible(layout, P * group)
-    return tuple(d for d in range(1, P) if any(_calls(b, P, r, (r - d) % P, layout, causal, window, group) for r in range(P)))
+    return _distances(b.real_in, _members(b, P, layout, group), causal, window)
 
 
 def build_window_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, window: tuple[int, int],
                            device: torch.device, group: int = 1) -> RingPlan:  # fmt: skip
     """The steps of ring member `rank` (of `P`; each a group of `group` ranks, see `_pieces`), one per distance in
     `(0, *D)`, and the rows each shift carries (module docstring)."""
-    shifts = (0, *window_distances(b, P, layout, causal, window, group))
+    return build_piece_ring_plan(b.real_in, _members(b, P, layout, group), rank, causal, window, device)
+
+
+def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: tuple[int, int],
+                          device: torch.device) -> RingPlan:  # fmt: skip
+    """`build_window_ring_plan` over given members: `members[r]` the pieces `(doc, a, z, row)` member `r` holds
+    in local order, `real(doc, a, z)` the real tokens of positions `[a, z)` of `doc` (every member's buffer
+    equally long)."""
+    P = len(members)
+    shifts = (0, *_distances(real, members, causal, window))
 
     @functools.cache
     def reads(r: int, d: int) -> torch.Tensor:
         """`R_d(r - d)`: the rows of the block of rank `r - d` that rank `r`'s calls read (sorted, unique)."""
-        rows = [rows for _, rows in _calls(b, P, r, (r - d) % P, layout, causal, window, group)]
+        rows = [rows for _, rows in _calls(real, members, r, (r - d) % P, causal, window)]
         return torch.unique(torch.cat(rows)) if rows else torch.zeros(0, dtype=torch.int64)
 
     steps = []
     for d in shifts:
         held = reads(rank, d) if d else None  # None: the whole own block
         calls = []
-        for seqs, rows in _calls(b, P, rank, (rank - d) % P, layout, causal, window, group):
+        for seqs, rows in _calls(real, members, rank, (rank - d) % P, causal, window):
             local = rows if held is None else torch.searchsorted(held, rows)  # positions among the rows received
             calls.append(RingCall(seqs, causal, local.to(device), window))
         steps.append(RingStep((rank - d) % P, tuple(calls)))

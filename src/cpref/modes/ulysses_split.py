@@ -36,7 +36,7 @@ from cpref.modes.shared import document_sequences, head_split, no_double_backwar
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.seqlens import Boundaries
 
-__all__ = ["SplitPlan", "SplitUlyssesFunc", "build_split_plan", "split_plan"]
+__all__ = ["SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,24 @@ class SplitPlan:
     exchange: A2APlan
 
 
+@dataclass(frozen=True)
+class RowSplit:
+    """One rank's rows split into own and shared (the module docstring), the part the split modes share.
+
+    Attributes:
+        own, own_seqs, shared, rows: as in `SplitPlan`.
+        ids: per rank, the global stream positions of its shared rows, in its local order.
+        docs: the documents whose real tokens span ranks, in order.
+    """
+
+    own: torch.Tensor
+    own_seqs: Varlen
+    shared: torch.Tensor
+    rows: int
+    ids: tuple[torch.Tensor, ...]
+    docs: tuple[int, ...]
+
+
 def _shared_docs(b: Boundaries, P: int, layout: str) -> set[int]:
     """The documents whose real tokens sit on more than one rank."""
     holders: dict[int, set[int]] = {}
@@ -68,8 +86,8 @@ def _shared_docs(b: Boundaries, P: int, layout: str) -> set[int]:
     return {doc for doc, ranks in holders.items() if len(ranks) > 1}
 
 
-def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, window, device) -> SplitPlan:
-    """Rank `rank`'s split plan (no caching)."""
+def split_rows(b: Boundaries, P: int, rank: int, layout: str, device) -> RowSplit:
+    """Rank `rank`'s own and shared rows (no caching)."""
     shared_docs = _shared_docs(b, P, layout)
     shared_ids, own_rows, own_lens = [], [], []  # per rank: global ids of its shared rows
     for r in range(P):
@@ -83,27 +101,36 @@ def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv
                 own_lens += document_sequences(n_real, e - s - n_real)
             row += e - s
         shared_ids.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64))
-    m = max(len(x) for x in shared_ids)
     index = torch.zeros(b.total, dtype=torch.int64)
     index[torch.cat([torch.arange(s, e) for doc, s, e in local_chunks(b, cp_size=P, rank=rank, layout=layout)])] = \
         torch.arange(b.total // P)  # global token -> local row of this rank
-    shared_local = index[shared_ids[rank]]  # (c,)
+    own = torch.cat(own_rows) if own_rows else torch.zeros(0, dtype=torch.int64)
+    return RowSplit(own.to(device), _varlen(own_lens), index[shared_ids[rank]].to(device),
+                    max(len(x) for x in shared_ids), tuple(shared_ids), tuple(sorted(shared_docs)))  # fmt: skip
+
+
+def gathered_order(ids: list[torch.Tensor], m: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(perm, received)` of a rank-major buffer of each rank's shared rows `ids[j]` padded to `m` with slots:
+    `received` the global position of each row (-1: a slot), `perm` its rows in stream order, the slots last."""
+    received = torch.cat([torch.cat([x, torch.full((m - len(x),), -1)]) for x in ids])  # (len(ids) m,)
+    return torch.argsort(torch.where(received >= 0, received, total + torch.arange(len(received)))), received
+
+
+def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, window, device) -> SplitPlan:
+    """Rank `rank`'s split plan (no caching)."""
+    rows = split_rows(b, P, rank, layout, device)
+    m = rows.rows
     # the gathered buffer: rank-major, each rank's shared rows then padding slots; wanted: document order, slots last
-    received = torch.cat([torch.cat([x, torch.full((m - len(x),), -1)]) for x in shared_ids])  # (P m,)
-    real = received >= 0
-    order = torch.argsort(torch.where(real, received, b.total + torch.arange(len(received))))
+    order, received = gathered_order(list(rows.ids), m, b.total)
     perm = order if not torch.equal(order, torch.arange(len(order))) else None
     lens = []
-    for doc in sorted(shared_docs):
+    for doc in rows.docs:
         lens += document_sequences(b.real_len(doc), b.padded_len(doc) - b.real_len(doc))
-    lens += document_sequences(0, P * m - int(real.sum()))  # the padding slots, as padding
-    attend = _varlen(lens)
+    lens += document_sequences(0, P * m - int((received >= 0).sum()))  # the padding slots, as padding
     exchange = A2APlan(perm.to(device) if perm is not None else None,
                        torch.argsort(perm).to(device) if perm is not None else None,
-                       head_split(hq, hkv, P), attend, window)  # fmt: skip
-    own_seqs = _varlen(own_lens)
-    own = (torch.cat(own_rows) if own_rows else torch.zeros(0, dtype=torch.int64)).to(device)
-    return SplitPlan(own, own_seqs, shared_local.to(device), m, exchange)
+                       head_split(hq, hkv, P), _varlen(lens), window)  # fmt: skip
+    return SplitPlan(rows.own, rows.own_seqs, rows.shared, m, exchange)
 
 
 def _varlen(lens: list[tuple[int, int]]) -> Varlen:
