@@ -61,6 +61,7 @@ GUIDE = [
     ("consistency.md", "Do the ranks agree?", "cpref.consistency"),
     ("data.md", "The data path and loss", "cpref.data"),
     ("models.md", "Models with CP", "cpref.models"),
+    ("hf.md", "Hugging Face models", "cpref.hf"),
     ("training.md", "The training step", "cpref.training"),
     ("train.md", "Train a model with CP", "sim.tools.train"),
     ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
@@ -141,7 +142,8 @@ PAGE_FIGURES = {
 }
 
 # Hand-written pages (in docs/) placed around the generated guide pages.
-GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart")]
+GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart"),
+               ("your-model.md", "Use cpref with your model")]
 GUIDE_LAST = [("field-bugs.md", "The bugs CP users hit"), ("glossary.md", "Glossary"), ("references.md", "References")]
 
 

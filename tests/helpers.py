@@ -102,3 +102,18 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
                                     cpu).rows  # fmt: skip
     return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
                       halo_sizes=sizes, gathered_rows=gathered, **options)  # fmt: skip
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 300.0):
+    """`torchrun --standalone --nproc-per-node nproc script *args` from the repository root (cpref from src/,
+    sim and examples from the root): the finished `subprocess.CompletedProcess`, output captured as text."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
+    return subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), script, *args],
+                          capture_output=True, text=True, cwd=root, env=env, timeout=timeout)  # fmt: skip

@@ -49,6 +49,8 @@ from cpref.errors import CPInputError
 from cpref.layout import LAYOUTS
 from cpref.packing import Pack, labels_for, pack_documents
 
+Forward = Callable[[torch.nn.Module, dict, Any], torch.Tensor]  # (model, batch, ctx) -> logits (T_l, V)
+
 __all__ = ["Topology", "TrainConfig", "PackSource", "StepStats", "Checkpointing", "step_packs", "train_step", "train"]
 
 
@@ -157,9 +159,19 @@ class StepStats:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
+def _cpref_model_forward(model: torch.nn.Module, batch: dict, ctx: Any) -> torch.Tensor:
+    """`cpref.models`' call: `model(tokens, position_ids, ctx)`, logits `(T_l, V)`."""
+    return model(batch["tokens"], batch["position_ids"], ctx)
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: list[Pack], topo: Topology,
-               config: TrainConfig, step: int = 0) -> StepStats:  # fmt: skip
-    """One optimizer step on this rank's packs (see the module docstring for the four parts)."""
+               config: TrainConfig, step: int = 0, forward: Forward | None = None) -> StepStats:  # fmt: skip
+    """One optimizer step on this rank's packs (see the module docstring for the four parts).
+
+    `forward(model, batch, ctx)` gives the logits `(T_l, V)` of one micro-batch (`batch` from
+    `get_batch_on_this_cp_rank`, `ctx` a `cpref.models.CPContext`); default: `cpref.models`' call,
+    `model(tokens, position_ids, ctx)`; [`cpref.hf.forward`][cpref.hf.forward] for Hugging Face models."""
+    forward = _cpref_model_forward if forward is None else forward
     from cpref.models import CPContext
 
     start = time.perf_counter()
@@ -179,7 +191,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
         ctx = CPContext(comm=topo.cp, sharding=b["sharding"], mode=config.mode, options=dict(config.options))
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
         with autocast:
-            logits = model(b["tokens"], b["position_ids"], ctx)  # (T_l, vocab)
+            logits = forward(model, b, ctx)  # (T_l, vocab)
         token_loss = F.cross_entropy(logits.float(), b["labels"], reduction="none")  # (T_l,)
         share = cp_loss(token_loss, b["loss_mask"], topo.world, count=count)
         share.backward()
@@ -233,8 +245,8 @@ class Checkpointing:
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: PackSource, topo: Topology,
           config: TrainConfig, steps: int, *, start: int = 0, on_step: Callable[[StepStats], Any] | None = None,
-          checkpoint: Checkpointing | None = None) -> list[StepStats]:  # fmt: skip
-    """Steps `start .. steps - 1`; `on_step` sees every step's stats (e.g. to print).
+          checkpoint: Checkpointing | None = None, forward: Forward | None = None) -> list[StepStats]:  # fmt: skip
+    """Steps `start .. steps - 1`; `on_step` sees every step's stats (e.g. to print); `forward` as in `train_step`.
 
     With `checkpoint`, the save target is checked before the first step (on every rank alike:
     see [`check_save`][cpref.checkpoint.check_save]) and a checkpoint is written whenever
@@ -245,7 +257,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
         check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite)
     stats = []
     for step in range(start, steps):
-        s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step)
+        s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step, forward)
         stats.append(s)
         if on_step is not None:
             on_step(s)
