@@ -36,7 +36,8 @@ document), so that RoPE rotates each token by its position in its document, on e
 
 **Refused, by name, before any communication**, rather than computing something else:
 attention dropout in training (cpref's kernels have none), logit soft-capping, attention
-sinks, a key/value cache (a query shard's keys are not its own), a batch of more than one
+sinks, a key/value cache (a query shard's keys are not its own; `use_cache=True` in training),
+a batch of more than one
 sequence, a call without `cp=`, an `attention_mask` tensor (the documents are the sharding's;
 a padding mask would be ignored), and a sliding window without a causal mask (models differ
 in what it means).
@@ -99,6 +100,9 @@ def _refuse(module, query, key, attention_mask, dropout, kwargs) -> None:
     if key.shape[2] != query.shape[2]:
         raise CPInputError(f"{what}: {key.shape[2]} keys for {query.shape[2]} queries: a key/value cache is not "
                            "supported with CP; call the model with use_cache=False")  # fmt: skip
+    if kwargs.get("use_cache") and module.training:
+        raise CPInputError(f"{what}: use_cache=True in training: a key/value cache is not supported with CP; call the "
+                           "model with use_cache=False")  # fmt: skip
     if dropout and module.training:
         raise CPInputError(f"{what}: attention dropout {dropout} in training is not supported by cpref's kernels; set "
                            "the config's attention_dropout to 0.0")  # fmt: skip

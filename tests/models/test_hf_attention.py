@@ -180,10 +180,12 @@ def test_what_cpref_cannot_do_is_refused_by_name(change, match):
         _call(**change)
 
 
-def test_dropout_in_training_and_a_bidirectional_window_are_refused():
+def test_dropout_and_a_cache_in_training_and_a_bidirectional_window_are_refused():
     layer = _Layer().train()
     with pytest.raises(cpref.CPInputError, match="attention dropout 0.1 in training"):
         _call(module=layer, dropout=0.1)
+    with pytest.raises(cpref.CPInputError, match="use_cache=True in training"):
+        _call(module=layer, use_cache=True)
     assert _call(module=layer.eval(), dropout=0.1)[0].shape == (1, 4, 2, 8)  # evaluation: no dropout is applied
     bidirectional = _Layer()
     bidirectional.is_causal = False
