@@ -10,7 +10,6 @@ Run it with `python -m bench.all` (what `make bench` does); `--only kernel scali
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import importlib
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from sim.tools.cli import Parser
 
 BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -63,7 +64,7 @@ def run(name: str, results: Path = RESULTS) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     args = parser.parse_args(argv)
     total = sum(run(name) for name in args.only)

@@ -21,7 +21,6 @@ Run it with `python -m bench.all_gather` (or `make bench`); `--help` lists the o
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -31,6 +30,7 @@ import cpref
 from cpref.kernels import Varlen
 from cpref.modes.all_gather import all_gather_backward, all_gather_forward
 from cpref.modes.all_gather_plan import build_all_gather_plan
+from sim.tools.cli import Parser
 
 
 def _time(fn, repeats: int) -> float:
@@ -85,7 +85,7 @@ def rank_seconds(sharding: cpref.Sharding, q, k, v, dout, repeats: int) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--cu", type=int, nargs="+", default=[0, 120, 1248, 4232])
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--heads", type=int, default=8)

@@ -14,7 +14,6 @@ Run it with `python -m bench.collectives` (or `make bench`); `--help` lists the 
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -23,6 +22,7 @@ import torch
 from cpref.backends import TorchComm
 from cpref.consistency import FIELDS
 from sim.tools.launch import launch
+from sim.tools.cli import Parser
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all")
 
@@ -47,7 +47,7 @@ def rank_times(rows: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192, help="rows T_l of each rank's (T_l, 8, 64) float32 block")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)

@@ -29,7 +29,6 @@ synchronizes the device.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from typing import Callable
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from cpref.kernels import TorchKernel, Varlen
+from sim.tools.cli import Parser
 
 # The five mixes, each 8192 tokens.
 MIXES = {
@@ -144,7 +144,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation, at least (fastest kept)")

@@ -39,7 +39,6 @@ Run it with `python -m bench.layouts`; `--quick` runs only $P = 2, 4$ on the 32k
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -49,6 +48,7 @@ from cpref.balanced import TOLERANCE, piece_work
 from cpref.kernels.contract import compute_dtype
 from cpref.packing import pack_documents, stdlib_documents
 from sim.harness import mode_trace, run_attention
+from sim.tools.cli import Parser
 
 F = 2e11  # modelled compute: score entries per second
 B = 50e9  # modelled bandwidth: bytes per second each rank sends
@@ -174,7 +174,7 @@ def goals(rows: dict[str, dict], cu: list[int], P: int, layout: str = "balanced"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P = 2, 4 on the 32k and the lognormal pack only")
     args = parser.parse_args(argv)
     sizes = (2, 4) if args.quick else (2, 4, 8)

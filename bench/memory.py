@@ -23,7 +23,6 @@ Run it with `python -m bench.memory` (or `make bench`); `--help` lists the optio
 
 from __future__ import annotations
 
-import argparse
 import threading
 import weakref
 from typing import Any
@@ -35,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 import cpref
 from cpref.api import mode_costs
 from sim import SimCluster
+from sim.tools.cli import Parser
 
 __all__ = ["LiveBytes", "CountedComm", "rank_memory"]
 
@@ -155,7 +155,7 @@ def rank_memory(cu: torch.Tensor, heads: tuple[int, int, int, int], P: int, mode
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 3072], help="documents (multiples of 8)")
     parser.add_argument("--heads", type=int, nargs=4, default=[8, 2, 64, 64], metavar=("HQ", "HKV", "D", "DV"))
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])

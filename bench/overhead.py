@@ -21,7 +21,6 @@ Run it with `python -m bench.overhead` (or `make bench`); `--help` lists the opt
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from itertools import accumulate
@@ -33,6 +32,7 @@ import cpref
 from bench.kernel import MIXES, fastest
 from bench.timed import Clock, TimedKernel
 from cpref.kernels import Varlen
+from sim.tools.cli import Parser
 
 TARGET = 1.05
 DEFAULT_MIXES = ("1 x 8192", "4 mixed", "256 x 32")
@@ -75,7 +75,7 @@ def cases(lengths: list[int], heads: int, dim: int, seed: int = 0) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", nargs="+", default=list(DEFAULT_MIXES), choices=list(MIXES))
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)

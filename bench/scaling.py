@@ -56,6 +56,7 @@ from cpref.kernels import Varlen
 from cpref.modes.ring_window import build_window_ring_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
 from sim.tools.launch import launch
+from sim.tools.cli import Parser
 
 TARGET = 1.8
 TIMED_LAYOUTS = CHUNKED_LAYOUTS  # the stream and balanced layouts' counted costs are bench.layouts' tables
@@ -188,7 +189,7 @@ def _ring_line(layout: str, rank: int, steps: list[dict], t_shift: float) -> str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 4)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)

@@ -27,7 +27,6 @@ Run it with `python -m bench.window`; `--tokens 4096 --window 256` is a quick ru
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Callable
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from bench.kernel import fastest
 from cpref.kernels import TorchKernel, Varlen
 from cpref.kernels.torch_fused_plan import plan_band_runs
+from sim.tools.cli import Parser
 
 NAMES = ("window", "explicit window", "full causal", "SDPA band mask")
 
@@ -105,7 +105,7 @@ def report(times: dict[str, float], counts: dict[str, int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the one document")
     parser.add_argument("--window", type=int, default=1024, help="keys before each query it sees: window=(W, 0)")
     parser.add_argument("--heads", type=int, default=8)

@@ -224,7 +224,25 @@ def mode_declarations() -> str:
 
 
 # page -> [(section title, table function)]
+def train_output() -> str:
+    """What `python -m sim train --model llama --cp 4 --mode p2p --layout zigzag --steps 2` prints, run now."""
+    import contextlib
+    import io
+
+    from sim.tools.train import main
+
+    argv = ["--model", "llama", "--cp", "4", "--mode", "p2p", "--layout", "zigzag", "--steps", "2"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    if status:
+        raise RuntimeError(f"sim train {' '.join(argv)} exited {status}: {err.getvalue()}")
+    return (f"`python -m sim train {' '.join(argv)}`, run when this site was built (tokens per second are this "
+            f"machine's):\n\n```text\n{err.getvalue().strip()}\n{out.getvalue().strip()}\n```")
+
+
 TABLES = {
+    "train.md": [("What the command printed", train_output)],
     "mode-spec.md": [("The modes, as they declare themselves", mode_declarations)],
     "layout.md": [("Balance under a sliding window", window_balance)],
     "ring-window.md": [("Traffic per rank, against full causal", window_traffic)],

@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     if argv[0] not in COMMANDS:
-        print(f"python -m sim: unknown command {argv[0]!r}\n{usage()}", file=sys.stderr)
+        print(f"python -m sim: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)} "
+              "(python -m sim --help)", file=sys.stderr)  # fmt: skip
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:], prog=f"python -m sim {argv[0]}")

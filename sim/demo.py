@@ -18,7 +18,6 @@ share it); parts 1 and 3 are the same on every machine.
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 
 import torch
@@ -27,10 +26,22 @@ import cpref
 from sim.tools import verify
 from sim.harness import CountingKernel, max_error, mode_trace, oracle_shards, run_attention, saved_bytes
 from sim.trace import summarize
+from sim.tools.cli import Parser
 
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
 P = 4
 HQ, HKV, D = 4, 2, 16
+
+
+PART1_KEY = """  key: tokens = the tokens of the packed batch the rank holds (padding included). exact scores = the
+  query-key pairs causal attention computes on the rank (each query sees the keys of its own document up to
+  itself). block metric = the sum of q_len x kv_len over the rank's attention calls, a coarser count that
+  charges whole blocks. imbalance = the busiest rank's count over the mean: 1.000 is perfectly even."""
+PART2_KEY = """  key: max |err| = the largest difference of out, dQ, dK or dV on any rank from the dense FP64 oracle.
+  work max/mean = the busiest rank's kernel work (scores computed) over the mean. bytes sent = what each
+  rank sends, forward + backward, from the cluster's trace. saved bytes = the tensors each rank keeps for
+  the backward. kernel calls = attention kernel calls per rank, forward + backward. collectives = the calls
+  rank 0 takes part in. A range (a-b) where the ranks differ."""
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -42,7 +53,9 @@ def _imbalance(work: list[int]) -> float:
 
 
 def part1_layouts(cu: torch.Tensor) -> None:
-    print(f"Part 1: {len(LENGTHS)} documents of {LENGTHS} tokens over a CP group of {P}\n")
+    print(f"Part 1: {len(LENGTHS)} documents of {LENGTHS} tokens over a CP group of {P}")
+    print("What this shows: how each layout splits the documents over the ranks, and how evenly the causal\n"
+          "attention work follows (a rank that holds the ends of documents has more keys to look at).\n")
     for layout in cpref.LAYOUTS:
         sharding = cpref.Sharding(cu, cp_size=P, layout=layout)
         exact = [sharding.attention_work(r, exact=True) for r in range(P)]
@@ -53,6 +66,7 @@ def part1_layouts(cu: torch.Tensor) -> None:
         for r in range(P):
             print(f"    {r:>4} {tokens[r]:>7} {exact[r]:>13} {block[r]:>13}")
         print(f"    imbalance (max/mean): exact scores = {_imbalance(exact):.3f}, block metric = {_imbalance(block):.3f}\n")
+    print(PART1_KEY + "\n")
 
 
 def _same(values: list[int]) -> str:
@@ -65,7 +79,9 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = tor
     q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64).to(device) for h in (HQ, HKV, HKV, HQ))
     on = "" if device.type == "cpu" else f" on {device}"
     print(f"Part 2: every CP mode, FP64 on the simulated cluster{on}, P={P} Hq={HQ} Hkv={HKV} D={D}, causal, "
-          f"forward + backward, per rank\n")  # fmt: skip
+          f"forward + backward, per rank")  # fmt: skip
+    print("What this shows: every mode gives the exact answer in every layout, and what each costs a rank:\n"
+          "the bytes it sends, the memory it keeps for the backward, the kernel calls and collectives.\n")
     head = f"  {'mode':<11} {'layout':<11} {'max |err|':>9} {'work max/mean':>13} {'bytes sent':>10} {'saved bytes':>11} {'kernel calls':>12}  collectives"
     print(head + "\n  " + "-" * (len(head) + 10))
     worst, shardings = 0.0, {layout: cpref.Sharding(cu, cp_size=P, layout=layout) for layout in layouts}
@@ -84,7 +100,7 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = tor
             print(f"  {mode:<11} {layout:<11} {err:>9.2e} {_imbalance([kern.forward_work() for kern in kernels]):>13.3f} "
                   f"{_same(sent):>10} {_same(saved):>11} {_same(calls):>12}  "
                   + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))  # fmt: skip
-    print()
+    print("\n" + PART2_KEY + "\n")
     return worst
 
 
@@ -100,7 +116,7 @@ def part3_verify() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=cpref.LAYOUTS, action="append", help="limit part 2 to layouts")
     parser.add_argument("--device", default="cpu", help="torch device of part 2's tensors, e.g. cuda (default cpu)")
     args = parser.parse_args(argv)

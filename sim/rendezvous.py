@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from cpref.errors import PeerInputError
+
 __all__ = [
     "Call",
     "ClusterFailure",
@@ -138,7 +140,9 @@ class ClusterFailure(RuntimeError):
 
     The root cause is chosen among the failures, in the order the ranks failed, by kind: a
     stuck rank first (its peers' timeouts are its consequence), then any exception a rank's
-    own code raised, then a `CollectiveTimeout` (a genuine deadlock), then a `PeerFailure`.
+    own code raised, then a `cpref.errors.PeerInputError` (a rank that raises because another
+    rank's input failed validation: that rank's own error is the cause), then a
+    `CollectiveTimeout` (a genuine deadlock), then a `PeerFailure`.
 
     Attributes:
         errors: `{rank: exception}` for every rank that raised, sorted by rank.
@@ -150,7 +154,9 @@ class ClusterFailure(RuntimeError):
         def kind(e: BaseException) -> int:
             if type(e).__name__ == "RankStuck":
                 return 0
-            return 3 if isinstance(e, PeerFailure) else 2 if isinstance(e, CollectiveTimeout) else 1
+            if isinstance(e, PeerInputError):
+                return 2
+            return 4 if isinstance(e, PeerFailure) else 3 if isinstance(e, CollectiveTimeout) else 1
 
         self.root_rank = min(errors, key=lambda g: kind(errors[g]))  # min keeps the first of a kind
         self.errors = dict(sorted(errors.items()))

@@ -35,3 +35,11 @@ def test_demo_runs_and_reports(capsys):
     assert seen == {(m, lay, rank) for m in cpref.MODES for lay in cpref.LAYOUTS for rank in (0, 1)}
     assert len(rows) == len(seen) and all(r[-1] == "pass" for r in rows)
     assert "verification passed" in verified
+    # every table says what it shows and explains its columns, in words (the key names every column)
+    assert out.count("What this shows:") == 2 and demo.PART1_KEY in out and demo.PART2_KEY in out
+    for column in ("tokens", "exact scores", "block metric", "imbalance", "max |err|", "work max/mean", "bytes sent",
+                   "saved bytes", "kernel calls", "collectives"):  # fmt: skip
+        assert f"{column} = " in out, column
+    from sim.tools.verify.truth import KEY
+
+    assert KEY in verified and all(f"{c} = " in KEY for c in ("cp", "rank", "dp", "r", "vs P=1", "oracle"))

@@ -28,7 +28,6 @@ and bf16 at CP 2, 4 and 8, as far as the machine has NPUs.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import math
 import subprocess
@@ -42,6 +41,7 @@ from cpref.kernels import Varlen
 from cpref.kernels.merge import merge_partial
 from sim import oracle
 from sim.oracle import TOL, TOL_BF16_GQA
+from sim.tools.cli import Parser
 
 __all__ = ["Case", "CASES", "Row", "find_npu", "format_table", "main", "multi_rank_commands", "run_case", "run_cases"]
 
@@ -280,7 +280,7 @@ def multi_rank_commands(device_count: int) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """`make test-npu`: the NPU suite where an NPU is present, one line and exit 0 where not."""
-    parser = argparse.ArgumentParser(prog="python -m sim.tools.npu_check", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m sim.tools.npu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=int, default=0, help="NPU index for the single-device checks")
     args = parser.parse_args(argv)
     found, reason = find_npu()

@@ -11,12 +11,9 @@ interpreter runs, byte-level tokens, packed into fixed-size packs with an end-of
 .venv/bin/python -m sim train --model llama --cp 4 --mode p2p --layout zigzag --steps 20
 ```
 
-runs every rank as a thread of one process and prints one line per step from rank 0:
-
-```text
-step 0 loss 5.5511827 grad_norm 2.0472 tokens_per_s 1815
-step 1 loss 5.4126663 grad_norm 3.5175 tokens_per_s 1968
-```
+runs every rank as a thread of one process and prints one line per step from rank 0: the
+step's loss, the global gradient norm and the tokens trained per second (what it printed, for
+two steps, when this site was built, is at the end of this page).
 
 `--model gpt2|llama|qwen3` chooses the family (small presets that train in seconds on a CPU),
 `--mode` and `--layout` the CP algorithm, `--a2a-size` the hierarchical mode's group,
@@ -76,8 +73,8 @@ checkpoint of `DIR`, `DIR.tmp` and `DIR.old`, and says which.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -89,7 +86,10 @@ from cpref.checkpoint import CheckpointMeta, check_fits, check_save, find_checkp
 from cpref.models import CausalLM, ModelConfig
 from cpref.packing import BYTE_VOCAB, stdlib_documents
 from cpref.errors import CPInputError
+from cpref.api import check_mode
+from cpref.kernels.contract import NO_WINDOW
 from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, train
+from sim.tools.cli import Parser, dtype_name, fail, positive
 
 __all__ = ["RunSpec", "PRESETS", "run_rank", "run_sim", "main"]
 
@@ -224,24 +224,31 @@ def _print_step(s: StepStats) -> None:
     print(f"step {s.step} loss {s.loss:.7f} grad_norm {s.grad_norm:.4f} tokens_per_s {s.tokens_per_s:.0f}", flush=True)
 
 
+DATA = ("byte-level tokens of this interpreter's standard-library source files (cpref.packing.stdlib_documents), "
+        "cut to a spread of lengths and packed end to end with an end-of-document token")
+
+
 def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tuple[RunSpec, str]:
-    """`(spec, backend)` from the command line."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=sorted(PRESETS), default="llama")
-    p.add_argument("--cp", type=int, default=2, help="CP size")
-    p.add_argument("--dp", type=int, default=1, help="DP size (world = dp x cp)")
-    p.add_argument("--mode", choices=sorted(cpref.MODES), default="p2p")
-    p.add_argument("--a2a-size", type=int, default=None, help="a2a group size of mode a2a+p2p")
-    p.add_argument("--layout", choices=cpref.LAYOUTS, default="zigzag")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--pack-tokens", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: the forward under bfloat16 autocast")
-    p.add_argument("--backend", choices=["sim", "gloo"], default="sim")
+    """`(spec, backend)` from the command line; a bad argument exits with one line and status 2."""
+    sizes = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in kw.items() if k != "family") for name, kw in PRESETS.items())
+    p = Parser(prog=prog, description=__doc__.splitlines()[0], epilog=f"data: {DATA}. models: {sizes}.")
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama", help="the model preset (sizes below)")
+    p.add_argument("--cp", type=positive, default=2, help="CP size")
+    p.add_argument("--dp", type=positive, default=1, help="DP size (world = dp x cp)")
+    p.add_argument("--mode", choices=sorted(cpref.MODES), default="p2p", help="the CP mode")
+    p.add_argument("--a2a-size", type=positive, default=None, help="a2a group size of mode a2a+p2p (default: the mode's "
+                   "example for the CP size)")  # fmt: skip
+    p.add_argument("--layout", choices=cpref.LAYOUTS, default="zigzag", help="how each batch is sharded")
+    p.add_argument("--steps", type=positive, default=10, help="optimizer steps")
+    p.add_argument("--micro-batches", type=positive, default=1, help="packs per DP replica and step")
+    p.add_argument("--pack-tokens", type=positive, default=512, help="tokens per pack")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--dtype", type=dtype_name, choices=["fp32", "bf16"], default="fp32",
+                   help="bf16 (or bfloat16): the forward under bfloat16 autocast")  # fmt: skip
+    p.add_argument("--backend", choices=["sim", "gloo"], default="sim", help="simulated ranks or gloo processes")
     p.add_argument("--strided", action="store_true", help="CP groups of non-consecutive ranks")
     p.add_argument("--save", default=None, help="write a checkpoint here at the end")
-    p.add_argument("--save-every", type=int, default=None, metavar="N", help="also save after every N steps")
+    p.add_argument("--save-every", type=positive, default=None, metavar="N", help="also save after every N steps")
     p.add_argument("--resume", default=None, help="continue from this checkpoint")
     p.add_argument("--override", action="append", default=[], choices=sorted(RunSpec().settings()),
                    help="on --resume, let this setting differ from the checkpoint's (repeatable)")
@@ -250,10 +257,17 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
     options = cpref.MODES[a.mode].example_options(a.cp)  # what the mode runs with at this CP size
     if a.a2a_size and "a2a_size" in options:
         options["a2a_size"] = a.a2a_size
-    config = TrainConfig(mode=a.mode, layout=a.layout, options=options, micro_batches=a.micro_batches, lr=a.lr,
-                         bf16=a.dtype == "bf16")  # fmt: skip
-    spec = RunSpec(a.model, a.cp, a.dp, a.steps, a.pack_tokens, strided=a.strided, train=config, save=a.save,
-                   resume=a.resume, save_every=a.save_every, override=tuple(a.override), overwrite=a.overwrite)  # fmt: skip
+    try:
+        config = TrainConfig(mode=a.mode, layout=a.layout, options=options, micro_batches=a.micro_batches, lr=a.lr,
+                             bf16=a.dtype == "bf16")  # fmt: skip
+        spec = RunSpec(a.model, a.cp, a.dp, a.steps, a.pack_tokens, strided=a.strided, train=config, save=a.save,
+                       resume=a.resume, save_every=a.save_every, override=tuple(a.override), overwrite=a.overwrite)  # fmt: skip
+        model = spec.model_config()
+        for window in sorted(set(model.layer_windows or (None,)), key=str):  # what every attention call will be
+            check_mode(a.mode, cp_size=a.cp, heads=(model.num_heads, model.num_kv_heads), layout=a.layout,
+                       window=NO_WINDOW if window is None else (window, 0), **options)  # fmt: skip
+    except CPInputError as exc:
+        p.error(str(exc))
     return spec, a.backend
 
 
@@ -263,12 +277,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -
     try:
         _, notes = preflight(spec)  # refused here, before any process starts or step trains
     except CPInputError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
-    for line in notes:
-        print(line, file=sys.stderr)
-    print(f"training {spec.model} with {spec.train.mode}/{spec.train.layout} at DP {spec.dp} x CP {spec.cp} "
-          f"on {backend}, {spec.pack_tokens}-token packs", file=sys.stderr)  # fmt: skip
+        return fail(prog, str(exc))
+    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, once
+        for line in notes:
+            print(line, file=sys.stderr)
+        print(f"training {spec.model} with {spec.train.mode}/{spec.train.layout} at DP {spec.dp} x CP {spec.cp} "
+              f"on {backend}, {spec.pack_tokens}-token packs", file=sys.stderr)  # fmt: skip
     if backend == "sim":
         run_sim(spec, on_step=_print_step)
     else:

@@ -50,7 +50,7 @@ import torch
 
 import cpref.modes
 from cpref.call import CPCall
-from cpref.checks import as_bool, as_choice, as_scale, missing_members
+from cpref.checks import as_bool, as_choice, as_int, as_scale, missing_members
 from cpref.comm import Collectives, check_comm
 from cpref.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.costs import ModeCosts
@@ -58,9 +58,10 @@ from cpref.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, check_heads
 from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, check_window, compute_dtype
 from cpref.modes.spec import ModeSpec
+from cpref.layout import LAYOUTS
 from cpref.sharding import Sharding
 
-__all__ = ["attention", "MODES", "collect_modes", "mode_costs", "prepare", "check_sharding"]
+__all__ = ["attention", "MODES", "collect_modes", "mode_costs", "prepare", "check_mode", "check_sharding"]
 
 
 def collect_modes() -> dict[str, ModeSpec]:
@@ -154,12 +155,7 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
     call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
     # 4) the mode's own constraints, and what the backend cannot do
-    spec = MODES[mode]
-    if window != NO_WINDOW and not spec.windows:
-        takes = [name for name, other in MODES.items() if other.windows]
-        raise CPInputError(f"mode={mode!r} does not take a sliding window yet (window={window}); the modes that do: {takes}")
-    if spec.check is not None:
-        spec.check(call)
+    spec = _check_mode_constraints(call, mode)
     missing = spec.collectives & frozenset(comm.unsupported_ops)
     if missing:
         raise CPInputError(
@@ -167,6 +163,37 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
             "does not support; choose another mode or CP size"
         )
     return call
+
+
+def _check_mode_constraints(call: CPCall, mode: str):
+    """The mode's own constraints on a call (its window, its heads, its options); returns its `ModeSpec`."""
+    spec = MODES[mode]
+    if call.window != NO_WINDOW and not spec.windows:
+        takes = [name for name, other in MODES.items() if other.windows]
+        raise CPInputError(f"mode={mode!r} does not take a sliding window yet (window={call.window}); the modes that do: {takes}")
+    if spec.check is not None:
+        spec.check(call)
+    return spec
+
+
+def check_mode(mode: str, *, cp_size: int, heads: tuple[int, int], causal: bool = True, window=NO_WINDOW,
+               layout: str = "zigzag", **options: Any) -> None:  # fmt: skip
+    """Refuse, as `attention` would, a mode that cannot run at `cp_size` with `heads = (Hq, Hkv)`, without tensors
+    or a communicator: what a tool checks of its arguments before it starts a process.
+
+    Raises:
+        ValueError: (`CPInputError`) an unknown mode, layout or option, a window the mode does not take, heads
+            the mode cannot split over `cp_size` ranks, or an option that does not fit `cp_size`.
+    """
+    P = as_int("cp_size", cp_size, lo=1)
+    mode = as_choice("mode", mode, sorted(MODES))
+    options = _check_options(mode, options)
+    window = check_window(window, as_bool("causal", causal))
+    hq, hkv = (as_int(name, h, lo=1) for name, h in zip(("Hq", "Hkv"), heads))
+    sharding = Sharding.eod_padded([0, 1], cp_size=P, layout=as_choice("layout", layout, list(LAYOUTS)))
+    call = CPCall(sharding, 0, causal, window, 1.0, None, (hq, hkv, 1, 1), torch.float32, torch.device("cpu"),
+                  MappingProxyType(options))  # fmt: skip
+    _check_mode_constraints(call, mode)
 
 
 def check_sharding(sharding: Any, cp_size: int) -> Sharding:

@@ -85,7 +85,7 @@ import torch
 
 from cpref.call import CPCall
 from cpref.comm import Collectives
-from cpref.errors import CPInputError
+from cpref.errors import CPInputError, PeerInputError
 from cpref.kernels.contract import FLOAT_DTYPES
 from cpref.seqlens import LAYOUTS
 
@@ -195,7 +195,7 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives, check_ranks: b
     failed = [label for label, row in zip(who, rows) if row[0] == 0]
     if failed:
         named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
-        raise CPInputError(
+        raise PeerInputError(
             f"cpref.attention: the inputs of {named} of the CP group failed validation (that rank's own error "
             f"names the value and the fix); rank {comm.rank} raises too, so that no rank waits in a collective"
         )

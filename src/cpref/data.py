@@ -51,7 +51,7 @@ import torch
 from cpref.checks import as_int
 from cpref.comm import Collectives
 from cpref.consistency import exchange
-from cpref.errors import CPInputError
+from cpref.errors import CPInputError, PeerInputError
 from cpref.seqlens import CuSeqlens
 from cpref.sharding import Sharding
 
@@ -140,7 +140,7 @@ def cp_loss(
         failed = [label for label, (ok,) in zip(who, rows) if not ok]
         if failed and problem is None:
             named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
-            raise CPInputError(f"cp_loss: the token_loss / loss_mask of {named} of the group failed validation (that "
+            raise PeerInputError(f"cp_loss: the token_loss / loss_mask of {named} of the group failed validation (that "
                                f"rank's own error names them); rank {comm.rank} raises too, so that no rank waits")  # fmt: skip
     if problem is not None:
         raise CPInputError(problem)

@@ -8,8 +8,15 @@ alike; where one rank's own inputs fail, the ranks' comparison tells the others,
 too (see [`cpref.consistency`][cpref.consistency]).
 """
 
-__all__ = ["CPInputError"]
+__all__ = ["CPInputError", "PeerInputError"]
 
 
 class CPInputError(ValueError, AssertionError):
     """Invalid input to a cpref function; the message names the value and the fix."""
+
+
+class PeerInputError(CPInputError):
+    """Another rank's input failed validation, and this rank raises too, so that none waits in a collective.
+
+    The rank whose own input failed raises a plain `CPInputError` naming it: that one is the root cause.
+    """

@@ -156,7 +156,10 @@ def test_mode_all_skips_the_modes_without_windows_and_naming_one_is_refused(p2p_
     assert err.splitlines()[-1].startswith("python -m sim verify: error: --window 3,0: mode p2p takes no sliding window;")
     with pytest.raises(ValueError, match=r"case p2p/zigzag/fp32/cp2/window=3,0: mode p2p takes no sliding window"):
         verify.run([Case("p2p", "zigzag", "fp32", cp=2, window=(3, 0))], SETUP)  # before any process starts
-    assert verify.main(["--nproc", "4", "--cp", "3", "--window", "3,0"]) == 2  # the note, then no process starts
+    assert verify.main(["--nproc", "4", "--cp", "3", "--window", "3,0"]) == 2  # refused before anything is printed
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "CP size 3 does not divide the world size 4" in err
+    assert verify.main(["--nproc", "2", "--mode", "all", "--layout", "zigzag", "--window", "3,0", "--docs", "40,24"]) == 0
     assert "note: --window 3,0 skips mode p2p (no sliding window); the modes that take one: " in capsys.readouterr().out
 
 

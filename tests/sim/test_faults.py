@@ -244,3 +244,29 @@ def test_cluster_is_reusable_after_a_failure():
     with pytest.raises(ClusterFailure):
         cluster.run(lambda comm: comm.barrier() if comm.rank else None)
     assert [t.tolist() for t in cluster.run(lambda comm: comm.all_gather(torch.ones(1)))] == [[1.0, 1.0]] * 2
+
+
+def test_the_rank_whose_input_failed_is_the_root_cause_not_the_one_that_raised_first():
+    """Rank 1's q has the wrong number of tokens; every other rank raises a follow-on PeerInputError after the
+    ranks' comparison, and rank 0's follow-on is made to come first: the root cause is still rank 1."""
+    import cpref
+    from cpref.errors import PeerInputError
+
+    sharding = cpref.Sharding([0, 16], cp_size=2, layout="contiguous")
+
+    def rank(comm):
+        n = sharding.local_tokens + (1 if comm.rank == 1 else 0)
+        q, k, v = torch.zeros(n, 2, 4), torch.zeros(n, 2, 4), torch.zeros(n, 2, 4)
+        try:
+            return cpref.attention(q, k, v, sharding, comm=comm, mode="p2p")
+        except cpref.CPInputError:
+            if comm.rank == 1:
+                time.sleep(0.2)  # the follow-on of rank 0 arrives first
+            raise
+
+    with pytest.raises(ClusterFailure) as info:
+        SimCluster(2).run(rank)
+    failure = info.value
+    assert isinstance(failure.errors[0], PeerInputError) and not isinstance(failure.errors[1], PeerInputError)
+    assert failure.root_rank == 1 and "root cause: rank 1 raised CPInputError" in str(failure)
+    assert "rank 1: CPInputError" in str(failure).split("<- root cause")[0].splitlines()[-1]

@@ -147,11 +147,13 @@ import sys
 from typing import Sequence
 
 import cpref
+from cpref.api import check_mode
 from cpref.kernels.contract import NO_WINDOW, check_window
+from sim.tools.cli import Parser, dtype_name, fail, positive
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
-from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases
+from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths
 from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
-from sim.tools.verify.truth import Report, check
+from sim.tools.verify.truth import KEY, Report, check
 
 __all__ = ["run", "main", "parse_args", "cases_from_args"]
 
@@ -178,7 +180,7 @@ def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backen
     """
     # 1) everything that can be checked before a process starts
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
-    _check(cases, world, backend)
+    _check(cases, world, backend, setup.heads)
     # 2) the production path, on every rank
     plan = Plan(setup, tuple(cases), backend, progress)
     per_rank = launch(rank_main, nproc, backend=backend, timeout=timeout, args=(plan,), device=plan.device_type)
@@ -190,7 +192,7 @@ def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backen
     return check(setup, list(cases), per_rank, progress=progress)
 
 
-def _check(cases: Sequence[Case], world: int, backend: str) -> None:
+def _check(cases: Sequence[Case], world: int, backend: str, heads: tuple[int, int] = Setup.heads) -> None:
     if backend not in DEVICE_TYPES:
         raise ValueError(f"backend must be one of {sorted(DEVICE_TYPES)}, got {backend!r}")
     if not cases:
@@ -205,6 +207,12 @@ def _check(cases: Sequence[Case], world: int, backend: str) -> None:
             raise ValueError(f"case {case.label}: CP size {case.cp} does not divide the world size {world}")
         if case.impl != "cpref":
             load_impl(case.impl)
+        else:  # what cpref.attention would refuse on every rank (heads that do not split, an option that does not fit)
+            try:
+                check_mode(case.mode, cp_size=case.cp, heads=heads, causal=case.causal, window=case.window,
+                           layout=case.layout, **dict(case.options))  # fmt: skip
+            except ValueError as exc:
+                raise ValueError(f"case {case.label}: {exc}") from None
 
 
 def _names(value: str, allowed: Sequence[str], what: str) -> list[str]:
@@ -267,20 +275,20 @@ def _pair(window: tuple[int, int]) -> str:
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> argparse.Namespace:
     """The command line of `python -m sim verify` (`--help` lists it)."""
-    p = argparse.ArgumentParser(prog=prog, description="Rank-by-rank verification of CP attention against the "
-                                "simulated cluster's FP64 ground truth (see the sim.tools.verify docs page).")  # fmt: skip
+    p = Parser(prog=prog, description="Rank-by-rank verification of CP attention against the simulated cluster's "
+               "FP64 ground truth (see the sim.tools.verify docs page).")  # fmt: skip
     p.add_argument("--backend", choices=sorted(DEVICE_TYPES), default="gloo")
-    p.add_argument("--nproc", type=int, default=2, help="world size: processes to start (ignored under torchrun)")
-    p.add_argument("--cp", type=int, help="CP size (default: the world size); the world holds nproc / cp CP groups")
+    p.add_argument("--nproc", type=positive, default=2, help="world size: processes to start (ignored under torchrun)")
+    p.add_argument("--cp", type=positive, help="CP size (default: the world size); the world holds nproc / cp CP groups")
     p.add_argument("--cp-ranks", choices=("consecutive", "strided"), default="consecutive",
                    help="CP groups {0..cp-1}, ... or {0, nproc/cp, ...}, ... (non-consecutive ranks)")
     p.add_argument("--mode", default="all", help=f"comma list or all; of {', '.join(sorted(cpref.MODES))}")
     p.add_argument("--layout", default="all", help=f"comma list or all; of {', '.join(cpref.LAYOUTS)}")
-    p.add_argument("--dtype", default="fp32", help=f"comma list or all; of {', '.join(DTYPES)}")
-    p.add_argument("--a2a-size", type=int, help="all-to-all group size, for the modes that take a2a_size (default: 2 for an even CP size, else 1)")
+    p.add_argument("--dtype", default="fp32", help=f"comma list or all; of {', '.join(DTYPES)} (or torch's names: float32, ...)")
+    p.add_argument("--a2a-size", type=positive, help="all-to-all group size, for the modes that take a2a_size (default: 2 for an even CP size, else 1)")
     p.add_argument("--docs", type=_ints, default=Setup.docs, help="document lengths (default 1000,3000,500)")
     p.add_argument("--heads", type=_ints, default=Setup.heads, help="Hq,Hkv (default 8,4)")
-    p.add_argument("--head-dim", type=int, default=Setup.head_dim)
+    p.add_argument("--head-dim", type=positive, default=Setup.head_dim)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernel", choices=("torch", "npu"), default="torch", help="cpref's attention kernel")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
@@ -300,7 +308,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
         args.modes = _names(args.mode, sorted(cpref.MODES), "mode")
         args.modes, args.skipped = _windowed_modes(args)
         args.layouts = _names(args.layout, list(cpref.LAYOUTS), "layout")
-        args.dtypes = _names(args.dtype, list(DTYPES), "dtype")
+        args.dtypes = _names(",".join(dtype_name(x) for x in args.dtype.split(",")), list(DTYPES), "dtype")
         args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel)
     except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
         p.error(str(exc))
@@ -320,6 +328,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
     args = parse_args(argv, prog)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
     cases, printer = cases_from_args(args, world), int(os.environ.get("RANK", 0)) == 0
+    try:
+        _check(cases, world, args.backend, args.setup.heads)  # refused in one line, before anything is printed
+    except ValueError as exc:
+        return fail(prog, str(exc))
     s, window = args.setup, "" if args.window == NO_WINDOW else f", window {_pair(args.window)}"
     if printer and args.skipped:
         print(f"note: --window {_pair(args.window)} skips mode {', '.join(args.skipped)} (no sliding window); "
@@ -331,17 +343,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
               "errors against the simulated cluster in FP64 "
               "(pass/fail), vs P=1: error against the oracle over that of the kernel without CP (pass: <= 2), "
               "oracle column: against the FP64 oracle", flush=True)  # fmt: skip
+    if printer:
+        used = {f"{c.layout} cp{c.cp}": lengths(s, c)[0] for c in cases}
+        if any(tuple(u) != tuple(s.docs) for u in used.values()):
+            print(f"note: documents {','.join(map(str, s.docs))} as run (each rounded up to its layout's granularity: "
+                  "P tokens for contiguous, 2P for zigzag, the batch to P for stream and balanced): "
+                  + "; ".join(f"{k} {','.join(map(str, u))}" for k, u in used.items()), flush=True)  # fmt: skip
     try:
         report = run(cases, s, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=args.progress)
     except ValueError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(prog, str(exc))
     except LaunchFailure as failure:
         print(f"verification FAILED: a rank failed before every case was compared\n{failure}", file=sys.stderr)
         return 1
     if report is None:
         return 0  # torchrun rank > 0: rank 0 compares and prints
     print(report.format())
+    print(KEY)
     print("verification " + ("passed" if report.ok else "FAILED"), flush=True)
     return 0 if report.ok else 1
 

@@ -156,6 +156,13 @@ class Report:
         return "\n".join(lines)
 
 
+KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = which CP group it is in (the DP index);
+  r = its rank inside that CP group. out, dq, dk, dv = the largest error of the output and the three gradients
+  on this rank against the simulated cluster's FP64 run of the same inputs; pass if within tol (the dtype's
+  tolerance). vs P=1 = this rank's error against the FP64 oracle over the error of the same kernel without CP
+  (1 is as exact as one device; pass: <= 2). oracle = the error against the dense FP64 oracle itself."""
+
+
 def _ratio(x: float) -> str:
     """A `vs P=1` ratio in at most 7 characters: `1.04`, `3.5e+05`, `inf`."""
     return f"{x:.2f}" if x < 1000 else f"{x:.1e}"
