@@ -103,3 +103,13 @@ def test_window_benchmark_compares_one_attention_and_runs_quick(capsys):
     window.main(["--tokens", "512", "--window", "32", "--heads", "2", "--dim", "8"])
     out = capsys.readouterr().out
     assert "| SDPA band mask |" in out and "full causal / window: ideal 8.0x" in out and "measured" in out
+
+
+def test_all_gather_efficiency_is_a_fraction_of_perfect_scaling():
+    """`ideal / (P * slowest)` with `ideal` the same shares one after the other: 1 when balanced, the mean over the
+    slowest otherwise, never above 1 (was: one call over the batch as `ideal`, 1.52 at P = 4)."""
+    from bench.all_gather import efficiency
+
+    assert efficiency([2.0, 2.0, 2.0, 2.0]) == 1.0
+    assert efficiency([1.0, 3.0]) == 2.0 / 3.0
+    assert all(efficiency(list(s)) <= 1.0 for s in ([0.1, 5.0, 2.0], [7.0], [1e-6, 1e-3]))
