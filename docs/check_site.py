@@ -67,7 +67,24 @@ PROBE = r"""() => {
     ? "." + el.className.split(" ")[0] : "");
   const wide = pageOverflow <= 0 && columnOverflow <= 0 ? [] : [...column.querySelectorAll("*")]
     .filter((el) => el.getBoundingClientRect().right > edge + 1 && !clipped(el)).map(name);
+  // code blocks of the column that scroll sideways (display formulas and tables may, in their own box)
+  const scrolling = [...column.querySelectorAll("pre > code")]
+    .filter((el) => el.scrollWidth > el.clientWidth + 1).map(name);
+  // punctuation that wrapped onto a line of its own after an inline formula
+  const lone = [];
+  for (const m of column.querySelectorAll("span.arithmatex")) {
+    const next = m.nextSibling;
+    if (!next || next.nodeType !== Node.TEXT_NODE || !/^[.,;:!?]/.test(next.textContent)) continue;
+    const range = document.createRange();
+    range.setStart(next, 0);
+    range.setEnd(next, 1);
+    const box = m.getBoundingClientRect(), mark = range.getBoundingClientRect();
+    if (mark.top >= box.bottom - 1) lone.push(m.textContent.slice(0, 40) + " " + next.textContent.slice(0, 1));
+  }
   return {
+    scrolling: [...new Set(scrolling)].slice(0, 5),
+    scrolling_count: scrolling.length,
+    lone_punctuation: lone.slice(0, 5),
     raw_math: raw,
     math_count: maths.length,
     merror: document.querySelectorAll("merror").length,
@@ -119,6 +136,10 @@ def problems_from_probe(found: dict) -> list[str]:
         out.append(f"horizontal scrollbar at {VIEWPORT['width']} px: page {found['page_overflow']} px, "
                    f"content column {found['column_overflow']} px too wide; past its edge: {', '.join(found['wide']) or '?'}")
     out += [f"raw Markdown in a figure caption: {c.strip()!r}" for c in found["captions"]]
+    if found.get("scrolling_count"):
+        out.append(f"{found['scrolling_count']} code block(s) scroll sideways at {VIEWPORT['width']} px: "
+                   f"{', '.join(found['scrolling'])}")  # fmt: skip
+    out += [f"punctuation alone on a line after a formula: {t!r}" for t in found.get("lone_punctuation", [])]
     return out
 
 

@@ -147,6 +147,38 @@ GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart
 GUIDE_LAST = [("field-bugs.md", "The bugs CP users hit"), ("glossary.md", "Glossary"), ("references.md", "References")]
 
 
+# The navigation: sections a reader walks in order, each a list of the pages above (every page in exactly one).
+SECTIONS = [
+    ("Start", ["index.md", "quickstart.md", "your-model.md", "api.md"]),
+    ("Concepts", ["layout.md", "sharding.md", "seqlens.md", "balanced.md", "data.md", "which-mode.md", "mode-spec.md",
+                  "cache.md"]),
+    ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "ring.md", "ring-plan.md", "ring-window.md",
+               "merge.md", "ulysses.md", "ulysses-split.md", "hierarchical.md", "hierarchical-split.md"]),
+    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "field-bugs.md"]),
+    ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
+                              "npu-kernel.md"]),
+    ("Models and training", ["models.md", "hf.md", "training.md", "train.md", "checkpoint.md", "checkpoint-files.md"]),
+    ("Performance", ["performance.md"]),
+    ("Reference", ["glossary.md", "references.md"]),
+]  # fmt: skip
+
+
+def sections_nav() -> list[str]:
+    """The guide's part of SUMMARY.md, by `SECTIONS`; raises unless every guide page is in exactly one section."""
+    titles = {page: title for page, title in written(GUIDE_FIRST) + written(GUIDE_LAST)}
+    titles |= {page: title for page, title, _ in GUIDE}
+    placed = [page for _, pages in SECTIONS for page in pages]
+    if sorted(placed) != sorted(titles):
+        extra, missing = sorted(set(placed) - set(titles)), sorted(set(titles) - set(placed))
+        twice = sorted({p for p in placed if placed.count(p) > 1})
+        raise RuntimeError(f"SECTIONS must hold every guide page once: unknown {extra}, missing {missing}, twice {twice}")
+    nav = []
+    for section, pages in SECTIONS:
+        nav.append(f"* {section}")
+        nav += [f"    * [{titles[page]}]({page})" for page in pages]
+    return nav
+
+
 def written(pages: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The hand-written pages, every one of which must exist in docs/."""
     missing = [page for page, _ in pages if not (ROOT / "docs" / page).exists()]
@@ -328,10 +360,7 @@ def main() -> None:
             f.write(buf.getvalue())
 
     # 5) Navigation.
-    nav = ["* Guide"]
-    nav += [f"    * [{title}]({page})" for page, title in written(GUIDE_FIRST)]
-    nav += [f"    * [{title}]({page})" for page, title, _ in GUIDE]
-    nav += [f"    * [{title}]({page})" for page, title in written(GUIDE_LAST)]
+    nav = sections_nav()
     nav.append("* API reference")
     for package in ("cpref", "sim"):
         nav.append(f"    * {package}")

@@ -24,7 +24,7 @@ from mkdocs.exceptions import PluginError
 SOURCE_INDEX = "source/index.html"  # use_directory_urls is off (material's offline plugin)
 
 # What arithmatex emits in generic mode; the TeX inside is HTML-escaped and holds no tags.
-ARITHMATEX = re.compile(r'<(?P<tag>span|div) class="arithmatex">(?P<tex>.*?)</(?P=tag)>', re.DOTALL)
+ARITHMATEX = re.compile(r'<(?P<tag>span|div) class="arithmatex">(?P<tex>.*?)</(?P=tag)>(?P<punct>[.,;:!?]*)', re.DOTALL)
 DELIMITERS = {"span": ("\\(", "\\)"), "div": ("\\[", "\\]")}
 
 # MathML elements that take a fixed number of children, and the token elements (text only).
@@ -97,7 +97,10 @@ def render_math(page_html: str, where: str) -> str:
             mathml = tex_to_mathml(tex, display=tag == "div")
         except MathError as e:
             raise PluginError(f"{where}: formula {tex!r}: {e}") from e
-        return f'<{tag} class="arithmatex">{mathml}</{tag}>'
+        out = f'<{tag} class="arithmatex">{mathml}</{tag}>'
+        if tag == "span" and match["punct"]:  # the punctuation after an inline formula never wraps onto its own line
+            return f'<span class="math-punct">{out}{match["punct"]}</span>'
+        return out + match["punct"]
 
     return ARITHMATEX.sub(replace, page_html)
 

@@ -36,12 +36,14 @@ GOOD = f"""<h1 id="there">Good</h1><div class="arithmatex">{MATH}</div><img src=
 <figure><img src="pixel.png"><figcaption>A plain caption.</figcaption></figure>
 <a href="bad.html">bad</a> <a href="#there">here</a> <a href="https://example.com/">external</a>
 <pre><code>code may say \\(x\\) and $$</code></pre>"""
-BAD = """<p>raw \\(x^2\\) math</p><span class="arithmatex">\\(y\\)</span>
+BAD = f"""<p>raw \\(x^2\\) math</p><span class="arithmatex">\\(y\\)</span>
 <math><merror><mtext>oops</mtext></merror></math>
 <img src="missing.png"><img src="https://example.com/remote.png">
 <a href="nowhere.html">1</a> <a href="good.html#no-such-id">2</a> <a href="sub/">3</a> <a href="/etc/hosts">4</a>
 <div style="width: 3000px">too wide</div>
 <figure><figcaption>the `kv_index` buffer</figcaption></figure>
+<pre><code style="display: block; overflow-x: auto; white-space: pre">{"x" * 400}</code></pre>
+<p style="width: min-content">a formula <span class="arithmatex"><math><mi>alongvariablename</mi></math></span>.</p>
 <script>console.error("boom"); throw new Error("uncaught")</script>"""
 
 # What the checker must report on BAD: one substring per fault.
@@ -59,6 +61,8 @@ EXPECTED = [
     "broken link file:///etc/hosts: points outside the site",
     "horizontal scrollbar at 1280 px",
     "raw Markdown in a figure caption",
+    "1 code block(s) scroll sideways at 1280 px: code",
+    "punctuation alone on a line after a formula: 'alongvariablename .'",
 ]
 
 

@@ -51,3 +51,14 @@ def test_a_formula_that_does_not_convert_fails_the_build(tex, problem):
     page = f'<div class="arithmatex">\\[{tex}\\]</div>'
     with pytest.raises(PluginError, match="guide.md: formula"):
         hooks.render_math(page, "guide.md")
+
+
+def test_an_inline_formula_keeps_the_punctuation_after_it_on_its_line():
+    """`\\(x\\).` becomes one unbreakable unit (`span.math-punct`, `white-space: nowrap` in extra.css), so the
+    period never wraps onto a line of its own; a display formula's is left as it is."""
+    out = hooks.render_math('<p>so <span class="arithmatex">\\(x\\)</span>. And <span class="arithmatex">\\(y\\)</span> '
+                            'too</p><div class="arithmatex">\\[ z \\]</div>.', "page.md")
+    assert out.count('<span class="math-punct"><span class="arithmatex"><math') == 1
+    assert '</math></span>.</span> And <span class="arithmatex"><math' in out and out.endswith("</math></div>.")
+    css = (Path(__file__).resolve().parents[2] / "docs" / "css" / "extra.css").read_text()
+    assert ".md-typeset .math-punct {\n  white-space: nowrap;" in css
