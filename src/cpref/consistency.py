@@ -186,7 +186,8 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives, check_ranks: b
 
     Raises:
         CPInputError: the same message on every rank, naming each argument that differs; or,
-            if another rank's inputs failed validation, naming that rank.
+            if another rank's inputs failed validation, naming that rank (a `PeerInputError`,
+            so that the rank's own error is told apart as the root cause).
     """
     if comm.size == 1 or _skipped(comm, check_ranks):  # a group of one agrees with itself
         return

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpref
-from cpref.errors import CPInputError
+from cpref.errors import CPInputError, PeerInputError
 from sim.cluster import SimCluster
 from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
 from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison, random_qkv
@@ -265,8 +265,9 @@ def test_one_rank_with_a_bad_shard_fails_every_rank_in_the_comparison():
     assert time.monotonic() - start < 10.0
     errors, n = info.value.errors, sharding.local_tokens  # n: a shard's tokens
     assert type(errors[2]) is CPInputError and f"q/k/v hold {n - 2}/{n}/{n} tokens" in str(errors[2])
+    assert info.value.root_rank == 2  # the rank whose own input failed, not a follow-on
     for r in (0, 1, 3):
-        assert type(errors[r]) is CPInputError, errors[r]
+        assert type(errors[r]) is PeerInputError, errors[r]
         assert "the inputs of rank 2 of the CP group failed validation" in str(errors[r])
         assert f"rank {r} raises too" in str(errors[r])
     assert only_the_comparison(cluster.trace) and cluster.trace, cluster.trace

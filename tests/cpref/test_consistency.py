@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError
+from cpref.errors import CPInputError, PeerInputError
 from sim import ClusterFailure, SimCluster
 from tests.cp.test_every_mode import LimitedComm
 from tests.helpers import cu_from_lengths, only_the_comparison, random_qkv
@@ -45,7 +45,7 @@ def test_without_all_gather_a_failing_rank_is_reported_through_the_two_all_reduc
     errors = info.value.errors
     assert type(errors[1]) is CPInputError and "share dtype" in str(errors[1])
     for r in (0, 2):
-        assert type(errors[r]) is CPInputError, errors[r]
+        assert type(errors[r]) is PeerInputError, errors[r]
         assert "the inputs of a rank of the CP group failed validation" in str(errors[r])
     assert [e.op for e in cluster.trace] == ["all_reduce", "all_reduce"] and only_the_comparison(cluster.trace)
 
@@ -174,7 +174,7 @@ def test_a_rank_failing_on_a_batch_another_group_compared_still_meets_its_own_gr
     errors = info.value.errors
     assert type(errors[1]) is CPInputError and "tokens" in str(errors[1])
     for r in (0, 2):
-        assert type(errors[r]) is CPInputError, errors[r]
+        assert type(errors[r]) is PeerInputError, errors[r]
         assert "the inputs of rank 1 of the CP group failed validation" in str(errors[r])
     assert only_the_comparison(cluster.trace) and cluster.trace, cluster.trace
 

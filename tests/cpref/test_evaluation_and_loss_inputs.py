@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError
+from cpref.errors import CPInputError, PeerInputError
 from sim import ClusterFailure, SimCluster
 from tests.cp.test_every_mode import LimitedComm
 from tests.helpers import cu_from_lengths, random_qkv
@@ -74,7 +74,7 @@ def test_a_rank_whose_loss_inputs_fail_makes_every_rank_raise(what):
     errors = info.value.errors
     assert type(errors[1]) is CPInputError and own in str(errors[1])
     for r in (0, 2):
-        assert type(errors[r]) is CPInputError and "the token_loss / loss_mask of rank 1 of the group failed" in str(errors[r])
+        assert type(errors[r]) is PeerInputError and "the token_loss / loss_mask of rank 1 of the group failed" in str(errors[r])
     assert [(e.op, e.param) for e in cluster.trace] == [("all_gather", "host")]  # the exchange, not the all-reduce
 
 
