@@ -5,7 +5,8 @@
   shows every option's default;
 * [`positive`][sim.tools.cli.positive]: the `type=` of a whole number >= 1;
 * [`dtype_name`][sim.tools.cli.dtype_name]: a dtype by cpref's short name (`fp32`) or torch's
-  (`float32`, `torch.float32`), as the tools name them.
+  (`float32`, `torch.float32`), as the tools name them;
+* [`fail`][sim.tools.cli.fail]: the same one-line error for what is refused after parsing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-__all__ = ["Parser", "positive", "dtype_name", "DTYPE_ALIASES"]
+__all__ = ["Parser", "positive", "dtype_name", "fail", "DTYPE_ALIASES"]
 
 # torch's names of the dtypes the tools take -> their short names
 DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "float16": "fp16",
