@@ -56,7 +56,8 @@ docs-check: docs
 	$(PY) docs/check_site.py site --shots site-check
 
 # Each benchmark prints its tables (see bench/report.py, the docs' performance page); nothing is
-# asserted. The tables are also kept in bench/results/, which the performance page includes.
+# asserted. What each prints and what it measured are kept in bench/results/ (.txt, .json); the performance page
+# renders its tables and draws its figures from the .json files.
 bench: $(VENV)/.base
 	$(PY) -m bench.all
 

@@ -1,9 +1,11 @@
 """Every benchmark of `make bench`, in turn: each prints its tables, and they are kept for the docs.
 
 Each benchmark's `main()` runs with its defaults; what it prints goes to the terminal and, with
-one header line (when, on what machine, which torch), to `bench/results/<name>.txt`, which the
-docs' performance page (`bench/report.py`) includes as it is. Commit the files after a run, so
-that the page shows the tables of the last full run and says when and where it was measured.
+one header line (when, on what machine, which torch), to `bench/results/<name>.txt`. What it
+returns, its measured figures as plain numbers, goes to `bench/results/<name>.json` with the
+same header: the docs' performance page (`bench/report.py`) renders its tables and draws its
+figures (`bench/figures.py`) from those files. Commit them after a run, so that the page shows
+the last full run and says when and where it was measured.
 
 Run it with `python -m bench.all` (what `make bench` does); `--only kernel scaling` runs some.
 """
@@ -14,6 +16,7 @@ import contextlib
 import datetime
 import importlib
 import io
+import json
 import os
 import platform
 import sys
@@ -52,15 +55,24 @@ def header() -> str:
 
 
 def run(name: str, results: Path = RESULTS) -> float:
-    """Run `bench.<name>`'s `main([])`, print and keep its output; return its seconds."""
+    """Run `bench.<name>`'s `main([])`, print and keep its output and its results; return its seconds."""
     module = importlib.import_module(f"bench.{name}")
     kept, head, start = io.StringIO(), header(), time.perf_counter()  # when it started
     with contextlib.redirect_stdout(_Tee(sys.stdout, kept)):
-        module.main([])
+        measured = module.main([])
     seconds = time.perf_counter() - start
+    if not isinstance(measured, dict):
+        raise TypeError(f"bench.{name}.main returned {type(measured).__name__}: a benchmark returns its results as a dict")
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.txt").write_text(f"{head} ({seconds:.0f} s)\n\n{kept.getvalue().strip()}\n")
+    kept_json = {"measured": head, "seconds": round(seconds), "results": measured}
+    (results / f"{name}.json").write_text(json.dumps(kept_json, indent=1) + "\n")
     return seconds
+
+
+def load(name: str, results: Path = RESULTS) -> dict:
+    """What `run(name)` kept: `{"measured": header, "seconds": s, "results": main's dict}`."""
+    return json.loads((results / f"{name}.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> None:

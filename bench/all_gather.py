@@ -92,7 +92,21 @@ def efficiency(seconds: list[float]) -> float:
     return sum(seconds) / (len(seconds) * max(seconds))
 
 
-def main(argv: list[str] | None = None) -> int:
+def markdown(results: dict) -> str:
+    """The table: per `P` and layout, every rank's milliseconds, the imbalance measured and counted, the efficiency."""
+    lines = ["| P | layout | per-rank ms | imbalance, measured | imbalance, counted | efficiency | one call |",
+             "| ---: | --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in results["rows"]:
+        ms = " ".join(f"{s * 1e3:.1f}" for s in r["seconds"])
+        lines.append(f"| {r['P']} | {r['layout']} | {ms} | {r['measured']:.2f} | {r['counted']:.2f} | "
+                     f"{efficiency(r['seconds']):.2f} | {r['one call'] * 1e3:.1f} ms |")  # fmt: skip
+    lines += ["", "imbalance: the slowest rank over the mean; efficiency: ideal / (P * slowest), the ranks' shares one "
+              "after the other over P times the slowest (at most 1); one call: the whole batch in one kernel call, "
+              "printed beside it, not used."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--cu", type=int, nargs="+", default=[0, 120, 1248, 4232])
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
@@ -102,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     lengths = [b - a for a, b in zip(args.cu[:-1], args.cu[1:])]
-    print(f"KV all-gather CP compute balance: documents {lengths}, Hq={args.heads} Hkv={args.kv_heads} "
-          f"D={args.dim}, float32, causal fwd+bwd, {torch.get_num_threads()} threads, median of {args.repeats}\n")
+    title = (f"KV all-gather CP compute balance: documents {lengths}, Hq={args.heads} Hkv={args.kv_heads} D={args.dim}, "
+             f"float32, causal fwd+bwd, {torch.get_num_threads()} threads, median of {args.repeats}")  # fmt: skip
+    print(f"## {title}\n")
+    rows = []
     for P in args.cp:
         for layout in CHUNKED_LAYOUTS:  # the RFC's plan: every document in chunks (stream and balanced: bench.layouts)
             # the documents padded to the layout's granularity, the padding counted as tokens (as the field's runs)
@@ -116,14 +132,11 @@ def main(argv: list[str] | None = None) -> int:
             secs = rank_seconds(sharding, q, k, v, dout, args.repeats)
             one_call = _time(_fwd_bwd(cpref.TorchKernel(), q, k, v, dout, Varlen(list(cu)), args.dim**-0.5), args.repeats)
             work = [sharding.attention_work(r) for r in range(P)]
-            measured = max(secs) / statistics.mean(secs)
-            counted = max(work) / statistics.mean(work)
-            ms = " ".join(f"{s * 1e3:7.1f}" for s in secs)
-            print(f"P={P} {layout:>10}: per-rank ms [{ms}]  imbalance measured {measured:.2f} counted {counted:.2f}"
-                  f"  efficiency ideal/(P*slowest) = {efficiency(secs):.2f}  (one call {one_call * 1e3:.1f} ms)")
-        print()
-    return 0
-
+            rows.append({"P": P, "layout": layout, "seconds": secs, "measured": max(secs) / statistics.mean(secs),
+                         "counted": max(work) / statistics.mean(work), "one call": one_call})  # fmt: skip
+    results = {"title": title, "rows": rows}
+    print(markdown(results))
+    return results
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

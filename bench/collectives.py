@@ -46,26 +46,32 @@ def rank_times(rows: int, repeats: int) -> dict[str, float]:
     return {f"{ex}/{op}": t for (ex, op), t in best.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
+def markdown(results: dict) -> str:
+    """The table: each call's slowest rank, both exchanges and their ratio; one ring shift and the ranks' check for scale."""
+    t = results["seconds"]
+    lines = ["| call | native (gloo collective) | p2p (pairwise sends) | native / p2p |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {op} | {t['native/' + op] * 1e3:.1f} ms | {t['p2p/' + op] * 1e3:.1f} ms | {t['native/' + op] / t['p2p/' + op]:.2f} |"
+              for op in OPS]  # fmt: skip
+    lines += [f"| send_recv (one ring shift, for scale) | | {t['p2p/send_recv'] * 1e3:.1f} ms | |", "",
+              f"The ranks' comparison that every `cpref.attention` call makes (`agree`, one row of {len(FIELDS)} int64 "
+              f"over the host): {t['p2p/agree'] * 1e6:.0f} us a call."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192, help="rows T_l of each rank's (T_l, 8, 64) float32 block")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     mib = args.rows * 8 * 64 * 4 / 2**20
-    print(f"## gloo exchanges: {args.nproc} processes, one thread each, a {mib:.0f} MiB block per rank, "
-          f"fastest of {args.repeats} (load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)\n")  # fmt: skip
+    title = (f"gloo exchanges: {args.nproc} processes, one thread each, a {mib:.0f} MiB block per rank, fastest of "
+             f"{args.repeats} (load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")  # fmt: skip
+    print(f"## {title}\n")
     per_rank = launch(rank_times, args.nproc, args=(args.rows, args.repeats), check_calls=False)
-    slowest = {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}
-    print("| call | native (gloo collective) | p2p (pairwise sends) | native / p2p |")
-    print("| --- | ---: | ---: | ---: |")
-    for op in OPS:
-        native, p2p = slowest[f"native/{op}"], slowest[f"p2p/{op}"]
-        print(f"| {op} | {native * 1e3:.1f} ms | {p2p * 1e3:.1f} ms | {native / p2p:.2f} |")
-    print(f"| send_recv (one ring shift, for scale) | | {slowest['p2p/send_recv'] * 1e3:.1f} ms | |\n")
-    print(f"The ranks' comparison that every `cpref.attention` call makes (`agree`, one row of {len(FIELDS)} int64 "
-          f"over the host): {slowest['p2p/agree'] * 1e6:.0f} us a call.\n")
-
+    results = {"title": title, "seconds": {key: max(rank[key] for rank in per_rank) for key in per_rank[0]}}  # the slowest rank
+    print(markdown(results) + "\n")
+    return results
 
 if __name__ == "__main__":
     main()

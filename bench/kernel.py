@@ -143,7 +143,24 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def verdicts(results: dict) -> list[str]:
+    """Each mix's fast / SDPA against its target, then the single document's fraction of the matmul peak."""
+    lines = []
+    for r in results["rows"]:
+        target = 1.0 if r["mix"] in SHORT else TARGET
+        verdict = "met" if r["fast"] / r["sdpa"] <= target else "NOT met"
+        lines.append(f"{r['mix']:>9}: fast / SDPA = {r['fast'] / r['sdpa']:.2f} (target <= {target}: {verdict})")
+    peak, flops, single = results["peak"], results["flops"], results["rows"][0]
+    lines += ["", f"matmul peak (4096^3 {results['dtype']}): {peak / 1e9:.0f} GFLOP/s; {single['mix']} forward + backward = "
+              f"{flops / 1e9:.0f} GFLOP, so the floor is {flops / peak * 1e3:.0f} ms"]  # fmt: skip
+    for name in ("fast", "explicit", "sdpa"):
+        frac = flops / single[name] / peak
+        mark = f" (target >= {PEAK_TARGET:.0%}: {'met' if frac >= PEAK_TARGET else 'NOT met'})" if name == "fast" else ""
+        lines.append(f"  {name:>8}: {flops / single[name] / 1e9:6.1f} GFLOP/s = {frac:.0%} of peak{mark}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
@@ -155,25 +172,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else _device_name(device)
-    print(f"## Kernel: {args.heads} heads, head dim {args.dim}, {args.dtype}, causal forward + backward, "
-          f"{where}, fastest of at least {args.repeats} runs and about {args.budget:g} s per mix "
-          f"(load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
+    title = (f"Kernel: {args.heads} heads, head dim {args.dim}, {args.dtype}, causal forward + backward, {where}, fastest "
+             f"of at least {args.repeats} runs and about {args.budget:g} s per mix (load average {os.getloadavg()[0]:.2f})")
+    print(f"## {title}\n")
     peak = matmul_peak(args.repeats, device=device, dtype=dtype, budget=args.budget)  # as many samples: no kinder peak
     rows = table(MIXES, args.heads, args.dim, args.repeats, device, dtype, budget=args.budget)
     print(markdown(rows) + "\n")
-    for r in rows:
-        target = 1.0 if r["mix"] in SHORT else TARGET
-        verdict = "met" if r["fast"] / r["sdpa"] <= target else "NOT met"
-        print(f"{r['mix']:>9}: fast / SDPA = {r['fast'] / r['sdpa']:.2f} (target <= {target}: {verdict})")
-    flops = attention_flops(MIXES["1 x 8192"], args.heads, args.dim)
-    single = rows[0]
-    print(f"\nmatmul peak (4096^3 {args.dtype}): {peak / 1e9:.0f} GFLOP/s; 1 x 8192 forward + backward = {flops / 1e9:.0f} GFLOP, "
-          f"so the floor is {flops / peak * 1e3:.0f} ms")  # fmt: skip
-    for name in ("fast", "explicit", "sdpa"):
-        frac = flops / single[name] / peak
-        mark = f" (target >= {PEAK_TARGET:.0%}: {'met' if frac >= PEAK_TARGET else 'NOT met'})" if name == "fast" else ""
-        print(f"  {name:>8}: {flops / single[name] / 1e9:6.1f} GFLOP/s = {frac:.0%} of peak{mark}")
+    results = {"title": title, "dtype": args.dtype, "rows": rows, "peak": peak,
+               "flops": attention_flops(MIXES["1 x 8192"], args.heads, args.dim),
+               "targets": {name: 1.0 if name in SHORT else TARGET for name in MIXES}}  # fmt: skip
+    print("\n".join(verdicts(results)))
     print(f"(load average now {os.getloadavg()[0]:.2f})")
+    return results
 
 
 def _device_name(device: torch.device) -> str:

@@ -157,15 +157,15 @@ def goals(rows: dict[str, dict], cu: list[int], P: int, layout: str = "balanced"
     """`layout`'s goals against `GOALS` (bytes against zigzag's, mode by mode), each met or not."""
     if layout not in rows:
         return f"goals: layout {layout!r} is not in cpref.LAYOUTS {cpref.LAYOUTS}; nothing to check"
-    row, lines = rows[layout], [f"goals of {layout!r}, lognormal pack, P = {P} (printed, not asserted):"]
+    row, lines = rows[layout], [f"goals of {layout!r}, lognormal pack, P = {P} (printed, not asserted):", ""]
 
     def line(what: str, value: float, goal: float) -> str:
-        return f"  {what}: {value:.3f} (goal {'<' if what == 'padding %' else '<='} {goal:.3g}): " + (
+        return f"- {what}: {value:.3f} (goal {'<' if what == 'padding %' else '<='} {goal:.3g}): " + (
             "met" if (value < goal if what == "padding %" else value <= goal) else "not met")
 
     lines += [line(what, row[what], GOALS[what]) for what in ("padding %", "work max/mean")]
     bound = shared_bound(cu, P)
-    lines.append(f"  shared rows (busiest rank): {row['shared rows']:,}, {row['shared rows'] / bound:.3f} times the bound "
+    lines.append(f"- shared rows (busiest rank): {row['shared rows']:,}, {row['shared rows'] / bound:.3f} times the bound "
                  f"{bound:,.1f} (the tokens of the documents no rank can hold whole, over P)")  # fmt: skip
     for mode, m in row["modes"].items():
         base = rows["zigzag"]["modes"][mode]["bytes"]
@@ -173,20 +173,40 @@ def goals(rows: dict[str, dict], cu: list[int], P: int, layout: str = "balanced"
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def bytes_table(pack: dict) -> str:
+    """One pack, every `P`, compact (the page's): per layout its padding, work and shared rows, and per mode the
+    busiest rank's MiB sent, forward + backward."""
+    modes = list(next(iter(pack["runs"][0]["layouts"].values()))["modes"])
+    lines = ["| P | layout | padding | work max/mean | shared rows | " + " | ".join(f"`{m}` MiB" for m in modes) + " |",
+             "| ---: | --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in modes) + " |"]  # fmt: skip
+    for run in pack["runs"]:
+        for i, (layout, row) in enumerate(run["layouts"].items()):
+            mib = " | ".join(f"{row['modes'][m]['bytes'] / 2**20:.2f}" for m in modes)
+            lines.append(f"| {run['P'] if i == 0 else ''} | {layout} | {row['padding %']:.2f}% | {row['work max/mean']:.3f} "
+                         f"| {row['shared rows']:,} | {mib} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P = 2, 4 on the 32k and the lognormal pack only")
     args = parser.parse_args(argv)
     sizes = (2, 4) if args.quick else (2, 4, 8)
-    print(f"## Layouts on packed batches: heads Hq = {HQ}, Hkv = {HKV}, D = Dv = {D}, float32, causal, "
-          f"forward + backward on the simulated cluster; model times are a model, not a measurement\n")  # fmt: skip
+    title = (f"Layouts on packed batches: heads Hq = {HQ}, Hkv = {HKV}, D = Dv = {D}, float32, causal, forward + backward "
+             "on the simulated cluster; model times are a model, not a measurement")  # fmt: skip
+    print(f"## {title}\n")
+    results = {"title": title, "F": F, "B": B, "packs": []}
     for name, cu in packs(args.quick).items():
+        pack = {"name": name, "documents": len(cu) - 1, "tokens": cu[-1], "runs": []}
         for P in sizes:
             cpref.clear_cache()  # one batch's plans at a time
             rows = {layout: run_layout(cu, P, layout) for layout in cpref.LAYOUTS}
             print(table(name, cu, P, rows) + "\n", flush=True)
-    print(goals(rows, cu, P))  # the last pack is the lognormal one, the last P the largest
-
+            pack["runs"].append({"P": P, "layouts": rows})
+        results["packs"].append(pack)
+    results["goals"] = goals(rows, cu, P)  # the last pack is the lognormal one, the last P the largest
+    print(results["goals"])
+    return results
 
 if __name__ == "__main__":
     main()

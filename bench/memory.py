@@ -154,29 +154,39 @@ def rank_memory(cu: torch.Tensor, heads: tuple[int, int, int, int], P: int, mode
     return SimCluster(P, timeout=600.0).run(rank_fn)
 
 
-def main(argv: list[str] | None = None) -> None:
+def markdown(results: dict) -> str:
+    """The table: per mode and `P`, MiB of the peak, the measured saved bytes and the formula's, each relative to `P = 1`."""
+    lines = ["| mode | P | peak with the input shards (max over ranks) | saved for backward, measured | saved, formula |",
+             "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    first: dict[str, dict] = {}
+    for r in results["rows"]:
+        one = first.setdefault(r["mode"], r)
+        cells = [f"{r[key] / 2**20:.2f} ({r[key] / one[key]:.2f})" for key in ("peak", "saved", "formula")]
+        lines.append(f"| `{r['mode']}` | {r['P']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 3072], help="documents (multiples of 8)")
     parser.add_argument("--heads", type=int, nargs=4, default=[8, 2, 64, 64], metavar=("HQ", "HKV", "D", "DV"))
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args(argv)
     cu, heads = torch.tensor([0, *torch.tensor(args.lengths).cumsum(0).tolist()]), tuple(args.heads)
-    print(f"## Memory per rank: forward + backward, documents {args.lengths}, (Hq, Hkv, D, Dv) = {heads}, float32, "
-          "causal, zigzag, simulated cluster; MiB, and relative to P = 1\n")  # fmt: skip
-    print("| mode | P | peak with the input shards, measured (max over ranks) | saved for backward, measured | saved, formula |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
+    title = (f"Memory per rank: forward + backward, documents {args.lengths}, (Hq, Hkv, D, Dv) = {heads}, float32, "
+             "causal, zigzag, simulated cluster; MiB, and relative to P = 1")  # fmt: skip
+    print(f"## {title}\n")
+    rows = []
     for mode in sorted(cpref.MODES):
-        first = None
         for P in args.cp:
             per_rank = rank_memory(cu, heads, P, mode)
-            peak, saved = max(p for p, _ in per_rank), max(s for _, s in per_rank)
             formula = mode_costs(mode, P=P, local_tokens=int(cu[-1]) // P, heads=heads, dtype=torch.float32,
                                  **cpref.MODES[mode].example_options(P)).saved_bytes  # fmt: skip
-            first = first or (peak, saved, formula)
-            print(f"| `{mode}` | {P} | {mib(peak)} ({peak / first[0]:.2f}) | {mib(saved)} ({saved / first[1]:.2f}) "
-                  f"| {mib(formula)} ({formula / first[2]:.2f}) |")  # fmt: skip
-
+            rows.append({"mode": mode, "P": P, "peak": max(p for p, _ in per_rank), "saved": max(s for _, s in per_rank),
+                         "formula": formula})  # fmt: skip
+    results = {"title": title, "rows": rows}
+    print(markdown(results))
+    return results
 
 if __name__ == "__main__":
     main()

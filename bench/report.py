@@ -3,10 +3,14 @@ r"""Performance: what `make bench` measures, how, and against which targets.
 cpref is a reference, but one people train with: its kernel and its CP path must be fast
 enough to use. Every figure here is *measured*, side by side in one run on the machine at hand,
 and printed with the load average at the time; none is asserted by a test, because timings
-move with the machine. `make bench` runs each benchmark of `bench/` in turn (under ten minutes
-on 2 cores), prints its tables and keeps them in `bench/results/`: the section
-[The last full run](#the-last-full-run-of-make-bench) shows them as they were printed, and the
-table at the very end is a small version of the first one, measured while this page was built.
+move with the machine. `make bench` runs each benchmark of `bench/` in turn (under fifteen
+minutes on 2 cores), prints its tables and keeps what it measured in `bench/results/`: a
+`.txt` file of what it printed and a `.json` file of its figures. Each section below says what
+a benchmark measures and how, then shows its last run, rendered from that `.json` file when
+this site was built (the plots too, `docs/bench_figures.py`), headed by when and where it ran.
+The figures move with the machine: compare the ratios within one table, measured side by side,
+rather than figures across tables or runs. The table at the very end is a small version of the
+first one, measured while this page was built.
 
 ## 1. The kernel against PyTorch's fused attention (`bench/kernel.py`)
 
@@ -48,6 +52,9 @@ lands on either side of the target. Cutting the batched call into calls of at mo
 was tried: the op alone ran faster that way, but copying the pieces into the packed output
 cost more than it saved, so one call it stays.
 
+
+{{ results kernel }}
+
 ## 2. The CP path at P = 1 (`bench/overhead.py`)
 
 `cpref.attention(..., comm=cpref.SingleRank())` in every mode against the bare kernel, on
@@ -56,6 +63,9 @@ plans, the autograd Function, and what each mode does around its kernel call). T
 mode's plan at $P = 1$ names the documents themselves as the kernel's sequences, so it skips the
 gather, the `index_select`, the `index_add_` and the backward's re-gather (see
 [Load-balanced metadata](metadata.md)). Target: within 1.05 times the bare kernel.
+
+
+{{ results overhead }}
 
 ## 3. Strong scaling on real process groups (`bench/scaling.py`)
 
@@ -72,6 +82,9 @@ processes on two copies of the same work (two busy cores share caches, memory ba
 the virtual machine's host). A CP split can exceed it when its smaller pieces run more
 efficiently per score than one large call, as the 16k document's do.
 
+
+{{ results scaling }}
+
 ## 4. Memory per rank (`bench/memory.py`)
 
 The peak of live tensor bytes of forward + backward on each rank of the simulated cluster, at
@@ -83,10 +96,16 @@ the backward, measured with saved-tensor hooks and given by
 as $1/P$; the peak of one layer's step adds what a mode holds only during the step (the
 all-gather mode's gathered K/V, $O(T)$ by design).
 
+
+{{ results memory }}
+
 ## 5. Compute balance of the all-gather mode (`bench/all_gather.py`)
 
 Each rank's share of the all-gather mode timed alone, contiguous against zigzag, at $P = 2, 4, 8$:
 the measured imbalance next to the counted one.
+
+
+{{ results all_gather }}
 
 ## 6. On a GPU (`bench/gpu_check.sh`)
 
@@ -125,6 +144,9 @@ backend's collectives or with one batch of pairwise sends and receives (`exchang
 rank, with one ring shift of the same block for scale. Pairwise is gloo's default because it
 wins here; NCCL and HCCL keep their collectives.
 
+
+{{ results collectives }}
+
 ## 8. A sliding window on the fused path (`bench/window.py`)
 
 One 32768-token document, 8 heads, head dim 64, float32, forward + backward, with a causal
@@ -136,6 +158,9 @@ times it prints the scores each computes, counted: the ideal saving over full ca
 scores, about $16\times$), the planned one (the tiles' scores, at most $w + R$ a row, about
 $13\times$) and the measured one. The dense mask takes minutes at 32k; `python -m bench.window
 --tokens 4096 --window 256` is a quick run.
+
+
+{{ results window }}
 
 ## 9. The layouts on packed batches (`bench/layouts.py`)
 
@@ -154,60 +179,8 @@ mean, a third of zigzag's bytes), printed as met or not, and its shared rows aga
 bound. `python -m bench.layouts --quick` is a
 quick run.
 
-## The last full run of `make bench`
 
-`make bench` (`python -m bench.all`) keeps what each benchmark prints in `bench/results/`;
-this section includes those files as they are, each headed by when and where it ran. The
-figures move with the machine: compare the ratios within one table, measured side by side,
-rather than figures across tables or runs.
-
-### Kernel
-
-```text
---8<-- "bench/results/kernel.txt"
-```
-
-### A sliding window on the fused path
-
-```text
---8<-- "bench/results/window.txt"
-```
-
-### CP path at P = 1
-
-```text
---8<-- "bench/results/overhead.txt"
-```
-
-### Strong scaling
-
-```text
---8<-- "bench/results/scaling.txt"
-```
-
-### Memory per rank
-
-```text
---8<-- "bench/results/memory.txt"
-```
-
-### All-gather compute balance
-
-```text
---8<-- "bench/results/all_gather.txt"
-```
-
-### gloo exchanges
-
-```text
---8<-- "bench/results/collectives.txt"
-```
-
-### Layouts on packed batches
-
-```text
---8<-- "bench/results/layouts.txt"
-```
+{{ results layouts }}
 
 ## Measured while this page was built
 
@@ -217,9 +190,12 @@ rather than figures across tables or runs.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
+from bench import all_gather, collectives, kernel, layouts, memory, overhead, scaling, window
+from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
 # A small version of the kernel table of `bench.kernel`, fast enough to run at every docs build.
@@ -238,5 +214,55 @@ def small_kernel_table(repeats: int = 3) -> str:
     )
 
 
-# The page's table is measured when the docs import this module for its docstring (a few hundred ms).
-__doc__ = __doc__.replace("{kernel_table}", small_kernel_table())
+def _bullets(lines: list[str]) -> str:
+    """Printed verdict lines as a Markdown list (blank lines dropped, each line one item)."""
+    return "\n".join("- " + line.strip().removeprefix("- ") for line in lines if line.strip())
+
+
+def _details(title: str, body: str) -> str:
+    """A block the reader opens (pymdownx.details, closed): the long tables under a figure that shows them."""
+    return f'??? info "{title}"\n\n' + "\n".join(("    " + line) if line else "" for line in body.splitlines())
+
+
+# What each benchmark's kept results show on the page: its tables (the very functions it prints them with) and
+# the markers of its figures (`docs/bench_figures.py`, placed by `docs/gen_pages.py`).
+RENDER = {
+    "kernel": lambda r: "\n\n".join([r["title"] + ".", "{{ figure figures/bench_kernel.png }}", kernel.markdown(r["rows"]),
+                                      _bullets(kernel.verdicts(r))]),
+    "overhead": lambda r: r["title"] + ".\n\n" + overhead.markdown(r),
+    "scaling": lambda r: "\n\n".join(["{{ figure figures/bench_scaling.png }}",
+                                        "Each batch's table opens below: every mode and layout with each rank's split "
+                                        "of the step, and the ring's kernel calls with the share of its shifts hidden."]
+                                       + [_details(b["title"], scaling.markdown(b)) for b in r["batches"]]),
+    "memory": lambda r: "\n\n".join([r["title"] + ".", "{{ figure figures/bench_memory.png }}", memory.markdown(r)]),
+    "all_gather": lambda r: r["title"] + ".\n\n" + all_gather.markdown(r),
+    "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),
+    "window": lambda r: r["title"] + ".\n\n" + window.report(r["times"], r["counts"]),
+    "layouts": lambda r: "\n\n".join(
+        [r["title"] + ". Per pack (open each below), every `P`: each layout's padding, busiest rank's causal work over the mean and "
+         "shared rows, and the bytes the busiest rank sends in each mode, forward + backward (the full tables, with "
+         "each mode's kernel work and modelled time, are in `bench/results/layouts.txt`).",
+         "{{ figure figures/bench_bytes.png }}"]
+        + [_details(f"{p['name']}: {p['documents']} documents, {p['tokens']:,} tokens", layouts.bytes_table(p))
+           for p in r["packs"]]
+        + [r["goals"]]),
+}  # fmt: skip
+
+
+def last_run(name: str) -> str:
+    """A benchmark's section of the page: when and where it ran, then its tables and figures."""
+    kept = load(name)
+    return f"### Last run\n\n*{kept['measured']} ({kept['seconds']} s)*\n\n{RENDER[name](kept['results'])}"
+
+
+def _fill(doc: str) -> str:
+    markers = re.findall(r"\{\{ results (\w+) \}\}", doc)
+    if sorted(markers) != sorted(BENCHMARKS):
+        raise RuntimeError(f"the page shows the results of {sorted(markers)}, make bench runs {sorted(BENCHMARKS)}")
+    for name in markers:
+        doc = doc.replace(f"{{{{ results {name} }}}}", last_run(name))
+    return doc.replace("{kernel_table}", small_kernel_table())
+
+
+# The page is filled when the docs import this module for its docstring (the small table takes a few hundred ms).
+__doc__ = _fill(__doc__)

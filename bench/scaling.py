@@ -157,38 +157,54 @@ def ring_steps(events: list[tuple[str, str, float]]) -> list[dict]:
     return steps
 
 
-def report(t1: float, per_rank: list[dict]) -> list[str]:
-    """The table: per mode and layout, T(CP=2), the speedup, each rank's split; the ring's steps."""
-    head = f"{'mode':<11} {'layout':<11} {'T(CP=2)':>8} {'speedup':>8} {'target':>7}   rank  {'total':>7} {'compute':>8} {'comm wait':>10} {'other':>7}"
-    lines, ring = [head, "-" * len(head)], []
+def summary(t1: float, t_pair: float, per_rank: list[dict]) -> dict:
+    """One batch's results as plain numbers: per mode and layout the fastest step (each rank's split), the ring's
+    calls per rank, and the shift alone per layout."""
     t_shift = {layout: max(rank[("shift", layout)] for rank in per_rank) for layout in TIMED_LAYOUTS}
+    rows, ring = [], []
     for key in (k for k in per_rank[0] if k[0] != "shift"):
         steps = list(zip(*(rank[key] for rank in per_rank)))  # per timed step: one dict per rank
         best = min(steps, key=lambda step: max(r["total"] for r in step))  # the fastest step
-        t2 = max(r["total"] for r in best)
         mode, layout = key
-        target = (">= 1.8" if t1 / t2 >= TARGET else "BELOW") if layout == "zigzag" else ""
-        for rank, r in enumerate(best):
-            lead = f"{mode:<11} {layout:<11} {t2:>7.2f}s {t1 / t2:>8.2f} {target:>7}" if rank == 0 else " " * 49
-            other = r["total"] - r["compute"] - r["comm"]
-            lines.append(f"{lead}   {rank:>4}  {r['total']:>6.2f}s {r['compute']:>7.2f}s {r['comm']:>9.2f}s {other:>6.2f}s")
-            if mode == "p2p":
-                ring.append(_ring_line(layout, rank, ring_steps(r["events"]), t_shift[layout]))
-    alone = ", ".join(f"{layout} {t * 1e3:.1f} ms" for layout, t in t_shift.items())
-    title = f"\nring (p2p) per kernel call: compute / then waiting for the next block (its largest shift alone: {alone})"
-    return [*lines, title, *ring]
+        ranks = [{"total": r["total"], "compute": r["compute"], "comm": r["comm"]} for r in best]
+        rows.append({"mode": mode, "layout": layout, "t2": max(r["total"] for r in best), "ranks": ranks})
+        if mode == "p2p":
+            ring += [{"layout": layout, "rank": rank, "steps": ring_steps(r["events"])} for rank, r in enumerate(best)]
+    return {"t1": t1, "t_pair": t_pair, "rows": rows, "ring": ring, "shift": t_shift, "target": TARGET}
 
 
-def _ring_line(layout: str, rank: int, steps: list[dict], t_shift: float) -> str:
-    """One rank's steps, `fwd|bwd compute/wait ms`, and the fraction of its shifts' time hidden behind compute."""
-    cells = [f"{s['phase'][:3]} {s['compute'] * 1e3:.0f}/{s['wait'] * 1e3:.1f} ms" for s in steps]
-    # a step's exposed communication: its waiting, up to what its shifts take alone (beyond: waiting for the peer)
+def hidden(steps: list[dict], t_shift: float) -> tuple[int, float]:
+    """`(shifts, fraction hidden)` of one rank's ring: a call's exposed communication is its wait, up to what its
+    shifts take alone (beyond that it waits for the peer's compute)."""
     exposed, shifts = sum(min(s["wait"], s["shifts"] * t_shift) for s in steps), sum(s["shifts"] for s in steps)
-    hidden = 1 - exposed / (shifts * t_shift) if shifts and t_shift > 0 else float("nan")
-    return f"  {layout:<10} rank {rank}: " + " | ".join(cells) + f"  -> {shifts} shifts, {hidden:.0%} hidden"
+    return shifts, (1 - exposed / (shifts * t_shift) if shifts and t_shift > 0 else float("nan"))
 
 
-def main(argv: list[str] | None = None) -> None:
+def markdown(batch: dict) -> str:
+    """One batch as Markdown: the two-process factor, the table (every mode and layout, each rank's split), the ring."""
+    t1, t_pair, target = batch["t1"], batch["t_pair"], batch["target"]
+    lines = [f"T(CP=1) = {t1:.2f} s (TorchKernel over the whole batch, one process); two such processes at once: "
+             f"{t_pair:.2f} s each: two processes here do {2 * t1 / t_pair:.2f}x the work of one.", "",
+             "| mode | layout | T(CP=2) | speedup | compute, rank 0 / 1 | comm wait | other |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in batch["rows"]:
+        split = [" / ".join(f"{f(x):.2f}" for x in r["ranks"]) + " s"
+                 for f in (lambda x: x["compute"], lambda x: x["comm"], lambda x: x["total"] - x["compute"] - x["comm"])]
+        lines.append(f"| {r['mode']} | {r['layout']} | {r['t2']:.2f} s | {t1 / r['t2']:.2f} | " + " | ".join(split) + " |")
+    alone = ", ".join(f"{layout} {t * 1e3:.1f} ms" for layout, t in batch["shift"].items())
+    zigzag = ", ".join(f"{r['mode']} {t1 / r['t2']:.2f} ({'met' if t1 / r['t2'] >= target else 'BELOW'})"
+                       for r in batch["rows"] if r["layout"] == "zigzag")  # fmt: skip
+    lines += ["", f"speedup = T(CP=1) / T(CP=2); target >= {target} for zigzag (printed, not asserted): {zigzag}. The ring (`p2p`) "
+              f"per kernel call: compute / then waiting for the next block, ms (its largest shift alone: {alone}):", "",
+              "| layout | rank | kernel calls: compute / wait (ms) | shifts | hidden |", "| --- | ---: | --- | ---: | ---: |"]  # fmt: skip
+    for r in batch["ring"]:
+        shifts, frac = hidden(r["steps"], batch["shift"][r["layout"]])
+        cells = ", ".join(f"{s['phase'][:3]} {s['compute'] * 1e3:.0f}/{s['wait'] * 1e3:.1f}" for s in r["steps"])
+        lines.append(f"| {r['layout']} | {r['rank']} | {cells} | {shifts} | {frac:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 4)")
     parser.add_argument("--heads", type=int, default=8)
@@ -201,24 +217,25 @@ def main(argv: list[str] | None = None) -> None:
     windows = [_window(parser, w) for w in args.window]
     if args.tokens % 4:
         parser.error(f"--tokens {args.tokens}: zigzag over 2 ranks needs a multiple of 4")
+    batches_run = []
     for window, (name, lengths) in ((w, batch) for w in windows for batch in batches(args.tokens).items()):
         shape = (lengths, args.heads, args.head_dim, args.repeats, window)
         masked = "causal" if window == (-1, -1) else f"causal, window={window}"
-        print(f"## Strong scaling: {name} {masked} ({lengths}), {args.heads} heads, head dim {args.head_dim}, float32, "
-              f"forward + backward, 1 thread per process (load average {os.getloadavg()[0]:.2f} "
-              f"on {os.cpu_count()} cores)\n")  # fmt: skip
+        title = (f"Strong scaling: {name} {masked} ({lengths}), {args.heads} heads, head dim {args.head_dim}, float32, "
+                 f"forward + backward, 1 thread per process (load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+        print(f"## {title}\n", flush=True)
         # 1) CP = 1: one process, one kernel call over the whole batch
         t1 = min(launch(cp1_rank, 1, args=shape, check_calls=False, timeout=3600.0)[0])
         # 2) the two-process factor: the same step on two processes at once, each over the whole batch, no communication
         pair = launch(cp1_rank, 2, args=shape, check_calls=False, timeout=3600.0)
         t_pair = min(max(steps) for steps in zip(*pair))  # per repeat, the slower process
-        print(f"T(CP=1) = {t1:.2f} s (TorchKernel over the whole batch, one process); two such processes at once: "
-              f"{t_pair:.2f} s each: two processes here do {2 * t1 / t_pair:.2f}x the work of one\n")  # fmt: skip
         # 3) CP = 2: two gloo processes, every mode and layout
         per_rank = launch(cp2_rank, 2, args=shape, check_calls=False, timeout=3600.0)
-        print("\n".join(report(t1, per_rank)))
-        print(f"\nspeedup = T(CP=1) / T(CP=2); target >= {TARGET} for zigzag (printed, not asserted); "
-              f"load average now {os.getloadavg()[0]:.2f}\n")  # fmt: skip
+        batch = {"title": title, "name": name, "window": list(window), **summary(t1, t_pair, per_rank)}
+        print(markdown(batch))
+        print(f"\n(load average now {os.getloadavg()[0]:.2f})\n", flush=True)
+        batches_run.append(batch)
+    return {"batches": batches_run}
 
 
 def _window(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:

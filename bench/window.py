@@ -95,16 +95,16 @@ def report(times: dict[str, float], counts: dict[str, int]) -> str:
     lines = ["| case | time | time / window |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {times[name] * 1e3:.1f} ms | {times[name] / times['window']:.2f} |" for name in NAMES]
     ideal, planned = counts["causal"] / counts["visible"], counts["causal"] / counts["planned"]
-    lines += ["", f"full causal / window: ideal {ideal:.1f}x (visible scores), planned {planned:.1f}x (scores the "
+    lines += ["", f"- full causal / window: ideal {ideal:.1f}x (visible scores), planned {planned:.1f}x (scores the "
               f"tiles compute, {counts['planned'] / counts['visible']:.2f} per visible one), measured "
               f"{times['full causal'] / times['window']:.1f}x",  # fmt: skip
-              f"SDPA band mask / window: planned {counts['dense'] / counts['planned']:.1f}x (it computes all T^2 scores), "
+              f"- SDPA band mask / window: planned {counts['dense'] / counts['planned']:.1f}x (it computes all T^2 scores), "
               f"measured {times['SDPA band mask'] / times['window']:.1f}x",  # fmt: skip
-              f"explicit window / window: measured {times['explicit window'] / times['window']:.1f}x"]  # fmt: skip
+              f"- explicit window / window: measured {times['explicit window'] / times['window']:.1f}x"]  # fmt: skip
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the one document")
     parser.add_argument("--window", type=int, default=1024, help="keys before each query it sees: window=(W, 0)")
@@ -112,13 +112,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds of every case (fastest kept)")
     args = parser.parse_args(argv)
-    print(f"## Sliding window: 1 x {args.tokens} tokens, causal window {args.window}, {args.heads} heads, head dim "
-          f"{args.dim}, fp32, forward + backward, {torch.get_num_threads()} threads, fastest of {args.repeats} "
-          f"(load average {os.getloadavg()[0]:.2f})\n")  # fmt: skip
+    title = (f"Sliding window: 1 x {args.tokens} tokens, causal window {args.window}, {args.heads} heads, head dim "
+             f"{args.dim}, fp32, forward + backward, {torch.get_num_threads()} threads, fastest of {args.repeats} "
+             f"(load average {os.getloadavg()[0]:.2f})")  # fmt: skip
+    print(f"## {title}\n")
     times = measure(args.tokens, args.window, args.heads, args.dim, args.repeats)
-    print(report(times, scores(args.tokens, args.window)))
+    counts = scores(args.tokens, args.window)
+    print(report(times, counts))
     print(f"(load average now {os.getloadavg()[0]:.2f})")
-
+    return {"title": title, "times": times, "counts": counts}
 
 if __name__ == "__main__":
     main()

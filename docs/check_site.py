@@ -12,8 +12,9 @@ offline mode, and a host resolver that resolves nothing). A page fails on:
 * a console error or an uncaught exception;
 * a broken internal link: every `<a href>` into the site must name an existing file (not a
   directory: file:// does not serve index.html), and its `#anchor` an id on that page;
-* a horizontal scrollbar: the page, or the main content column, wider than its box; wide
-  tables, code and display math must scroll inside their own box;
+* a horizontal scrollbar: the page, or the main content column, wider than its box; a code
+  block or a table that scrolls sideways in its own box (both must fit the column: code
+  wraps, a table is narrow enough); only display math may scroll in its box;
 * a figure caption with raw Markdown in it.
 
 Offline search is checked once: typing into the search box on the home page must list results.
@@ -67,9 +68,14 @@ PROBE = r"""() => {
     ? "." + el.className.split(" ")[0] : "");
   const wide = pageOverflow <= 0 && columnOverflow <= 0 ? [] : [...column.querySelectorAll("*")]
     .filter((el) => el.getBoundingClientRect().right > edge + 1 && !clipped(el)).map(name);
-  // code blocks of the column that scroll sideways (display formulas and tables may, in their own box)
+  // code blocks of the column that scroll sideways (display formulas may, in their own box)
   const scrolling = [...column.querySelectorAll("pre > code")]
     .filter((el) => el.scrollWidth > el.clientWidth + 1).map(name);
+  // tables wider than the column: material scrolls them in a wrapper; named by their first header cells
+  const tables = [...column.querySelectorAll("table")].filter((t) => {
+    const box = t.closest(".md-typeset__scrollwrap") || t.parentElement;
+    return box.scrollWidth > box.clientWidth + 1 || t.getBoundingClientRect().right > edge + 1;
+  }).map((t) => [...t.querySelectorAll("th")].slice(0, 3).map((h) => h.textContent.trim()).join(" | ") || "table");
   // punctuation that wrapped onto a line of its own after an inline formula
   const lone = [];
   for (const m of column.querySelectorAll("span.arithmatex")) {
@@ -84,6 +90,8 @@ PROBE = r"""() => {
   return {
     scrolling: [...new Set(scrolling)].slice(0, 5),
     scrolling_count: scrolling.length,
+    wide_tables: tables.slice(0, 5),
+    wide_table_count: tables.length,
     lone_punctuation: lone.slice(0, 5),
     raw_math: raw,
     math_count: maths.length,
@@ -139,6 +147,9 @@ def problems_from_probe(found: dict) -> list[str]:
     if found.get("scrolling_count"):
         out.append(f"{found['scrolling_count']} code block(s) scroll sideways at {VIEWPORT['width']} px: "
                    f"{', '.join(found['scrolling'])}")  # fmt: skip
+    if found.get("wide_table_count"):
+        out.append(f"{found['wide_table_count']} table(s) wider than the column at {VIEWPORT['width']} px: "
+                   + "; ".join(f"[{t}]" for t in found["wide_tables"]))  # fmt: skip
     out += [f"punctuation alone on a line after a formula: {t!r}" for t in found.get("lone_punctuation", [])]
     return out
 

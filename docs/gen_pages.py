@@ -72,7 +72,8 @@ GUIDE = [
     ("performance.md", "Performance", "bench.report"),
 ]
 
-# Figures appended to the bottom of a guide page: page -> [(figure path, caption)]. Each figure
+# Figures of a guide page: page -> [(figure path, caption)], each placed where its marker `{{ figure PATH }}` stands
+# in the docstring, else appended to the bottom. Each figure
 # appears once. A caption is inline Markdown (it renders in <figcaption>); its alt text is the
 # caption without backticks.
 PAGE_FIGURES = {
@@ -133,6 +134,23 @@ PAGE_FIGURES = {
          "whole, attended at home with all heads) and shared rows (padded to the most any rank has), and the bytes "
          "each rank sends in `a2a` and `a2a+p2p` (a2a_size 2), split, against zigzag, where every row is exchanged; "
          "from a run on the simulated cluster."),
+    ],
+    "performance.md": [
+        ("figures/bench_kernel.png",
+         "From the last `make bench` (`bench/results/kernel.json`): each mix's forward + backward time of `TorchKernel`'s "
+         "fast and explicit paths over SDPA called once per document; below the line is faster than SDPA, the dashed "
+         "lines are the targets."),
+        ("figures/bench_scaling.png",
+         "From the last `make bench` (`bench/results/scaling.json`): the speedup of every mode at CP = 2 over gloo, both "
+         "layouts, on each batch, against what two independent processes give on this machine (dashed) and the "
+         "target (dotted)."),
+        ("figures/bench_memory.png",
+         "From the last `make bench` (`bench/results/memory.json`): the busiest rank's bytes saved for the backward, "
+         "measured (dots) on the line of `mode_costs`' formula, and its peak of forward + backward, input shards "
+         "included (squares), at P = 1, 2 and 4."),
+        ("figures/bench_bytes.png",
+         "From the last `make bench` (`bench/results/layouts.json`): the bytes the busiest rank sends in each mode and "
+         "layout on the lognormal pack (69 documents, 65,536 tokens), counted from the simulated cluster's trace."),
     ],
     "hierarchical.md": [
         ("figures/hierarchical_schedule.png",
@@ -241,12 +259,20 @@ def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_
     # An autorefs anchor, so that `[cpref.comm][]` in any docstring links to this page: the
     # module's reference page lists its members only.
     lines.insert(1, f"\n[](){{#{module_name}}}")
-    parts = ["\n".join(lines)]
+    text = "\n".join(lines)
+    # A figure whose marker `{{ figure PATH }}` stands on its own line of the docstring goes there; the rest to the end.
+    placed = [(path, caption) for path, caption in figures if f"{{{{ figure {path} }}}}" in text]
+    for path, caption in placed:
+        text = text.replace(f"{{{{ figure {path} }}}}", figure_html(path, caption))
+    if "{{ figure" in text:
+        raise RuntimeError(f"{module_name}: a figure marker names no figure of the page: {text[text.index('{{ figure'):][:80]}")
+    parts = [text]
     for title, table in tables:
         parts += [f"## {title}", table()]
-    if figures:
+    rest = [entry for entry in figures if entry not in placed]
+    if rest:
         parts.append("## Figures")
-        parts += [figure_html(path, caption) for path, caption in figures]
+        parts += [figure_html(path, caption) for path, caption in rest]
     parts.append(f"---\n\nSource: {SOURCES.link_from(doc_path, Path(module.__file__).resolve())}")
     return "\n\n".join(parts) + "\n"
 
@@ -346,7 +372,8 @@ def main() -> None:
 
     # 4) Figures, each checked for labels readable at the column width.
     figures = _load_docs_module("figures")
-    drawn = {**figures.FIGURES, **_load_docs_module("mode_figures").FIGURES, **_load_docs_module("train_figures").FIGURES}
+    drawn = {**figures.FIGURES, **_load_docs_module("mode_figures").FIGURES, **_load_docs_module("train_figures").FIGURES,
+             **_load_docs_module("bench_figures").FIGURES}
     used = [path for entries in PAGE_FIGURES.values() for path, _ in entries]
     if sorted(used) != sorted(drawn):
         raise RuntimeError(f"every figure must appear exactly once: drawn {sorted(drawn)}, used {sorted(used)}")

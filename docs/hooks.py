@@ -10,6 +10,13 @@
    the source pages generated into the site (`docs/source_pages.py`). mkdocs accepts only an
    absolute `repo_url`, so it is set here, after validation, to the site path of the source
    index; `docs/overrides/partials/source.html` makes it relative to each page.
+3. Long code in tables. A test id or path in a table cell (often 100 characters) must wrap
+   inside its column, but breaking any word anywhere squeezes short names (`all_gather` into
+   "all_gathe r"). `break_long_code` lets inline code of more than `LONG_CODE` characters in a
+   cell break after `/`, `::`, `.` and `_` (a `<wbr>`), and only there; shorter code never breaks.
+4. Signatures. mkdocstrings formats the signatures of the API reference with Black or Ruff;
+   without either it prints them unformatted and says so in one INFO line that a strict build
+   lets through. `on_config` fails the build instead, naming the fix (the docs extra pins ruff).
 """
 
 from __future__ import annotations
@@ -36,6 +43,20 @@ NS = "{http://www.w3.org/1998/Math/MathML}"
 # they stand for the character itself.
 MTEXT = re.compile(r"(<mtext[^>]*>)(.*?)(</mtext>)", re.DOTALL)
 TEXT_ESCAPE = re.compile(r"\\([_%$#{}&])")
+
+
+LONG_CODE = 24
+CELL = re.compile(r"<td[^>]*>.*?</td>", re.DOTALL)
+CELL_CODE = re.compile(r"<code>([^<\n]{%d,})</code>" % (LONG_CODE + 1))
+BREAK_AFTER = re.compile(r"(::|/|\.|_)(?=.)")
+
+
+def break_long_code(page_html: str) -> str:
+    """Every inline code of more than LONG_CODE characters inside a table cell, breakable after its separators."""
+    def cell(match: re.Match) -> str:
+        return CELL_CODE.sub(lambda m: "<code>" + BREAK_AFTER.sub(r"\1<wbr>", m[1]) + "</code>", match[0])
+
+    return CELL.sub(cell, page_html)
 
 
 class MathError(ValueError):
@@ -105,11 +126,23 @@ def render_math(page_html: str, where: str) -> str:
     return ARITHMATEX.sub(replace, page_html)
 
 
+def check_formatter() -> None:
+    """Raise unless Ruff, the formatter of the API reference's signatures, is installed with its binary."""
+    try:
+        from ruff.__main__ import find_ruff_bin
+
+        find_ruff_bin()
+    except (ImportError, FileNotFoundError) as err:
+        raise PluginError("mkdocstrings formats signatures with Ruff, which is not installed: "
+                          "pip install -e '.[docs]' (make docs does)") from err  # fmt: skip
+
+
 def on_config(config):
+    check_formatter()
     config["repo_url"] = SOURCE_INDEX  # after mkdocs' validation, which wants an absolute URL
     config["repo_name"] = "Source code"
     return config
 
 
 def on_page_content(html_text, page, config, files):
-    return render_math(html_text, page.file.src_uri)
+    return break_long_code(render_math(html_text, page.file.src_uri))

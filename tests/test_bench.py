@@ -46,27 +46,37 @@ def test_peak_memory_per_rank_falls_with_P():
         assert peaks[0] > peaks[1] > peaks[2], (mode, peaks)
 
 
-def test_every_benchmark_keeps_its_tables_and_the_page_shows_them(tmp_path, monkeypatch, capsys):
-    """`bench.all` prints a benchmark's output and keeps it, headed by when and where, in the
-    file the performance page includes; every benchmark of `make bench` has its kept tables
-    in the repository and its include on the page (a new benchmark without them fails here)."""
+def test_every_benchmark_keeps_its_tables_and_results_and_the_page_shows_them(tmp_path, monkeypatch, capsys):
+    """`bench.all` prints a benchmark's output and keeps it, headed by when and where, beside the results its
+    `main` returns (the page's tables and figures come from those); a `main` that returns nothing is refused;
+    every benchmark of `make bench` has both files in the repository and its section on the page (a new
+    benchmark without them fails here)."""
+    import json
     import sys
     import types
     from pathlib import Path
 
+    import pytest
+
     from bench import all as bench_all
 
     fake = types.ModuleType("bench.fake")
-    fake.main = lambda argv: print(f"| table | {argv} |")
+    fake.main = lambda argv: print(f"| table | {argv} |") or {"ms": [1.5, 2.0]}
     monkeypatch.setitem(sys.modules, "bench.fake", fake)
     bench_all.run("fake", tmp_path)
     kept = (tmp_path / "fake.txt").read_text()
     assert kept.startswith("Measured ") and f"torch {torch.__version__}" in kept and kept.endswith("| table | [] |\n")
     assert "| table | [] |" in capsys.readouterr().out
+    results = bench_all.load("fake", tmp_path)
+    assert results["results"] == {"ms": [1.5, 2.0]} and kept.startswith(results["measured"] + " (")
+    fake.main = lambda argv: print("only printed")
+    with pytest.raises(TypeError, match="returned NoneType"):
+        bench_all.run("fake", tmp_path)
     page = Path(bench_all.__file__).with_name("report.py").read_text()
     for name in bench_all.BENCHMARKS:
         assert (bench_all.RESULTS / f"{name}.txt").read_text().startswith("Measured "), name
-        assert f'--8<-- "bench/results/{name}.txt"' in page, name
+        assert json.loads((bench_all.RESULTS / f"{name}.json").read_text())["results"], name
+        assert f"{{{{ results {name} }}}}" in page, name
 
 
 def test_fastest_samples_cheap_cases_more_and_every_case_alike():

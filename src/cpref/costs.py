@@ -15,12 +15,20 @@ per element of the compute dtype (4, or 8 for float64), $H'_{kv}$ the key/value 
 the replication an all-to-all over $a$ ranks needs ($H_{kv}$ if $a \mid H_{kv}$, else $a$),
 $p = P / a$ the ring of the hierarchical mode.
 
-| mode | forward bytes | backward bytes | saved for backward |
-| --- | --- | --- | --- |
-| `all_gather` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward (none with `save_gathered_kv`) $+\ (P-1) T_l H_{kv} (D + D_v)\, f$ | $T_l (b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + f H_q)$ |
-| `p2p` | $(P-1) T_l H_{kv} (D + D_v)\, b$ | forward $+\ P\, T_l H_{kv} (D + D_v)\, f$ | as `all_gather`, but `out` in $f$ bytes for $P > 1$: $+\,T_l H_q D_v (f - b)$ |
-| `a2a` | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ | as forward; replicated heads ($H'_{kv} \ne H_{kv}$) send dK/dV in $f$ bytes | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
-| `a2a+p2p` | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ | as forward (dK/dV as for `a2a`) $+\ p\, T_l H'_{kv} (D + D_v)\, f$ | as `a2a`, $+\,T_l H_q D_v (f - b)$ for $p > 1$ |
+| mode | per rank | bytes |
+| --- | --- | --- |
+| `all_gather` | forward | $(P-1) T_l H_{kv} (D + D_v)\, b$ |
+| | backward | forward (none with `save_gathered_kv`) $+\ (P-1) T_l H_{kv} (D + D_v)\, f$ |
+| | saved for backward | $T_l (b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + f H_q)$ |
+| `p2p` | forward | $(P-1) T_l H_{kv} (D + D_v)\, b$ |
+| | backward | forward $+\ P\, T_l H_{kv} (D + D_v)\, f$ |
+| | saved for backward | as `all_gather`, but `out` in $f$ bytes for $P > 1$: $+\,T_l H_q D_v (f - b)$ |
+| `a2a` | forward | $\frac{P-1}{P} T_l (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)\, b$ |
+| | backward | as forward; replicated heads ($H'_{kv} \ne H_{kv}$) send dK/dV in $f$ bytes |
+| | saved for backward | $T_l (b\,(H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v) + f H_q)$ |
+| `a2a+p2p` | forward | $\frac{a-1}{a} T_l (H_q D + H'_{kv} (D + D_v) + H_q D_v)\, b + (p - 1) T_l H'_{kv} (D + D_v)\, b$ |
+| | backward | as forward (dK/dV as for `a2a`) $+\ p\, T_l H'_{kv} (D + D_v)\, f$ |
+| | saved for backward | as `a2a`, $+\,T_l H_q D_v (f - b)$ for $p > 1$ |
 
 Under a sliding window the ring levels of `p2p` and `a2a+p2p` move only what the window reaches
 ([`halo_costs`][cpref.costs.halo_costs]: for each distance $d$ the window reaches, one shift

@@ -32,7 +32,8 @@ check_site = load("check_site")
 PIXEL = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
 MATH = '<math display="block"><mfrac><mi>a</mi><mi>b</mi></mfrac></math>'
 PAGE = "<!doctype html><html><head><meta charset='utf-8'></head><body><div class='md-content'>{}</div></body></html>"
-GOOD = f"""<h1 id="there">Good</h1><div class="arithmatex">{MATH}</div><img src="pixel.png">
+GOOD = f"""<h1 id="there">Good</h1><div class="md-typeset__scrollwrap" style="overflow-x: auto"><table>
+<tr><th>a</th><th>b</th></tr><tr><td>{"a long cell that wraps " * 20}</td><td>1</td></tr></table></div><div class="arithmatex">{MATH}</div><img src="pixel.png">
 <figure><img src="pixel.png"><figcaption>A plain caption.</figcaption></figure>
 <a href="bad.html">bad</a> <a href="#there">here</a> <a href="https://example.com/">external</a>
 <pre><code>code may say \\(x\\) and $$</code></pre>"""
@@ -43,6 +44,8 @@ BAD = f"""<p>raw \\(x^2\\) math</p><span class="arithmatex">\\(y\\)</span>
 <div style="width: 3000px">too wide</div>
 <figure><figcaption>the `kv_index` buffer</figcaption></figure>
 <pre><code style="display: block; overflow-x: auto; white-space: pre">{"x" * 400}</code></pre>
+<div class="md-typeset__scrollwrap" style="overflow-x: auto"><table><tr><th>wide</th><th>head</th></tr>
+<tr><td style="white-space: nowrap">{"y " * 300}</td><td>z</td></tr></table></div>
 <p style="width: min-content">a formula <span class="arithmatex"><math><mi>alongvariablename</mi></math></span>.</p>
 <script>console.error("boom"); throw new Error("uncaught")</script>"""
 
@@ -62,6 +65,7 @@ EXPECTED = [
     "horizontal scrollbar at 1280 px",
     "raw Markdown in a figure caption",
     "1 code block(s) scroll sideways at 1280 px: code",
+    "1 table(s) wider than the column at 1280 px: [wide | head]",
     "punctuation alone on a line after a formula: 'alongvariablename .'",
 ]
 

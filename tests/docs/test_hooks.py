@@ -62,3 +62,25 @@ def test_an_inline_formula_keeps_the_punctuation_after_it_on_its_line():
     assert '</math></span>.</span> And <span class="arithmatex"><math' in out and out.endswith("</math></div>.")
     css = (Path(__file__).resolve().parents[2] / "docs" / "css" / "extra.css").read_text()
     assert ".md-typeset .math-punct {\n  white-space: nowrap;" in css
+
+
+def test_the_build_fails_without_the_signature_formatter(monkeypatch):
+    """mkdocstrings would print the API reference's signatures unformatted, with one INFO line a strict build
+    lets through; the hook fails the build instead (and passes where the docs extra's ruff is installed)."""
+    import sys
+
+    hooks.check_formatter()
+    monkeypatch.setitem(sys.modules, "ruff.__main__", None)  # import fails
+    with pytest.raises(PluginError, match="Ruff, which is not installed"):
+        hooks.on_config({})
+
+
+def test_long_code_in_a_table_cell_breaks_after_separators_and_short_code_never():
+    long = "tests/cp/test_x.py::test_a_long_name"
+    page = (f"<table><tr><td><code>{long}</code> and <code>all_gather</code></td></tr></table>"
+            f"<p><code>{long}</code></p>")  # fmt: skip
+    out = hooks.break_long_code(page)
+    assert ("<td><code>tests/<wbr>cp/<wbr>test_<wbr>x.<wbr>py::<wbr>test_<wbr>a_<wbr>long_<wbr>name</code> and "
+            "<code>all_gather</code></td>") in out  # fmt: skip
+    assert out.endswith(f"<p><code>{long}</code></p>")  # outside a table: untouched
+    assert out.replace("<wbr>", "") == page

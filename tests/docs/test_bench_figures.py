@@ -1,0 +1,131 @@
+"""docs/bench_figures.py and bench/report.py: the performance page draws and prints what the benchmarks kept.
+
+Each figure is drawn from made-up results whose numbers all differ, and the plotted numbers are
+read back from the artists: a figure that swapped two series, divided by the wrong time,
+dropped the two-process factor or plotted the measured bytes as the formula's fails here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from matplotlib.collections import LineCollection  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"cpref_docs_{name}_t", ROOT / "docs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+figs = load("bench_figures")
+MODES, LAYOUTS = ["a2a", "a2a+p2p", "all_gather", "p2p"], ["contiguous", "zigzag"]
+
+
+def heights(ax, label: str) -> list[float]:
+    """The bar heights of the series `label` on `ax`, left to right."""
+    container = next(c for c in ax.containers if c.get_label() == label)
+    return [bar.get_height() for bar in container if isinstance(bar, Rectangle)]
+
+
+def horizontal(ax, label: str) -> list[float]:
+    """The y of every horizontal line (axhline or hlines) labelled `label`."""
+    ys = [line.get_ydata()[0] for line in ax.lines if line.get_label() == label]
+    for coll in ax.collections:
+        if isinstance(coll, LineCollection) and coll.get_label() == label:
+            ys += [seg[0][1] for seg in coll.get_segments()]
+    return ys
+
+
+def test_kernel_figure_plots_each_mix_over_sdpa_and_its_target():
+    rows = [{"mix": f"m{i}", "fast": 1.0 + i, "explicit": 3.0 + 2 * i, "sdpa": 2.0 + i, "rounds": 3} for i in range(3)]
+    targets = {"m0": 1.1, "m1": 1.1, "m2": 1.0}
+    fig = figs.draw_kernel({"rows": rows, "targets": targets, "dtype": "fp32", "peak": 1.0, "flops": 1.0})
+    ax = fig.axes[0]
+    assert heights(ax, "fast (TorchKernel)") == pytest.approx([r["fast"] / r["sdpa"] for r in rows])
+    assert heights(ax, "explicit (TorchKernel(fast=False))") == pytest.approx([r["explicit"] / r["sdpa"] for r in rows])
+    assert horizontal(ax, "SDPA per document") == [1.0]
+    # one dashed target over each group, the first drawn with the legend's label, the others unlabelled
+    targets_drawn = [seg[0][1] for c in ax.collections if isinstance(c, LineCollection) for seg in c.get_segments()]
+    assert targets_drawn == [1.1, 1.1, 1.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["m0", "m1", "m2"]
+
+
+def _scaling_batch(name: str, t1: float, t_pair: float) -> dict:
+    rows = [{"mode": m, "layout": lay, "t2": 1.0 + 0.1 * i + 0.05 * j, "ranks": []}
+            for i, m in enumerate(MODES) for j, lay in enumerate(LAYOUTS)]  # fmt: skip
+    return {"name": name, "window": [-1, -1], "t1": t1, "t_pair": t_pair, "rows": rows, "ring": [], "shift": {}, "target": 1.8}
+
+
+def test_scaling_figure_plots_speedups_per_layout_and_the_two_process_factor():
+    batches = [_scaling_batch("one", 2.0, 1.9), _scaling_batch("two", 3.0, 3.3), _scaling_batch("three", 1.5, 1.4)]
+    fig = figs.draw_scaling({"batches": batches})
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == 3
+    for ax, batch in zip(visible, batches):
+        for lay in LAYOUTS:
+            want = [batch["t1"] / r["t2"] for r in batch["rows"] if r["layout"] == lay]
+            assert heights(ax, lay) == pytest.approx(want), (batch["name"], lay)
+        assert horizontal(ax, "two processes, no communication") == pytest.approx([2 * batch["t1"] / batch["t_pair"]])
+        assert horizontal(ax, "target 1.8") == [1.8]
+        assert ax.get_title(loc="left").startswith(batch["name"] + "\ntwo processes: ")
+
+
+def test_memory_figure_plots_the_formula_as_a_line_and_the_measured_as_points():
+    rows = [{"mode": m, "P": P, "peak": (10 + i) * 2**20 / P, "saved": (5 + i) * 2**20 / P + 1, "formula": (5 + i) * 2**20 / P}
+            for i, m in enumerate(MODES) for P in (1, 2, 4)]  # fmt: skip
+    fig = figs.draw_memory({"rows": rows})
+    for ax, mode in zip(fig.axes, MODES):
+        mine = [r for r in rows if r["mode"] == mode]
+        lines = {line.get_label(): line for line in ax.lines}
+        for label, key in (("saved, formula", "formula"), ("saved, measured", "saved"), ("peak, measured", "peak")):
+            assert list(lines[label].get_xdata()) == [1, 2, 4]
+            assert list(lines[label].get_ydata()) == pytest.approx([r[key] / 2**20 for r in mine]), (mode, label)
+        assert lines["saved, formula"].get_linestyle() == "-" and lines["saved, measured"].get_linestyle() == "None"
+        assert ax.get_title() == mode
+
+
+def test_bytes_figure_plots_the_busiest_ranks_mib_per_mode_and_layout_at_every_P():
+    def run(P):
+        return {"P": P, "layouts": {lay: {"modes": {m: {"bytes": (1 + i + 10 * j) * P * 2**20} for i, m in enumerate(MODES)}}
+                                    for j, lay in enumerate(["contiguous", "zigzag", "stream", "balanced"])}}  # fmt: skip
+
+    packs = [{"name": "other", "runs": [run(16)]}, {"name": "lognormal 64k", "runs": [run(2), run(4)]}]
+    fig = figs.draw_bytes({"packs": packs})
+    assert len(fig.axes) == 2
+    for ax, P in zip(fig.axes, (2, 4)):
+        for j, lay in enumerate(["contiguous", "zigzag", "stream", "balanced"]):
+            assert heights(ax, lay) == pytest.approx([(1 + i + 10 * j) * P for i in range(4)])
+        assert ax.get_title(loc="left") == f"P = {P}"
+
+
+def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
+    """The kept results of the last `make bench` draw (each figure's labels readable) and fill the page: every
+    benchmark's section has its last run, headed by when it ran, and every figure marker is on the page."""
+    from bench.all import BENCHMARKS, RESULTS
+
+    for name in BENCHMARKS:
+        kept = json.loads((RESULTS / f"{name}.json").read_text())
+        assert kept["measured"].startswith("Measured ") and isinstance(kept["results"], dict), name
+    for path, draw in figs.FIGURES.items():
+        fig = draw()
+        figs.base.check_readable(fig, path)
+        figs.base.plt.close(fig)
+    from bench import report
+
+    doc = report.__doc__
+    assert "{{ results" not in doc and doc.count("### Last run") == len(BENCHMARKS)
+    assert all(f"{{{{ figure {path} }}}}" in doc for path in figs.FIGURES)
+    assert "```" not in doc.split("## 1.")[1], "a result shown as a code block, not a table"
