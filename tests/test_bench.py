@@ -123,3 +123,45 @@ def test_all_gather_efficiency_is_a_fraction_of_perfect_scaling():
     assert efficiency([2.0, 2.0, 2.0, 2.0]) == 1.0
     assert efficiency([1.0, 3.0]) == 2.0 / 3.0
     assert all(efficiency(list(s)) <= 1.0 for s in ([0.1, 5.0, 2.0], [7.0], [1e-6, 1e-3]))
+
+
+def test_scaling_efficiency_is_the_speedup_over_the_machines_two_process_factor():
+    """Efficiency against the machine = (T1 / T2) / (2 T1 / T_pair): 1 when CP = 2 runs as fast as two independent
+    processes; the verdicts name the target layouts only (contiguous shows its imbalance, unjudged)."""
+    import pytest
+
+    from bench import scaling
+
+    def ranks(*compute_comm):
+        return [{"total": 5.5, "compute": c, "comm": w} for c, w in compute_comm]
+
+    rows = [{"mode": "a2a", "layout": "balanced", "t2": 5.5, "ranks": ranks((5.0, 0.1), (5.1, 0.2))},
+            {"mode": "p2p", "layout": "zigzag", "t2": 6.0, "ranks": ranks((5.3, 0.11), (5.0, 0.3))},
+            {"mode": "p2p", "layout": "contiguous", "t2": 9.0, "ranks": ranks((2.0, 3.0), (5.0, 0.0))}]  # fmt: skip
+    batch = {"t1": 10.0, "t_pair": 11.0, "target": 0.95, "target_layouts": ["zigzag", "balanced"], "rows": rows,
+             "ring": [], "shift": {}}  # fmt: skip
+    assert scaling.efficiency(batch, rows[0]) == pytest.approx(1.0)  # speedup 1.82 = the factor 20 / 11
+    assert scaling.efficiency(batch, rows[1]) == pytest.approx(11.0 / 12.0)
+    # compute over half the CP = 1 step (5 s): +0% / +2% and +6% / +0%; comm wait over the rank's step (5.5 s)
+    assert scaling.compute_inflation(batch, rows[1]) == pytest.approx([0.06, 0.0])
+    text = scaling.markdown(batch)
+    assert "| a2a | balanced | 5.50 s | 1.82 | 1.00 | +0% / +2% | 1.8% / 3.6% |" in text
+    assert "| p2p | zigzag | 6.00 s | 1.67 | 0.92 | +6% / +0% | 2.0% / 5.5% |" in text
+    assert "a2a balanced 1.00 (met), p2p zigzag 0.92 (BELOW)." in text and "contiguous 0." not in text
+    assert "above the target +3%: p2p zigzag +6%." in text  # contiguous is not judged on compute
+    assert "above the target 3%: a2a balanced 3.6%, p2p zigzag 5.5%, p2p contiguous 54.5%." in text  # every mode and layout
+
+
+def test_the_balanced_rings_shift_alone_is_its_largest_planned_shift_not_the_whole_block():
+    """The ring's hidden fraction compares waits with one shift alone; under balanced the ring ships only the rows
+    others read, so timing a whole block would flatter the fraction hidden."""
+    import cpref
+    from bench import scaling
+    from cpref.modes.ring_window import build_window_ring_plan
+
+    lengths = scaling.batches(4096)["4 mixed"]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    balanced, zigzag = (cpref.Sharding(cu, cp_size=2, layout=lay) for lay in ("balanced", "zigzag"))
+    plan = build_window_ring_plan(balanced.bounds, 2, 0, "balanced", True, (-1, -1), torch.device("cpu"))
+    assert scaling.shifted_rows(balanced, (-1, -1)) == max(plan.halo.sizes) < balanced.local_tokens
+    assert scaling.shifted_rows(zigzag, (-1, -1)) == zigzag.local_tokens

@@ -30,3 +30,22 @@ def undocumented() -> list[str]:
 
 def test_every_public_api_has_a_docstring():
     assert undocumented() == []
+
+
+def test_every_source_file_compiles_without_an_invalid_escape():
+    """A docstring with TeX (`\\,`, `\\text`) must be raw: in a plain string `\\t` is a tab and `\\,` a warning (and a
+    SyntaxError in a later Python), so the page would show a formula the file does not hold."""
+    import warnings
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [f for top in ("src", "sim", "bench", "docs", "examples", "tests") for f in (root / top).rglob("*.py")]
+    bad = []
+    for f in files:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                compile(f.read_text(), str(f), "exec")
+            except (SyntaxError, SyntaxWarning, DeprecationWarning) as err:
+                bad.append(f"{f.relative_to(root)}: {err}")
+    assert len(files) > 100 and not bad, bad
