@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cpref.kernels import TorchKernel, Varlen, torch_fused
 from cpref.kernels.contract import check_window
-from cpref.kernels.torch_fused_plan import band_rows, is_plain, plan_band_runs
+from cpref.kernels.torch_fused_plan import band_rows, is_plain, is_shifted, plan_band_runs, plan_shifted_runs
 from sim import oracle
 from tests.cp.test_windows import shifted_oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
@@ -239,3 +239,34 @@ def test_property_windows_and_shifts_match_the_explicit_path(lens, shifted, caus
     seqs = Varlen.from_lengths([a for a, _, _ in lens], [b for _, b, _ in lens], shifts)
     window = (left, 0 if causal and right > 0 else right)
     run_both(seqs, (2 * hkv, hkv, 8, 4), torch.float64, causal=causal, window=window, seed=seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(-45, 45)), min_size=1, max_size=4),
+    hkv=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_shifted_causal_calls_match_the_explicit_path_without_masks(lens, hkv, seed):
+    """A causal call with explicit shifts and no window (what the ring over pieces makes): mask-free parts (rows
+    that see nothing skipped, a growing prefix as a bottom-right block, full rows unmasked) that compute exactly
+    the visible scores, and the same out, lse and gradients as the explicit path. Catches an off-by-one between
+    the prefix and the full rows (a score counted twice or lost), and keys shared by the two parts copied
+    instead of added."""
+    seqs = Varlen.from_lengths([a for a, _, _ in lens], [b for _, b, _ in lens], [d for _, _, d in lens])
+    runs = plan_shifted_runs(seqs)
+    assert all(run.seen is None for run in runs)
+    computed = sum(run.count * (run.rows * (run.rows + 1) // 2 if run.causal else run.rows * run.keys) for run in runs)
+    assert computed == seqs.work(True)
+    if is_shifted(seqs, True, (-1, -1)):
+        assert torch_fused._runs(seqs, True) == runs  # the fused path takes this plan
+    run_both(seqs, (2 * hkv, hkv, 8, 4), torch.float64, causal=True, window=(-1, -1), seed=seed)
+
+
+def test_a_piece_that_sees_a_whole_earlier_piece_is_one_unmasked_call(op_calls):
+    """8 queries at key positions 8..15 against 8 keys: every query sees every key, one call of the op and no mask
+    (the band path took two masked tiles and merged them)."""
+    seqs = Varlen.from_lengths([8], [8], [8])
+    assert plan_shifted_runs(seqs) == [torch_fused.Run(0, 1, 0, 1, 1, 8, 8, False, False)]
+    run_both(seqs, (2, 1, 8, 4), torch.float64, causal=True, window=(-1, -1))
+    assert op_calls == ["_FORWARD", "_BACKWARD"]

@@ -39,14 +39,19 @@ plan) are one strided `(B, H, S, D)` view of the packed tensors, made with `unfo
 (one document, or a run of equal ones), the op's outputs, laid out token-major, already are
 the packed `out`, `lse` and gradients, and are returned as views.
 
-**Sliding windows and shifts.** The op takes an additive mask (0 or $-\infty$ on each logit, in
+**Sliding windows.** The op takes an additive mask (0 or $-\infty$ on each logit, in
 the compute dtype; it takes no boolean one), but computes every score of its call, masked or
-not. A windowed or shifted call is therefore cut into tiles of $R$ rows, each over only the keys
+not. A windowed call is therefore cut into tiles of $R$ rows, each over only the keys
 of its band ([the plan][cpref.kernels.torch_fused_plan]): a mask-free middle that all its rows
 see, and masked edges at most $R$ keys wide, merged into it by lse as above, so that the work is
 $T (w + R)$ for a band of $w$ keys rather than $T^2 / 2$. Each row lies in one tile, so the
 backward gives each part the merged `(out, lse)` as above; neighbouring tiles share keys, so
 their dK and dV are added up, in passes over every $s$-th part of a run, whose keys are disjoint.
+
+**Shifts.** A causal call with explicit shifts and no window (the ring over pieces makes them)
+needs no mask: its rows that see a growing prefix are a bottom-right causal block, and its rows
+that see every key one unmasked part ([the plan][cpref.kernels.torch_fused_plan]); the two share
+keys, whose dK and dV are added up.
 
 **MQA.** The op reads key head `h // G` itself (GQA and MQA without copies), except in the
 backward with one K/V head: there the op recomputes some logits one ulp away from those of
@@ -77,7 +82,7 @@ import torch.nn.functional as F
 
 from cpref.kernels.contract import NO_WINDOW, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
-from cpref.kernels.torch_fused_plan import Run, is_plain, plan_band_runs, plan_runs
+from cpref.kernels.torch_fused_plan import Run, is_plain, is_shifted, plan_band_runs, plan_runs, plan_shifted_runs
 
 __all__ = ["FUSED_TILE_ELEMENTS", "fused_available", "fused_forward", "fused_backward"]
 
@@ -139,6 +144,8 @@ def _runs(seqs: Varlen, causal: bool, window: tuple[int, int] = NO_WINDOW) -> li
     """The plan of `seqs` (`cpref.kernels.torch_fused_plan`), made once per `Varlen`, mask and window."""
     if is_plain(seqs, causal, window):
         return seqs.cached(("TorchKernel.fused_runs", bool(causal)), lambda: plan_runs(seqs, bool(causal)))
+    if is_shifted(seqs, causal, window):
+        return seqs.cached(("TorchKernel.fused_shifted_runs",), lambda: plan_shifted_runs(seqs))
     return seqs.cached(("TorchKernel.fused_band_runs", bool(causal), window), lambda: plan_band_runs(seqs, bool(causal), window))
 
 
@@ -260,7 +267,8 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
     if _whole(runs, q.shape[0], k.shape[0]):  # one call: its gradients are the packed tensors, no copy
         dq, dk, dvp = map(_packed, grads(runs[0]))
         return _narrow(dq, d, grad_dtype or q.dtype), _narrow(dk, d, grad_dtype or k.dtype), _narrow(dvp, dv, grad_dtype or v.dtype)
-    plain = is_plain(seqs, causal, window)  # every key in one part; a band's tiles share keys, added up from zero
+    plain = is_plain(seqs, causal, window)  # every key in one part; a band's tiles (or a shifted call's two
+    # parts of a sequence) share keys, added up from zero
     dq = qc.new_empty(qc.shape)  # (T, Hq, D)
     dk, dvp = ((x.new_empty if plain else x.new_zeros)(x.shape) for x in (kc, vc))  # (T', Hkv, D) x 2, contiguous
     for a, b in _unreached(seqs, causal, q.shape[0], "q", window):  # rows and keys no call reaches: zero gradients

@@ -9,7 +9,18 @@ and `keys` keys, one strided batch of the op.
 part per sequence, or a causal square and the keys before it, merged by lse (see the fused
 path's docstring), `plan_runs`.
 
-**Bands** (a sliding window, or explicit shifts), `plan_band_runs`. Row $x$ of a sequence sees
+**Shifted causal calls** (no window, explicit shifts), `plan_shifted_runs`: row $x$ of a
+sequence with shift $\delta$ sees the keys $[0, \min(n_k, x + \delta + 1))$, so its rows fall in
+three ranges, none of which needs a mask: the rows before $\max(0, -\delta)$ see no key (never
+computed); the rows up to $f = n_k - 1 - \delta$ see a prefix growing by one key a row, a
+bottom-right causal block over the keys $[0, f + \delta)$ (a causal square and the keys before it,
+as a plain call); the rows from $f$ on see every key, one unmasked part. Those two parts share
+keys, whose gradients the fused path adds up. The ring over pieces (the stream and balanced
+layouts, `cpref.modes.ring_window`) makes such calls: a piece's queries against an earlier
+piece of their document see all of it, and took the band path's masked tiles before (a third
+slower).
+
+**Bands** (a sliding window), `plan_band_runs`. Row $x$ of a sequence sees
 the keys $[\mathrm{lo}_x, \mathrm{hi}_x)$ of [`Varlen.visible`][cpref.kernels.contract.Varlen.visible],
 and both bounds grow by 0 or 1 from one row to the next. The rows are cut into tiles of $R$;
 the tile $[a, b)$ needs the keys $[\mathrm{lo}_a, \mathrm{hi}_{b-1})$, and every one of its rows
@@ -37,7 +48,7 @@ from typing import NamedTuple
 
 from cpref.kernels.contract import NO_WINDOW, Varlen
 
-__all__ = ["Run", "plan_runs", "plan_band_runs", "band_rows", "is_plain"]
+__all__ = ["Run", "plan_runs", "plan_shifted_runs", "plan_band_runs", "band_rows", "is_plain", "is_shifted"]
 
 Seen = tuple[tuple[int, int], ...]  # per row of a part: the keys [lo, hi) it sees, relative to the part's first key
 
@@ -60,6 +71,11 @@ class Run(NamedTuple):
 def is_plain(seqs: Varlen, causal: bool, window: tuple[int, int]) -> bool:
     """Whether `plan_runs` applies: no window, and bottom-right (or no mask, where shifts change nothing)."""
     return window == NO_WINDOW and (seqs.bottom_right or not causal)
+
+
+def is_shifted(seqs: Varlen, causal: bool, window: tuple[int, int]) -> bool:
+    """Whether `plan_shifted_runs` applies: no window, causal, and some explicit shift that is not bottom-right."""
+    return window == NO_WINDOW and causal and not seqs.bottom_right
 
 
 def _parts(q0: int, q1: int, k0: int, k1: int, causal: bool) -> list[tuple[int, int, int, int, bool, bool]]:
@@ -114,6 +130,23 @@ def plan_runs(seqs: Varlen, causal: bool, max_period: int = 4) -> list[Run]:
     """The fused calls of a plain `seqs` (see `is_plain`): one part per sequence, or its causal square and the
     keys before it."""
     parts = [(*p, None) for q0, q1, k0, k1 in seqs.pairs() for p in _parts(q0, q1, k0, k1, causal)]
+    return _group(parts, max_period)
+
+
+def _shifted_parts(q0: int, q1: int, k0: int, k1: int, shift: int) -> list[tuple[int, int, int, int, bool, bool]]:
+    """`(q start, k start, rows, keys, causal, merge)` of a causal sequence whose query `x` sees keys `y <= x + shift`."""
+    n_q, n_k = q1 - q0, k1 - k0
+    if n_q == 0 or n_k == 0:
+        return []
+    first = max(0, -shift)  # rows before it see no key
+    full = min(n_q, max(first, n_k - 1 - shift))  # from this row on, every key
+    parts = _parts(q0 + first, q0 + full, k0, k0 + full + shift, True) if full > first else []  # the growing prefix
+    return parts + ([(q0 + full, k0, n_q - full, n_k, False, False)] if full < n_q else [])
+
+
+def plan_shifted_runs(seqs: Varlen, max_period: int = 4) -> list[Run]:
+    """The fused calls of a causal `seqs` with explicit shifts and no window (see `is_shifted`): no masks."""
+    parts = [(*p, None) for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()) for p in _shifted_parts(q0, q1, k0, k1, seqs.shift(i))]
     return _group(parts, max_period)
 
 
