@@ -30,15 +30,17 @@ LAYOUT_COLORS = {"contiguous": base.rank_color(0), "zigzag": base.rank_color(1),
 
 
 def _bars(ax, groups: list[str], series: dict[str, list[float]], colors: dict[str, object], fmt: str | None = "{:.2f}",
-          rotation: int = 90) -> None:
+          rotation: int = 90, label_y: float | None = None) -> None:
     """Grouped bars: one group per entry of `groups`, one bar per series, each labelled with its value (unless `fmt`
-    is None)."""
+    is None), above the bar or, with `label_y`, inside it at that height (below lines drawn across the bars)."""
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         bars = ax.bar(xs, values, width, color=colors[name], label=name)
-        if fmt is not None:
+        if fmt is not None and label_y is None:
             ax.bar_label(bars, [fmt.format(v) for v in values], padding=2, rotation=rotation)
+        for x, v in zip(xs, values) if fmt is not None and label_y is not None else ():
+            ax.text(x, min(label_y, v / 2), fmt.format(v), ha="center", va="center", rotation=rotation)
     ax.set_xticks(range(len(groups)), groups)
 
 
@@ -49,7 +51,7 @@ def draw_kernel(results: dict) -> Figure:
     fig, ax = base.plt.subplots(figsize=(base.WIDTH, 3.8), constrained_layout=True)
     series = {"fast (TorchKernel)": [r["fast"] / r["sdpa"] for r in rows],
               "explicit (TorchKernel(fast=False))": [r["explicit"] / r["sdpa"] for r in rows]}  # fmt: skip
-    _bars(ax, mixes, series, dict(zip(series, (base.rank_color(1), base.rank_color(7)))), rotation=0)
+    _bars(ax, mixes, series, dict(zip(series, (base.rank_color(1), base.rank_color(7)))), rotation=0, label_y=0.45)
     ax.axhline(1.0, color="0.2", linewidth=1.2, label="SDPA per document")
     for i, mix in enumerate(mixes):  # the target of each mix, a short dashed line over its group
         ax.hlines(results["targets"][mix], i - 0.45, i + 0.45, color="0.1", linestyles="dashed", linewidth=1.2,
