@@ -19,8 +19,8 @@ machine's matmul peak (a 4096^3 float32 matmul, sampled the same way) and prints
 single long document, each kernel's fraction of that peak, counting the 7 matmuls of forward +
 backward over half the score square, $7 T^2 H D$ flops. Targets (printed, never asserted):
 fast <= 1.1x SDPA on every mix, <= 1.0x on the short-document mixes. The fraction of peak is printed for
-fast and SDPA alike, without a target: PyTorch's fused CPU attention, which the fast path calls, reaches
-52-66% of the measured matmul peak from run to run (SDPA the same).
+fast and SDPA alike, without a target: PyTorch's fused CPU attention, which the fast path calls, moves
+between about half and four fifths of the measured matmul peak from run to run, and SDPA with it.
 
 Run it with `python -m bench.kernel` (or `make bench`); `--help` lists the options.
 `--device cuda --dtype bf16` runs the same tables on a GPU, where SDPA dispatches to its

@@ -42,8 +42,8 @@ $$ \text{flops} = 7 \cdot \tfrac{T^2}{2} \cdot 2 D \cdot H = 7\, T^2 H D \approx
 
 Targets: fast at most 1.1 times SDPA on every mix and at most 1.0 on the short-document mixes.
 The fraction of the matmul peak is printed for fast and SDPA alike, without a target: PyTorch's
-fused CPU attention, which the fast path calls, reaches 52-66% of the measured peak from run to
-run, and SDPA the same (an earlier target of 80% was retired for that reason).
+fused CPU attention, which the fast path calls, moves between about half and four fifths of the
+measured peak from run to run, and SDPA with it (an earlier target of 80% was retired for that reason).
 
 Both the fast column and the SDPA column run the same PyTorch op; they differ in how they call
 it. On 256 documents of 32 tokens the fast path's one batched call saves SDPA's per-call cost
