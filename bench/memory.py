@@ -118,6 +118,12 @@ class CountedComm:
     def send_recv_async(self, x, shift=1):
         return _CountedHandle(self._received(self.inner.send_recv_async, x, shift), self)
 
+    def all_gather_async(self, x):
+        return _CountedHandle(self._received(self.inner.all_gather_async, x), self)
+
+    def reduce_scatter_async(self, x):
+        return _CountedHandle(self._received(self.inner.reduce_scatter_async, x), self)
+
     def all_reduce(self, x, op="sum"):
         return self._received(self.inner.all_reduce, x, op)
 

@@ -90,7 +90,23 @@ the 16k document's do.
 
 {{ results scaling }}
 
-## 4. Memory per rank (`bench/memory.py`)
+## 4. The all-gather overlap (`bench/overlap.py`)
+
+The all-gather mode's two paths side by side, on the batches of the scaling benchmark and two gloo
+processes, zigzag and balanced: the RFC's one call each way (the default) and `overlap=True`, which
+posts the K/V all-gathers and computes the attention of the local keys while they travel, and in
+the backward hides the re-gather and the reduce-scatter of dK/dV behind the two halves of the
+local work ([the all-gather overlap][cpref.modes.all_gather_overlap]). The two alternate step by
+step. Per rank: compute and comm wait; per layout: the step of each and their ratio (below 1:
+the overlap pays). On two cores it has no spare core to move the data with: gloo's copies compete
+with the kernel, and the split adds two kernel calls and a merge. Which path is the default
+follows from this table: the one call, until a backend that moves data off the compute cores
+(NCCL, HCCL) is measured (issue 25).
+
+
+{{ results overlap }}
+
+## 5. Memory per rank (`bench/memory.py`)
 
 The peak of live tensor bytes of forward + backward on each rank of the simulated cluster, at
 $P = 1, 2, 4$, for every mode, measured with a `TorchDispatchMode` that counts every storage an
@@ -104,7 +120,7 @@ all-gather mode's gathered K/V, $O(T)$ by design).
 
 {{ results memory }}
 
-## 5. Compute balance of the all-gather mode (`bench/all_gather.py`)
+## 6. Compute balance of the all-gather mode (`bench/all_gather.py`)
 
 Each rank's share of the all-gather mode timed alone, contiguous against zigzag, at $P = 2, 4, 8$:
 the measured imbalance next to the counted one.
@@ -112,7 +128,7 @@ the measured imbalance next to the counted one.
 
 {{ results all_gather }}
 
-## 6. On a GPU (`bench/gpu_check.sh`)
+## 7. On a GPU (`bench/gpu_check.sh`)
 
 Nothing in cpref needs a GPU, but where one is at hand `PY=python3 bench/gpu_check.sh LOGDIR`
 runs, in one go: `make demo` with part 2 on the GPU (every mode and layout in FP64 on the
@@ -141,7 +157,7 @@ the bfloat16 peak (713 TFLOP/s) against SDPA's 25%. Its time grows with the numb
 sequences (one set of kernel launches per block), so short documents cost it most. A CUDA
 fast path (PyTorch's flash attention with the same lse merge as the CPU one) is not built yet.
 
-## 7. gloo's collectives against pairwise sends (`bench/collectives.py`)
+## 8. gloo's collectives against pairwise sends (`bench/collectives.py`)
 
 `TorchComm` can move the data of `all_gather`, `reduce_scatter` and `all_to_all` with the
 backend's collectives or with one batch of pairwise sends and receives (`exchange`, see
@@ -152,7 +168,7 @@ wins here; NCCL and HCCL keep their collectives.
 
 {{ results collectives }}
 
-## 8. A sliding window on the fused path (`bench/window.py`)
+## 9. A sliding window on the fused path (`bench/window.py`)
 
 One 32768-token document, 8 heads, head dim 64, float32, forward + backward, with a causal
 window of 1024 keys (`window=(1024, 0)`), on the fused path (band tiles of 256 rows masked at
@@ -167,7 +183,7 @@ $13\times$) and the measured one. The dense mask takes minutes at 32k; `python -
 
 {{ results window }}
 
-## 9. The layouts on packed batches (`bench/layouts.py`)
+## 10. The layouts on packed batches (`bench/layouts.py`)
 
 Every layout and every mode at $P = 2, 4, 8$ on three packs: the first 32768 and 131072 tokens
 of the standard library's source files (`cpref.packing.stdlib_documents`, a few long
@@ -199,7 +215,7 @@ import re
 
 import torch
 
-from bench import all_gather, collectives, kernel, layouts, memory, overhead, scaling, window
+from bench import all_gather, collectives, kernel, layouts, memory, overhead, overlap, scaling, window
 from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
@@ -239,6 +255,8 @@ RENDER = {
                                         "Each batch's table opens below: every mode and layout with each rank's split "
                                         "of the step, and the ring's kernel calls with the share of its shifts hidden."]
                                        + [_details(b["title"], scaling.markdown(b)) for b in r["batches"]]),
+    "overlap": lambda r: "\n\n".join([r["title"] + "."] + [f"**{b['name']}** ({b['lengths']})\n\n" + overlap.markdown(b)
+                                                          for b in r["batches"]] + [r["verdict"]]),
     "memory": lambda r: "\n\n".join([r["title"] + ".", "{{ figure figures/bench_memory.png }}", memory.markdown(r)]),
     "all_gather": lambda r: r["title"] + ".\n\n" + all_gather.markdown(r),
     "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),

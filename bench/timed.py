@@ -1,9 +1,10 @@
 """Thin timing proxies: a communicator and a kernel that time their own calls.
 
 `TimedComm(comm, clock)` satisfies the collectives protocol by forwarding every call to
-`comm` and adding the wall time spent inside it to `clock.comm` (for `send_recv_async`: inside
-the post and inside the handle's `wait()`, i.e. the time the rank actually waits; a shift
-that completes while the rank computes costs nothing). `TimedKernel(kernel, clock)` adds the
+`comm` and adding the wall time spent inside it to `clock.comm` (for a posted collective,
+`send_recv_async`, `all_gather_async`, `reduce_scatter_async`: inside the post and inside the
+handle's `wait()`, i.e. the time the rank actually waits; one that completes while the rank
+computes costs nothing). `TimedKernel(kernel, clock)` adds the
 time inside `forward` and `backward` to `clock.compute`. The CP modes see them as any other
 communicator and kernel: nothing in cpref changes to be measured.
 
@@ -55,7 +56,7 @@ class Clock:
 
 
 class TimedHandle:
-    """A pending ring shift whose `wait()` is timed as communication."""
+    """A posted collective whose `wait()` is timed as communication."""
 
     def __init__(self, handle: Any, clock: Clock) -> None:
         self._handle, self._clock = handle, clock
@@ -87,6 +88,12 @@ class TimedComm:
 
     def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> TimedHandle:
         return TimedHandle(self.clock.timed("comm", self.inner.send_recv_async, x, shift), self.clock)
+
+    def all_gather_async(self, x: torch.Tensor) -> TimedHandle:
+        return TimedHandle(self.clock.timed("comm", self.inner.all_gather_async, x), self.clock)
+
+    def reduce_scatter_async(self, x: torch.Tensor) -> TimedHandle:
+        return TimedHandle(self.clock.timed("comm", self.inner.reduce_scatter_async, x), self.clock)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.clock.timed("comm", self.inner.all_reduce, x, op)

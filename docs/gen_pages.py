@@ -47,6 +47,7 @@ GUIDE = [
     ("metadata.md", "Load-balanced metadata", "cpref.modes.all_gather_plan"),
     ("all-gather-pieces.md", "All-gather over pieces", "cpref.modes.all_gather_pieces"),
     ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
+    ("all-gather-overlap.md", "All-gather overlap", "cpref.modes.all_gather_overlap"),
     ("merge.md", "Merging partial results", "cpref.kernels.merge"),
     ("ring-plan.md", "The ring's steps", "cpref.modes.ring_plan"),
     ("ring.md", "Ring attention (p2p)", "cpref.modes.ring"),
@@ -93,6 +94,14 @@ PAGE_FIGURES = {
     "all-gather.md": [
         ("figures/rank_major_index.png",
          "The gathered K/V stay rank-major; `kv_index` picks each query chunk's causal prefix in natural order."),
+    ],
+    "all-gather-overlap.md": [
+        ("figures/overlap_schedule.png",
+         "The schedule each rank ran in a real forward + backward on the simulated cluster with overlap=True, as its "
+         "communicator and kernel logged it: every kernel call in order, as wide as the score entries it computed "
+         "(causal over the keys held here, or unmasked over the gathered ones), and every collective from its post to "
+         "its wait. The forward's all-gathers travel under the local call; the backward's under its first half, the "
+         "reduce-scatters under its second."),
     ],
     "ring.md": [
         ("figures/ring_schedule.png",
@@ -170,7 +179,7 @@ SECTIONS = [
     ("Start", ["index.md", "quickstart.md", "your-model.md", "api.md"]),
     ("Concepts", ["layout.md", "sharding.md", "seqlens.md", "balanced.md", "data.md", "which-mode.md", "mode-spec.md",
                   "cache.md"]),
-    ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "ring.md", "ring-plan.md", "ring-window.md",
+    ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "all-gather-overlap.md", "ring.md", "ring-plan.md", "ring-window.md",
                "merge.md", "ulysses.md", "ulysses-split.md", "hierarchical.md", "hierarchical-split.md"]),
     ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",

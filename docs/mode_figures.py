@@ -314,7 +314,95 @@ def split_traffic() -> Figure:
     return fig
 
 
+class _ScheduleLog:
+    """A rank's collectives and kernel that log, in order, each post and wait and each kernel call with its work."""
+
+    def __init__(self, comm, log: list) -> None:
+        self._comm, self._log, self._kernel = comm, log, cpref.TorchKernel()
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def _posted(self, op: str, handle):
+        self._log.append(("post", op))
+        log = self._log
+
+        class Handle:
+            def wait(self):
+                log.append(("wait", op))
+                return handle.wait()
+
+        return Handle()
+
+    def all_gather_async(self, x):
+        return self._posted("all-gather", self._comm.all_gather_async(x))
+
+    def reduce_scatter_async(self, x):
+        return self._posted("reduce-scatter", self._comm.reduce_scatter_async(x))
+
+    def forward(self, q, k, v, seqs, **kwargs):
+        self._log.append(("kernel", "local" if kwargs["causal"] else "remote", seqs.work(kwargs["causal"])))
+        return self._kernel.forward(q, k, v, seqs, **kwargs)
+
+    def backward(self, dout, q, k, v, out, lse, seqs, **kwargs):
+        self._log.append(("kernel", "local" if kwargs["causal"] else "remote", seqs.work(kwargs["causal"])))
+        return self._kernel.backward(dout, q, k, v, out, lse, seqs, **kwargs)
+
+
+def overlap_schedule() -> Figure:
+    """`figures/overlap_schedule.png`: the all-gather overlap's schedule on each rank, from a real run."""
+    batch, T = sharding(CU, 2, "zigzag"), CU[-1]
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(T, HQ if i in (0, 3) else HKV, D, generator=g, dtype=torch.float64) for i in range(4))
+    logs: list[list] = [[], []]
+
+    def rank_fn(comm):
+        log = logs[comm.rank]
+        logged = _ScheduleLog(comm, log)
+        local = [batch.shard(t, comm.rank).requires_grad_(True) for t in (q, k, v)]
+        out = cpref.attention(*local, batch, comm=logged, mode="all_gather", kernel=logged, overlap=True, check_ranks=False)
+        log.append(("phase", "backward"))
+        out.backward(batch.shard(dout, comm.rank))
+
+    SimCluster(2).run(rank_fn)
+    fig, axes = plt.subplots(2, 1, figsize=(WIDTH, 4.8), constrained_layout=True, sharex=True)
+    colors = {"local": rank_color(0), "remote": rank_color(1)}
+    for r, (ax, log) in enumerate(zip(axes, logs)):
+        x, flight = 0.0, {}  # x: score entries computed so far; op -> [posted at, posted, waited] of collectives in flight
+        for kind, *what in log:
+            if kind == "kernel":
+                role, work = what
+                ax.add_patch(Rectangle((x, 1.1), work, 0.8, facecolor=colors[role], edgecolor="white", linewidth=1.5))
+                ax.text(x + work / 2, 1.5, str(work), ha="center", va="center", color="white")
+                x += work
+            elif kind == "post":
+                flight.setdefault(what[0], [x, 0, 0])[1] += 1
+            elif kind == "wait":
+                entry = flight[what[0]]
+                entry[2] += 1
+                if entry[2] == entry[1]:  # the last of those posted together: draw them as one bar
+                    start, n, _ = flight.pop(what[0])
+                    ax.add_patch(Rectangle((start, 0.1), x - start, 0.8, facecolor="0.8", edgecolor="white"))
+                    ax.text(start + 4, 0.5, f"{n} x {what[0]}", va="center", color="0.1")
+            elif kind == "phase":
+                ax.axvline(x, color="0.3", linestyle=":", linewidth=1)
+                ax.text(x + 4, 2.25, "backward", color="0.3", va="center")
+        ax.set_ylim(2.5, 0)
+        ax.set_yticks([0.5, 1.5], ["in flight", "kernel"])
+        ax.set_title(f"rank {r}", loc="left")
+        ax.spines[["top", "right", "left"]].set_visible(False)
+        ax.set_xlim(0, x)
+    axes[-1].set_xlabel("score entries computed (per head), in call order")
+    fig.legend(handles=[Patch(color=colors["local"], label="keys held here (causal)"),
+                        Patch(color=colors["remote"], label="gathered keys (no mask)"),
+                        Patch(color="0.75", label="collective, from post to wait")], ncols=3, frameon=False,
+               loc="lower center", bbox_to_anchor=(0.5, -0.08))  # fmt: skip
+    fig.suptitle(f"all_gather, overlap=True, P = 2, zigzag, cu_seqlens = {CU}")
+    return fig
+
+
 FIGURES = {
+    "figures/overlap_schedule.png": overlap_schedule,
     "figures/split_traffic.png": split_traffic,
     "figures/ring_schedule.png": ring_schedule,
     "figures/window_ring.png": window_ring,

@@ -93,7 +93,7 @@ from cpref.comm import REDUCE_OPS, check_partition, check_payload
 from sim.rendezvous import Call, ClusterFailure, Position, Rendezvous
 from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
 
-__all__ = ["SimCluster", "SimComm", "SimPendingShift", "RankStuck", "UnwaitedShift", "REDUCTIONS"]
+__all__ = ["SimCluster", "SimComm", "SimPending", "RankStuck", "Unwaited", "REDUCTIONS"]
 
 T = TypeVar("T")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -162,23 +162,36 @@ class RankStuck(RuntimeError):
         )
 
 
-class UnwaitedShift(RuntimeError):
-    """A rank returned while a `send_recv_async` it started was never waited on."""
+class Unwaited(RuntimeError):
+    """A rank returned while a collective it posted (`send_recv_async`, `all_gather_async`, ...) was never waited on."""
 
 
-class SimPendingShift:
-    """The handle of a simulated `send_recv_async`: the shift has completed; `wait()` hands it over."""
+class SimPending:
+    """The handle of a simulated posted collective: it has completed; `wait()` hands the result over.
 
-    def __init__(self, result: torch.Tensor, where: str) -> None:
+    It also holds the rank to the protocol's rule that a posted input stays untouched until the
+    wait: a real backend may still be reading it, so an in-place change in between (seen by the
+    tensor's version counter) raises at the wait instead of passing here and failing there.
+    """
+
+    def __init__(self, result: torch.Tensor, where: str, sent: torch.Tensor) -> None:
         self._result: torch.Tensor | None = result
+        self._sent, self._version = (None, None) if sent.is_inference() else (sent, sent._version)  # no counter there
         self.where, self.done = where, False
 
     def wait(self) -> torch.Tensor:
-        """Return the received tensor; a second call raises `RuntimeError`."""
+        """Return the result.
+
+        Raises:
+            RuntimeError: on a second call, or if the posted input was modified in place since the post.
+        """
         if self.done:
             raise RuntimeError(f"{self.where}: wait() called twice on one handle")
+        if self._sent is not None and self._sent._version != self._version:
+            raise RuntimeError(f"{self.where}: its input was modified in place before wait(); a real backend may "
+                               "still be sending it: change a copy, or wait first")  # fmt: skip
         self.done = True
-        result, self._result = self._result, None
+        result, self._result, self._sent = self._result, None, None
         return result
 
 
@@ -205,7 +218,7 @@ class SimComm:
         self.group, self.global_rank = group, global_rank
         self.rank, self.size = group.index(global_rank), len(group)
         self._rdv, self._trace, self._gid, self._seq = rdv, trace, gid, 0
-        self._pending: list[SimPendingShift] = [] if pending is None else pending  # shared with sub-groups
+        self._pending: list[SimPending] = [] if pending is None else pending  # shared with sub-groups
 
     def __repr__(self) -> str:
         return f"SimComm(rank={self.rank}, size={self.size}, group={self.group})"
@@ -246,15 +259,27 @@ class SimComm:
         compute = partial(_send_recv, shift=shift)
         return self._collective("send_recv", check_payload("send_recv", x), compute, f"shift={shift}", shift)
 
-    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> "SimPendingShift":
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> SimPending:
         """Start the ring shift of `send_recv`; `wait()` on the handle returns the received tensor.
 
-        The simulated cluster completes the shift eagerly, at the call (it takes its place in
-        the group's sequence of collectives there), but still holds the rank to the protocol:
-        a handle waited on twice raises at once, and a rank that returns with a handle it
-        never waited on fails (`UnwaitedShift`), as a real ring would lose that message.
+        The simulated cluster completes a posted collective eagerly, at the call (it takes its
+        place in the group's sequence of collectives there), but still holds the rank to the
+        protocol: a handle waited on twice raises at once, an input changed in place before the
+        wait raises there (`SimPending`), and a rank that returns with a handle it never waited
+        on fails (`Unwaited`), as a real ring would lose that message.
         """
-        handle = SimPendingShift(self.send_recv(x, shift), f"send_recv_async #{self._seq - 1} on group {self.group}")
+        return self._posted("send_recv_async", self.send_recv(x, shift), x)
+
+    def all_gather_async(self, x: torch.Tensor) -> SimPending:
+        """Start the `all_gather` of `x`; `wait()` returns `(P n, ...)` (completed at the call, as `send_recv_async`)."""
+        return self._posted("all_gather_async", self.all_gather(x), x)
+
+    def reduce_scatter_async(self, x: torch.Tensor) -> SimPending:
+        """Start the `reduce_scatter` of `x`; `wait()` returns `(n, ...)` (completed at the call, as `send_recv_async`)."""
+        return self._posted("reduce_scatter_async", self.reduce_scatter(x), x)
+
+    def _posted(self, name: str, result: torch.Tensor, x: torch.Tensor) -> SimPending:
+        handle = SimPending(result, f"{name} #{self._seq - 1} on group {self.group}", x)
         self._pending.append(handle)
         return handle
 
@@ -301,7 +326,7 @@ class SimComm:
         return SimComm(self._rdv, self._trace, sub, self.global_rank, gid=(self._gid, seq, index), pending=self._pending)
 
     def unwaited(self) -> list[str]:
-        """Where this rank started ring shifts (on this group or its sub-groups) never waited on."""
+        """Where this rank posted collectives (on this group or its sub-groups) never waited on."""
         return [h.where for h in self._pending if not h.done]
 
     def _collective(self, op: str, x: torch.Tensor | tuple | None, compute: Callable, param: str = "", shift: int = 1) -> Any:
@@ -395,7 +420,7 @@ class SimCluster:
                 with torch.autograd.set_multithreading_enabled(False):
                     results[g] = fn(comm)
                 if comm.unwaited():
-                    raise UnwaitedShift(f"the rank returned without waiting on: {', '.join(comm.unwaited())}")
+                    raise Unwaited(f"the rank returned without waiting on: {', '.join(comm.unwaited())}")
             except BaseException as exc:  # noqa: BLE001 -- reported by run(), never lost
                 rdv.failed(g, exc)
             else:

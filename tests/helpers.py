@@ -101,7 +101,7 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
         gathered = build_split_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, heads[0], heads[1], window,
                                     cpu).rows  # fmt: skip
     return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
-                      halo_sizes=sizes, gathered_rows=gathered, **options)  # fmt: skip
+                      halo_sizes=sizes, gathered_rows=gathered, window=window, **options)  # fmt: skip
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 300.0):

@@ -106,7 +106,7 @@ def mode_costs(mode: str, **arguments: Any) -> ModeCosts:
         **arguments: `P`, `local_tokens`, `heads`, `dtype`, `selected_kv_rows` (the all-gather
             plan's `sum(kv_len)`, for `save_gathered_kv`), `halo_sizes` (the ring plan's `halo.sizes`, under a
             window or with the stream and balanced layouts), `gathered_rows` (the all-gather plan's, with
-            those layouts) and the mode's options.
+            those layouts), `window` (the call's sliding window, default none) and the mode's options.
     """
     return MODES[as_choice("mode", mode, list(MODES))].mode_costs(**arguments)
 

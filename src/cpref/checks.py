@@ -121,7 +121,7 @@ def missing_members(obj: Any, protocol: type) -> list[str]:
         >>> missing_members(SingleRank(), Collectives)
         []
         >>> missing_members(object(), Collectives)[:3]
-        ['all_gather', 'all_reduce', 'all_to_all']
+        ['all_gather', 'all_gather_async', 'all_reduce']
     """
     names = sorted({*getattr(protocol, "__annotations__", {}), *(n for n in vars(protocol) if not n.startswith("_"))})
     if isinstance(obj, type):

@@ -23,15 +23,19 @@ and concatenated along **dim 0** (the token dimension of THD tensors), always in
 | `all_to_all(x)` | `x_r` of shape `(P n, ...)`, chunk `j` goes to rank `j` | `cat_s(chunk r of x_s)`, `(P n, ...)` |
 | `send_recv(x, shift)` | `x_r` | `x_{(r - shift) mod P}`: the ring shift |
 | `send_recv_async(x, shift)` | `x_r` | a handle; `handle.wait()` returns what `send_recv` would |
+| `all_gather_async(x)` | `x_r` | a handle; `handle.wait()` returns what `all_gather` would |
+| `reduce_scatter_async(x)` | `x_r` | a handle; `handle.wait()` returns what `reduce_scatter` would |
 | `all_reduce(x, op)` | `x_r` | `op_s x_s` (`"sum"`, `"max"`, `"min"`) |
 | `barrier()` | | |
 | `split(groups)` | a partition of this group's ranks | the sub-group holding `r` |
 
-`send_recv_async` starts the same ring shift without waiting for it, so that an algorithm can
-compute on the current block while the next one travels (the ring mode's overlap). It takes
-its place in the group's sequence of collectives when it is *called*; every handle must be
-waited on exactly once, before the rank's next use of the received tensor. `wait()` returns
-the received tensor.
+The three `_async` calls start the same collective without waiting for it, so that an
+algorithm can compute while the data travels: the ring mode computes on the current block
+while the next one travels, the all-gather mode on its local keys while the others' arrive
+([the all-gather overlap][cpref.modes.all_gather_overlap]). A posted collective takes its place in
+the group's sequence of collectives when it is *called*; every handle must be waited on exactly
+once, before the rank's next use of the result, and the input must not be modified before
+then. `wait()` returns the result ([`Pending`][cpref.comm.Pending]).
 
 `split` is itself collective: every rank of the group calls it with the same partition,
 and gets back a `Collectives` for the part that holds it, with ranks renumbered `0..len-1`
@@ -49,17 +53,17 @@ import torch
 from cpref.checks import as_int, missing_members
 from cpref.errors import CPInputError
 
-__all__ = ["Collectives", "PendingShift", "REDUCE_OPS", "SingleRank", "check_comm", "check_payload", "check_partition"]
+__all__ = ["Collectives", "Pending", "REDUCE_OPS", "SingleRank", "check_comm", "check_payload", "check_partition"]
 
 REDUCE_OPS = ("sum", "max", "min")
 
 
 @runtime_checkable
-class PendingShift(Protocol):
-    """A ring shift in flight, returned by `Collectives.send_recv_async`."""
+class Pending(Protocol):
+    """A collective in flight, returned by the `_async` calls of `Collectives`."""
 
     def wait(self) -> torch.Tensor:
-        """Block until the shift has completed; return the received tensor (call exactly once)."""
+        """Block until the collective has completed; return its result (call exactly once)."""
         ...
 
 
@@ -95,8 +99,16 @@ class Collectives(Protocol):
         """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
         ...
 
-    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> PendingShift:
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> Pending:
         """Start the ring shift of `send_recv`; the handle's `wait()` returns the received tensor."""
+        ...
+
+    def all_gather_async(self, x: torch.Tensor) -> Pending:
+        """Start the `all_gather` of `x`; the handle's `wait()` returns `(P n, ...)`."""
+        ...
+
+    def reduce_scatter_async(self, x: torch.Tensor) -> Pending:
+        """Start the `reduce_scatter` of `x`; the handle's `wait()` returns `(n, ...)`."""
         ...
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -194,6 +206,14 @@ class SingleRank:
         """A handle whose `wait()` returns `x` (a copy)."""
         return _Done(self._copy(x))
 
+    def all_gather_async(self, x: torch.Tensor) -> "_Done":
+        """A handle whose `wait()` returns `x` (a copy)."""
+        return _Done(self._copy(x))
+
+    def reduce_scatter_async(self, x: torch.Tensor) -> "_Done":
+        """A handle whose `wait()` returns `x` (a copy)."""
+        return _Done(self._copy(x))
+
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """`x` itself (a copy), for any `op` in `REDUCE_OPS`."""
         if op not in REDUCE_OPS:
@@ -211,7 +231,7 @@ class SingleRank:
 
 
 class _Done:
-    """A completed shift."""
+    """A completed collective."""
 
     def __init__(self, x: torch.Tensor) -> None:
         self._x = x

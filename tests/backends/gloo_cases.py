@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cpref
-from cpref.backends import TorchComm, TorchPendingShift, unsupported_ops
+from cpref.backends import TorchComm, TorchPending, unsupported_ops
 from cpref.backends.capabilities import NEW_GROUP_PARAMS
 from cpref.errors import CPInputError
 from sim.cluster import _reduce_scatter
@@ -64,7 +64,7 @@ def call(op, x, *args):
     x = x.detach().clone().requires_grad_(True)  # keeps x's strides
     before = x.detach().clone()
     out = op(x, *args)
-    out = out.wait() if isinstance(out, TorchPendingShift) else out
+    out = out.wait() if isinstance(out, TorchPending) else out
     assert torch.equal(x.detach(), before), f"{op.__name__} modified its input in place"
     assert not out.requires_grad and out.grad_fn is None, f"{op.__name__} carried autograd history"
     assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), f"{op.__name__} returned a view of x"
@@ -124,6 +124,15 @@ def case_send_recv(comm, dtype):
         expect(call(comm.send_recv, xs[r], shift), xs[(r - shift) % P], f"send_recv shift={shift}")
 
 
+def second_wait_raises(handle) -> None:
+    try:
+        handle.wait()
+    except RuntimeError as exc:
+        assert "twice" in str(exc)
+    else:
+        raise AssertionError("a second wait() on one handle did not raise")
+
+
 def case_send_recv_async(comm, dtype):
     """Post two shifts, work (even a collective) while they travel, wait in reverse order."""
     P, r = comm.size, comm.rank
@@ -137,16 +146,28 @@ def case_send_recv_async(comm, dtype):
     expect(total, _sum(zs), "all_reduce between post and wait")
     assert torch.isfinite(work)
     expect(call(comm.send_recv_async, xs[r], 2), xs[(r - 2) % P], "send_recv_async shift=2")
-    try:
-        fwd.wait()
-    except RuntimeError as exc:
-        assert "twice" in str(exc)
-    else:
-        raise AssertionError("a second wait() on one handle did not raise")
+    second_wait_raises(fwd)
+
+
+def case_posted_gather_and_scatter(comm, dtype):
+    """Post an all-gather and a reduce-scatter, communicate and compute meanwhile, wait in reverse order:
+    the results of the blocking calls, the inputs untouched."""
+    r = comm.rank
+    xs, ys = inputs(comm, 30, 2, dtype), inputs(comm, 31, 2 * comm.size, dtype, exact=True, strided=True)
+    gather, scatter = comm.all_gather_async(xs[r]), comm.reduce_scatter_async(ys[r])
+    total = comm.all_reduce(xs[r])  # another collective between post and wait
+    work = xs[r].double().flatten() @ xs[r].double().flatten()
+    expect(scatter.wait(), _sum(ys).chunk(comm.size)[r], "reduce_scatter_async")
+    expect(gather.wait(), torch.cat(xs), "all_gather_async")
+    assert torch.isfinite(work) and torch.isfinite(total).all()
+    expect(call(comm.all_gather_async, xs[r]), torch.cat(xs), "all_gather_async alone")
+    expect(call(comm.reduce_scatter_async, ys[r]), _sum(ys).chunk(comm.size)[r], "reduce_scatter_async alone")
+    second_wait_raises(gather)
 
 
 CHECKS = {f.__name__[5:]: f for f in (case_all_gather, case_reduce_scatter, case_all_to_all, case_all_reduce,
-                                      case_all_reduce_agrees, case_send_recv, case_send_recv_async)}  # fmt: skip
+                                      case_all_reduce_agrees, case_send_recv, case_send_recv_async,
+                                      case_posted_gather_and_scatter)}  # fmt: skip
 CASES = [f"{g}/{c}/{str(d)[6:]}" for g in GROUPS for c in CHECKS for d in DTYPES]
 
 

@@ -46,6 +46,7 @@ def sweep_cases() -> list[Case]:
     cases = []
     for cp, strided in ((4, False), (2, True)):
         cases += build_cases(MODES, cpref.LAYOUTS, ("fp32", "bf16"), cp=cp, strided=strided, padded=(False, True))
+    cases += build_cases(["all_gather"], cpref.LAYOUTS, ("fp32", "bf16"), cp=4, padded=(False, True), options={"overlap": True})
     return cases + build_cases(MODES, ["zigzag"], ["fp32"], cp=4, padded=(True,), causal=False)
 
 
@@ -64,6 +65,7 @@ def test_every_mode_layout_dtype_and_placement_rank_by_rank():
     assert dp_cp == {(0, 0, 0), (2, 0, 1), (1, 1, 0), (3, 1, 1)}  # CP groups {0, 2} and {1, 3}
     hierarchical = [m for m in MODES if "a2a_size" in cpref.MODES[m].defaults()]
     assert all(dict(r.case.options) == {"a2a_size": 2} for r in report.rows if r.case.mode in hierarchical)
+    assert {r.case.layout for r in report.rows if dict(r.case.options).get("overlap")} == set(cpref.LAYOUTS)
     # the simulated cluster agrees with the oracle, so the oracle column repeats the largest error
     assert all(abs(r.oracle - max(r.errors.values())) < 1e-9 for r in report.rows)
     assert "rank rows pass" in report.format().splitlines()[-1]
@@ -257,6 +259,20 @@ def test_bad_cases_are_refused_before_any_process_starts(capsys):
     assert "does not divide the world size 4" in capsys.readouterr().err
     assert verify.main(["--impl", "no_such_module:fn"]) == 2
     assert "--impl 'no_such_module:fn'" in capsys.readouterr().err
+    for argv, why in ((["--mode", "p2p", "--option", "overlap=True"], "--option overlap: no mode of ['p2p'] takes it"),
+                      (["--option", "overlap"], "expected NAME=VALUE"),
+                      (["--option", "overlap=yes please"], "must be a Python literal")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:  # the parser's error: before any process starts
+            verify.main(argv)
+        assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_an_option_reaches_only_the_modes_that_declare_it():
+    args = parse_args(["--nproc", "2", "--option", "overlap=True", "--option", "save_gathered_kv=True"])
+    cases = cases_from_args(args, 2)
+    assert {c.mode for c in cases} == set(MODES)
+    assert all(dict(c.options) == ({"overlap": True, "save_gathered_kv": True} if c.mode == "all_gather" else
+                                   dict(cpref.MODES[c.mode].example_options(2))) for c in cases)  # fmt: skip
 
 
 def simulated_results(case: Case) -> list:

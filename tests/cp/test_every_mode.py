@@ -221,6 +221,12 @@ class LimitedComm:
     def reduce_scatter(self, x):
         raise AssertionError("reduce_scatter called on a backend without it")
 
+    def all_gather_async(self, x):
+        raise AssertionError("all_gather_async called on a backend without all_gather")
+
+    def reduce_scatter_async(self, x):
+        raise AssertionError("reduce_scatter_async called on a backend without reduce_scatter")
+
     def all_to_all(self, x):
         return self._comm.all_to_all(x)
 

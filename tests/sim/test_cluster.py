@@ -326,12 +326,12 @@ def test_send_recv_async_returns_what_send_recv_would(P):
 
 
 def test_a_handle_never_waited_on_fails_the_rank():
-    from sim.cluster import UnwaitedShift
+    from sim.cluster import Unwaited
 
     def fn(comm):
         comm.send_recv_async(torch.ones(2))  # dropped: a real ring would lose this message
 
-    with pytest.raises(UnwaitedShift, match=r"returned without waiting on: send_recv_async #0 on group \(0, 1\)"):
+    with pytest.raises(Unwaited, match=r"returned without waiting on: send_recv_async #0 on group \(0, 1\)"):
         SimCluster(2).run(fn)
 
 
@@ -387,3 +387,33 @@ def test_each_rank_runs_its_own_backward():
     assert all(torch.equal(grad, torch.full((3,), 3.0)) for _, grad in results)
     assert threads == {r: f"sim-rank-{r}" for r in range(3)}
     assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
+
+
+def test_posted_gather_and_scatter_return_what_the_blocking_calls_do_and_take_their_place_when_called():
+    P = 3
+
+    def fn(comm):
+        x = torch.arange(2 * P, dtype=torch.float64) * (comm.rank + 1)  # (2P,)
+        gather, scatter = comm.all_gather_async(x[:2]), comm.reduce_scatter_async(x)
+        total = comm.all_reduce(x)  # a collective between the posts and the waits
+        return scatter.wait(), gather.wait(), total, comm.all_gather(x[:2]), comm.reduce_scatter(x)
+
+    cluster = SimCluster(P)
+    for scattered, gathered, total, gathered_again, scattered_again in cluster.run(fn):
+        assert torch.equal(gathered, gathered_again) and torch.equal(scattered, scattered_again)
+        assert gathered.tolist() == [0.0, 1.0, 0.0, 2.0, 0.0, 3.0]
+    assert [ev.op for ev in cluster.trace] == ["all_gather", "reduce_scatter", "all_reduce", "all_gather", "reduce_scatter"]
+
+
+@pytest.mark.parametrize("post", ["send_recv_async", "all_gather_async", "reduce_scatter_async"])
+def test_an_input_changed_in_place_before_the_wait_raises_there(post):
+    """A real backend may still be reading a posted input: the simulated cluster refuses what would pass here only."""
+
+    def fn(comm):
+        x = torch.ones(2)
+        handle = getattr(comm, post)(x)
+        x.add_(1.0)  # in place, before the wait
+        handle.wait()
+
+    with pytest.raises(RuntimeError, match=rf"{post} #0 on group \(0, 1\): its input was modified in place before wait"):
+        SimCluster(2).run(fn)

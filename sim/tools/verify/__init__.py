@@ -142,9 +142,10 @@ rank names the case it was running) and exit status 1, within the process-group 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import cpref
 from cpref.api import check_mode
@@ -224,6 +225,17 @@ def _names(value: str, allowed: Sequence[str], what: str) -> list[str]:
     return names
 
 
+def _option(text: str) -> tuple[str, Any]:
+    """`NAME=VALUE` as `(name, value)`, the value a Python literal (`True`, `2`, `'x'`)."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE, e.g. overlap=True")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 2, 'x')") from None
+
+
 def _ints(value: str) -> tuple[int, ...]:
     try:
         return tuple(int(n) for n in value.split(","))
@@ -285,6 +297,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
     p.add_argument("--mode", default="all", help=f"comma list or all; of {', '.join(sorted(cpref.MODES))}")
     p.add_argument("--layout", default="all", help=f"comma list or all; of {', '.join(cpref.LAYOUTS)}")
     p.add_argument("--dtype", default="fp32", help=f"comma list or all; of {', '.join(DTYPES)} (or torch's names: float32, ...)")
+    p.add_argument("--option", action="append", type=_option, default=[], metavar="NAME=VALUE",
+                   help="a mode option, for the modes that declare it, e.g. overlap=True (repeatable; Python literals)")
     p.add_argument("--a2a-size", type=positive, help="all-to-all group size, for the modes that take a2a_size (default: 2 for an even CP size, else 1)")
     p.add_argument("--docs", type=_ints, default=Setup.docs, help="document lengths (default 1000,3000,500)")
     p.add_argument("--heads", type=_ints, default=Setup.heads, help="Hq,Hkv (default 8,4)")
@@ -307,6 +321,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
     try:
         args.modes = _names(args.mode, sorted(cpref.MODES), "mode")
         args.modes, args.skipped = _windowed_modes(args)
+        unknown = [name for name, _ in args.option if all(name not in cpref.MODES[m].defaults() for m in args.modes)]
+        if unknown:
+            raise ValueError(f"--option {unknown[0]}: no mode of {args.modes} takes it")
         args.layouts = _names(args.layout, list(cpref.LAYOUTS), "layout")
         args.dtypes = _names(",".join(dtype_name(x) for x in args.dtype.split(",")), list(DTYPES), "dtype")
         args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel)
@@ -320,7 +337,7 @@ def cases_from_args(args: argparse.Namespace, world: int) -> list[Case]:
     cp = args.cp or world
     return build_cases(args.modes, args.layouts, args.dtypes, cp=cp, strided=args.cp_ranks == "strided",
                        padded=(args.padded,), causal=args.causal, impls=args.impl or ("cpref",),
-                       a2a_size=args.a2a_size, window=args.window)  # fmt: skip
+                       a2a_size=args.a2a_size, window=args.window, options=dict(args.option))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> int:

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -204,22 +204,25 @@ def cp_groups(world_size: int, cp: int, strided: bool) -> list[list[int]]:
 
 def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[str], *, cp: int, strided: bool = False,
                 padded: Sequence[bool] = (False,), causal: bool = True, impls: Sequence[str] = ("cpref",),
-                a2a_size: int | None = None, window: tuple[int, int] = NO_WINDOW) -> list[Case]:  # fmt: skip
+                a2a_size: int | None = None, window: tuple[int, int] = NO_WINDOW,
+                options: Mapping[str, Any] | None = None) -> list[Case]:  # fmt: skip
     """The product of the choices, as cases.
 
     `a2a_size` goes only to the modes whose options take it (the hierarchical mode); left
     None, they get 2 for an even `cp` (2 x 2 at `cp = 4`) and 1 (the ring) for an odd one.
+    Each of `options` (e.g. `{"overlap": True}`) likewise goes only to the modes that declare it.
     `window` goes to every case: a mode without `cpref.MODES[mode].windows` is refused by
     `sim.tools.verify.run` (the command line skips or refuses it first).
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
-    cases = []
+    cases, given = [], dict(options or {})
     for impl in impls:
         for mode in modes:
             chosen = cpref.MODES[mode].example_options(cp)  # what the mode declares for this CP size
             if a2a_size is not None and "a2a_size" in chosen:
                 chosen["a2a_size"] = a2a_size
+            chosen.update({name: value for name, value in given.items() if name in cpref.MODES[mode].defaults()})
             options = tuple(chosen.items())
             for layout in layouts:
                 for dtype in dtypes:

@@ -29,6 +29,6 @@ Example:
 """
 
 from cpref.backends.capabilities import EXCHANGES, default_exchange, unsupported_ops
-from cpref.backends.torch_dist import TorchComm, TorchPendingShift
+from cpref.backends.torch_dist import TorchComm, TorchPending
 
-__all__ = ["EXCHANGES", "TorchComm", "TorchPendingShift", "default_exchange", "unsupported_ops"]
+__all__ = ["EXCHANGES", "TorchComm", "TorchPending", "default_exchange", "unsupported_ops"]

@@ -12,6 +12,7 @@ dim 0, no autograd history through a collective (inputs are detached).
 | `all_to_all(x)` | `all_to_all_single`, equal dim-0 chunks to the ranks in group order; gloo: pairwise exchange |
 | `send_recv(x, shift)` | `batch_isend_irecv`: send to `r + shift`, receive from `r - shift` |
 | `send_recv_async(x, shift)` | the same ops, posted; `wait()` on the handle completes them |
+| `all_gather_async(x)`, `reduce_scatter_async(x)` | the same calls with `async_op=True` (gloo: the exchange posted); `wait()` completes them (and sums, for the exchange's reduce-scatter) |
 | `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN` |
 | `barrier()` | `barrier` |
 | `agree(row)` | `all_gather` of a CPU int64 row, on this group where gloo serves it, else on a gloo group of the same ranks |
@@ -65,7 +66,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ from cpref.backends.capabilities import EXCHANGES, HCCL_BAD_SIZES, control_devic
 from cpref.comm import REDUCE_OPS, check_partition, check_payload
 from cpref.errors import CPInputError
 
-__all__ = ["TorchComm", "TorchPendingShift"]
+__all__ = ["TorchComm", "TorchPending"]
 
 _REDUCE_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the tensor all-gather / reduce-scatter; older builds have the old names
@@ -83,15 +84,20 @@ _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class TorchPendingShift:
-    """A ring shift in flight, returned by `TorchComm.send_recv_async`."""
+class TorchPending:
+    """A collective in flight, returned by the `_async` calls of `TorchComm`.
 
-    def __init__(self, works: list, send: torch.Tensor, recv: torch.Tensor, dtype: torch.dtype, where: str) -> None:
-        self._works, self._send, self._recv, self._dtype = works, send, recv, dtype
+    Holds the backend's work handles and `finish`, which makes the result once they are done
+    (a cast back to the input dtype; for the pairwise reduce-scatter, the rank-order sum). The
+    buffers the backend reads and writes stay referenced until then.
+    """
+
+    def __init__(self, works: list, finish: Callable[[], torch.Tensor], where: str) -> None:
+        self._works, self._finish = works, finish
         self.where, self.done = where, False
 
     def wait(self) -> torch.Tensor:
-        """Block until the shift has completed; return the received tensor (call exactly once).
+        """Block until the collective has completed; return its result (call exactly once).
 
         Raises:
             RuntimeError: on a second call.
@@ -101,8 +107,8 @@ class TorchPendingShift:
         for work in self._works:
             work.wait()
         self.done = True
-        recv, self._works, self._send, self._recv = self._recv, [], None, None
-        return recv.to(self._dtype)
+        finish, self._works, self._finish = self._finish, [], None
+        return finish()
 
 
 class TorchComm:
@@ -192,15 +198,19 @@ class TorchComm:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along dim 0 in rank order: `(n, ...) -> (P n, ...)`."""
+        return self.all_gather_async(x).wait()
+
+    def all_gather_async(self, x: torch.Tensor) -> TorchPending:
+        """Start the `all_gather` of `x`; `wait()` on the handle returns `(P n, ...)`. Leave `x` unchanged until then."""
         send = self._wire("all_gather", x, 1, 1)
         out = send.new_empty((self.size * send.shape[0], *send.shape[1:]))  # (P n, ...)
         if self.exchange == "p2p":  # chunk r is ours; chunk s arrives from rank s
             chunks = out.chunk(self.size)
             chunks[self.rank].copy_(send)
-            self._pairwise([send] * self.size, chunks)
+            works = self._post_pairwise([send] * self.size, chunks)
         else:
-            _all_gather_base(out, send, group=self.process_group)
-        return out.to(x.dtype)
+            works = [_all_gather_base(out, send, group=self.process_group, async_op=True)]
+        return TorchPending(works, lambda: out.to(x.dtype), self._where("all_gather_async"))
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over ranks and keep chunk `rank`: `(P n, ...) -> (n, ...)`.
@@ -208,19 +218,31 @@ class TorchComm:
         Raises:
             ValueError: if dim 0 of `x` is not divisible by `size`.
         """
+        return self.reduce_scatter_async(x).wait()
+
+    def reduce_scatter_async(self, x: torch.Tensor) -> TorchPending:
+        """Start the `reduce_scatter` of `x`; `wait()` on the handle returns `(n, ...)`. Leave `x` unchanged until then.
+
+        Raises:
+            ValueError: if dim 0 of `x` is not divisible by `size`.
+        """
         send = self._wire("reduce_scatter", x, 1, self.size)
+        where = self._where("reduce_scatter_async")
         if self.exchange == "p2p":  # chunk s of every rank comes to rank s, which sums them in rank order
             mine = send.chunk(self.size)  # P x (n, ...): chunk s goes to rank s
             parts = [mine[s] if s == self.rank else torch.empty_like(mine[s]) for s in range(self.size)]
-            self._pairwise(mine, parts)
-            out = parts[0].clone() if self.rank == 0 else parts[0]  # (n, ...), never a view of x
-            # out <- out + x_s for s = 1 .. P-1, rounded to the dtype each time
-            for part in parts[1:]:
-                out += part
-            return out.to(x.dtype)
+
+            def rank_order_sum() -> torch.Tensor:
+                out = parts[0].clone() if self.rank == 0 else parts[0]  # (n, ...), never a view of x
+                # out <- out + x_s for s = 1 .. P-1, rounded to the dtype each time
+                for part in parts[1:]:
+                    out += part
+                return out.to(x.dtype)
+
+            return TorchPending(self._post_pairwise(mine, parts), rank_order_sum, where)
         out = send.new_empty((send.shape[0] // self.size, *send.shape[1:]))  # (n, ...)
-        _reduce_scatter_base(out, send, op=dist.ReduceOp.SUM, group=self.process_group)
-        return out.to(x.dtype)
+        work = _reduce_scatter_base(out, send, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+        return TorchPending([work], lambda: out.to(x.dtype), where)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """Send chunk `j` of dim 0 to rank `j`; return the chunks received, in rank order.
@@ -233,13 +255,15 @@ class TorchComm:
         if self.exchange == "p2p":
             mine, theirs = send.chunk(self.size), out.chunk(self.size)
             theirs[self.rank].copy_(mine[self.rank])
-            self._pairwise(mine, theirs)
+            for work in self._post_pairwise(mine, theirs):
+                work.wait()
         else:
             dist.all_to_all_single(out, send, group=self.process_group)
         return out.to(x.dtype)
 
-    def _pairwise(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
-        """Send `sends[s]` to group rank `s` and receive `recvs[s]` from it, for every `s != rank`: one batch, waited.
+    def _post_pairwise(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> list:
+        """Post, in one batch, a send of `sends[s]` to group rank `s` and a receive of `recvs[s]` from it, for every
+        `s != rank`; return the works to wait on.
 
         `recvs[s]` are contiguous dim-0 chunks (or fresh tensors); the own entries are not touched.
         """
@@ -248,14 +272,13 @@ class TorchComm:
             if s != self.rank:
                 ops.append(dist.P2POp(dist.isend, sends[s], self.group[s], self.process_group))
                 ops.append(dist.P2POp(dist.irecv, recvs[s], self.group[s], self.process_group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def send_recv(self, x: torch.Tensor, shift: int = 1) -> torch.Tensor:
         """Ring shift: send `x` to rank `r + shift`, return what rank `r - shift` sent (mod P)."""
         return self.send_recv_async(x, shift).wait()
 
-    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> TorchPendingShift:
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> TorchPending:
         """Start the ring shift of `send_recv`; `wait()` on the handle returns the received tensor.
 
         Both the send and the receive are posted at once (`batch_isend_irecv`), so a rank can
@@ -264,9 +287,10 @@ class TorchComm:
         """
         shift = operator.index(shift)
         send = self._wire("send_recv", x)
-        where = f"send_recv_async #{self._seq - 1} on group {self.group}"
+        where = self._where("send_recv_async")
         if shift % self.size == 0:  # every rank keeps its own block: nothing travels
-            return TorchPendingShift([], send, send.clone(), x.dtype, where)
+            kept = send.clone()
+            return TorchPending([], lambda: kept.to(x.dtype), where)
         recv = torch.empty_like(send)
         # --8<-- [start:ring-peers]
         # ring neighbours in group ranks, then mapped to global ranks
@@ -275,7 +299,7 @@ class TorchComm:
         ops = [dist.P2POp(dist.isend, send, dst, self.process_group),
                dist.P2POp(dist.irecv, recv, src, self.process_group)]  # fmt: skip
         # --8<-- [end:ring-peers]
-        return TorchPendingShift(dist.batch_isend_irecv(ops), send, recv, x.dtype, where)
+        return TorchPending(dist.batch_isend_irecv(ops), lambda: recv.to(x.dtype), where)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `x` elementwise over ranks with `op` in `REDUCE_OPS`; every rank gets the result.
@@ -350,6 +374,10 @@ class TorchComm:
                 f"split: the ranks of group {self.group} passed different partitions (rank {self.rank} passed "
                 f"{[list(p) for p in parts]}); every rank must pass the same groups"
             )
+
+    def _where(self, name: str) -> str:
+        """How a handle names its call in messages: the call's number on this communicator, and the group."""
+        return f"{name} #{self._seq - 1} on group {self.group}"
 
     def _wire(self, op: str, x: torch.Tensor, min_dim: int = 0, divisor: int = 1, copy: bool = False) -> torch.Tensor:
         """Check `x` locally (every rank alike), then detach it into a dense tensor the backend can carry."""

@@ -89,6 +89,18 @@ At $P = 1$ the local K/V already are every key in
 order, so the plan (see [Load-balanced metadata][cpref.modes.all_gather_plan]) has no
 `kv_index` and its sequences send the kernel straight to them: no collective, no `index_select`, no `index_add_`.
 
+## Overlap
+
+With `overlap=True` the same plan runs another schedule
+([the all-gather overlap][cpref.modes.all_gather_overlap]): the all-gathers are posted first and
+the attention of the keys each rank holds is computed while they travel; the gathered keys'
+share follows, merged by lse; the backward hides the re-gather and the reduce-scatter behind two
+halves of the local work. It moves the same bytes in the same collectives and computes the same
+scores, in two kernel calls forward and three backward instead of one each. The default is the
+one call, by this rule, measured side by side in `bench/overlap.py` (the performance page):
+
+--8<-- "src/cpref/modes/all_gather.py:rule"
+
 ## Precision
 
 Every query sees all its keys in the one kernel call, so the backward asks the kernel for
@@ -121,8 +133,10 @@ import torch
 from cpref.call import CPCall
 from cpref.checks import as_bool
 from cpref.comm import Collectives
-from cpref.costs import ModeCosts, element_bytes, shard_bytes
+from cpref.costs import ModeCosts, element_bytes, kept_output_bytes, shard_bytes
+from cpref.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
+from cpref.modes.all_gather_overlap import OverlapPlan, build_overlap_plan, overlap_backward, overlap_forward
 from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
 from cpref.modes.all_gather_plan import AllGatherPlan, build_all_gather_plan
 from cpref.modes.shared import no_double_backward, padded_rows, whole_documents
@@ -214,30 +228,41 @@ class AllGatherKVFunc(torch.autograd.Function):
     """Autograd Function: all-gather K/V forward; (gather again,) reduce-scatter dK/dV backward.
 
     Use through [`cpref.attention`][cpref.api.attention] with `mode="all_gather"`, which
-    validates the input and builds the plan first.
+    validates the input and builds the plan first. With an `OverlapPlan` the collectives are
+    overlapped with the local keys' calls ([the all-gather overlap][cpref.modes.all_gather_overlap]).
     """
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan, comm, kernel, causal: bool, scale: float, save_gathered_kv: bool = False):
-        """All-gather K/V, one kernel call; save the local shards (or the selected K/V) for backward."""
+    def forward(ctx: Any, q, k, v, plan, comm, kernel, causal: bool, scale: float, save_gathered_kv: bool = False,
+                ov: OverlapPlan | None = None):  # fmt: skip
+        """All-gather K/V, one kernel call (or the overlapped two); save the local shards (or the selected K/V)."""
+        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
+        ctx.gathered, ctx.ov = save_gathered_kv, ov
+        if ov is not None:  # the merged output kept unrounded: the backward's Delta comes from it (no full rows)
+            out, lse, selected = overlap_forward(q, k, v, plan, ov, comm, kernel, causal=causal, scale=scale)
+            ctx.save_for_backward(q, out, lse, *(selected if save_gathered_kv else (k, v)))
+            return out.to(q.dtype)
         out, lse, k_sel, v_sel = all_gather_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
         # default: keep the local shards and gather again in the backward (memory falls as 1/P)
-        ctx.save_for_backward(q, k_sel if save_gathered_kv else k, v_sel if save_gathered_kv else v, out, lse)
-        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
-        ctx.gathered = save_gathered_kv
+        ctx.save_for_backward(q, out, lse, *((k_sel, v_sel) if save_gathered_kv else (k, v)))
         return out
 
     @staticmethod
     def backward(ctx: Any, dout):
-        """(Gather K/V again,) one kernel call, index_add_ and reduce-scatter dK/dV."""
+        """(Gather K/V again,) one kernel call, index_add_ and reduce-scatter dK/dV (or the overlapped schedule)."""
         no_double_backward()
-        q, k_saved, v_saved, out, lse = ctx.saved_tensors
-        k_sel, v_sel = (k_saved, v_saved) if ctx.gathered else gather_selected(k_saved, v_saved, ctx.plan, ctx.comm)
+        q, out, lse, *kv = ctx.saved_tensors
+        if ctx.ov is not None:
+            k, v, selected = (None, None, kv) if ctx.gathered else (*kv, None)
+            dq, dk, dv = overlap_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.ov, ctx.comm, ctx.kernel,
+                                          causal=ctx.causal, scale=ctx.scale, selected=selected)  # fmt: skip
+            return dq, dk, dv, None, None, None, None, None, None, None
+        k_sel, v_sel = kv if ctx.gathered else gather_selected(*kv, ctx.plan, ctx.comm)
         dq, dk, dv = all_gather_backward(
             dout.contiguous(), q, k_sel, v_sel, out, lse, ctx.plan, ctx.comm, ctx.kernel,
             causal=ctx.causal, scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # The RFC's name for the same Function.
@@ -257,18 +282,56 @@ def all_gather_plan(call: CPCall) -> AllGatherPlan:
 
 
 def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """Run the mode: this rank's plan from the batch cache, then the Function."""
+    """Run the mode: this rank's plan from the batch cache (and its overlap split, where the rule says so), then
+    the Function."""
     plan = all_gather_plan(call)
-    return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"])
+    ov = None
+    if overlaps(call.options["overlap"], call.P, call.window, gathered_rows(plan)):
+        key = ("all_gather overlap", call.P, call.rank, call.layout, call.causal, str(call.device))
+        ov = call.plan(key, lambda: build_overlap_plan(plan, call.rank, call.bounds.total // call.P, call.causal))
+    return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"],
+                                 ov)  # fmt: skip
 
 
-def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows,
-                     save_gathered_kv) -> ModeCosts:  # fmt: skip
+# --8<-- [start:rule]
+def overlaps(option: bool, P: int, window: tuple[int, int], gathered: int | None) -> bool:
+    """Whether the mode overlaps its collectives (`cpref.modes.all_gather_overlap`) or makes the RFC's one call.
+
+    Only where asked (`overlap=True`: on gloo over two cores its smaller waits do not make up for its two more
+    kernel calls, its merge and gloo's copies on the compute cores; `bench/overlap.py` measures both side by side)
+    and where something travels: not at `P = 1`, nor with a layout whose ranks read no other rank's key
+    (`gathered == 0`).
+    Never under a sliding window, which `overlap=True` is refused with (the split needs every key before a
+    query's own piece to be seen by all of it).
+    """
+    return option and P > 1 and gathered != 0 and window == NO_WINDOW
+# --8<-- [end:rule]
+
+
+def gathered_rows(plan: AllGatherPlan) -> int | None:
+    """The rows each rank all-gathers under `plan`: None for the whole shard, else the pieces' `gathered_rows`."""
+    return None if plan.shared is None else plan.gathered_rows
+
+
+def check_all_gather(call: CPCall) -> None:
+    """Refuse `overlap=True` under a sliding window, before any communication."""
+    if call.options["overlap"] is True and call.window != NO_WINDOW and call.P > 1:
+        raise CPInputError(
+            f"mode='all_gather' with overlap=True: the overlap needs a plain causal or full mask, not window={call.window} "
+            "(a window's keys are not all seen by every query of a piece); pass overlap=False to run the one-call "
+            "path under a window"
+        )
+
+
+def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window,
+                     save_gathered_kv, overlap) -> ModeCosts:  # fmt: skip
     """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.costs`); with
-    `gathered_rows` (stream, balanced: `cpref.modes.all_gather_pieces`) only those rows of each rank travel."""
+    `gathered_rows` (stream, balanced: `cpref.modes.all_gather_pieces`) only those rows of each rank travel;
+    overlapped (`overlaps`), the same traffic, the output kept unrounded."""
     hq, hkv, d, dv = heads
     t, (b, f) = local_tokens, element_bytes(dtype)
     rows = t if gathered_rows is None else gathered_rows  # what each rank contributes to the all-gather
+    kept = kept_output_bytes(2, t, heads, dtype) if overlaps(overlap, P, window, gathered_rows) else 0
     fwd = (P - 1) * rows * hkv * (d + dv) * b
     saved = shard_bytes(t, heads, dtype)
     if save_gathered_kv:  # the query side as usual, and the selected K/V rows instead of the local shards
@@ -277,7 +340,7 @@ def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_si
     bwd = (0 if save_gathered_kv else fwd) + (P - 1) * rows * hkv * (d + dv) * f  # re-gather, float32 dK/dV
     if rows == 0:  # nothing to gather: no collective at all
         return ModeCosts(0, 0, Counter(), Counter(), saved)
-    return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved)
+    return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved + kept)
 
 
 MODE = ModeSpec(
@@ -288,9 +351,13 @@ MODE = ModeSpec(
     collectives=frozenset({"all_gather", "reduce_scatter"}),
     costs=all_gather_costs,
     windows=True,
+    check=check_all_gather,
     options=(
         Option("save_gathered_kv", False, lambda value: as_bool("save_gathered_kv", value),
                "keep the gathered K/V for the backward instead of gathering them again (faster backward; "
                "activation memory no longer falls with P)"),
+        Option("overlap", False, lambda value: as_bool("overlap", value),
+               "compute the local keys' attention while the other ranks' K/V travel, and in the backward while they "
+               "travel again and their dK/dV go home (not under a window)"),
     ),
 )

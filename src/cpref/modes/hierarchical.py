@@ -167,7 +167,7 @@ def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)
 
 
-def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, a2a_size) -> ModeCosts:
+def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window, a2a_size) -> ModeCosts:
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over `a`, a ring of `P / a`."""
     a, t = a2a_size, local_tokens
     if a is None or P % a:

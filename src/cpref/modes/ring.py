@@ -262,7 +262,7 @@ def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale)
 
 
-def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows) -> ModeCosts:
+def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window) -> ModeCosts:
     """Per-rank traffic, collectives and saved bytes of one layer: a ring of P (or, under a window, the shifts
     of `halo_sizes` rows), the output kept unrounded."""
     if halo_sizes is not None:

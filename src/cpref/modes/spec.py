@@ -69,10 +69,11 @@ class ModeSpec:
         plan: `plan(call) -> plan`: this rank's cached plan for the call (what `run` uses).
         collectives: the collectives it calls (checked against the backend's limits).
         costs: `costs(P=, local_tokens=, heads=, dtype=, selected_kv_rows=, halo_sizes=, gathered_rows=,
-            **options) -> ModeCosts`: the per-rank traffic, collectives and saved bytes of one layer
+            window=, **options) -> ModeCosts`: the per-rank traffic, collectives and saved bytes of one layer
             (`cpref.costs`); `halo_sizes`: a ring's rows per step when it sends only what is read (its plan's
             `halo.sizes`); `gathered_rows`: the rows each rank all-gathers when it gathers only what others
-            read (the all-gather plan's `gathered_rows`; None: the whole shard).
+            read (the all-gather plan's `gathered_rows`; None: the whole shard); `window`: the call's
+            `(left, right)` sliding window (`(-1, -1)`: none).
         options: its keyword options.
         check: its own validation of a `CPCall` (e.g. head counts), before any communication.
         windows: whether it takes a sliding window (`cpref.attention(..., window=)`); one that
@@ -107,11 +108,12 @@ class ModeSpec:
 
     def mode_costs(self, *, P: int, local_tokens: int, heads: tuple[int, int, int, int], dtype: torch.dtype,
                    selected_kv_rows: int | None = None, halo_sizes: tuple[int, ...] | None = None,
-                   gathered_rows: int | None = None, **options: Any) -> ModeCosts:  # fmt: skip
+                   gathered_rows: int | None = None, window: tuple[int, int] = (-1, -1), **options: Any) -> ModeCosts:  # fmt: skip
         """Its per-rank costs of one layer, with `options` parsed as `cpref.attention` parses them
         (an option given as None is absent, as there)."""
         unknown = sorted(name for name, value in options.items() if value is not None and name not in self.defaults())
         if unknown:
             raise CPInputError(f"mode {self.name!r} has no option {unknown[0]!r}; its options: {[o.name for o in self.options]}")
         return self.costs(P=P, local_tokens=local_tokens, heads=heads, dtype=dtype, selected_kv_rows=selected_kv_rows,
-                          halo_sizes=halo_sizes, gathered_rows=gathered_rows, **self.parse_options(options))  # fmt: skip
+                          halo_sizes=halo_sizes, gathered_rows=gathered_rows, window=tuple(window),
+                          **self.parse_options(options))  # fmt: skip

@@ -142,7 +142,7 @@ def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     return func.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale)
 
 
-def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows) -> ModeCosts:
+def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window) -> ModeCosts:
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over all P ranks. With
     `gathered_rows` (stream, balanced: `cpref.modes.ulysses_split`) the exchange of those `m` rows; its saved
     bytes are then an upper bound (every local row counted as an own row, and the `m` exchanged ones)."""
