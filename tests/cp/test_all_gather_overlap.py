@@ -91,6 +91,23 @@ def test_the_split_computes_each_score_once_and_halves_the_local_work(P, lengths
         assert ov.parts == (w_first > 0, w_last > 0, ov.remote.work(False) > 0)
 
 
+def test_a_plan_whose_diagonal_keys_another_rank_holds_is_refused():
+    """The split is right only if each query piece's own keys are local: rank 1's plan split as rank 0's is not."""
+    sharding = padded_batch([40, 24], 2, "zigzag")[0]
+    with pytest.raises(ValueError, match="sequence 0's diagonal keys are not all held by rank 0"):
+        build_overlap_plan(base_plan(sharding, 1, True), 0, sharding.local_tokens, True)
+
+
+def test_a_call_without_work_is_not_made():
+    """One token at P = 4: ranks 1-3 hold only padding (no backward call at all), rank 0 one score, in the backward's
+    second half (the first half's best cut is empty)."""
+    P = 4
+    sharding, q, k, v, dout = padded_batch([1], P, "zigzag")
+    kernels = [CountingKernel() for _ in range(P)]
+    run_cp(q, k, v, dout, sharding, mode="all_gather", overlap=True, kernels=kernels)
+    assert [(kern.forward_calls, kern.backward_calls) for kern in kernels] == [(1, 1), (1, 0), (1, 0), (1, 0)]
+
+
 def recording(comm, log):
     """`comm`, logging each post and wait of a collective into `log`."""
 

@@ -144,8 +144,8 @@ def _halves(lens: list[tuple[int, int]], causal: bool) -> tuple[Varlen, Varlen]:
     done = 0  # work given to `first` so far
     for n_q, n_k in lens:
         w = _row_work(n_q, n_k, n_q, causal)
-        if done >= half or not n_k:  # all to `last` (a sequence without keys too: nothing to share)
-            h = 0 if done >= half else n_q
+        if done >= half or not n_k:  # all to `last` (a sequence without keys has no work to share)
+            h = 0
         else:  # the row count closest to the half (all of it if it fits)
             h = min(range(n_q + 1), key=lambda x: abs(done + _row_work(n_q, n_k, x, causal) - half)) if done + w > half else n_q
         done += _row_work(n_q, n_k, h, causal)
