@@ -22,10 +22,9 @@ import time
 import torch
 
 import cpref
-from bench.scaling import _batch, batches
+from bench.scaling import _batch, batch_parser, batches
 from bench.timed import Clock, TimedComm, TimedKernel
 from cpref.backends import TorchComm
-from sim.tools.cli import Parser
 from sim.tools.launch import launch
 
 LAYOUTS = ("zigzag", "balanced")
@@ -94,11 +93,7 @@ def verdict(batches_run: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 4)")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps of each variant (fastest kept)")
+    parser = batch_parser(__doc__)
     args = parser.parse_args(argv)
     if args.tokens % 4:
         parser.error(f"--tokens {args.tokens}: zigzag over 2 ranks needs a multiple of 4")

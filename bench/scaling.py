@@ -231,12 +231,18 @@ def markdown(batch: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = Parser(description=__doc__.splitlines()[0])
+def batch_parser(doc: str) -> Parser:
+    """The command line of a benchmark over `batches`: `--tokens`, `--heads`, `--head-dim`, `--repeats`."""
+    parser = Parser(description=doc.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 4)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (fastest kept)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = batch_parser(__doc__)
     parser.add_argument("--window", nargs="+", default=["none", "1024"], metavar="W",
                         help="causal sliding windows of W + 1 keys, window=(W, 0), in CP = 1 and every mode, one table "
                              "each ('none': full causal)")  # fmt: skip

@@ -96,7 +96,9 @@ With `overlap=True` the same plan runs another schedule
 the attention of the keys each rank holds is computed while they travel; the gathered keys'
 share follows, merged by lse; the backward hides the re-gather and the reduce-scatter behind two
 halves of the local work. It moves the same bytes in the same collectives and computes the same
-scores, in two kernel calls forward and three backward instead of one each. The default is the
+scores, in two kernel calls forward and three backward instead of one each (two backward with
+`save_gathered_kv`; one fewer each way on a rank that reads no other rank's key, rank 0 of the
+contiguous layout under a causal mask). The default is the
 one call, by this rule, measured side by side in `bench/overlap.py` (the performance page):
 
 --8<-- "src/cpref/modes/all_gather.py:rule"
@@ -297,8 +299,9 @@ def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
 def overlaps(option: bool, P: int, window: tuple[int, int], gathered: int | None) -> bool:
     """Whether the mode overlaps its collectives (`cpref.modes.all_gather_overlap`) or makes the RFC's one call.
 
-    Only where asked (`overlap=True`: on gloo over two cores its smaller waits do not make up for its two more
-    kernel calls, its merge and gloo's copies on the compute cores; `bench/overlap.py` measures both side by side)
+    Only where asked (`overlap=True`: on gloo over two cores its smaller waits did not reliably make up for its
+    extra kernel calls, its merge and gloo's copies on the compute cores; `bench/overlap.py` measures both side
+    by side, and the performance page shows its last run)
     and where something travels: not at `P = 1`, nor with a layout whose ranks read no other rank's key
     (`gathered == 0`).
     Never under a sliding window, which `overlap=True` is refused with (the split needs every key before a
