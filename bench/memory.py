@@ -124,6 +124,9 @@ class CountedComm:
     def reduce_scatter_async(self, x):
         return _CountedHandle(self._received(self.inner.reduce_scatter_async, x), self)
 
+    def all_to_all_async(self, x):
+        return _CountedHandle(self._received(self.inner.all_to_all_async, x), self)
+
     def all_reduce(self, x, op="sum"):
         return self._received(self.inner.all_reduce, x, op)
 

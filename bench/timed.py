@@ -2,7 +2,7 @@
 
 `TimedComm(comm, clock)` satisfies the collectives protocol by forwarding every call to
 `comm` and adding the wall time spent inside it to `clock.comm` (for a posted collective,
-`send_recv_async`, `all_gather_async`, `reduce_scatter_async`: inside the post and inside the
+`send_recv_async`, `all_gather_async`, `reduce_scatter_async`, `all_to_all_async`: inside the post and inside the
 handle's `wait()`, i.e. the time the rank actually waits; one that completes while the rank
 computes costs nothing). `TimedKernel(kernel, clock)` adds the
 time inside `forward` and `backward` to `clock.compute`. The CP modes see them as any other
@@ -94,6 +94,9 @@ class TimedComm:
 
     def reduce_scatter_async(self, x: torch.Tensor) -> TimedHandle:
         return TimedHandle(self.clock.timed("comm", self.inner.reduce_scatter_async, x), self.clock)
+
+    def all_to_all_async(self, x: torch.Tensor) -> TimedHandle:
+        return TimedHandle(self.clock.timed("comm", self.inner.all_to_all_async, x), self.clock)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.clock.timed("comm", self.inner.all_reduce, x, op)

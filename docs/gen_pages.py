@@ -54,6 +54,7 @@ GUIDE = [
     ("ring-window.md", "The ring under a sliding window", "cpref.modes.ring_window"),
     ("ulysses.md", "Ulysses (a2a)", "cpref.modes.ulysses"),
     ("ulysses-split.md", "Ulysses for stream and balanced", "cpref.modes.ulysses_split"),
+    ("ulysses-pipeline.md", "Ulysses in head groups", "cpref.modes.ulysses_pipeline"),
     ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
     ("hierarchical-split.md", "a2a+p2p for stream and balanced", "cpref.modes.hierarchical_split"),
     ("which-mode.md", "Which mode when", "cpref.costs"),
@@ -127,6 +128,15 @@ PAGE_FIGURES = {
          "on, modulo 4): two shifts. A shift is as long on every rank as its longest halo (zero rows pad the "
          "rest); a row is 128 B (float64, `Hkv = 2`, `D = Dv = 4`)."),
     ],
+    "ulysses-pipeline.md": [
+        ("figures/ulysses_pipeline.png",
+         "The schedule each rank ran in a real forward + backward on the simulated cluster with head_groups=2, as its "
+         "communicator and kernel logged it: every kernel call in order, as wide as the score entries it computed over "
+         "its heads, and every all-to-all that a call hid, from its post to its wait (those waited for at once, the "
+         "first group's inputs and the last group's results, take no width here: nothing computes while they travel). "
+         "Group 1's q, k and v travel under group 0's call, group 0's output under group 1's; the backward likewise "
+         "with dout in and dq, dk, dv out."),
+    ],
     "ulysses.md": [
         ("figures/ulysses_exchange.png",
          "Which rank holds which (token, head) of `q` before the all-to-all (its zigzag shard of every head) and "
@@ -180,7 +190,7 @@ SECTIONS = [
     ("Concepts", ["layout.md", "sharding.md", "seqlens.md", "balanced.md", "data.md", "which-mode.md", "mode-spec.md",
                   "cache.md"]),
     ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "all-gather-overlap.md", "ring.md", "ring-plan.md", "ring-window.md",
-               "merge.md", "ulysses.md", "ulysses-split.md", "hierarchical.md", "hierarchical-split.md"]),
+               "merge.md", "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
     ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
                               "npu-kernel.md"]),

@@ -349,6 +349,21 @@ class _ScheduleLog:
         return self._kernel.backward(dout, q, k, v, out, lse, seqs, **kwargs)
 
 
+def _backward_starts(ax, x: float) -> None:
+    """A schedule's mark where the backward begins."""
+    ax.axvline(x, color="0.3", linestyle=":", linewidth=1)
+    ax.text(x + 4, 2.25, "backward", color="0.3", va="center")
+
+
+def _schedule_axes(ax, r: int, x: float) -> None:
+    """A schedule's rows (collectives in flight above the kernel calls) for rank `r`, over `x` score entries."""
+    ax.set_ylim(2.5, 0)
+    ax.set_yticks([0.5, 1.5], ["in flight", "kernel"])
+    ax.set_title(f"rank {r}", loc="left")
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    ax.set_xlim(0, x)
+
+
 def overlap_schedule() -> Figure:
     """`figures/overlap_schedule.png`: the all-gather overlap's schedule on each rank, from a real run."""
     batch, T = sharding(CU, 2, "zigzag"), CU[-1]
@@ -385,13 +400,8 @@ def overlap_schedule() -> Figure:
                     ax.add_patch(Rectangle((start, 0.1), x - start, 0.8, facecolor="0.8", edgecolor="white"))
                     ax.text(start + 4, 0.5, f"{n} x {what[0]}", va="center", color="0.1")
             elif kind == "phase":
-                ax.axvline(x, color="0.3", linestyle=":", linewidth=1)
-                ax.text(x + 4, 2.25, "backward", color="0.3", va="center")
-        ax.set_ylim(2.5, 0)
-        ax.set_yticks([0.5, 1.5], ["in flight", "kernel"])
-        ax.set_title(f"rank {r}", loc="left")
-        ax.spines[["top", "right", "left"]].set_visible(False)
-        ax.set_xlim(0, x)
+                _backward_starts(ax, x)
+        _schedule_axes(ax, r, x)
     axes[-1].set_xlabel("score entries computed (per head), in call order")
     fig.legend(handles=[Patch(color=colors["local"], label="keys held here (causal)"),
                         Patch(color=colors["remote"], label="gathered keys (no mask)"),
@@ -401,7 +411,90 @@ def overlap_schedule() -> Figure:
     return fig
 
 
+class _PostLog:
+    """A communicator and kernel that log, in call order, each all-to-all's post and wait (by post number) and each
+    kernel call's heads and scores: what `pipeline_schedule` draws."""
+
+    def __init__(self, comm, log: list) -> None:
+        self._comm, self._log, self._kernel, self._posts = comm, log, cpref.TorchKernel(), 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def all_to_all_async(self, x):
+        handle, number, log = self._comm.all_to_all_async(x), self._posts, self._log
+        self._posts += 1
+        log.append(("post", number))
+
+        class Handle:
+            def wait(self):
+                log.append(("wait", number))
+                return handle.wait()
+
+        return Handle()
+
+    def forward(self, q, k, v, seqs, **kwargs):
+        self._log.append(("kernel", q.shape[1] * seqs.work(kwargs["causal"])))
+        return self._kernel.forward(q, k, v, seqs, **kwargs)
+
+    def backward(self, dout, q, k, v, out, lse, seqs, **kwargs):
+        self._log.append(("kernel", q.shape[1] * seqs.work(kwargs["causal"])))
+        return self._kernel.backward(dout, q, k, v, out, lse, seqs, **kwargs)
+
+
+def pipeline_schedule() -> Figure:
+    """`figures/ulysses_pipeline.png`: Ulysses in head groups on each rank, from a real run."""
+    P2, groups, hq, hkv = 2, 2, 8, 4
+    batch, T = sharding(CU, P2, "zigzag"), CU[-1]
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(T, hq if i in (0, 3) else hkv, D, generator=g, dtype=torch.float64) for i in range(4))
+    logs: list[list] = [[] for _ in range(P2)]
+
+    def rank_fn(comm):
+        log = logs[comm.rank]
+        logged = _PostLog(comm, log)
+        local = [batch.shard(t, comm.rank).requires_grad_(True) for t in (q, k, v)]
+        out = cpref.attention(*local, batch, comm=logged, mode="a2a", kernel=logged, head_groups=groups,
+                              check_ranks=False)  # fmt: skip
+        log.append(("phase", "backward"))
+        out.backward(batch.shard(dout, comm.rank))
+
+    SimCluster(P2).run(rank_fn)
+    fig, axes = plt.subplots(P2, 1, figsize=(WIDTH, 4.8), constrained_layout=True, sharex=True)
+    for r, (ax, log) in enumerate(zip(axes, logs)):
+        x, calls, posted, spans = 0.0, 0, {}, {}  # spans: (posted at, waited at) -> how many all-to-alls
+        for kind, what in log:
+            if kind == "kernel":
+                color = rank_color(calls % groups)  # the calls alternate over the groups, in order
+                ax.add_patch(Rectangle((x, 1.1), what, 0.8, facecolor=color, edgecolor="white", linewidth=1.5))
+                ax.text(x + what / 2, 1.5, f"group {calls % groups}", ha="center", va="center", color="white")
+                x, calls = x + what, calls + 1
+            elif kind == "post":
+                posted[what] = x
+            elif kind == "wait":
+                span = (posted.pop(what), x)
+                spans[span] = spans.get(span, 0) + 1
+            else:
+                _backward_starts(ax, x)
+        ends: list[float] = []  # lanes of the in-flight row, each free from its end on
+        for (start, end), n in sorted(spans.items()):
+            if end <= start:
+                continue  # waited for at once: nothing hid it
+            lane = next((i for i, e in enumerate(ends) if e <= start), len(ends))
+            ends[lane:lane + 1] = [end]
+            ax.add_patch(Rectangle((start, 0.1 + 0.4 * lane), end - start, 0.35, facecolor="0.8", edgecolor="white"))
+            ax.text(start + 4, 0.28 + 0.4 * lane, f"{n} x all-to-all", va="center", color="0.1")
+        _schedule_axes(ax, r, x)
+    axes[-1].set_xlabel("score entries computed (all heads of the call), in call order")
+    fig.legend(handles=[Patch(color=rank_color(0), label="head group 0"), Patch(color=rank_color(1), label="head group 1"),
+                        Patch(color="0.75", label="all-to-alls hidden by the calls, from post to wait")], ncols=3,
+               frameon=False, loc="lower center", bbox_to_anchor=(0.5, -0.08))  # fmt: skip
+    fig.suptitle(f"a2a, head_groups={groups}, P = {P2}, Hq = {hq}, Hkv = {hkv}, zigzag, cu_seqlens = {CU}")
+    return fig
+
+
 FIGURES = {
+    "figures/ulysses_pipeline.png": pipeline_schedule,
     "figures/overlap_schedule.png": overlap_schedule,
     "figures/split_traffic.png": split_traffic,
     "figures/ring_schedule.png": ring_schedule,

@@ -278,6 +278,10 @@ class SimComm:
         """Start the `reduce_scatter` of `x`; `wait()` returns `(n, ...)` (completed at the call, as `send_recv_async`)."""
         return self._posted("reduce_scatter_async", self.reduce_scatter(x), x)
 
+    def all_to_all_async(self, x: torch.Tensor) -> SimPending:
+        """Start the `all_to_all` of `x`; `wait()` returns `(P n, ...)` (completed at the call, as `send_recv_async`)."""
+        return self._posted("all_to_all_async", self.all_to_all(x), x)
+
     def _posted(self, name: str, result: torch.Tensor, x: torch.Tensor) -> SimPending:
         handle = SimPending(result, f"{name} #{self._seq - 1} on group {self.group}", x)
         self._pending.append(handle)

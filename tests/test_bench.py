@@ -167,19 +167,25 @@ def test_the_balanced_rings_shift_alone_is_its_largest_planned_shift_not_the_who
     assert scaling.shifted_rows(zigzag, (-1, -1)) == zigzag.local_tokens
 
 
-def test_the_overlap_benchmark_reports_each_layouts_ratio_against_its_own_one_call():
+def test_the_overlap_benchmark_reports_each_paths_ratio_against_its_modes_default():
     from bench import overlap
 
-    def row(layout, ov, t2, comm):
-        return {"layout": layout, "overlap": ov, "t2": t2,
+    def row(mode, layout, option, value, t2, comm):
+        return {"layout": layout, "mode": mode, "option": option, "value": value, "t2": t2,
                 "ranks": [{"total": t2, "compute": t2 - c, "comm": c} for c in comm]}  # fmt: skip
 
-    batch = {"name": "1 x 8", "lengths": [8], "rows": [row("zigzag", False, 4.0, (0.5, 0.1)), row("zigzag", True, 3.0, (0.1, 0.1)),
-                                                         row("balanced", False, 2.0, (0.2, 0.2)),
-                                                         row("balanced", True, 2.5, (0.0, 0.0))]}  # fmt: skip
+    rows = [row("all_gather", "zigzag", "overlap", False, 4.0, (0.5, 0.1)), row("all_gather", "zigzag", "overlap", True, 3.0, (0.1, 0.1)),
+            row("all_gather", "balanced", "overlap", False, 2.0, (0.2, 0.2)),
+            row("all_gather", "balanced", "overlap", True, 2.5, (0.0, 0.0)),
+            row("a2a", "zigzag", "head_groups", 1, 5.0, (0.3, 0.3)), row("a2a", "zigzag", "head_groups", 2, 4.5, (0.1, 0.1))]  # fmt: skip
+    batch = {"name": "1 x 8", "lengths": [8], "rows": rows}
     text = overlap.markdown(batch)
-    assert "| zigzag | yes | 3.00 s | 0.75 | 2.90 s / 2.90 s | 0.100 s / 0.100 s |" in text
-    assert "| balanced | yes | 2.50 s | 1.25 |" in text and "| zigzag | no | 4.00 s |  |" in text
+    assert "| all_gather | zigzag | overlap=True | 3.00 s | 0.75 | 2.90 s / 2.90 s | 0.100 s / 0.100 s |" in text
+    assert "| all_gather | balanced | overlap=True | 2.50 s | 1.25 |" in text
+    assert "| all_gather | zigzag | overlap=False | 4.00 s |  |" in text and "| a2a | zigzag | head_groups=1 | 5.00 s |  |" in text
+    assert "| a2a | zigzag | head_groups=2 | 4.50 s | 0.90 |" in text  # against a2a's own default, not all_gather's
     verdict = overlap.verdict([batch])
-    assert "1 x 8 zigzag: 0.75 (waiting +0.400 s less over the ranks, compute -22%)" in verdict  # (2.9 + 2.9) / (3.5 + 3.9)
-    assert "1 x 8 balanced: 1.25 (waiting +0.400 s less over the ranks, compute +39%)" in verdict  # 5.0 / 3.6
+    assert "1 x 8 all_gather zigzag overlap=True: 0.75 (waiting +0.400 s less over the ranks, compute -22%)" in verdict  # (2.9 + 2.9) / (3.5 + 3.9)
+    assert "1 x 8 all_gather balanced overlap=True: 1.25 (waiting +0.400 s less over the ranks, compute +39%)" in verdict  # 5.0 / 3.6
+    assert "1 x 8 a2a zigzag head_groups=2: 0.90 (waiting +0.400 s less over the ranks, compute -6%)" in verdict  # 8.8 / 9.4
+    assert "head_groups=1:" not in verdict and "overlap=False:" not in verdict

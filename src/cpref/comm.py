@@ -25,14 +25,16 @@ and concatenated along **dim 0** (the token dimension of THD tensors), always in
 | `send_recv_async(x, shift)` | `x_r` | a handle; `handle.wait()` returns what `send_recv` would |
 | `all_gather_async(x)` | `x_r` | a handle; `handle.wait()` returns what `all_gather` would |
 | `reduce_scatter_async(x)` | `x_r` | a handle; `handle.wait()` returns what `reduce_scatter` would |
+| `all_to_all_async(x)` | `x_r` | a handle; `handle.wait()` returns what `all_to_all` would |
 | `all_reduce(x, op)` | `x_r` | `op_s x_s` (`"sum"`, `"max"`, `"min"`) |
 | `barrier()` | | |
 | `split(groups)` | a partition of this group's ranks | the sub-group holding `r` |
 
-The three `_async` calls start the same collective without waiting for it, so that an
+The four `_async` calls start the same collective without waiting for it, so that an
 algorithm can compute while the data travels: the ring mode computes on the current block
 while the next one travels, the all-gather mode on its local keys while the others' arrive
-([the all-gather overlap][cpref.modes.all_gather_overlap]). A posted collective takes its place in
+([the all-gather overlap][cpref.modes.all_gather_overlap]), Ulysses on one head group while the
+next travels ([the Ulysses pipeline][cpref.modes.ulysses_pipeline]). A posted collective takes its place in
 the group's sequence of collectives when it is *called*; every handle must be waited on exactly
 once, before the rank's next use of the result, and the input must not be modified before
 then. `wait()` returns the result ([`Pending`][cpref.comm.Pending]).
@@ -109,6 +111,10 @@ class Collectives(Protocol):
 
     def reduce_scatter_async(self, x: torch.Tensor) -> Pending:
         """Start the `reduce_scatter` of `x`; the handle's `wait()` returns `(n, ...)`."""
+        ...
+
+    def all_to_all_async(self, x: torch.Tensor) -> Pending:
+        """Start the `all_to_all` of `x`; the handle's `wait()` returns `(P n, ...)`."""
         ...
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -211,6 +217,10 @@ class SingleRank:
         return _Done(self._copy(x))
 
     def reduce_scatter_async(self, x: torch.Tensor) -> "_Done":
+        """A handle whose `wait()` returns `x` (a copy)."""
+        return _Done(self._copy(x))
+
+    def all_to_all_async(self, x: torch.Tensor) -> "_Done":
         """A handle whose `wait()` returns `x` (a copy)."""
         return _Done(self._copy(x))
 

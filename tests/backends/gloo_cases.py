@@ -149,25 +149,30 @@ def case_send_recv_async(comm, dtype):
     second_wait_raises(fwd)
 
 
-def case_posted_gather_and_scatter(comm, dtype):
-    """Post an all-gather and a reduce-scatter, communicate and compute meanwhile, wait in reverse order:
-    the results of the blocking calls, the inputs untouched."""
+def case_posted_collectives(comm, dtype):
+    """Post an all-gather, a reduce-scatter and an all-to-all, communicate and compute meanwhile, wait in reverse
+    order: the results of the blocking calls, the inputs untouched."""
     r = comm.rank
     xs, ys = inputs(comm, 30, 2, dtype), inputs(comm, 31, 2 * comm.size, dtype, exact=True, strided=True)
-    gather, scatter = comm.all_gather_async(xs[r]), comm.reduce_scatter_async(ys[r])
+    zs = inputs(comm, 32, 2 * comm.size, dtype, strided=True)
+    gather, scatter, exchange = comm.all_gather_async(xs[r]), comm.reduce_scatter_async(ys[r]), comm.all_to_all_async(zs[r])
     total = comm.all_reduce(xs[r])  # another collective between post and wait
     work = xs[r].double().flatten() @ xs[r].double().flatten()
+    chunks = torch.cat([zs[s].chunk(comm.size)[r] for s in range(comm.size)])  # chunk r of every z_s
+    expect(exchange.wait(), chunks, "all_to_all_async")
     expect(scatter.wait(), _sum(ys).chunk(comm.size)[r], "reduce_scatter_async")
     expect(gather.wait(), torch.cat(xs), "all_gather_async")
     assert torch.isfinite(work) and torch.isfinite(total).all()
     expect(call(comm.all_gather_async, xs[r]), torch.cat(xs), "all_gather_async alone")
     expect(call(comm.reduce_scatter_async, ys[r]), _sum(ys).chunk(comm.size)[r], "reduce_scatter_async alone")
+    expect(call(comm.all_to_all_async, zs[r]), chunks, "all_to_all_async alone")
     second_wait_raises(gather)
+    second_wait_raises(exchange)
 
 
 CHECKS = {f.__name__[5:]: f for f in (case_all_gather, case_reduce_scatter, case_all_to_all, case_all_reduce,
                                       case_all_reduce_agrees, case_send_recv, case_send_recv_async,
-                                      case_posted_gather_and_scatter)}  # fmt: skip
+                                      case_posted_collectives)}  # fmt: skip
 CASES = [f"{g}/{c}/{str(d)[6:]}" for g in GROUPS for c in CHECKS for d in DTYPES]
 
 

@@ -47,6 +47,8 @@ def sweep_cases() -> list[Case]:
     for cp, strided in ((4, False), (2, True)):
         cases += build_cases(MODES, cpref.LAYOUTS, ("fp32", "bf16"), cp=cp, strided=strided, padded=(False, True))
     cases += build_cases(["all_gather"], cpref.LAYOUTS, ("fp32", "bf16"), cp=4, padded=(False, True), options={"overlap": True})
+    # Ulysses in head groups: at CP 2 every rank holds 2 of the 4 key/value heads, one per group
+    cases += build_cases(["a2a"], cpref.LAYOUTS, ("fp32", "bf16"), cp=2, strided=True, padded=(True,), options={"head_groups": 2})
     return cases + build_cases(MODES, ["zigzag"], ["fp32"], cp=4, padded=(True,), causal=False)
 
 
@@ -66,6 +68,7 @@ def test_every_mode_layout_dtype_and_placement_rank_by_rank():
     hierarchical = [m for m in MODES if "a2a_size" in cpref.MODES[m].defaults()]
     assert all(dict(r.case.options) == {"a2a_size": 2} for r in report.rows if r.case.mode in hierarchical)
     assert {r.case.layout for r in report.rows if dict(r.case.options).get("overlap")} == set(cpref.LAYOUTS)
+    assert {r.case.layout for r in report.rows if dict(r.case.options).get("head_groups") == 2} == set(cpref.LAYOUTS)
     # the simulated cluster agrees with the oracle, so the oracle column repeats the largest error
     assert all(abs(r.oracle - max(r.errors.values())) < 1e-9 for r in report.rows)
     assert "rank rows pass" in report.format().splitlines()[-1]

@@ -230,6 +230,9 @@ class LimitedComm:
     def all_to_all(self, x):
         return self._comm.all_to_all(x)
 
+    def all_to_all_async(self, x):
+        return self._comm.all_to_all_async(x)
+
     def send_recv(self, x, shift=1):
         return self._comm.send_recv(x, shift)
 

@@ -8,6 +8,7 @@ import torch
 
 import cpref
 from cpref.api import mode_costs
+from cpref.modes.shared import head_split
 from sim.harness import saved_bytes, trace_split
 from tests.cp.conftest import CountingKernel, run_cp
 from tests.helpers import HEADS, attention_inputs, cu_from_lengths, random_qkv
@@ -21,11 +22,21 @@ CONFIGS = [  # (mode, options, P)
     ("p2p", {}, 4),
     ("a2a", {}, 4),
     ("a2a", {}, 8),
+    ("a2a", {"head_groups": 2}, 2),  # per rank: 4 key/value heads of MHA, 1 of the others (fit: 1 group)
+    ("a2a", {"head_groups": 2}, 4),
     ("a2a+p2p", {"a2a_size": 2}, 4),
     ("a2a+p2p", {"a2a_size": 2}, 8),
     ("a2a+p2p", {"a2a_size": 4}, 8),
 ]
 IDS = [f"{m}-P{P}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, o, P in CONFIGS]
+
+
+def fit(mode, options, heads, P):
+    """`options` with `head_groups` lowered to 1 where the heads do not split into that many groups per rank."""
+    n = options.get("head_groups")
+    if n is None or (heads[1] * head_split(heads[0], heads[1], P) // P) % n == 0:
+        return options
+    return {**options, "head_groups": 1}
 
 
 def steps_with_work(mode, options, P, rank, layout, causal):
@@ -35,7 +46,10 @@ def steps_with_work(mode, options, P, rank, layout, causal):
     if mode == "all_gather" and options.get("overlap"):
         remote = not (layout == "contiguous" and causal and rank == 0)  # contiguous rank 0 reads only its own keys
         return 1 + remote, (1 if options.get("save_gathered_kv") else 2) + remote
-    if mode in ("all_gather", "a2a"):
+    if mode == "a2a":
+        n = options.get("head_groups", 1)
+        return n, n
+    if mode == "all_gather":
         return 1, 1
     a = options.get("a2a_size", 1)
     p, g = P // a, rank // a
@@ -48,6 +62,7 @@ def steps_with_work(mode, options, P, rank, layout, causal):
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)
 def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, options, P, heads, layout, causal):
+    options = fit(mode, options, HEADS[heads], P)
     sharding = cpref.Sharding(cu_from_lengths([2 * P * 3, 2 * P]), cp_size=P, layout=layout)
     dtype = torch.bfloat16  # 2-byte payload, 4-byte float32 accumulators: the formulas must tell them apart
     q, k, v, dout = attention_inputs(sharding.total, HEADS[heads], dtype=dtype)
@@ -69,6 +84,7 @@ def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, opt
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)
 def test_saved_bytes_for_backward_equal_the_formula(mode, options, P, heads, dtype):
+    options = fit(mode, options, HEADS[heads], P)
     sharding = cpref.Sharding(cu_from_lengths([2 * P * 3, 2 * P]), cp_size=P)
     q, k, v, _ = attention_inputs(sharding.total, HEADS[heads], dtype=dtype)
     measured = saved_bytes(q, k, v, sharding, mode=mode, check_ranks=False, **options)

@@ -274,7 +274,7 @@ def test_a_comm_missing_members_is_refused_naming_them():
         def all_gather(self, x):
             return x
 
-    with pytest.raises(ValueError, match=r"got HalfComm \(without all_gather_async, all_reduce, all_to_all, barrier, reduce_scatter, reduce_scatter_async, send_recv, send_recv_async, split\)"):
+    with pytest.raises(ValueError, match=r"got HalfComm \(without all_gather_async, all_reduce, all_to_all, all_to_all_async, barrier, reduce_scatter, reduce_scatter_async, send_recv, send_recv_async, split\)"):
         cpref.attention(*[torch.randn(8, 2, 4)] * 3, cpref.Sharding(torch.tensor([0, 8]), cp_size=1), comm=HalfComm(), mode="p2p")
 
 

@@ -101,10 +101,10 @@ def same(q, k, v):
 
 
 def test_ranks_passing_different_modes_are_told_which_mode_each_passed():
-    # p2p and a2a take no options, so the mode column is the only one that differs
-    message = two_ranks_calling(lambda r: (["p2p", "a2a"][r], same, {}))
-    assert f"\n  mode: rank 0: {digest('p2p')}; rank 1: {digest('a2a')}\n" in message
-    assert "mode options" not in message
+    # p2p takes no options, a2a+p2p is given its one on both ranks: only the mode and its options differ
+    message = two_ranks_calling(lambda r: (["p2p", "a2a+p2p"][r], same, {"a2a_size": 1} if r else {}))
+    assert f"\n  mode: rank 0: {digest('p2p')}; rank 1: {digest('a2a+p2p')}\n" in message
+    assert "mode options" in message and "heads:" not in message
 
 
 def test_ranks_passing_different_mode_options_are_told():

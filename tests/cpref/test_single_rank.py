@@ -80,7 +80,7 @@ class CountingRank(cpref.SingleRank):
     def __getattribute__(self, name):
         attr = object.__getattribute__(self, name)
         if name not in ("all_gather", "reduce_scatter", "all_to_all", "send_recv", "send_recv_async", "all_gather_async",
-                        "reduce_scatter_async", "all_reduce", "barrier"):
+                        "reduce_scatter_async", "all_to_all_async", "all_reduce", "barrier"):
             return attr
         calls = object.__getattribute__(self, "calls")
         return lambda *args, **kwargs: calls.append(name) or attr(*args, **kwargs)

@@ -389,23 +389,27 @@ def test_each_rank_runs_its_own_backward():
     assert torch._C._is_multithreading_enabled()  # the caller's own setting is untouched
 
 
-def test_posted_gather_and_scatter_return_what_the_blocking_calls_do_and_take_their_place_when_called():
+def test_posted_collectives_return_what_the_blocking_calls_do_and_take_their_place_when_called():
     P = 3
 
     def fn(comm):
         x = torch.arange(2 * P, dtype=torch.float64) * (comm.rank + 1)  # (2P,)
-        gather, scatter = comm.all_gather_async(x[:2]), comm.reduce_scatter_async(x)
+        gather, scatter, exchange = comm.all_gather_async(x[:2]), comm.reduce_scatter_async(x), comm.all_to_all_async(x)
         total = comm.all_reduce(x)  # a collective between the posts and the waits
-        return scatter.wait(), gather.wait(), total, comm.all_gather(x[:2]), comm.reduce_scatter(x)
+        return (exchange.wait(), scatter.wait(), gather.wait(), total, comm.all_gather(x[:2]), comm.reduce_scatter(x),
+                comm.all_to_all(x))  # fmt: skip
 
     cluster = SimCluster(P)
-    for scattered, gathered, total, gathered_again, scattered_again in cluster.run(fn):
+    for r, (exchanged, scattered, gathered, total, gathered_again, scattered_again, exchanged_again) in enumerate(cluster.run(fn)):
         assert torch.equal(gathered, gathered_again) and torch.equal(scattered, scattered_again)
+        assert torch.equal(exchanged, exchanged_again)
         assert gathered.tolist() == [0.0, 1.0, 0.0, 2.0, 0.0, 3.0]
-    assert [ev.op for ev in cluster.trace] == ["all_gather", "reduce_scatter", "all_reduce", "all_gather", "reduce_scatter"]
+        assert exchanged.tolist() == [s * (2 * r + i) for s in (1, 2, 3) for i in (0, 1)]  # chunk r of every rank's x
+    assert [ev.op for ev in cluster.trace] == ["all_gather", "reduce_scatter", "all_to_all", "all_reduce", "all_gather",
+                                               "reduce_scatter", "all_to_all"]
 
 
-@pytest.mark.parametrize("post", ["send_recv_async", "all_gather_async", "reduce_scatter_async"])
+@pytest.mark.parametrize("post", ["send_recv_async", "all_gather_async", "reduce_scatter_async", "all_to_all_async"])
 def test_an_input_changed_in_place_before_the_wait_raises_there(post):
     """A real backend may still be reading a posted input: the simulated cluster refuses what would pass here only."""
 

@@ -12,7 +12,7 @@ dim 0, no autograd history through a collective (inputs are detached).
 | `all_to_all(x)` | `all_to_all_single`, equal dim-0 chunks to the ranks in group order; gloo: pairwise exchange |
 | `send_recv(x, shift)` | `batch_isend_irecv`: send to `r + shift`, receive from `r - shift` |
 | `send_recv_async(x, shift)` | the same ops, posted; `wait()` on the handle completes them |
-| `all_gather_async(x)`, `reduce_scatter_async(x)` | the same calls with `async_op=True` (gloo: the exchange posted); `wait()` completes them (and sums, for the exchange's reduce-scatter) |
+| `all_gather_async(x)`, `reduce_scatter_async(x)`, `all_to_all_async(x)` | the same calls with `async_op=True` (gloo: the exchange posted); `wait()` completes them (and sums, for the exchange's reduce-scatter) |
 | `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN` |
 | `barrier()` | `barrier` |
 | `agree(row)` | `all_gather` of a CPU int64 row, on this group where gloo serves it, else on a gloo group of the same ranks |
@@ -250,16 +250,23 @@ class TorchComm:
         Raises:
             ValueError: if dim 0 of `x` is not divisible by `size`.
         """
+        return self.all_to_all_async(x).wait()
+
+    def all_to_all_async(self, x: torch.Tensor) -> TorchPending:
+        """Start the `all_to_all` of `x`; `wait()` on the handle returns `(P n, ...)`. Leave `x` unchanged until then.
+
+        Raises:
+            ValueError: if dim 0 of `x` is not divisible by `size`.
+        """
         send = self._wire("all_to_all", x, 1, self.size)
         out = torch.empty_like(send)  # (P n, ...): chunk s came from rank s
         if self.exchange == "p2p":
             mine, theirs = send.chunk(self.size), out.chunk(self.size)
             theirs[self.rank].copy_(mine[self.rank])
-            for work in self._post_pairwise(mine, theirs):
-                work.wait()
+            works = self._post_pairwise(mine, theirs)
         else:
-            dist.all_to_all_single(out, send, group=self.process_group)
-        return out.to(x.dtype)
+            works = [dist.all_to_all_single(out, send, group=self.process_group, async_op=True)]
+        return TorchPending(works, lambda: out.to(x.dtype), self._where("all_to_all_async"))
 
     def _post_pairwise(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> list:
         """Post, in one batch, a send of `sends[s]` to group rank `s` and a receive of `recvs[s]` from it, for every

@@ -40,6 +40,13 @@ bytes for dK and dV, only when heads are replicated. Rounded to bf16 before the 
 largest dK error at 4 times the default scale and `P = 4` (MQA) was 0.02 against 0.003 at
 `P = 1`; unrounded it is 0.003.
 
+## In head groups
+
+With `head_groups=n` the exchange runs in `n` groups of each rank's heads, posted with
+`all_to_all_async`, so that one group's call runs while the next group travels
+([Ulysses in head groups][cpref.modes.ulysses_pipeline]): the same bytes, `n` times the
+all-to-alls and the kernel calls. The default is the one exchange (`head_groups=1`).
+
 ## Cost per rank
 
 Forward: all-to-alls of `q`, `k`, `v` and of the output, each moving $\frac{P - 1}{P}$ of the
@@ -56,21 +63,25 @@ each way.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
 from cpref.call import CPCall
+from cpref.checks import as_int
 from cpref.comm import Collectives
 from cpref.costs import ModeCosts, exchange_costs
 from cpref.errors import CPInputError
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.modes.shared import head_split, no_double_backward
-from cpref.modes.spec import ModeSpec
+from cpref.modes.spec import ModeSpec, Option
+from cpref.modes.ulysses_pipeline import head_groups_that_work, pipelined_backward, pipelined_forward
 from cpref.modes.ulysses_split import SplitUlyssesFunc, split_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
 
-__all__ = ["UlyssesFunc", "check_a2a_heads", "run_ulysses", "ulysses_plan", "ulysses_costs", "MODE"]
+__all__ = ["UlyssesFunc", "check_a2a_heads", "check_head_groups", "pipelines", "run_ulysses", "ulysses_plan",
+           "ulysses_costs", "MODE"]
 
 
 def check_a2a_heads(hq: int, hkv: int, a: int, P: int, what: str) -> None:
@@ -85,11 +96,18 @@ def check_a2a_heads(hq: int, hkv: int, a: int, P: int, what: str) -> None:
 
 
 class UlyssesFunc(torch.autograd.Function):
-    """Autograd Function: all-to-all q, k, v and out forward; all-to-all dout, dq, dk, dv backward."""
+    """Autograd Function: all-to-all q, k, v and out forward; all-to-all dout, dq, dk, dv backward
+    (in `groups` head groups, pipelined with the kernel, when `groups > 1`: `cpref.modes.ulysses_pipeline`)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float):
+    def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float, groups: int = 1):
         """Exchange heads for tokens, one kernel call over the whole stream, exchange back."""
+        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, ctx.groups = plan, comm, kernel, causal, scale, groups
+        ctx.dtypes = (k.dtype, v.dtype)
+        if groups > 1:
+            out, saved = pipelined_forward(q, k, v, plan, comm, kernel, groups, causal=causal, scale=scale)
+            ctx.save_for_backward(*saved)
+            return out
         # 1) heads out, tokens in: every rank holds the whole stream for H/P heads, in natural order
         qg = a2a_gather(q, plan, comm)  # (T, Hq/P, D)
         kg = a2a_gather(replicate(k, plan.replicas), plan, comm)  # (T, Hkv'/P, D)
@@ -98,16 +116,18 @@ class UlyssesFunc(torch.autograd.Function):
         out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, window=plan.window, scale=scale)  # (T, Hq/P, Dv)
         # 3) tokens out, heads in
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
-        ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
-        ctx.dtypes = (k.dtype, v.dtype)
         return a2a_scatter(out_g, plan, comm)  # (T_l, Hq, Dv)
 
     @staticmethod
     def backward(ctx: Any, dout):
         """The same exchanges for dout, dq, dk, dv around one backward kernel call."""
         no_double_backward()
-        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         plan, comm = ctx.plan, ctx.comm
+        if ctx.groups > 1:
+            grads = pipelined_backward(dout.contiguous(), list(ctx.saved_tensors), plan, comm, ctx.kernel, ctx.groups,
+                                       causal=ctx.causal, scale=ctx.scale, dtypes=ctx.dtypes)  # fmt: skip
+            return (*grads, None, None, None, None, None, None)
+        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         # 1) the upstream gradient takes the same way as q
         dout_g = a2a_gather(dout.contiguous(), plan, comm)  # (T, Hq/P, Dv)
         # 2) one backward call; every row is whole, so Delta comes from float32 probabilities
@@ -119,12 +139,30 @@ class UlyssesFunc(torch.autograd.Function):
         grads[0] = grads[0].to(qg.dtype)  # dQ in the input dtype; dK/dV of replicated heads unrounded
         del dout_g  # freed before the exchanges
         # 3) back to sequence shards; replicated key/value heads sum their gradients (in float32)
-        return (*scatter_grads(grads, plan, comm, ctx.dtypes), None, None, None, None, None)
+        return (*scatter_grads(grads, plan, comm, ctx.dtypes), None, None, None, None, None, None)
 
 
 def check_ulysses(call: CPCall) -> None:
-    """The mode's own constraint: the heads split over all P ranks."""
+    """The mode's own constraints: the heads split over all P ranks, and into `head_groups` groups on each."""
     check_a2a_heads(call.heads[0], call.heads[1], call.P, call.P, "mode 'a2a'")
+    check_head_groups(call.options["head_groups"], call.heads[0], call.heads[1], call.P)
+
+
+def check_head_groups(n: int, hq: int, hkv: int, P: int) -> None:
+    """Raise unless `n` head groups split each rank's key/value heads evenly (`cpref.modes.ulysses_pipeline`)."""
+    per_rank = hkv * head_split(hq, hkv, P) // P  # key/value heads on each rank after the exchange
+    if per_rank % n:
+        raise CPInputError(
+            f"mode 'a2a' with head_groups={n}: each of the P = {P} ranks holds {per_rank} key/value head(s) after the "
+            f"exchange (Hq = {hq}, Hkv = {hkv}), which {n} groups cannot split evenly; head_groups that work: "
+            f"{head_groups_that_work(per_rank)}"
+        )
+
+
+def pipelines(groups: int, P: int) -> bool:
+    """Whether Ulysses runs its exchange in head groups (`cpref.modes.ulysses_pipeline`): only where asked
+    (`head_groups > 1`) and there is an exchange (`P > 1`)."""
+    return groups > 1 and P > 1
 
 
 def ulysses_plan(call: CPCall):
@@ -139,21 +177,32 @@ def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: the plan, then the Function."""
     plan = ulysses_plan(call)
     func = UlyssesFunc if isinstance(plan, A2APlan) else SplitUlyssesFunc
-    return func.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale)
+    groups = call.options["head_groups"] if pipelines(call.options["head_groups"], call.P) else 1
+    return func.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, groups)
 
 
-def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window) -> ModeCosts:
+def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window,
+                  head_groups) -> ModeCosts:  # fmt: skip
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over all P ranks. With
     `gathered_rows` (stream, balanced: `cpref.modes.ulysses_split`) the exchange of those `m` rows; its saved
-    bytes are then an upper bound (every local row counted as an own row, and the `m` exchanged ones)."""
+    bytes are then an upper bound (every local row counted as an own row, and the `m` exchanged ones). In
+    `head_groups` groups (`cpref.modes.ulysses_pipeline`) the same bytes in that many times the all-to-alls."""
     if gathered_rows is None:
-        return exchange_costs(P, local_tokens, heads, dtype)
+        return _grouped(exchange_costs(P, local_tokens, heads, dtype), head_groups, P)
     own = exchange_costs(1, local_tokens, heads, dtype)  # an exchange over one rank: no traffic, the saved rows
     if not gathered_rows:
         return own
-    shared = exchange_costs(P, gathered_rows, heads, dtype)
+    shared = _grouped(exchange_costs(P, gathered_rows, heads, dtype), head_groups, P)
     return ModeCosts(shared.forward_bytes, shared.backward_bytes, shared.forward_ops, shared.backward_ops,
                      own.saved_bytes + shared.saved_bytes)  # fmt: skip
+
+
+def _grouped(costs: ModeCosts, groups: int, P: int) -> ModeCosts:
+    """`costs` with each collective called once per head group, where the exchange is pipelined."""
+    if not pipelines(groups, P):
+        return costs
+    ops = Counter({op: count * groups for op, count in costs.forward_ops.items()})
+    return ModeCosts(costs.forward_bytes, costs.backward_bytes, ops, Counter(ops), costs.saved_bytes)
 
 
 MODE = ModeSpec(
@@ -163,6 +212,11 @@ MODE = ModeSpec(
     plan=ulysses_plan,
     collectives=frozenset({"all_to_all"}),
     costs=ulysses_costs,
+    options=(
+        Option("head_groups", 1, lambda value: as_int("head_groups", value, lo=1),
+               "the exchange in that many head groups, each group's attention while the next travels "
+               "(`cpref.modes.ulysses_pipeline`); 1: the one exchange"),
+    ),
     check=check_ulysses,
     windows=True,
 )

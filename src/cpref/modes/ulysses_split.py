@@ -34,6 +34,7 @@ from cpref.kernels.contract import Varlen
 from cpref.layout import local_chunks
 from cpref.modes.shared import document_sequences, head_split, no_double_backward, padded_rows
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.seqlens import Boundaries
 
 __all__ = ["SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order"]
@@ -146,20 +147,30 @@ def split_plan(call: CPCall) -> SplitPlan:
 
 
 class SplitUlyssesFunc(torch.autograd.Function):
-    """Autograd Function: own rows attended here with all heads; shared rows through Ulysses' exchange."""
+    """Autograd Function: own rows attended here with all heads; shared rows through Ulysses' exchange (in `groups`
+    head groups, the own rows' call after their posts, when `groups > 1`: `cpref.modes.ulysses_pipeline`)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan: SplitPlan, comm: Collectives, kernel, causal: bool, scale: float):
+    def forward(ctx: Any, q, k, v, plan: SplitPlan, comm: Collectives, kernel, causal: bool, scale: float, groups: int = 1):
         """The own rows' call with all heads; the shared rows' exchange, call and exchange back; one output."""
         ex, m, window = plan.exchange, plan.rows, plan.exchange.window
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv)
         own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
-        out_o = lse_o = None
-        if len(plan.own):  # 1) the documents held here: all heads, no communication
-            out_o, lse_o = kernel.forward(*own, plan.own_seqs, causal=causal, window=window, scale=scale)
-            out.index_copy_(0, plan.own, out_o)
-        saved = [out_o, lse_o]
-        if m:  # 2) the shared documents: Ulysses over the m rows every rank exchanges
+        saved = [None, None]
+
+        def own_rows() -> None:  # 1) the documents held here: all heads, no communication
+            if len(plan.own):
+                saved[:] = kernel.forward(*own, plan.own_seqs, causal=causal, window=window, scale=scale)
+                out.index_copy_(0, plan.own, saved[0])
+
+        if m and groups > 1:  # 2) the shared documents in head groups, the own rows' call while the first travel
+            shared, gathered = pipelined_forward(*(padded_rows(x, plan.shared, m) for x in (q, k, v)), ex, comm, kernel,
+                                                 groups, causal=causal, scale=scale, meanwhile=own_rows)  # fmt: skip
+            out.index_copy_(0, plan.shared, shared[: len(plan.shared)])
+            saved += gathered
+        else:
+            own_rows()
+        if m and groups == 1:  # 2) the shared documents: Ulysses over the m rows every rank exchanges
             qg = a2a_gather(padded_rows(q, plan.shared, m), ex, comm)  # (P m, Hq/P, D)
             kg = a2a_gather(replicate(padded_rows(k, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, D)
             vg = a2a_gather(replicate(padded_rows(v, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, Dv)
@@ -168,7 +179,7 @@ class SplitUlyssesFunc(torch.autograd.Function):
             saved += [qg, kg, vg, out_g, lse_g]
         ctx.save_for_backward(*own, *saved)
         ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, ctx.dtypes = plan, comm, kernel, causal, scale, (k.dtype, v.dtype)
-        ctx.shapes = (q.shape, k.shape, v.shape)
+        ctx.shapes, ctx.groups = (q.shape, k.shape, v.shape), groups
         return out
 
     @staticmethod
@@ -179,12 +190,23 @@ class SplitUlyssesFunc(torch.autograd.Function):
         ex, window = plan.exchange, plan.exchange.window
         q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
         dq, dk, dv = (dout.new_zeros(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
-        if len(plan.own):  # 1) the own rows: one backward call
-            grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o, plan.own_seqs,
-                                    causal=ctx.causal, window=window, scale=ctx.scale, full_rows=True)  # fmt: skip
-            for g, own_grad in zip((dq, dk, dv), grads):
-                g.index_copy_(0, plan.own, own_grad.to(g.dtype))
-        if m:  # 2) the shared rows: the exchanges around one backward call
+
+        def own_rows() -> None:  # 1) the own rows: one backward call
+            if len(plan.own):
+                grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o,
+                                        plan.own_seqs, causal=ctx.causal, window=window, scale=ctx.scale,
+                                        full_rows=True)  # fmt: skip
+                for g, own_grad in zip((dq, dk, dv), grads):
+                    g.index_copy_(0, plan.own, own_grad.to(g.dtype))
+
+        if m and ctx.groups > 1:  # 2) the shared rows in head groups, the own rows' call while the first travel
+            grads = pipelined_backward(padded_rows(dout, plan.shared, m), gathered, ex, comm, kernel, ctx.groups,
+                                       causal=ctx.causal, scale=ctx.scale, dtypes=ctx.dtypes, meanwhile=own_rows)  # fmt: skip
+            for g, shared_grad in zip((dq, dk, dv), grads):
+                g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
+        else:
+            own_rows()
+        if m and ctx.groups == 1:  # 2) the shared rows: the exchanges around one backward call
             qg, kg, vg, out_g, lse_g = gathered
             dout_g = a2a_gather(padded_rows(dout, plan.shared, m), ex, comm)  # (P m, Hq/P, Dv)
             grads = list(kernel.backward(dout_g, qg, kg, vg, out_g, lse_g, ex.attend, causal=ctx.causal, window=window,
@@ -192,4 +214,4 @@ class SplitUlyssesFunc(torch.autograd.Function):
             grads[0] = grads[0].to(qg.dtype)
             for g, shared_grad in zip((dq, dk, dv), scatter_grads(grads, ex, comm, ctx.dtypes)):
                 g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
