@@ -3,9 +3,11 @@
 #   1. `make demo` with part 2 on the GPU: every mode and layout, FP64 on the simulated cluster,
 #      against the oracle (parts 1 and 3 as on any machine);
 #   2. `python -m sim verify` over NCCL on one GPU: every mode, layout and dtype at CP = 1, the
-#      CUDA kernel path checked against the simulated cluster's FP64 ground truth;
-#   3. `bench.kernel` on the GPU in float32 and bfloat16: TorchKernel against SDPA per document
-#      (flash / memory-efficient attention), with the fraction of the device's matmul peak.
+#      default CUDA kernel (CudaKernel: flash in bf16/fp16, the explicit path in fp32) checked
+#      against the simulated cluster's FP64 ground truth;
+#   3. `bench.kernel` on the GPU in float32, bfloat16 and float16: the default kernel (CudaKernel)
+#      and TorchKernel's explicit path against SDPA per document, with the fraction of the
+#      device's matmul peak.
 # Usage: PY=python3 bench/gpu_check.sh [LOGDIR]   (each step's output also goes to LOGDIR/<step>.log)
 set -u
 PY=${PY:-python3}
@@ -25,4 +27,5 @@ step demo "$PY" -m sim.demo --device cuda
 step verify "$PY" -m sim verify --backend nccl --nproc 1 --mode all --layout all --dtype all --no-progress
 step kernel-fp32 "$PY" -m bench.kernel --device cuda --dtype fp32
 step kernel-bf16 "$PY" -m bench.kernel --device cuda --dtype bf16
+step kernel-fp16 "$PY" -m bench.kernel --device cuda --dtype fp16
 exit $status

@@ -3,7 +3,9 @@
 Five mixes of documents in 8192 tokens (8 heads, head dim 64, float32, causal, forward +
 backward) run through
 
-* **fast**: `TorchKernel()`, the fused path (`cpref.kernels.torch_fused`), one varlen call;
+* **fast**: the default kernel of the device (`cpref.kernels.default_kernel`): on a CPU
+  `TorchKernel()`, the fused path (`cpref.kernels.torch_fused`), one varlen call; on CUDA
+  `CudaKernel()`, PyTorch's flash attention in float16 and bfloat16 (`cpref.kernels.cuda_kernel`);
 * **explicit**: `TorchKernel(fast=False)`, the readable reference path, one varlen call;
 * **SDPA**: `torch.nn.functional.scaled_dot_product_attention(is_causal=True)` with an
   autograd backward, called once per document on contiguous `[1, H, S, D]` tensors (made
@@ -24,9 +26,9 @@ between about half and four fifths of the measured matmul peak from run to run, 
 
 Run it with `python -m bench.kernel` (or `make bench`); `--help` lists the options.
 `--device cuda --dtype bf16` runs the same tables on a GPU, where SDPA dispatches to its
-flash or memory-efficient kernel and `TorchKernel` takes its explicit path (the fused path is
-CPU-only); the peak is then the device's matmul rate in that dtype, and every timing
-synchronizes the device.
+flash or memory-efficient kernel, fast is `CudaKernel` (flash in bf16 and fp16; in float32 its
+fallback, the explicit path) and explicit is `TorchKernel`'s explicit path; the peak is then
+the device's matmul rate in that dtype, and every timing synchronizes the device.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from cpref.kernels import TorchKernel, Varlen
+from cpref.kernels import TorchKernel, Varlen, default_kernel
 from sim.tools.cli import Parser
 
 # The issue's five mixes, each 8192 tokens.
@@ -111,7 +113,7 @@ def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, devi
     # SDPA's inputs, one contiguous (1, H, S, D) per document, made before timing
     docs = [tuple(x.transpose(0, 1).unsqueeze(0).contiguous() for x in t.split(lengths)) for t in (q, k, v, dout)]
 
-    def kernel_step(kernel: TorchKernel) -> Callable[[], object]:
+    def kernel_step(kernel) -> Callable[[], object]:
         def step() -> object:
             out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
             return kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale)
@@ -124,7 +126,7 @@ def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, devi
             out = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale)
             torch.autograd.grad(out, (qa, ka, va), grad_outputs=dd)
 
-    return {"fast": kernel_step(TorchKernel()), "explicit": kernel_step(TorchKernel(fast=False)), "sdpa": sdpa}
+    return {"fast": kernel_step(default_kernel(device)), "explicit": kernel_step(TorchKernel(fast=False)), "sdpa": sdpa}
 
 
 def table(mixes: dict[str, list[int]], heads: int, dim: int, repeats: int, device: torch.device = torch.device("cpu"),

@@ -3,7 +3,7 @@ r"""Performance: what `make bench` measures, how, and against which targets.
 cpref is a reference, but one people train with: its kernel and its CP path must be fast
 enough to use. Every figure here is *measured*, side by side in one run on the machine at hand,
 and printed with the load average at the time; none is asserted by a test, because timings
-move with the machine. `make bench` runs each benchmark of `bench/` in turn (about sixteen
+move with the machine. `make bench` runs each benchmark of `bench/` in turn (about thirteen
 minutes on 2 cores), prints its tables and keeps what it measured in `bench/results/`: a
 `.txt` file of what it printed and a `.json` file of its figures. Each section below says what
 a benchmark measures and how, then shows its last run, rendered from that `.json` file when
@@ -71,7 +71,8 @@ gather, the `index_select`, the `index_add_` and the backward's re-gather (see
 
 ## 3. Strong scaling on real process groups (`bench/scaling.py`)
 
-Every mode and layout at CP = 2 over gloo (two processes, one thread each) against CP = 1 (one
+Every mode at CP = 2 in the zigzag and balanced layouts over gloo (two processes, one thread each)
+against CP = 1 (one
 process, one thread), on one causal document of 16384 tokens and on a packed mix of four,
 with each rank's step split into compute (inside kernel calls), waiting for communication
 (inside collectives and ring-shift waits) and the rest. For the ring (`p2p`) every step is
@@ -95,18 +96,16 @@ shows is the fraction of all shifts hidden, printed per rank below; the per-shif
 $P \ge 3$ processes, which two cores run only oversubscribed.
 
 
-{{ results scaling }}
+### The overlapped paths
 
-## 4. Overlap: the all-gather mode and Ulysses (`bench/overlap.py`)
-
-Each mode's default path next to its overlapped ones, on the batches of the scaling benchmark and
-two gloo processes, zigzag and balanced, the paths alternating step by step:
+Without a window, each overlapped path runs beside its mode's default, in the same run, on the same
+batches and layouts:
 
 * the all-gather mode's one call each way (the RFC's, the default) and `overlap=True`, which
   posts the K/V all-gathers and computes the attention of the local keys while they travel, and
   in the backward hides the re-gather and the reduce-scatter of dK/dV behind the two halves of
   the local work ([the all-gather overlap][cpref.modes.all_gather_overlap]);
-* Ulysses' one exchange (the default) and `head_groups=2` and `4`, which post every head group's
+* Ulysses' one exchange (the default) and `head_groups=4`, which post every head group's
   all-to-alls and attend one group while the next travels, the outputs and gradients going home
   under the next group's call ([Ulysses in head groups][cpref.modes.ulysses_pipeline]).
 
@@ -116,15 +115,16 @@ with: gloo's copies compete with the kernel. The all-gather overlap removes most
 and adds two kernel calls and a merge; Ulysses waits little to begin with (its waits, well under
 a tenth of a second on the zigzag layout, are mostly the other rank finishing its share, as the
 balanced layout's uneven compute shows), so its head groups have little to hide, and smaller
-calls to pay for it. In the last run the ratios sat between 0.96 and 1.04 for both, on either side
-of 1 from batch to batch: within what this machine moves from step to step. Which path is the
-default follows from this table: the one call and the one exchange, until a backend that moves
-data off the compute cores (NCCL, HCCL) is measured (issue 25).
+calls to pay for it. In the last run the all-gather overlap took 1.00-1.07 of the one call's step;
+Ulysses' head groups 0.89 and 0.93 of the one exchange's on the packed mix but 0.97 and 1.04 on the
+one document, and an earlier run (with `head_groups=2` as well) put both paths at 0.96-1.04 on
+either batch: within what this machine moves from step to step. Which path is the default
+follows from this: the one call and the one exchange, until a backend that moves data off the
+compute cores (NCCL, HCCL) is measured (issue 25).
 
+{{ results scaling }}
 
-{{ results overlap }}
-
-## 5. Memory per rank (`bench/memory.py`)
+## 4. Memory per rank (`bench/memory.py`)
 
 The peak of live tensor bytes of forward + backward on each rank of the simulated cluster, at
 $P = 1, 2, 4$, for every mode, measured with a `TorchDispatchMode` that counts every storage an
@@ -138,7 +138,7 @@ all-gather mode's gathered K/V, $O(T)$ by design).
 
 {{ results memory }}
 
-## 6. Compute balance of the all-gather mode (`bench/all_gather.py`)
+## 5. Compute balance of the all-gather mode (`bench/all_gather.py`)
 
 Each rank's share of the all-gather mode timed alone, contiguous against zigzag, at $P = 2, 4, 8$:
 the measured imbalance next to the counted one.
@@ -146,16 +146,17 @@ the measured imbalance next to the counted one.
 
 {{ results all_gather }}
 
-## 7. On a GPU (`bench/gpu_check.sh`)
+## 6. On a GPU (`bench/gpu_check.sh`)
 
 Nothing in cpref needs a GPU, but where one is at hand `PY=python3 bench/gpu_check.sh LOGDIR`
 runs, in one go: `make demo` with part 2 on the GPU (every mode and layout in FP64 on the
 simulated cluster, whose ranks then share the device), `python -m sim verify` over NCCL on
-that one GPU (every mode, layout and dtype at CP = 1, the CUDA kernel path checked against
+that one GPU (every mode, layout and dtype at CP = 1, the default CUDA kernel checked against
 the FP64 ground truth; CP > 1 needs one GPU per rank), and `bench/kernel.py` with
-`--device cuda` in float32 and bfloat16, where SDPA runs PyTorch's flash or memory-efficient
-kernel and `TorchKernel` its explicit path (the fast path is CPU-only, so the two
-`TorchKernel` columns time the same code there).
+`--device cuda` in float32, bfloat16 and float16, where SDPA runs PyTorch's flash or
+memory-efficient kernel, the fast column is [`CudaKernel`][cpref.kernels.cuda_kernel.CudaKernel]
+(flash in bfloat16 and float16, its fallback, the explicit path, in float32) and the explicit
+column `TorchKernel`'s explicit path.
 
 Measured once, on 2026-11-30, on one NVIDIA H200 with torch 2.11 (CUDA 13.0): the simulated
 cluster on the GPU agreed with the oracle to $4.2 \cdot 10^{-15}$ in every mode and layout, and
@@ -172,10 +173,12 @@ the NCCL verification passed all 32 cases. The explicit kernel is correct there 
 On the single document the explicit path reaches 20% of the float32 matmul peak (49
 TFLOP/s measured) against SDPA's 58%, and in bfloat16, which it computes in float32, 1% of
 the bfloat16 peak (713 TFLOP/s) against SDPA's 25%. Its time grows with the number of
-sequences (one set of kernel launches per block), so short documents cost it most. A CUDA
-fast path (PyTorch's flash attention with the same lse merge as the CPU one) is not built yet.
+sequences (one set of kernel launches per block), so short documents cost it most. That run
+predates `CudaKernel`, the flash path built since (tested on the CPU against a double of the
+ops, `tests/kernels/test_cuda_contract.py`), which has not run on a GPU yet: its figures join
+this table at the next run of the script.
 
-## 8. gloo's collectives against pairwise sends (`bench/collectives.py`)
+## 7. gloo's collectives against pairwise sends (`bench/collectives.py`)
 
 `TorchComm` can move the data of `all_gather`, `reduce_scatter` and `all_to_all` with the
 backend's collectives or with one batch of pairwise sends and receives (`exchange`, see
@@ -186,7 +189,7 @@ wins here; NCCL and HCCL keep their collectives.
 
 {{ results collectives }}
 
-## 9. A sliding window on the fused path (`bench/window.py`)
+## 8. A sliding window on the fused path (`bench/window.py`)
 
 One 32768-token document, 8 heads, head dim 64, float32, forward + backward, with a causal
 window of 1024 keys (`window=(1024, 0)`), on the fused path (band tiles of 256 rows masked at
@@ -201,7 +204,7 @@ $13\times$) and the measured one. The dense mask takes minutes at 32k; `python -
 
 {{ results window }}
 
-## 10. The layouts on packed batches (`bench/layouts.py`)
+## 9. The layouts on packed batches (`bench/layouts.py`)
 
 Every layout and every mode at $P = 2, 4, 8$ on three packs: the first 32768 and 131072 tokens
 of the standard library's source files (`cpref.packing.stdlib_documents`, a few long
@@ -233,7 +236,7 @@ import re
 
 import torch
 
-from bench import all_gather, collectives, kernel, layouts, memory, overhead, overlap, scaling, window
+from bench import all_gather, collectives, kernel, layouts, memory, overhead, scaling, window
 from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
@@ -272,9 +275,11 @@ RENDER = {
     "scaling": lambda r: "\n\n".join(["{{ figure figures/bench_scaling.png }}",
                                         "Each batch's table opens below: every mode and layout with each rank's split "
                                         "of the step, and the ring's kernel calls with the share of its shifts hidden."]
-                                       + [_details(b["title"], scaling.markdown(b)) for b in r["batches"]]),
-    "overlap": lambda r: "\n\n".join([r["title"] + "."] + [f"**{b['name']}** ({b['lengths']})\n\n" + overlap.markdown(b)
-                                                          for b in r["batches"]] + [r["verdict"]]),
+                                       + [_details(b["title"], scaling.markdown(b)) for b in r["batches"]]
+                                       + ["The overlapped paths beside their modes' defaults, from the same run:"]
+                                       + [f"**{b['name']}**\n\n" + scaling.paths_markdown(b)
+                                          for b in r["batches"] if any(row["path"] for row in b["rows"])]
+                                       + [r["paths_verdict"]]),
     "memory": lambda r: "\n\n".join([r["title"] + ".", "{{ figure figures/bench_memory.png }}", memory.markdown(r)]),
     "all_gather": lambda r: r["title"] + ".\n\n" + all_gather.markdown(r),
     "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),

@@ -6,9 +6,14 @@ dim 64, float32, forward + backward, one thread per process:
 * **T(CP=1)**: one process runs `TorchKernel` forward + backward over the whole batch,
   which is what every mode reduces to at CP = 1;
 * **T(CP=2)**: two processes (`sim.tools.launch`, gloo) run `cpref.attention` forward + backward
-  for every mode of `cpref.MODES` and the contiguous, zigzag and balanced layouts (the stream
-  layout's costs are counted in `bench/layouts.py`), each rank on its shard; a step lasts
-  as long as its slowest rank (the ranks start each step together, after a barrier).
+  for every mode of `cpref.MODES` and the zigzag and balanced layouts (the contiguous layout's
+  imbalance and the stream layout's costs are counted in `bench/layouts.py`), each rank on its
+  shard; a step lasts as long as its slowest rank (the ranks start each step together, after a
+  barrier). Without a window, the overlapped paths run beside the defaults (`PATHS`: the
+  all-gather mode's `overlap=True`, [the all-gather overlap][cpref.modes.all_gather_overlap], and
+  Ulysses' `head_groups=4`, [Ulysses in head groups][cpref.modes.ulysses_pipeline]), each with its
+  ratio to its mode's default (below 1: the overlap pays), the waits it removes and the compute
+  it adds.
 
 It prints the speedup T(CP=1) / T(CP=2) next to the **machine's two-process factor**: two
 independent CP = 1 processes run the same whole-batch step at the same time, without any
@@ -17,7 +22,7 @@ two copies of the same work here (two busy cores share caches, memory bandwidth 
 virtual machine, the host). Their quotient is the **efficiency against the machine**,
 $T(\text{both at once}) / (2\,T(\text{CP}=2))$: 1 when CP = 2 runs as fast as two processes
 without any communication can. Target, printed and never asserted: at least 0.95 for the zigzag
-and balanced layouts (contiguous shows its imbalance). It is not a hard bound: a CP split can
+and balanced layouts. It is not a hard bound: a CP split can
 beat the factor when its smaller pieces run more efficiently per score than the one large call
 (the 16k document's do). Per mode and rank it prints the step split
 into **compute** (time inside kernel calls), **comm wait** (time inside collective calls and
@@ -63,7 +68,9 @@ from sim.tools.cli import Parser
 TARGET = 0.95  # efficiency against the machine, for zigzag and balanced
 TARGET_LAYOUTS = ("zigzag", "balanced")
 INFLATION_TARGET, WAIT_TARGET = 0.03, 0.03  # compute over half the CP = 1 step; comm wait over the rank's step
-TIMED_LAYOUTS = (*CHUNKED_LAYOUTS, "balanced")  # the stream layout's counted costs are bench.layouts' tables
+TIMED_LAYOUTS = TARGET_LAYOUTS  # contiguous (imbalanced by design) and stream: counted in bench.layouts' tables
+HEAD_GROUPS = 4  # Ulysses' groups: with 8 heads at CP = 2, one head of each rank's four a group
+PATHS = (("all_gather", "overlap", True), ("a2a", "head_groups", HEAD_GROUPS))  # the overlapped paths, beside the defaults
 
 
 def batches(tokens: int) -> dict[str, list[int]]:
@@ -92,9 +99,9 @@ def cp1_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1,
     return times
 
 
-def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str, window=(-1, -1)) -> dict:
+def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str, window=(-1, -1), **path) -> dict:
     """One timed forward + backward of `cpref.attention` on this rank: total, compute, comm, events."""
-    options = cpref.MODES[mode].example_options(comm.size)
+    options = {**cpref.MODES[mode].example_options(comm.size), **path}
     q, k, v, dout = (sharding.shard(t, comm.rank) for t in batch)  # (T / 2, H, D)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     comm.inner.barrier()  # every rank starts the step together (not timed)
@@ -103,6 +110,17 @@ def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str
     out = cpref.attention(q, k, v, sharding, comm=comm, mode=mode, kernel=kernel, window=window, **options)
     out.backward(dout)
     return {"total": time.perf_counter() - start, "compute": clock.compute, "comm": clock.comm, "events": list(clock.events)}
+
+
+def configurations(window: tuple[int, int]) -> list[tuple[str, dict]]:
+    """`(mode, path)`: every mode's default (`{}`), then, without a window, the overlapped `PATHS`."""
+    paths = [(mode, {option: value}) for mode, option, value in PATHS] if window == (-1, -1) else []
+    return [(mode, {}) for mode in sorted(cpref.MODES)] + paths
+
+
+def path_name(path: dict) -> str:
+    """`"overlap=True"`, or `""` for a mode's default."""
+    return ", ".join(f"{name}={value}" for name, value in path.items())
 
 
 def shift_seconds(comm, rows: int, heads: int, dim: int, repeats: int = 3) -> float:
@@ -126,8 +144,8 @@ def shifted_rows(sharding: cpref.Sharding, window: tuple[int, int]) -> int:
 
 
 def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1)) -> dict:
-    """Every mode and layout on this rank: `{(mode, layout): [one dict per timed step]}`, and per layout the time
-    of one of the ring's shifts alone (`("shift", layout)`)."""
+    """Every mode (and overlapped path) and layout on this rank: `{(mode, layout, path): [one dict per timed step]}`,
+    and per layout the time of one of the ring's shifts alone (`("shift", layout)`)."""
     clock, raw = Clock(), TorchComm()
     comm, kernel = TimedComm(raw, clock), TimedKernel(cpref.TorchKernel(), clock)
     batch, small = _batch(sum(lengths), heads, dim), _batch(256, heads, dim, seed=1)
@@ -136,10 +154,11 @@ def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1,
                           cpref.Sharding(cu, cp_size=comm.size, layout=layout)) for layout in TIMED_LAYOUTS}  # fmt: skip
     results: dict = {("shift", layout): shift_seconds(raw, shifted_rows(timed, window), heads, dim)
                      for layout, (_, timed) in shardings.items()}  # fmt: skip
-    for mode in sorted(cpref.MODES):
+    for mode, path in configurations(window):
         for layout, (warm_up, timed) in shardings.items():
-            _step(comm, kernel, clock, small, warm_up, mode, window)  # warm-up: groups, connections, first calls
-            results[(mode, layout)] = [_step(comm, kernel, clock, batch, timed, mode, window) for _ in range(repeats)]
+            _step(comm, kernel, clock, small, warm_up, mode, window, **path)  # warm-up: groups, connections, first calls
+            results[(mode, layout, path_name(path))] = [_step(comm, kernel, clock, batch, timed, mode, window, **path)
+                                                        for _ in range(repeats)]  # fmt: skip
     return results
 
 
@@ -170,10 +189,10 @@ def summary(t1: float, t_pair: float, per_rank: list[dict]) -> dict:
     for key in (k for k in per_rank[0] if k[0] != "shift"):
         steps = list(zip(*(rank[key] for rank in per_rank)))  # per timed step: one dict per rank
         best = min(steps, key=lambda step: max(r["total"] for r in step))  # the fastest step
-        mode, layout = key
+        mode, layout, path = key
         ranks = [{"total": r["total"], "compute": r["compute"], "comm": r["comm"]} for r in best]
-        rows.append({"mode": mode, "layout": layout, "t2": max(r["total"] for r in best), "ranks": ranks})
-        if mode == "p2p":
+        rows.append({"mode": mode, "layout": layout, "path": path, "t2": max(r["total"] for r in best), "ranks": ranks})
+        if mode == "p2p" and not path:
             ring += [{"layout": layout, "rank": rank, "steps": ring_steps(r["events"])} for rank, r in enumerate(best)]
     return {"t1": t1, "t_pair": t_pair, "rows": rows, "ring": ring, "shift": t_shift, "target": TARGET,
             "target_layouts": list(TARGET_LAYOUTS)}  # fmt: skip
@@ -196,6 +215,11 @@ def hidden(steps: list[dict], t_shift: float) -> tuple[int, float]:
     return shifts, (1 - exposed / (shifts * t_shift) if shifts and t_shift > 0 else float("nan"))
 
 
+def label(row: dict) -> str:
+    """A row's mode, with its path where it is not the default: `all_gather (overlap=True)`."""
+    return f"{row['mode']} ({row['path']})" if row.get("path") else row["mode"]
+
+
 def markdown(batch: dict) -> str:
     """One batch as Markdown: the two-process factor, the table (every mode and layout, each rank's split), the ring."""
     t1, t_pair, target = batch["t1"], batch["t_pair"], batch["target"]
@@ -207,14 +231,14 @@ def markdown(batch: dict) -> str:
         inflation = " / ".join(f"{x:+.0%}" for x in compute_inflation(batch, r))
         waits, others = (" / ".join(f"{x['total'] and part(x) / x['total']:.1%}" for x in r["ranks"])
                          for part in (lambda x: x["comm"], lambda x: x["total"] - x["compute"] - x["comm"]))  # fmt: skip
-        lines.append(f"| {r['mode']} | {r['layout']} | {r['t2']:.2f} s | {t1 / r['t2']:.2f} | {efficiency(batch, r):.2f} | "
+        lines.append(f"| {label(r)} | {r['layout']} | {r['t2']:.2f} s | {t1 / r['t2']:.2f} | {efficiency(batch, r):.2f} | "
                      f"{inflation} | {waits} | {others} |")  # fmt: skip
     judged = [r for r in batch["rows"] if r["layout"] in batch["target_layouts"]]
-    verdicts = ", ".join(f"{r['mode']} {r['layout']} {efficiency(batch, r):.2f} ({'met' if efficiency(batch, r) >= target else 'BELOW'})"
+    verdicts = ", ".join(f"{label(r)} {r['layout']} {efficiency(batch, r):.2f} ({'met' if efficiency(batch, r) >= target else 'BELOW'})"
                          for r in judged)  # fmt: skip
-    inflated = ", ".join(f"{r['mode']} {r['layout']} {max(compute_inflation(batch, r)):+.0%}" for r in judged
+    inflated = ", ".join(f"{label(r)} {r['layout']} {max(compute_inflation(batch, r)):+.0%}" for r in judged
                          if max(compute_inflation(batch, r)) > INFLATION_TARGET) or "none"  # fmt: skip
-    waiting = ", ".join(f"{r['mode']} {r['layout']} {max(x['comm'] / x['total'] for x in r['ranks']):.1%}" for r in batch["rows"]
+    waiting = ", ".join(f"{label(r)} {r['layout']} {max(x['comm'] / x['total'] for x in r['ranks']):.1%}" for r in batch["rows"]
                         if max(x["comm"] / x["total"] for x in r["ranks"]) > WAIT_TARGET) or "none"  # fmt: skip
     alone = ", ".join(f"{layout} {t * 1e3:.1f} ms" for layout, t in batch["shift"].items())
     lines += ["", f"speedup = T(CP=1) / T(CP=2); efficiency = the speedup over the two-process factor; target >= {target} "
@@ -250,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     windows = [_window(parser, w) for w in args.window]
     if args.tokens % 4:
         parser.error(f"--tokens {args.tokens}: zigzag over 2 ranks needs a multiple of 4")
+    if (args.heads // 2) % HEAD_GROUPS:
+        parser.error(f"--heads {args.heads}: Ulysses' head_groups={HEAD_GROUPS} needs a multiple of {2 * HEAD_GROUPS} heads")
     batches_run = []
     for window, (name, lengths) in ((w, batch) for w in windows for batch in batches(args.tokens).items()):
         shape = (lengths, args.heads, args.head_dim, args.repeats, window)
@@ -266,9 +292,46 @@ def main(argv: list[str] | None = None) -> dict:
         per_rank = launch(cp2_rank, 2, args=shape, check_calls=False, timeout=3600.0)
         batch = {"title": title, "name": name, "window": list(window), **summary(t1, t_pair, per_rank)}
         print(markdown(batch))
+        if any(r["path"] for r in batch["rows"]):
+            print(f"\nThe overlapped paths beside the defaults:\n\n{paths_markdown(batch)}")
         print(f"\n(load average now {os.getloadavg()[0]:.2f})\n", flush=True)
         batches_run.append(batch)
-    return {"batches": batches_run}
+    paths = [b for b in batches_run if any(r["path"] for r in b["rows"])]
+    verdict = paths_verdict(paths) if paths else ""
+    print(verdict)
+    return {"batches": batches_run, "paths_verdict": verdict}
+
+
+def paths_markdown(batch: dict) -> str:
+    """One batch's overlapped paths, each under its mode's default: the step, its ratio to the default (below 1: the
+    overlap pays), each rank's compute and comm wait."""
+    lines = ["| mode | layout | path | step | / default | compute per rank | comm wait per rank |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    default = {(r["mode"], r["layout"]): r for r in batch["rows"] if not r["path"]}
+    overlapped = {r["mode"] for r in batch["rows"] if r["path"]}
+    for row in sorted((r for r in batch["rows"] if r["mode"] in overlapped),
+                      key=lambda r: (r["mode"], TIMED_LAYOUTS.index(r["layout"]), bool(r["path"]))):  # fmt: skip
+        base = default[(row["mode"], row["layout"])]
+        ratio = f"{row['t2'] / base['t2']:.2f}" if row["path"] else ""
+        compute = " / ".join(f"{r['compute']:.2f} s" for r in row["ranks"])
+        wait = " / ".join(f"{r['comm']:.3f} s" for r in row["ranks"])
+        lines.append(f"| {row['mode']} | {row['layout']} | {row['path'] or 'default'} | {row['t2']:.2f} s | {ratio} | "
+                     f"{compute} | {wait} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def paths_verdict(batches_run: list[dict]) -> str:
+    """Where each overlapped path paid (ratio below 1), and by how much the waits fell and the compute rose."""
+    parts = []
+    for batch in batches_run:
+        default = {(r["mode"], r["layout"]): r for r in batch["rows"] if not r["path"]}
+        for row in (r for r in batch["rows"] if r["path"]):
+            base = default[(row["mode"], row["layout"])]
+            waits = sum(r["comm"] for r in base["ranks"]) - sum(r["comm"] for r in row["ranks"])
+            extra = sum(r["compute"] for r in row["ranks"]) / sum(r["compute"] for r in base["ranks"]) - 1
+            parts.append(f"{batch['name']} {row['mode']} {row['layout']} {row['path']}: {row['t2'] / base['t2']:.2f} "
+                         f"(waiting {waits:+.3f} s less over the ranks, compute {extra:+.0%})")  # fmt: skip
+    return "Overlapped path / the mode's default, step time: " + "; ".join(parts) + "."
 
 
 def _window(parser: argparse.ArgumentParser, text: str) -> tuple[int, int]:

@@ -73,9 +73,10 @@ def draw_scaling(results: dict) -> Figure:
     fig, axes = base.plt.subplots(rows, cols, figsize=(base.WIDTH, 3.1 * rows), sharey=True, constrained_layout=True,
                                   squeeze=False)  # fmt: skip
     for ax, batch in zip(axes.flat, batches):
-        modes = list(dict.fromkeys(r["mode"] for r in batch["rows"]))
-        layouts = list(dict.fromkeys(r["layout"] for r in batch["rows"]))
-        speed = {(r["mode"], r["layout"]): batch["t1"] / r["t2"] for r in batch["rows"]}
+        rows = [r for r in batch["rows"] if not r.get("path")]  # each mode's default path
+        modes = list(dict.fromkeys(r["mode"] for r in rows))
+        layouts = list(dict.fromkeys(r["layout"] for r in rows))
+        speed = {(r["mode"], r["layout"]): batch["t1"] / r["t2"] for r in rows}
         _bars(ax, modes, {lay: [speed[(m, lay)] for m in modes] for lay in layouts}, LAYOUT_COLORS, fmt=None)
         factor = 2 * batch["t1"] / batch["t_pair"]
         ax.axhline(factor, color="0.1", linestyle="dashed", linewidth=1.2, label="two processes, no communication")

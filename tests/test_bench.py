@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import cpref
 from bench import kernel
 
 
@@ -167,25 +168,37 @@ def test_the_balanced_rings_shift_alone_is_its_largest_planned_shift_not_the_who
     assert scaling.shifted_rows(zigzag, (-1, -1)) == zigzag.local_tokens
 
 
-def test_the_overlap_benchmark_reports_each_paths_ratio_against_its_modes_default():
-    from bench import overlap
+def test_the_scaling_benchmark_reports_each_overlapped_paths_ratio_against_its_modes_default():
+    from bench import scaling
 
-    def row(mode, layout, option, value, t2, comm):
-        return {"layout": layout, "mode": mode, "option": option, "value": value, "t2": t2,
+    def row(mode, layout, path, t2, comm):
+        return {"layout": layout, "mode": mode, "path": path, "t2": t2,
                 "ranks": [{"total": t2, "compute": t2 - c, "comm": c} for c in comm]}  # fmt: skip
 
-    rows = [row("all_gather", "zigzag", "overlap", False, 4.0, (0.5, 0.1)), row("all_gather", "zigzag", "overlap", True, 3.0, (0.1, 0.1)),
-            row("all_gather", "balanced", "overlap", False, 2.0, (0.2, 0.2)),
-            row("all_gather", "balanced", "overlap", True, 2.5, (0.0, 0.0)),
-            row("a2a", "zigzag", "head_groups", 1, 5.0, (0.3, 0.3)), row("a2a", "zigzag", "head_groups", 2, 4.5, (0.1, 0.1))]  # fmt: skip
+    rows = [row("all_gather", "zigzag", "", 4.0, (0.5, 0.1)), row("all_gather", "zigzag", "overlap=True", 3.0, (0.1, 0.1)),
+            row("all_gather", "balanced", "", 2.0, (0.2, 0.2)), row("all_gather", "balanced", "overlap=True", 2.5, (0.0, 0.0)),
+            row("a2a", "zigzag", "", 5.0, (0.3, 0.3)), row("a2a", "zigzag", "head_groups=4", 4.5, (0.1, 0.1)),
+            row("p2p", "zigzag", "", 1.0, (0.0, 0.0))]  # fmt: skip
     batch = {"name": "1 x 8", "lengths": [8], "rows": rows}
-    text = overlap.markdown(batch)
+    text = scaling.paths_markdown(batch)
     assert "| all_gather | zigzag | overlap=True | 3.00 s | 0.75 | 2.90 s / 2.90 s | 0.100 s / 0.100 s |" in text
     assert "| all_gather | balanced | overlap=True | 2.50 s | 1.25 |" in text
-    assert "| all_gather | zigzag | overlap=False | 4.00 s |  |" in text and "| a2a | zigzag | head_groups=1 | 5.00 s |  |" in text
-    assert "| a2a | zigzag | head_groups=2 | 4.50 s | 0.90 |" in text  # against a2a's own default, not all_gather's
-    verdict = overlap.verdict([batch])
+    assert "| all_gather | zigzag | default | 4.00 s |  |" in text and "| a2a | zigzag | default | 5.00 s |  |" in text
+    assert "| a2a | zigzag | head_groups=4 | 4.50 s | 0.90 |" in text  # against a2a's own default, not all_gather's
+    assert "p2p" not in text  # a mode without an overlapped path
+    verdict = scaling.paths_verdict([batch])
     assert "1 x 8 all_gather zigzag overlap=True: 0.75 (waiting +0.400 s less over the ranks, compute -22%)" in verdict  # (2.9 + 2.9) / (3.5 + 3.9)
     assert "1 x 8 all_gather balanced overlap=True: 1.25 (waiting +0.400 s less over the ranks, compute +39%)" in verdict  # 5.0 / 3.6
-    assert "1 x 8 a2a zigzag head_groups=2: 0.90 (waiting +0.400 s less over the ranks, compute -6%)" in verdict  # 8.8 / 9.4
-    assert "head_groups=1:" not in verdict and "overlap=False:" not in verdict
+    assert "1 x 8 a2a zigzag head_groups=4: 0.90 (waiting +0.400 s less over the ranks, compute -6%)" in verdict  # 8.8 / 9.4
+    assert verdict.count(": ") == 4  # the three paths, and the lead
+    assert "| all_gather (overlap=True) | zigzag |" in scaling.markdown({**batch, "t1": 8.0, "t_pair": 8.0, "ring": [], "shift": {},
+                                                                       "target": 0.95, "target_layouts": ["zigzag"]})
+
+
+def test_the_overlapped_paths_run_only_without_a_window_and_every_mode_by_default():
+    from bench import scaling
+
+    plain, windowed = scaling.configurations((-1, -1)), scaling.configurations((1024, 0))
+    assert windowed == [(mode, {}) for mode in sorted(cpref.MODES)]
+    assert plain == windowed + [("all_gather", {"overlap": True}), ("a2a", {"head_groups": 4})]
+    assert [scaling.path_name(path) for _, path in plain[-2:]] == ["overlap=True", "head_groups=4"]

@@ -7,7 +7,7 @@ The pieces, each a page of the docs:
 * `cpref.sharding`: `Sharding`, the one description of how a batch is sharded (boundaries,
   CP size, layout), which shards, unshards and is what `cpref.attention` takes;
 * `cpref.comm`: the collectives protocol every algorithm is written against;
-* `cpref.kernels`: the attention kernel contract and the portable `TorchKernel`;
+* `cpref.kernels`: the attention kernel contract, the portable `TorchKernel` and `CudaKernel` (flash on CUDA);
 * `cpref.cache`: the batch cache (everything derived from `cu_seqlens`, once per step);
 * `cpref.metadata`: the MindSpeed RFC's metadata API (load-balanced THD metadata for KV
   all-gather CP);
@@ -37,7 +37,7 @@ from cpref.cache import cache_info, clear_cache
 from cpref.comm import Collectives, SingleRank
 from cpref.data import cp_loss, get_batch_on_this_cp_rank
 from cpref.errors import CPInputError
-from cpref.kernels import AttentionKernel, TorchKernel, Varlen
+from cpref.kernels import AttentionKernel, CudaKernel, TorchKernel, Varlen
 from cpref.layout import LAYOUTS, bshd_to_thd, thd_to_bshd
 from cpref.metadata import clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
 from cpref.modes.all_gather import AllGatherKVFunc, AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced
@@ -52,6 +52,7 @@ __all__ = [
     "CPInputError",
     "AttentionKernel",
     "TorchKernel",
+    "CudaKernel",
     "Varlen",
     "Sharding",
     "Boundaries",

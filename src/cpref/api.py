@@ -55,7 +55,7 @@ from cpref.comm import Collectives, check_comm
 from cpref.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.costs import ModeCosts
 from cpref.errors import CPInputError
-from cpref.kernels import AttentionKernel, TorchKernel, check_heads
+from cpref.kernels import AttentionKernel, check_heads, default_kernel
 from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, check_window, compute_dtype
 from cpref.modes.spec import ModeSpec
 from cpref.layout import LAYOUTS
@@ -136,7 +136,7 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
     options = _check_options(mode, options)
     causal = as_bool("causal", causal)
     window = check_window(window, causal)
-    kernel = TorchKernel() if kernel is None else kernel
+    kernel = default_kernel(getattr(q, "device", None)) if kernel is None else kernel
     if missing_members(kernel, AttentionKernel):
         raise CPInputError(
             f"kernel must be an attention kernel instance (forward and backward, see cpref.kernels.AttentionKernel), "
@@ -248,7 +248,8 @@ def attention(
             token itself) is `window=(W - 1, 0)`; the NPU's `pre_tockens` / `next_tockens` are
             `left` / `right`.
         softmax_scale: logit scale, default `D ** -0.5`.
-        kernel: the attention kernel, default [`TorchKernel`][cpref.kernels.TorchKernel].
+        kernel: the attention kernel, default [`CudaKernel`][cpref.kernels.CudaKernel] for CUDA tensors,
+            [`TorchKernel`][cpref.kernels.TorchKernel] otherwise (`cpref.kernels.default_kernel`).
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
             call (see `cpref.consistency`); if every rank passes `False` on the first call of a
             communicator, its later calls skip it.

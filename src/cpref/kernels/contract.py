@@ -1,8 +1,8 @@
 r"""The attention kernel contract.
 
 Every CP algorithm calls attention only through an object with this interface, so the same
-algorithm runs on the CPU and on CUDA (`TorchKernel`) and on an Ascend NPU (`NpuKernel`,
-`torch_npu.npu_fusion_attention`); the contract is shaped to map one-to-one onto the NPU's
+algorithm runs on the CPU (`TorchKernel`), on CUDA (`CudaKernel`, PyTorch's flash attention) and
+on an Ascend NPU (`NpuKernel`, `torch_npu.npu_fusion_attention`); the contract is shaped to map one-to-one onto the NPU's
 TND call.
 
 **Varlen (TND).** `q` is `(T, Hq, D)`, `k` is `(T', Hkv, D)`, `v` is `(T', Hkv, Dv)` with

@@ -54,7 +54,8 @@ class CPContext:
         causal: causal attention inside each document (what a decoder-only model needs).
         options: further keyword arguments of `cpref.attention` (names in `OPTIONS`), e.g.
             `{"a2a_size": 2}` for mode `"a2a+p2p"`; read-only once built.
-        kernel: the attention kernel, default `cpref.TorchKernel()`.
+        kernel: the attention kernel, default `cpref.kernels.default_kernel` of the tensors' device
+            (`CudaKernel` on CUDA, `TorchKernel` elsewhere).
 
     Raises:
         CPInputError: for an unknown mode or option, a `comm` that is not a `cpref.Collectives`,

@@ -99,7 +99,7 @@ halves of the local work. It moves the same bytes in the same collectives and co
 scores, in two kernel calls forward and three backward instead of one each (two backward with
 `save_gathered_kv`; one fewer each way on a rank that reads no other rank's key, rank 0 of the
 contiguous layout under a causal mask). The default is the
-one call, by this rule, measured side by side in `bench/overlap.py` (the performance page):
+one call, by this rule, measured side by side in `bench/scaling.py` (the performance page):
 
 --8<-- "src/cpref/modes/all_gather.py:rule"
 
@@ -300,7 +300,7 @@ def overlaps(option: bool, P: int, window: tuple[int, int], gathered: int | None
     """Whether the mode overlaps its collectives (`cpref.modes.all_gather_overlap`) or makes the RFC's one call.
 
     Only where asked (`overlap=True`: on gloo over two cores its smaller waits did not reliably make up for its
-    extra kernel calls, its merge and gloo's copies on the compute cores; `bench/overlap.py` measures both side
+    extra kernel calls, its merge and gloo's copies on the compute cores; `bench/scaling.py` measures both side
     by side, and the performance page shows its last run)
     and where something travels: not at `P = 1`, nor with a layout whose ranks read no other rank's key
     (`gathered == 0`).

@@ -125,7 +125,7 @@ class UlyssesFunc(torch.autograd.Function):
         plan, comm = ctx.plan, ctx.comm
         if ctx.groups > 1:
             grads = pipelined_backward(dout.contiguous(), list(ctx.saved_tensors), plan, comm, ctx.kernel, ctx.groups,
-                                       causal=ctx.causal, scale=ctx.scale, dtypes=ctx.dtypes)  # fmt: skip
+                                       causal=ctx.causal, scale=ctx.scale)  # fmt: skip
             return (*grads, None, None, None, None, None, None)
         qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         # 1) the upstream gradient takes the same way as q

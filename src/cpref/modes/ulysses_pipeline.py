@@ -26,7 +26,8 @@ alike, so a group's query heads read exactly its own key/value heads (query head
 grouped by the key/value head they read). The heads split if `n` divides each rank's
 key/value heads $\frac{H'_{kv}}{a}$; `cpref.attention` refuses any other `head_groups`
 before any communication, naming the ones that work. With $H_{kv} \le P$ (GQA with few
-key/value heads, MQA) that is only `n = 1`.
+key/value heads, MQA) that is only `n = 1`: a pipeline never sees replicated key/value heads,
+so its dK and dV go home in the input dtype, as the one exchange's do without replicas.
 
 --8<-- "src/cpref/modes/ulysses_pipeline.py:groups"
 
@@ -36,7 +37,7 @@ The same bytes as the one exchange, in $4n$ all-to-alls each way instead of $4$ 
 `forward_ops`, `backward_ops`), and $n$ kernel calls each way, of $\frac{1}{n}$ of the work
 each (the same total). The saved tensors are the one exchange's, in $n$ pieces. Whether the
 smaller calls and the extra collectives pay for what they hide is measured side by side in
-`bench/overlap.py` (the performance page); the default is `head_groups=1`, the one exchange.
+`bench/scaling.py` (the performance page); the default is `head_groups=1`, the one exchange.
 
 With the stream and balanced layouts ([split Ulysses][cpref.modes.ulysses_split]) the
 shared rows take the pipeline, and the own rows' call, which needs no exchange, runs after the
@@ -51,7 +52,7 @@ import torch
 
 from cpref.comm import Collectives, Pending
 from cpref.kernels.contract import AttentionKernel
-from cpref.modes.exchange import A2APlan, kv_grad_dtype, replicate, unreplicate
+from cpref.modes.exchange import A2APlan
 
 __all__ = ["group_heads", "ungroup", "post_groups", "pipelined_forward", "pipelined_backward", "head_groups_that_work"]
 
@@ -98,8 +99,9 @@ def pipelined_forward(q, k, v, plan: A2APlan, comm: Collectives, kernel: Attenti
                       scale: float, meanwhile: Callable[[], None] | None = None):  # fmt: skip
     """The forward in `n` head groups. Returns `(out, saved)`: `(T_l, Hq, Dv)` and each group's
     `(qg, kg, vg, out_g, lse_g)`, in group order. `meanwhile()` runs after the posts, before the first wait."""
-    # 1) every group's q, k, v posted (key/value heads replicated first, as in the one exchange)
-    posted = post_groups((q, replicate(k, plan.replicas), replicate(v, plan.replicas)), n, comm)
+    assert plan.replicas == 1, "head groups split each rank's own key/value heads: none is replicated"
+    # 1) every group's q, k, v posted
+    posted = post_groups((q, k, v), n, comm)
     if meanwhile is not None:
         meanwhile()
     saved, home = [], []
@@ -115,10 +117,8 @@ def pipelined_forward(q, k, v, plan: A2APlan, comm: Collectives, kernel: Attenti
 
 
 def pipelined_backward(dout, saved: list[torch.Tensor], plan: A2APlan, comm: Collectives, kernel: AttentionKernel,
-                       n: int, *, causal: bool, scale: float, dtypes: tuple[torch.dtype, torch.dtype],
-                       meanwhile: Callable[[], None] | None = None):  # fmt: skip
-    """The backward in `n` head groups from the forward's `saved`. Returns `(dq, dk, dv)` for the local rows
-    (replicated key/value heads' gradients summed in float32, as in the one exchange)."""
+                       n: int, *, causal: bool, scale: float, meanwhile: Callable[[], None] | None = None):  # fmt: skip
+    """The backward in `n` head groups from the forward's `saved`. Returns `(dq, dk, dv)` for the local rows."""
     # 1) every group's dout posted
     posted = [group[0] for group in post_groups((dout,), n, comm)]
     if meanwhile is not None:
@@ -127,11 +127,9 @@ def pipelined_backward(dout, saved: list[torch.Tensor], plan: A2APlan, comm: Col
     for c, pending in enumerate(posted):
         # 2) group c's backward call while the next group's dout travels
         qg, kg, vg, out_g, lse_g = saved[5 * c: 5 * c + 5]
-        dq, dk, dv = kernel.backward(_arrived(pending, plan), qg, kg, vg, out_g, lse_g, plan.attend, causal=causal,
-                                     window=plan.window, scale=scale, full_rows=True,
-                                     grad_dtype=kv_grad_dtype(plan, kg.dtype))  # fmt: skip
-        # 3) its gradients posted home (dK/dV of replicated heads unrounded)
-        home.append([_send_home(g, plan, comm) for g in (dq.to(qg.dtype), dk, dv)])
-    # 4) every gradient back, heads in order; replicas summed
-    dq, dk, dv = (ungroup([group[i].wait() for group in home], comm.size) for i in range(3))
-    return dq, unreplicate(dk, plan.replicas, dtypes[0]), unreplicate(dv, plan.replicas, dtypes[1])
+        grads = kernel.backward(_arrived(pending, plan), qg, kg, vg, out_g, lse_g, plan.attend, causal=causal,
+                                window=plan.window, scale=scale, full_rows=True)  # fmt: skip
+        # 3) its gradients posted home (in the input dtype: the kernel's default `grad_dtype`)
+        home.append([_send_home(g, plan, comm) for g in grads])
+    # 4) every gradient back, heads in order
+    return tuple(ungroup([group[i].wait() for group in home], comm.size) for i in range(3))

@@ -201,7 +201,7 @@ class SplitUlyssesFunc(torch.autograd.Function):
 
         if m and ctx.groups > 1:  # 2) the shared rows in head groups, the own rows' call while the first travel
             grads = pipelined_backward(padded_rows(dout, plan.shared, m), gathered, ex, comm, kernel, ctx.groups,
-                                       causal=ctx.causal, scale=ctx.scale, dtypes=ctx.dtypes, meanwhile=own_rows)  # fmt: skip
+                                       causal=ctx.causal, scale=ctx.scale, meanwhile=own_rows)  # fmt: skip
             for g, shared_grad in zip((dq, dk, dv), grads):
                 g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
         else:
