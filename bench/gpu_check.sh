@@ -7,7 +7,10 @@
 #      against the simulated cluster's FP64 ground truth;
 #   3. `bench.kernel` on the GPU in float32, bfloat16 and float16: the default kernel (CudaKernel)
 #      and TorchKernel's explicit path against SDPA per document, with the fraction of the
-#      device's matmul peak.
+#      device's matmul peak;
+#   4. `bench.determinism` on the GPU in bf16 and fp16: every mode and layout on the simulated
+#      cluster at CP = 2 and 4 (the ranks share the GPU, flash per rank) against the FP64 oracle,
+#      two steps with deterministic=True bitwise equal, and what the flag costs.
 # Usage: PY=python3 bench/gpu_check.sh [LOGDIR]   (each step's output also goes to LOGDIR/<step>.log)
 set -u
 PY=${PY:-python3}
@@ -28,4 +31,6 @@ step verify "$PY" -m sim verify --backend nccl --nproc 1 --mode all --layout all
 step kernel-fp32 "$PY" -m bench.kernel --device cuda --dtype fp32
 step kernel-bf16 "$PY" -m bench.kernel --device cuda --dtype bf16
 step kernel-fp16 "$PY" -m bench.kernel --device cuda --dtype fp16
+step determinism-bf16 "$PY" -m bench.determinism --device cuda --dtype bf16
+step determinism-fp16 "$PY" -m bench.determinism --device cuda --dtype fp16
 exit $status

@@ -325,6 +325,33 @@ def rank_major_index() -> Figure:
     return fig
 
 
+def occurrence_layers() -> Figure:
+    """`figures/occurrence_layers.png`: rank 0's `kv_index` of the rank-major figure, each entry coloured by its
+    occurrence layer (`cpref.determinism`): one `index_add_` per layer, no row twice in one."""
+    from cpref.determinism import occurrence_layers as layers_of
+
+    meta = cpref.get_thd_load_balanced_cp_metadata(INDEX_CU, INDEX_P, 0, layout="zigzag")
+    index = meta["kv_index"]
+    layers = layers_of(index)
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.6), constrained_layout=True)
+    colors = plt.get_cmap("Set2").colors
+    for j, positions in enumerate(layers):
+        for p in positions.tolist():
+            ax.add_patch(Rectangle((p, int(index[p])), 1, 1, facecolor=colors[j], edgecolor="white"))
+    cu_kv = meta["seqs"].cu_kv
+    for c in cu_kv[1:-1]:  # one key sequence per local query chunk
+        ax.axvline(c, color="0.5", linewidth=0.8)
+    ax.set_xlim(0, len(index))
+    ax.set_ylim(INDEX_CU[-1], 0)
+    ax.set_xlabel("entry of kv_index (the selected keys, one query chunk's after another)")
+    ax.set_ylabel("row of the rank-major buffer")
+    ax.legend(handles=[Patch(facecolor=colors[j], label=f"layer {j}: {len(x)} entries, one index_add_")
+                       for j, x in enumerate(layers)], loc="lower left")  # fmt: skip
+    ax.set_title(f"Rank 0's dK/dV row sums, zigzag, cu_seqlens = {INDEX_CU}, P = {INDEX_P}: a row read by both\n"
+                 "query chunks is added once in layer 0 and once in layer 1, never twice in one call")
+    return fig
+
+
 # path inside the site -> function drawing it
 FIGURES = {
     "figures/layouts.png": layouts,
@@ -332,4 +359,5 @@ FIGURES = {
     "figures/balanced.png": balanced,
     "figures/attention_mask.png": attention_mask,
     "figures/rank_major_index.png": rank_major_index,
+    "figures/occurrence_layers.png": occurrence_layers,
 }

@@ -62,6 +62,7 @@ GUIDE = [
     ("mode-spec.md", "Modes that declare themselves", "cpref.modes.spec"),
     ("api.md", "The attention API", "cpref.api"),
     ("consistency.md", "Do the ranks agree?", "cpref.consistency"),
+    ("determinism.md", "Deterministic backward", "cpref.determinism"),
     ("data.md", "The data path and loss", "cpref.data"),
     ("models.md", "Models with CP", "cpref.models"),
     ("hf.md", "Hugging Face models", "cpref.hf"),
@@ -96,6 +97,11 @@ PAGE_FIGURES = {
     "all-gather.md": [
         ("figures/rank_major_index.png",
          "The gathered K/V stay rank-major; `kv_index` picks each query chunk's causal prefix in natural order."),
+    ],
+    "determinism.md": [
+        ("figures/occurrence_layers.png",
+         "The all-gather figure's rank 0: its `kv_index` entries (columns) and the buffer rows they add to, "
+         "coloured by occurrence layer. With `deterministic=True` each layer is one `index_add_` over distinct rows."),
     ],
     "all-gather-overlap.md": [
         ("figures/overlap_schedule.png",
@@ -192,7 +198,7 @@ SECTIONS = [
                   "cache.md"]),
     ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "all-gather-overlap.md", "ring.md", "ring-plan.md", "ring-window.md",
                "merge.md", "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
-    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "field-bugs.md"]),
+    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "determinism.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
                               "cuda-kernel.md", "npu-kernel.md"]),
     ("Models and training", ["models.md", "hf.md", "training.md", "train.md", "checkpoint.md", "checkpoint-files.md"]),

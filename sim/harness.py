@@ -35,6 +35,11 @@ class CountingKernel:
         self.forward_calls = self.backward_calls = 0
         self.calls: list[tuple[str, cpref.Varlen, bool, tuple[int, int]]] = []
 
+    @property
+    def deterministic(self) -> bool:
+        """What the wrapped kernel declares (`cpref.determinism`)."""
+        return getattr(self.inner, "deterministic", False) is True
+
     def forward(self, q, k, v, seqs, **kwargs):
         """Record, then call the wrapped kernel's forward."""
         self.forward_calls += 1

@@ -202,3 +202,17 @@ def test_the_overlapped_paths_run_only_without_a_window_and_every_mode_by_defaul
     assert windowed == [(mode, {}) for mode in sorted(cpref.MODES)]
     assert plain == windowed + [("all_gather", {"overlap": True}), ("a2a", {"head_groups": 4})]
     assert [scaling.path_name(path) for _, path in plain[-2:]] == ["overlap=True", "head_groups=4"]
+
+def test_the_determinism_check_runs_and_reports_what_it_checked():
+    """`bench.determinism` (a step of bench/gpu_check.sh): one row per mode, CP size and layout, each with its
+    accuracy against the FP64 oracle and both repeatability answers, and the row sums timed both ways."""
+    from bench import determinism
+
+    result = determinism.main(["--mode", "all_gather,p2p", "--cp", "2", "--docs", "24,8", "--heads", "2,1", "--dim", "8",
+                               "--repeats", "1"])  # fmt: skip
+    rows = result["rows"]
+    assert [(r["mode"], r["P"], r["layout"]) for r in rows] == [(m, 2, lay) for m in ("all_gather", "p2p")
+                                                                 for lay in ("zigzag", "balanced")]  # fmt: skip
+    assert result["failed"] == 0 and all(r["repeats"] and r["default repeats"] for r in rows)  # the CPU sums in order
+    assert all(0 < r["accuracy"] <= 1.0 and r["cost"] > 0 for r in rows)
+    assert result["row sums"]["index_add_"] > 0 and result["row sums"]["layers"] > 0

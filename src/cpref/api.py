@@ -123,7 +123,7 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
 
 
 def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, softmax_scale=None, kernel=None,
-            **options) -> CPCall:  # fmt: skip
+            deterministic=False, **options) -> CPCall:  # fmt: skip
     """Validate one `attention` call without communicating; return it as a `CPCall`.
 
     Raises:
@@ -136,11 +136,18 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
     options = _check_options(mode, options)
     causal = as_bool("causal", causal)
     window = check_window(window, causal)
-    kernel = default_kernel(getattr(q, "device", None)) if kernel is None else kernel
+    deterministic = as_bool("deterministic", deterministic)
+    kernel = default_kernel(getattr(q, "device", None), deterministic=deterministic) if kernel is None else kernel
     if missing_members(kernel, AttentionKernel):
         raise CPInputError(
             f"kernel must be an attention kernel instance (forward and backward, see cpref.kernels.AttentionKernel), "
             f"got {kernel!r:.60} (without {', '.join(missing_members(kernel, AttentionKernel))}); pass e.g. cpref.TorchKernel()"
+        )
+    if deterministic and getattr(kernel, "deterministic", False) is not True:
+        raise CPInputError(
+            f"deterministic=True needs a kernel whose backward is repeatable, but {kernel!r:.60} does not declare "
+            "deterministic = True; pass e.g. kernel=cpref.CudaKernel(deterministic=True), cpref.NpuKernel(deterministic=True) "
+            "or cpref.TorchKernel(), or leave kernel unset"
         )
     # 2) the tensors and the scale
     _check_tensors(q, k, v)
@@ -153,7 +160,8 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
             f"tokens over cp_size={P} has {local}; shard them with sharding.shard(x, comm.rank)"
         )
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
-    call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options))
+    call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options),
+                  deterministic)  # fmt: skip
     # 4) the mode's own constraints, and what the backend cannot do
     spec = _check_mode_constraints(call, mode)
     missing = spec.collectives & frozenset(comm.unsupported_ops)
@@ -224,6 +232,7 @@ def attention(
     window: tuple[int, int] = NO_WINDOW,
     softmax_scale: float | None = None,
     kernel: AttentionKernel | None = None,
+    deterministic: bool = False,
     check_ranks: bool = True,
     **options: Any,
 ) -> torch.Tensor:
@@ -250,6 +259,10 @@ def attention(
         softmax_scale: logit scale, default `D ** -0.5`.
         kernel: the attention kernel, default [`CudaKernel`][cpref.kernels.CudaKernel] for CUDA tensors,
             [`TorchKernel`][cpref.kernels.TorchKernel] otherwise (`cpref.kernels.default_kernel`).
+        deterministic: make the backward bit for bit repeatable where it is not by default (CUDA's atomics):
+            the backward's row sums in occurrence layers and the kernel's own backward in its deterministic
+            algorithm ([`cpref.determinism`][cpref.determinism]); the kernel must declare `deterministic = True`
+            (without a kernel, the default kernel is built so). Default False.
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
             call (see `cpref.consistency`); if every rank passes `False` on the first call of a
             communicator, its later calls skip it.
@@ -268,7 +281,7 @@ def attention(
     check_ranks = as_bool("check_ranks", check_ranks)
     try:
         call = prepare(q, k, v, sharding, comm=comm, mode=mode, causal=causal, window=window,
-                       softmax_scale=softmax_scale, kernel=kernel, **options)  # fmt: skip
+                       softmax_scale=softmax_scale, kernel=kernel, deterministic=deterministic, **options)  # fmt: skip
     except CPInputError:
         if _usable(comm):  # the others may be entering the comparison: meet them there
             with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see

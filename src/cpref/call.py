@@ -37,6 +37,7 @@ class CPCall:
         dtype: the dtype of q, k and v.
         device: their device.
         options: the mode's own options (e.g. `a2a_size`), validated.
+        deterministic: the backward bit for bit repeatable (`cpref.determinism`); the kernel declares it can.
     """
 
     sharding: Sharding
@@ -49,6 +50,7 @@ class CPCall:
     dtype: torch.dtype
     device: torch.device
     options: Mapping[str, Any] = field(default_factory=dict)
+    deterministic: bool = False
 
     @property
     def P(self) -> int:

@@ -91,7 +91,7 @@ def test_a_mode_in_a_new_file_is_collected_with_its_options(tmp_path, monkeypatc
 
 
 def test_the_options_come_from_the_declarations():
-    assert OPTIONS == ("a2a_size", "check_ranks", "head_groups", "overlap", "save_gathered_kv")
+    assert OPTIONS == ("a2a_size", "check_ranks", "deterministic", "head_groups", "overlap", "save_gathered_kv")
     assert cpref.MODES["a2a+p2p"].example_options(4) == {"a2a_size": 2}
     assert cpref.MODES["a2a+p2p"].example_options(3) == {"a2a_size": 1}
     assert all(spec.example_options(4) == {} for name, spec in cpref.MODES.items() if name != "a2a+p2p")

@@ -63,6 +63,12 @@ rounded to bf16 is what makes gradient errors grow with the logit scale. A kerne
 (the NPU op takes `out`) ignores the flag. `out` may come in the compute dtype (the ring keeps
 its merged output in float32 for this reason); a kernel whose op takes it in the input dtype
 rounds it.
+
+**Determinism.** A kernel whose backward gives the same bits on every run, for the same
+inputs on the same device, says so with an attribute `deterministic = True`; without it,
+`cpref.attention(..., deterministic=True)` refuses the kernel ([`cpref.determinism`][cpref.determinism]).
+`TorchKernel` is (its sums run in program order); `CudaKernel` and `NpuKernel` are when
+built with `deterministic=True`.
 """
 
 from __future__ import annotations

@@ -56,6 +56,11 @@ contract allows for an op that rounds.
 Everything else runs on `fallback` (default `TorchKernel()`, whose explicit path is the one
 that runs on a GPU), with the same contract; `CudaKernel.calls` counts both.
 
+**Deterministic backward.** Flash's backward sums dQ over key blocks with atomics; with
+`CudaKernel(deterministic=True)` (the default kernel of `cpref.attention(..., deterministic=True)`)
+its op runs under PyTorch's deterministic switch, which is how `_flash_attention_backward`
+is asked for its deterministic algorithm ([`cpref.determinism`][cpref.determinism]).
+
 **Unverified** (this code was written on a machine without a GPU and is checked on the CPU
 against a double of the two ops, `tests/kernels/flash_double.py`, written from their
 documented semantics): that flash's lse is $+\infty$ for a row that sees no key, that it takes
@@ -64,6 +69,7 @@ zero-length sequences, and its numerics. `bench/gpu_check.sh` runs the checks on
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from typing import Any, NamedTuple
@@ -71,6 +77,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from cpref.checks import as_bool
+from cpref.determinism import torch_deterministic
 from cpref.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, Varlen, check_window, compute_dtype
 from cpref.kernels.npu_plan import CAUSAL, UNBOUNDED, Call, plan_calls
@@ -93,9 +101,13 @@ class CudaKernel:
         fallback: the kernel of the calls flash does not take (default `TorchKernel()`).
         devices: the device types flash runs on (default `("cuda",)`).
         flash_dtypes: the dtypes flash takes (default float16, bfloat16).
+        deterministic: run flash's backward in its deterministic algorithm (inside
+            `cpref.determinism.torch_deterministic`: the op reads PyTorch's global switch); the fallback must
+            declare `deterministic = True` too.
 
     Raises:
-        CPInputError: if `ops` lacks one of the two ops.
+        CPInputError: if `ops` lacks one of the two ops, or `deterministic` is set with a fallback that does
+            not declare it.
 
     Examples:
         ```python
@@ -106,18 +118,24 @@ class CudaKernel:
     """
 
     def __init__(self, *, ops: Any = None, fallback: Any = None, devices: tuple[str, ...] = ("cuda",),
-                 flash_dtypes: tuple[torch.dtype, ...] = FLASH_DTYPES) -> None:  # fmt: skip
+                 flash_dtypes: tuple[torch.dtype, ...] = FLASH_DTYPES, deterministic: bool = False) -> None:  # fmt: skip
         ops = torch.ops.aten if ops is None else ops
         for name in _OPS:
             if not callable(getattr(ops, name, None)):
                 raise CPInputError(f"ops={ops!r} has no function {name}; pass torch.ops.aten or an object with both ops")
         self.ops, self.fallback = ops, TorchKernel() if fallback is None else fallback
         self.devices, self.flash_dtypes = tuple(devices), tuple(flash_dtypes)
+        self.deterministic = as_bool("deterministic", deterministic)
+        if self.deterministic and getattr(self.fallback, "deterministic", False) is not True:
+            raise CPInputError(
+                f"CudaKernel(deterministic=True) with fallback={self.fallback!r:.60}, which does not declare "
+                "deterministic = True: its calls would not be repeatable; leave fallback unset (TorchKernel) or pass one that is"
+            )
         self.calls: Counter = Counter()  # "flash forward", "fallback backward", ...: calls made, by path
         self._lock = threading.Lock()  # ranks of the simulated cluster may share a kernel
 
     def __repr__(self) -> str:
-        return f"CudaKernel(fallback={self.fallback!r}, devices={self.devices})"
+        return f"CudaKernel(fallback={self.fallback!r}, devices={self.devices}, deterministic={self.deterministic})"
 
     def path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen) -> str:
         """`"flash"`, or why the call takes the fallback (the module docstring's rule)."""
@@ -187,12 +205,13 @@ class CudaKernel:
                 grads.append(tuple(torch.zeros((s.stop - s.start, x.shape[1], d), dtype=q.dtype, device=q.device)
                                    for s, x in ((r, q), (y, k), (y, k))))  # fmt: skip
                 continue
-            # 2) the op over this call's rows and keys
-            dq, dk, dvp = self.ops._flash_attention_backward(
-                dop[r], q[r].contiguous(), kp[y], vp[y], op[r], stats[r].transpose(0, 1).contiguous(), c.cu_q, c.cu_k,
-                c.max_q, c.max_k, 0.0, c.causal, rng, unused, scale=float(scale), window_size_left=c.left,
-                window_size_right=c.right,
-            )  # fmt: skip
+            # 2) the op over this call's rows and keys (its deterministic algorithm, if asked: a global switch)
+            with torch_deterministic() if self.deterministic else contextlib.nullcontext():
+                dq, dk, dvp = self.ops._flash_attention_backward(
+                    dop[r], q[r].contiguous(), kp[y], vp[y], op[r], stats[r].transpose(0, 1).contiguous(), c.cu_q,
+                    c.cu_k, c.max_q, c.max_k, 0.0, c.causal, rng, unused, scale=float(scale), window_size_left=c.left,
+                    window_size_right=c.right,
+                )  # fmt: skip
             grads.append((dq if c.call.dead is None else dq.index_fill(0, c.call.dead, 0.0), dk, dvp))
         dq, dk, dvp = grads[0] if len(grads) == 1 else tuple(torch.cat(g) for g in zip(*grads))
         # 3) the contract's shapes and dtypes
@@ -231,10 +250,10 @@ def _calls(seqs: Varlen, causal: bool, window: tuple[int, int], device: torch.de
     return seqs.cached(("CudaKernel.calls", bool(causal), window, str(device)), build)
 
 
-def default_kernel(device: Any) -> Any:
-    """The kernel `cpref.attention` uses when none is given: `CudaKernel()` for tensors on a CUDA device (flash, and
-    the explicit path where flash cannot go), `TorchKernel()` elsewhere."""
-    return CudaKernel() if getattr(device, "type", None) == "cuda" else TorchKernel()
+def default_kernel(device: Any, *, deterministic: bool = False) -> Any:
+    """The kernel `cpref.attention` uses when none is given: `CudaKernel(deterministic=...)` for tensors on a CUDA
+    device (flash, and the explicit path where flash cannot go), `TorchKernel()` elsewhere (always deterministic)."""
+    return CudaKernel(deterministic=deterministic) if getattr(device, "type", None) == "cuda" else TorchKernel()
 
 
 def _padded(x: torch.Tensor, d: int) -> torch.Tensor:

@@ -77,6 +77,12 @@ global output under ring attention), which the op uses for $\Delta = \mathrm{row
 dead-row index and the stat index are built once per `Varlen` and device and cached on it;
 every device op is a slice, gather, fill or concatenation of known size.
 
+**Deterministic backward.** With `NpuKernel(deterministic=True)` the grad op runs under
+PyTorch's deterministic switch, which `torch_npu` maps onto the NPU's deterministic computing
+(`aclnnFlashAttentionUnpaddingScoreGrad` is on CANN's list of ops it covers); HCCL's
+reductions need `HCCL_DETERMINISTIC=true` in the environment as well
+([`cpref.determinism`][cpref.determinism]).
+
 **Unverified** (no NPU was available): the head-major stat storage, zero-length sequences
 inside a list (also a `kv_len = 0` one under `sparse_mode=3` or `4`), the 2048 sequences per call,
 that `sparse_mode=4` in TND counts its band from each sequence's bottom-right corner,
@@ -87,12 +93,15 @@ built to fail loudly on each wrong guess; windowed and shifted cases are not amo
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from typing import Any
 
 import torch
 
+from cpref.checks import as_bool
+from cpref.determinism import torch_deterministic
 from cpref.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, Varlen, check_heads, check_window, compute_dtype
 from cpref.kernels.npu_plan import CAUSAL, FULL, Call, plan_calls
@@ -127,6 +136,9 @@ class NpuKernel:
         softmax_layout: `""` for the op's default head-major TND stat storage, or `"TND"`
             (torch_npu >= 7.2.0) for truly token-major stats.
         max_seqs_per_call: at most this many sequences per op call; longer lists are split.
+        deterministic: run the grad op inside `cpref.determinism.torch_deterministic` (torch_npu's deterministic
+            computing, which covers the fused attention's grad); the collectives' reductions need
+            `HCCL_DETERMINISTIC=true` as well.
 
     Raises:
         RuntimeError: if `ops` is None and torch_npu cannot be imported.
@@ -137,7 +149,8 @@ class NpuKernel:
         >>> out, lse = kernel.forward(q, k, v, Varlen([0, 2, 6]), causal=True, scale=0.125)  # doctest: +SKIP
     """
 
-    def __init__(self, *, ops: Any = None, softmax_layout: str = "", max_seqs_per_call: int = MAX_SEQS_PER_CALL) -> None:
+    def __init__(self, *, ops: Any = None, softmax_layout: str = "", max_seqs_per_call: int = MAX_SEQS_PER_CALL,
+                 deterministic: bool = False) -> None:  # fmt: skip
         if softmax_layout not in ("", "TND"):
             raise CPInputError(f"softmax_layout={softmax_layout!r}: use '' (the op's default) or 'TND' (torch_npu >= 7.2.0)")
         if isinstance(max_seqs_per_call, bool) or not isinstance(max_seqs_per_call, int) or not 1 <= max_seqs_per_call <= MAX_SEQS_PER_CALL:
@@ -149,11 +162,13 @@ class NpuKernel:
         self.ops = ops
         self.softmax_layout = softmax_layout
         self.max_seqs_per_call = max_seqs_per_call
+        self.deterministic = as_bool("deterministic", deterministic)
         self._masks: dict[str, torch.Tensor] = {}  # device -> compressed causal mask
         self._lock = threading.Lock()  # ranks of the simulated cluster may share a kernel
 
     def __repr__(self) -> str:
-        return f"NpuKernel(softmax_layout={self.softmax_layout!r}, max_seqs_per_call={self.max_seqs_per_call})"
+        return (f"NpuKernel(softmax_layout={self.softmax_layout!r}, max_seqs_per_call={self.max_seqs_per_call}, "
+                f"deterministic={self.deterministic})")  # fmt: skip
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, causal: bool, scale: float,
@@ -227,11 +242,12 @@ class NpuKernel:
             lse = lse.index_fill(0, call.dead, 0.0)  # (T_c, Hq)
         # 2) softmax_max = lse and softmax_sum = 1, so the op recomputes P = exp(S - lse)
         smax = self._stats_from_lse(lse, call, compute_dtype(q.dtype))  # (T_c, Hq, 8)
-        dq, dk, dv, *_ = self.ops.npu_fusion_attention_grad(
-            q, k, v, dout, q.shape[1], "TND",
-            softmax_max=smax, softmax_sum=torch.ones_like(smax), attention_in=out, scale_value=float(scale),
-            **self._call_kwargs(call, q.device),
-        )  # fmt: skip
+        with torch_deterministic() if self.deterministic else contextlib.nullcontext():
+            dq, dk, dv, *_ = self.ops.npu_fusion_attention_grad(
+                q, k, v, dout, q.shape[1], "TND",
+                softmax_max=smax, softmax_sum=torch.ones_like(smax), attention_in=out, scale_value=float(scale),
+                **self._call_kwargs(call, q.device),
+            )  # fmt: skip
         # 3) dead rows keep a zero dq
         if call.dead is not None:
             dq.index_fill_(0, call.dead, 0)  # (T_c, Hq, D)

@@ -202,6 +202,8 @@ class TorchKernel:
         (torch.Size([6, 2, 4]), torch.Size([6, 2]))
     """
 
+    deterministic = True  # no atomics: every sum is in program order, on every device (cpref.determinism)
+
     def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24, fast: bool = True) -> None:
         for name, value in (("block_size", block_size), ("max_block_elements", max_block_elements)):
             if value is None and name == "block_size":

@@ -37,8 +37,8 @@ from cpref.sharding import Sharding
 
 __all__ = ["CPContext", "OPTIONS"]
 
-# The keyword options of cpref.attention a context may carry: every mode's own, and check_ranks.
-OPTIONS = tuple(sorted({option.name for spec in MODES.values() for option in spec.options} | {"check_ranks"}))
+# The keyword options of cpref.attention a context may carry: every mode's own, check_ranks and deterministic.
+OPTIONS = tuple(sorted({option.name for spec in MODES.values() for option in spec.options} | {"check_ranks", "deterministic"}))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -137,6 +137,7 @@ from cpref.checks import as_bool
 from cpref.comm import Collectives
 from cpref.costs import ModeCosts, element_bytes, kept_output_bytes, shard_bytes
 from cpref.errors import CPInputError
+from cpref.determinism import add_rows
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
 from cpref.modes.all_gather_overlap import OverlapPlan, build_overlap_plan, overlap_backward, overlap_forward
 from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
@@ -191,8 +192,10 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
 
 
 # --8<-- [start:backward]
-def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale):
-    """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards."""
+def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale,
+                        deterministic: bool = False):  # fmt: skip
+    """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards (`deterministic`: the row sums in
+    occurrence layers, `cpref.determinism`)."""
     if plan.kv_index is None:  # P = 1: nothing was selected, the kernel's gradients are the local ones
         return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, window=plan.window, scale=scale,
                                full_rows=True)  # fmt: skip
@@ -203,11 +206,11 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
         grad_dtype=acc,
     )  # (T_l, Hq, D), (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv); every query sees all its keys here
     if plan.shared is not None:  # the local part stays, the gathered part goes home (cpref.modes.all_gather_pieces)
-        dk, dv = (_shared_grad(g, plan, comm, q.shape[0]) for g in (dk_sel, dv_sel))
+        dk, dv = (_shared_grad(g, plan, comm, q.shape[0], deterministic) for g in (dk_sel, dv_sel))
         return dq.to(q.dtype), dk.to(k_sel.dtype), dv.to(v_sel.dtype)
     # 2) sum each key row's gradient over this rank's chunks, into a rank-major buffer, in float32
-    dk_all = dk_sel.new_zeros((rows, *dk_sel.shape[1:])).index_add_(0, plan.kv_index, dk_sel)  # (P T_l, Hkv, D)
-    dv_all = dv_sel.new_zeros((rows, *dv_sel.shape[1:])).index_add_(0, plan.kv_index, dv_sel)  # (P T_l, Hkv, Dv)
+    dk_all = add_rows(dk_sel.new_zeros((rows, *dk_sel.shape[1:])), plan.kv_index, dk_sel, deterministic=deterministic)  # (P T_l, Hkv, D)
+    dv_all = add_rows(dv_sel.new_zeros((rows, *dv_sel.shape[1:])), plan.kv_index, dv_sel, deterministic=deterministic)  # (P T_l, Hkv, Dv)
     # 3) sum over ranks, still in float32, and return every row to its owner; round once, at the end
     dk = comm.reduce_scatter(dk_all).to(k_sel.dtype)  # (P T_l, Hkv, D) -> (T_l, Hkv, D)
     dv = comm.reduce_scatter(dv_all).to(v_sel.dtype)  # (P T_l, Hkv, Dv) -> (T_l, Hkv, Dv)
@@ -215,11 +218,11 @@ def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, co
 # --8<-- [end:backward]
 
 
-def _shared_grad(g_sel: torch.Tensor, plan: AllGatherPlan, comm: Collectives, t_l: int) -> torch.Tensor:
+def _shared_grad(g_sel: torch.Tensor, plan: AllGatherPlan, comm: Collectives, t_l: int, deterministic: bool) -> torch.Tensor:
     """dK (or dV) of the local shard from the selected keys' partials: the local rows' sums, plus the shared
     rows' sums over the ranks that read them (one reduce-scatter of the gathered part, in float32)."""
     m = plan.gathered_rows
-    g_src = g_sel.new_zeros((t_l + comm.size * m, *g_sel.shape[1:])).index_add_(0, plan.kv_index, g_sel)
+    g_src = add_rows(g_sel.new_zeros((t_l + comm.size * m, *g_sel.shape[1:])), plan.kv_index, g_sel, deterministic=deterministic)
     g = g_src[:t_l]  # (T_l, ...)
     if m:
         g.index_add_(0, plan.shared, comm.reduce_scatter(g_src[t_l:])[: len(plan.shared)])  # (P m) -> (m)
@@ -236,10 +239,10 @@ class AllGatherKVFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan, comm, kernel, causal: bool, scale: float, save_gathered_kv: bool = False,
-                ov: OverlapPlan | None = None):  # fmt: skip
+                ov: OverlapPlan | None = None, deterministic: bool = False):  # fmt: skip
         """All-gather K/V, one kernel call (or the overlapped two); save the local shards (or the selected K/V)."""
         ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
-        ctx.gathered, ctx.ov = save_gathered_kv, ov
+        ctx.gathered, ctx.ov, ctx.deterministic = save_gathered_kv, ov, deterministic
         if ov is not None:  # the merged output kept unrounded: the backward's Delta comes from it (no full rows)
             out, lse, selected = overlap_forward(q, k, v, plan, ov, comm, kernel, causal=causal, scale=scale)
             ctx.save_for_backward(q, out, lse, *(selected if save_gathered_kv else (k, v)))
@@ -257,14 +260,15 @@ class AllGatherKVFunc(torch.autograd.Function):
         if ctx.ov is not None:
             k, v, selected = (None, None, kv) if ctx.gathered else (*kv, None)
             dq, dk, dv = overlap_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.ov, ctx.comm, ctx.kernel,
-                                          causal=ctx.causal, scale=ctx.scale, selected=selected)  # fmt: skip
-            return dq, dk, dv, None, None, None, None, None, None, None
+                                          causal=ctx.causal, scale=ctx.scale, selected=selected,
+                                          deterministic=ctx.deterministic)  # fmt: skip
+            return dq, dk, dv, None, None, None, None, None, None, None, None
         k_sel, v_sel = kv if ctx.gathered else gather_selected(*kv, ctx.plan, ctx.comm)
         dq, dk, dv = all_gather_backward(
             dout.contiguous(), q, k_sel, v_sel, out, lse, ctx.plan, ctx.comm, ctx.kernel,
-            causal=ctx.causal, scale=ctx.scale,
+            causal=ctx.causal, scale=ctx.scale, deterministic=ctx.deterministic,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 # The RFC's name for the same Function.
@@ -292,7 +296,7 @@ def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
         key = ("all_gather overlap", call.P, call.rank, call.layout, call.causal, str(call.device))
         ov = call.plan(key, lambda: build_overlap_plan(plan, call.rank, call.bounds.total // call.P, call.causal))
     return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"],
-                                 ov)  # fmt: skip
+                                 ov, call.deterministic)  # fmt: skip
 
 
 # --8<-- [start:rule]

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from cpref.comm import Collectives
+from cpref.determinism import add_rows
 from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
 from cpref.modes.all_gather_plan import AllGatherPlan
@@ -192,9 +193,11 @@ def _total(parts: list, like: torch.Tensor) -> torch.Tensor:
 
 # --8<-- [start:backward]
 def overlap_backward(dout, q, k, v, out, lse, plan: AllGatherPlan, ov: OverlapPlan, comm: Collectives,
-                     kernel: AttentionKernel, *, causal: bool, scale: float, selected=None):  # fmt: skip
+                     kernel: AttentionKernel, *, causal: bool, scale: float, selected=None,
+                     deterministic: bool = False):  # fmt: skip
     """Backward with the gathers and reduce-scatters overlapped; `selected`: the forward's `(k_loc, v_loc, k_rem,
-    v_rem)` if kept (`save_gathered_kv`), else K and V are gathered again. Returns `(dq, dk, dv)` for the local shards."""
+    v_rem)` if kept (`save_gathered_kv`), else K and V are gathered again; `deterministic`: the row sums in occurrence
+    layers (`cpref.determinism`). Returns `(dq, dk, dv)` for the local shards."""
     acc, t_l = compute_dtype(q.dtype), q.shape[0]
     grads = []  # (dq, dk_loc, dv_loc) of each call, float32 (the remote call's without dk_loc, dv_loc)
 
@@ -218,7 +221,7 @@ def overlap_backward(dout, q, k, v, out, lse, plan: AllGatherPlan, ov: OverlapPl
         grads.append((dq_r, None, None))
     else:
         dk_r, dv_r = (x.new_zeros((0, *x.shape[1:]), dtype=acc) for x in (k_loc, v_loc))
-    home = [comm.reduce_scatter_async(g.new_zeros((rows, *g.shape[1:])).index_add_(0, ov.remote_index, g))
+    home = [comm.reduce_scatter_async(add_rows(g.new_zeros((rows, *g.shape[1:])), ov.remote_index, g, deterministic=deterministic))
             for g in (dk_r, dv_r)]  # fmt: skip
     # 3) the rest of the local work while they travel
     if selected is None:
@@ -229,7 +232,7 @@ def overlap_backward(dout, q, k, v, out, lse, plan: AllGatherPlan, ov: OverlapPl
     dq, dk_loc, dv_loc = (_total([g[i] for g in grads], like) for i, like in enumerate((q, k_loc, v_loc)))
     result = []
     for g_loc, pending, x in ((dk_loc, home[0], k_loc), (dv_loc, home[1], v_loc)):
-        g = g_loc.new_zeros((t_l, *g_loc.shape[1:])).index_add_(0, ov.local_index, g_loc)  # (T_l, Hkv, D | Dv)
+        g = add_rows(g_loc.new_zeros((t_l, *g_loc.shape[1:])), ov.local_index, g_loc, deterministic=deterministic)  # (T_l, Hkv, D | Dv)
         back = pending.wait()  # (T_l | m, Hkv, D | Dv): every rank's reads of this rank's rows
         g = g.add_(back) if plan.shared is None else g.index_add_(0, plan.shared, back[: len(plan.shared)])
         result.append(g.to(x.dtype))  # rounded once

@@ -98,7 +98,7 @@ class HierarchicalFunc(torch.autograd.Function):
     """Autograd Function: a2a in, ring across, a2a out; the backward takes the same way back."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float):
+    def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float, deterministic: bool = False):
         """Ulysses' exchange inside the a2a group, ring attention across the groups, exchange back."""
         # 1) inside the a2a group: all the group's tokens for H/a heads, in the zigzag-over-p order
         qg = a2a_gather(q, a2a, a2a_comm)  # (a T_l, Hq/a, D)
@@ -109,7 +109,7 @@ class HierarchicalFunc(torch.autograd.Function):
                                     out_dtype=saved_out_dtype(q.dtype, ring))  # (a T_l, Hq/a, Dv), as the ring keeps it
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
         ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
-        ctx.dtypes = (k.dtype, v.dtype)
+        ctx.dtypes, ctx.deterministic = (k.dtype, v.dtype), deterministic
         # 3) back to sequence shards of all heads
         return a2a_scatter(out_g.to(q.dtype), a2a, a2a_comm)  # (T_l, Hq, Dv)
 
@@ -121,9 +121,9 @@ class HierarchicalFunc(torch.autograd.Function):
         (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms
         dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
         grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale,
-                                   kv_grad_dtype=kv_grad_dtype(a2a, kg.dtype)))  # fmt: skip
+                                   kv_grad_dtype=kv_grad_dtype(a2a, kg.dtype), deterministic=ctx.deterministic))  # fmt: skip
         del dout_g  # freed before the exchanges
-        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None)
+        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None, None)
 
 
 def example_a2a_size(P: int) -> int:
@@ -162,9 +162,10 @@ def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     a2a_comm, ring_comm = subgroups(comm, call.options["a2a_size"])
     plan = hierarchical_plan(call)
     if isinstance(plan, SplitHierarchicalPlan):
-        return SplitHierarchicalFunc.apply(q, k, v, plan, a2a_comm, ring_comm, call.kernel, call.causal, call.scale)
+        return SplitHierarchicalFunc.apply(q, k, v, plan, a2a_comm, ring_comm, call.kernel, call.causal, call.scale,
+                                           call.deterministic)  # fmt: skip
     exchange, ring = plan
-    return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale)
+    return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale, call.deterministic)
 
 
 def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window, a2a_size) -> ModeCosts:

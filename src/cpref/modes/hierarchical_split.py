@@ -110,7 +110,7 @@ class SplitHierarchicalFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan: SplitHierarchicalPlan, a2a_comm: Collectives, ring_comm: Collectives, kernel,
-                causal: bool, scale: float):  # fmt: skip
+                causal: bool, scale: float, deterministic: bool = False):  # fmt: skip
         """The own rows' call with all heads; the shared rows' exchange, ring and exchange back; one output."""
         ex, m = plan.exchange, plan.rows
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv)
@@ -130,7 +130,7 @@ class SplitHierarchicalFunc(torch.autograd.Function):
             saved += [qg, kg, vg, out_g, lse_g]
         ctx.save_for_backward(*own, *saved)
         ctx.plan, ctx.comms, ctx.kernel, ctx.causal, ctx.scale = plan, (a2a_comm, ring_comm), kernel, causal, scale
-        ctx.dtypes, ctx.shapes = (k.dtype, v.dtype), (q.shape, k.shape, v.shape)
+        ctx.dtypes, ctx.shapes, ctx.deterministic = (k.dtype, v.dtype), (q.shape, k.shape, v.shape), deterministic
         return out
 
     @staticmethod
@@ -149,8 +149,9 @@ class SplitHierarchicalFunc(torch.autograd.Function):
             qg, kg, vg, out_g, lse_g = gathered
             dout_g = a2a_gather(padded_rows(dout, plan.shared, m), plan.exchange, a2a_comm)  # (a m, Hq/a, Dv)
             grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, plan.ring, ring_comm, kernel, scale=ctx.scale,
-                                       kv_grad_dtype=kv_grad_dtype(plan.exchange, kg.dtype)))  # fmt: skip
+                                       kv_grad_dtype=kv_grad_dtype(plan.exchange, kg.dtype),
+                                       deterministic=ctx.deterministic))  # fmt: skip
             del dout_g
             for g, shared_grad in zip((dq, dk, dv), scatter_grads(grads, plan.exchange, a2a_comm, ctx.dtypes)):
                 g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None

@@ -103,6 +103,7 @@ import torch
 
 from cpref.call import CPCall
 from cpref.comm import Collectives
+from cpref.determinism import add_rows
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
 from cpref.costs import ModeCosts, kept_output_bytes, halo_costs, ring_costs, shard_bytes
 from cpref.kernels.merge import merge_partial
@@ -159,11 +160,13 @@ def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
 
 # --8<-- [start:backward]
 def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float,
-                  kv_grad_dtype=None):  # fmt: skip
+                  kv_grad_dtype=None, deterministic: bool = False):  # fmt: skip
     """Backward of ring attention. Returns `(dq, dk, dv)` for the local shards, dK/dV in `kv_grad_dtype`
-    (default: the input dtypes; the compute dtype gives them unrounded, for a caller that sums them)."""
+    (default: the input dtypes; the compute dtype gives them unrounded, for a caller that sums them);
+    `deterministic`: duplicated rows summed in occurrence layers (`cpref.determinism`)."""
     if plan.halo is not None:  # a sliding window (cpref.modes.ring_window)
-        return halo_backward(dout, q, k, v, out, lse, plan, comm, kernel, scale=scale, kv_grad_dtype=kv_grad_dtype)
+        return halo_backward(dout, q, k, v, out, lse, plan, comm, kernel, scale=scale, kv_grad_dtype=kv_grad_dtype,
+                             deterministic=deterministic)  # fmt: skip
     acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
     if plan.whole_rows:  # a ring of one: one kernel call, whose rows are whole
         call = plan.steps[0].calls[0]
@@ -189,7 +192,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
             part = torch.cat([dk_b, dv_b], dim=-1)  # (T', Hkv, D + Dv)
             del dq_b, dk_b, dv_b, kb, vb  # freed before the next kernel call
             if call.kv_index is not None:  # back to the block's rows, adding up duplicated rows
-                part = (part.new_zeros(kv.shape) if dkv_b is None else dkv_b).index_add_(0, call.kv_index, part)
+                part = add_rows(part.new_zeros(kv.shape) if dkv_b is None else dkv_b, call.kv_index, part,
+                                deterministic=deterministic)  # fmt: skip
             elif dkv_b is not None:
                 part = dkv_b.add_(part)
             dkv_b = part  # (T_l, Hkv, D + Dv)
@@ -216,11 +220,11 @@ class RingFunc(torch.autograd.Function):
     """Autograd Function: K/V around the ring forward; K/V and dK/dV around the ring backward."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan, comm, kernel, scale: float):
+    def forward(ctx: Any, q, k, v, plan, comm, kernel, scale: float, deterministic: bool = False):
         """`ring_forward`; save the local q, k, v, the output (unrounded, see Precision) and the global lse."""
         out, lse = ring_forward(q, k, v, plan, comm, kernel, scale=scale, out_dtype=saved_out_dtype(q.dtype, plan))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.comm, ctx.kernel, ctx.scale = plan, comm, kernel, scale
+        ctx.plan, ctx.comm, ctx.kernel, ctx.scale, ctx.deterministic = plan, comm, kernel, scale, deterministic
         return out.to(q.dtype)
 
     @staticmethod
@@ -228,8 +232,9 @@ class RingFunc(torch.autograd.Function):
         """`ring_backward`: K/V and their dK/dV accumulators around the ring once more."""
         no_double_backward()
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.comm, ctx.kernel, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.comm, ctx.kernel, scale=ctx.scale,
+                                   deterministic=ctx.deterministic)  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
 
 
 def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
@@ -259,7 +264,7 @@ def p2p_plan(call: CPCall) -> RingPlan:
 
 def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: this rank's ring plan, then the Function."""
-    return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale)
+    return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale, call.deterministic)
 
 
 def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window) -> ModeCosts:

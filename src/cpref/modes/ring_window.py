@@ -65,6 +65,7 @@ from collections.abc import Callable
 import torch
 
 from cpref.comm import Collectives
+from cpref.determinism import add_rows
 from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
 from cpref.layout import group_chunks, local_chunks
@@ -225,8 +226,9 @@ def halo_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
 
 # --8<-- [start:backward]
 def halo_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float,
-                  kv_grad_dtype=None):  # fmt: skip
-    """Backward of the windowed ring: `(dq, dk, dv)`, dK/dV in `kv_grad_dtype` (default: their dtypes)."""
+                  kv_grad_dtype=None, deterministic: bool = False):  # fmt: skip
+    """Backward of the windowed ring: `(dq, dk, dv)`, dK/dV in `kv_grad_dtype` (default: their dtypes);
+    `deterministic`: duplicated rows summed in occurrence layers (`cpref.determinism`)."""
     acc, d, halo = compute_dtype(q.dtype), k.shape[-1], plan.halo
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (T_l, Hq, D), stays home
     own = kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)
@@ -240,7 +242,7 @@ def halo_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
             dq_b, dk_b, dv_b = kernel.backward(dout, q, *_block(kv, call, d), out, lse, call.seqs, causal=call.causal,
                                                window=call.window, scale=scale, grad_dtype=acc)  # fmt: skip
             dq.add_(dq_b)
-            share.index_add_(0, call.kv_index, torch.cat([dk_b, dv_b], dim=-1))
+            add_rows(share, call.kv_index, torch.cat([dk_b, dv_b], dim=-1), deterministic=deterministic)
         # 2) a received block's share goes straight back to its owner, d ranks back (one shift by -d)
         if t > 0:
             _land(grad, halo, returning)
