@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mixes", nargs="+", default=list(DEFAULT_MIXES), choices=list(MIXES))
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per case (fastest kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (fastest kept)")
     args = parser.parse_args(argv)
     modes = sorted(cpref.MODES)
     title = (f"CP path at P = 1 (cpref.SingleRank, zigzag): forward + backward, {args.heads} heads, head dim {args.dim}, "

@@ -1,6 +1,6 @@
 r"""Benchmark: a causal sliding window on the fused CPU path, against full causal attention and a dense band mask.
 
-One document of `--tokens` tokens (default 32768), 8 heads, head dim 64, float32, forward +
+One document of `--tokens` tokens (default 32768), 4 heads, head dim 64, float32, forward +
 backward, every query seeing itself and the `--window` keys before it (default 1024:
 `window=(1024, 0)`), run through
 
@@ -19,7 +19,7 @@ $w + R$ a row, `R` rows a tile); full causal's $T (T + 1) / 2$; the dense mask's
 ideal saving of the window over full causal is the ratio of visible scores (about 16 at
 $T = 32768$, $w = 1024$), the planned one that of computed scores; both are printed next to
 the measured ratio of times. The cases are timed in alternation as in `bench.kernel`, the
-fastest of `--repeats` rounds kept (default one: the dense mask takes minutes at 32k); the
+fastest of `--repeats` rounds kept (default one: the dense mask takes about a minute at 32k); the
 window's plan and masks are built once, untimed, before the rounds. Nothing is asserted.
 
 Run it with `python -m bench.window`; `--tokens 4096 --window 256` is a quick run.
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the one document")
     parser.add_argument("--window", type=int, default=1024, help="keys before each query it sees: window=(W, 0)")
-    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds of every case (fastest kept)")
     args = parser.parse_args(argv)

@@ -149,7 +149,12 @@ def test_scaling_efficiency_is_the_speedup_over_the_machines_two_process_factor(
     assert "| a2a | balanced | 5.50 s | 1.82 | 1.00 | +0% / +2% | 1.8% / 3.6% |" in text
     assert "| p2p | zigzag | 6.00 s | 1.67 | 0.92 | +6% / +0% | 2.0% / 5.5% |" in text
     assert "a2a balanced 1.00 (met), p2p zigzag 0.92 (BELOW)." in text and "contiguous 0." not in text
-    assert "above the target +3%: p2p zigzag +6%." in text  # contiguous is not judged on compute
+    assert "above the target +3%: p2p zigzag +6%;" in text  # contiguous is not judged on compute
+    # against half the pair's step (5.5 s): 5.3 / 5.5 = -4%, 5.1 / 5.5 = -7%: none of the split's own above +3%
+    assert scaling.busy_inflation(batch, rows[1]) == pytest.approx([5.3 / 5.5 - 1, 5.0 / 5.5 - 1])
+    assert "two busy cores' cost to each other), above +3%: none." in text
+    slow = {**batch, "t_pair": 10.0}  # the pair as fast as one: 5.3 / 5.0 = +6% again
+    assert "two busy cores' cost to each other), above +3%: p2p zigzag +6%." in scaling.markdown(slow)
     assert "above the target 3%: a2a balanced 3.6%, p2p zigzag 5.5%, p2p contiguous 54.5%." in text  # every mode and layout
 
 
@@ -198,10 +203,11 @@ def test_the_scaling_benchmark_reports_each_overlapped_paths_ratio_against_its_m
 def test_the_overlapped_paths_run_only_without_a_window_and_every_mode_by_default():
     from bench import scaling
 
-    plain, windowed = scaling.configurations((-1, -1)), scaling.configurations((1024, 0))
+    plain, windowed = scaling.configurations((-1, -1), 8), scaling.configurations((1024, 0), 8)
     assert windowed == [(mode, {}) for mode in sorted(cpref.MODES)]
-    assert plain == windowed + [("all_gather", {"overlap": True}), ("a2a", {"head_groups": 4})]
+    assert plain == windowed + [("all_gather", {"overlap": True}), ("a2a", {"head_groups": 4})]  # one head a group
     assert [scaling.path_name(path) for _, path in plain[-2:]] == ["overlap=True", "head_groups=4"]
+    assert scaling.configurations((-1, -1), 4)[-1] == ("a2a", {"head_groups": 2})
 
 def test_the_determinism_check_runs_and_reports_what_it_checked():
     """`bench.determinism` (a step of bench/gpu_check.sh): one row per mode, CP size and layout, each with its
@@ -216,3 +222,51 @@ def test_the_determinism_check_runs_and_reports_what_it_checked():
     assert result["failed"] == 0 and all(r["repeats"] and r["default repeats"] for r in rows)  # the CPU sums in order
     assert all(0 < r["accuracy"] <= 1.0 and r["cost"] > 0 for r in rows)
     assert result["row sums"]["index_add_"] > 0 and result["row sums"]["layers"] > 0
+
+
+def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch():
+    """A tiny run end to end (two gloo processes per batch): CP = 1 alone on rank 0, the pair, then every mode and
+    overlapped path in both timed layouts, each kept with both ranks' split; what a broken launch or round loses."""
+    from bench import scaling
+
+    result = scaling.main(["--tokens", "256", "--heads", "4", "--head-dim", "4", "--window", "none", "--repeats", "2"])
+    assert [b["name"] for b in result["batches"]] == ["1 x 256", "4 mixed"]
+    for batch in result["batches"]:
+        assert batch["t1"] > 0 and batch["t_pair"] > 0
+        keys = [(r["mode"], r["layout"], r["path"]) for r in batch["rows"]]
+        want = [(m, lay, scaling.path_name(p)) for m, p in scaling.configurations((-1, -1), 4) for lay in scaling.TIMED_LAYOUTS]
+        assert keys == want and all(len(r["ranks"]) == 2 for r in batch["rows"])
+        assert {(r["layout"], r["rank"]) for r in batch["ring"]} == {(lay, k) for lay in scaling.TIMED_LAYOUTS for k in (0, 1)}
+    assert "head_groups=2" in result["paths_verdict"]
+
+
+def test_the_goals_summary_gathers_each_target_from_the_tables_figures():
+    """The page's summary of the performance goals: efficiency over both full-causal batches, compute inflation on
+    the packed mix only, comm wait, the ring's hidden share (not judged at CP = 2), the overlapped paths' ratios;
+    a windowed batch is left out (its tables print its own figures)."""
+    from bench import scaling
+
+    def row(mode, layout, t2, compute, comm, path=""):
+        return {"mode": mode, "layout": layout, "path": path, "t2": t2,
+                "ranks": [{"total": t2, "compute": c, "comm": w} for c, w in zip(compute, comm)]}  # fmt: skip
+
+    def batch(name, window, rows, ring=()):
+        return {"name": name, "window": window, "t1": 10.0, "t_pair": 11.0, "rows": rows, "ring": list(ring),
+                "shift": {"zigzag": 0.1}, "target": 0.95, "target_layouts": ["zigzag", "balanced"]}  # fmt: skip
+
+    steps = [{"phase": "forward", "compute": 1.0, "wait": 0.05, "shifts": 1}, {"phase": "backward", "compute": 1.0, "wait": 0.0, "shifts": 1}]
+    doc = batch("1 x 16", [-1, -1], [row("p2p", "zigzag", 5.5, (5.0, 5.0), (0.1, 0.1)),
+                                    row("p2p", "contiguous", 9.0, (5.0, 5.0), (4.0, 0.0))],  # not a target layout
+                ring=[{"layout": "zigzag", "rank": 0, "steps": steps}])
+    mix = batch("4 mixed", [-1, -1], [row("a2a", "zigzag", 6.0, (5.3, 5.0), (0.3, 0.1)),
+                                      row("a2a", "zigzag", 5.4, (5.0, 5.0), (0.0, 0.0), path="head_groups=2")])
+    windowed = batch("4 mixed", [1024, 0], [row("a2a", "zigzag", 99.0, (50.0, 50.0), (40.0, 40.0))])
+    goals = {g["goal"].split(" ")[0]: g for g in scaling.goals([doc, mix, windowed])}
+    assert goals["efficiency"]["measured"] == "1 of 2 at or above; lowest 0.92 (a2a zigzag, 4 mixed)"  # 11 / 12
+    assert goals["efficiency"]["met"] is False
+    assert goals["compute"]["measured"] == "0 of 1 within; largest +6% (a2a zigzag, 4 mixed); over half the pair's step -4% at most (a2a zigzag, 4 mixed)"
+    assert goals["comm"]["measured"] == "1 of 2 within; largest 5.0% (a2a zigzag, 4 mixed)"  # 0.3 / 6.0; contiguous's 44% unjudged
+    assert goals["ring:"]["met"] is None and goals["ring:"]["measured"].startswith("all shifts, per rank: 75% hidden at least")
+    assert goals["overlapped"]["measured"] == "1 of 1 below 1; 0.90 at best (a2a (head_groups=2) zigzag, 4 mixed), 0.90 at worst (a2a (head_groups=2) zigzag, 4 mixed)"
+    assert goals["overlapped"]["met"] is None and goals["overlapped"]["why"] == "a rule: an overlapped path paid in every case"
+    assert goals["ring:"]["why"] == "not judged at CP = 2"

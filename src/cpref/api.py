@@ -141,11 +141,11 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
     if missing_members(kernel, AttentionKernel):
         raise CPInputError(
             f"kernel must be an attention kernel instance (forward and backward, see cpref.kernels.AttentionKernel), "
-            f"got {kernel!r:.60} (without {', '.join(missing_members(kernel, AttentionKernel))}); pass e.g. cpref.TorchKernel()"
+            f"got {_kernel_name(kernel)} (without {', '.join(missing_members(kernel, AttentionKernel))}); pass e.g. cpref.TorchKernel()"
         )
     if deterministic and getattr(kernel, "deterministic", False) is not True:
         raise CPInputError(
-            f"deterministic=True needs a kernel whose backward is repeatable, but {kernel!r:.60} does not declare "
+            f"deterministic=True needs a kernel whose backward is repeatable, but {_kernel_name(kernel)} does not declare "
             "deterministic = True; pass e.g. kernel=cpref.CudaKernel(deterministic=True), cpref.NpuKernel(deterministic=True) "
             "or cpref.TorchKernel(), or leave kernel unset"
         )
@@ -182,6 +182,15 @@ def _check_mode_constraints(call: CPCall, mode: str):
     if spec.check is not None:
         spec.check(call)
     return spec
+
+
+def _kernel_name(kernel: Any) -> str:
+    """The kernel named by its class, the same on every rank (a repr carries the object's address)."""
+    if isinstance(kernel, (str, int, float)):
+        return repr(kernel)
+    if isinstance(kernel, type):
+        return f"the class {kernel.__qualname__} (an instance is needed)"
+    return f"an instance of {type(kernel).__qualname__}"
 
 
 def check_mode(mode: str, *, cp_size: int, heads: tuple[int, int], causal: bool = True, window=NO_WINDOW,

@@ -3,7 +3,8 @@
 Validation without communication sees only this rank's values. Some disagreements it cannot
 see give wrong results with no error at all: ranks that pass different `causal`,
 `softmax_scale`, `layout`, mode, or `cu_seqlens` with the same total, compute different
-functions and still meet in the same collectives. Others make the ranks call different
+functions and still meet in the same collectives; a rank alone without `deterministic=True`
+makes the whole run unrepeatable. Others make the ranks call different
 collectives (another mode, dtype or head count), which a real backend does not report: gloo
 aborts the process (`SIGABRT`, no Python traceback), NCCL hangs until its timeout.
 
@@ -101,7 +102,7 @@ def _digest(value: Any) -> int:
 
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
 FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "window", "softmax_scale", "cu_seqlens",
-          "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options")  # fmt: skip
+          "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options", "deterministic")  # fmt: skip
 
 
 def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple[str, int]]:
@@ -121,6 +122,7 @@ def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple
         _digest(call.heads),
         _DTYPES.index(call.dtype),
         _digest(options),
+        int(call.deterministic),  # a rank summing in another order makes the run unrepeatable, not wrong
     ]
     return list(zip(FIELDS, codes))
 
@@ -132,6 +134,7 @@ _DECODE = {
     "causal": lambda c: repr(bool(c)),
     "softmax_scale": lambda c: repr(struct.unpack("<d", struct.pack("<q", c))[0]),
     "dtype": lambda c: str(_DTYPES[c]),
+    "deterministic": lambda c: repr(bool(c)),
 }
 
 

@@ -115,6 +115,12 @@ def test_ranks_passing_different_mode_options_are_told():
     assert want in message and "\n  mode:" not in message
 
 
+def test_ranks_passing_different_deterministic_flags_are_told():
+    # one rank alone summing in an unpinned order: every rank's gradients right, the run no longer repeatable
+    message = two_ranks_calling(lambda r: ("all_gather", same, {"deterministic": r == 0}))
+    assert "\n  deterministic: rank 0: True; rank 1: False" in message and "mode options" not in message
+
+
 def test_ranks_passing_different_dtypes_are_told_each_dtype_by_name():
     message = two_ranks_calling(lambda r: ("p2p", (same, lambda *t: [x.float() for x in t])[r], {}))
     assert "\n  dtype: rank 0: torch.float64; rank 1: torch.float32\n" in message

@@ -257,7 +257,7 @@ def test_the_kernels_declare_what_they_can():
         CudaKernel(ops=FlashOpsDouble(), deterministic="yes")
     with pytest.raises(CPInputError, match="deterministic must be True or False"):
         NpuKernel(ops=NpuOpsDouble(), deterministic=1)
-    with pytest.raises(CPInputError, match=r"fallback=.*does not declare deterministic = True"):
+    with pytest.raises(CPInputError, match=r"with fallback, an instance of CudaKernel, which does not declare deterministic = True"):
         CudaKernel(ops=FlashOpsDouble(), fallback=CudaKernel(ops=FlashOpsDouble()), deterministic=True)
     assert "deterministic=True" in repr(NpuKernel(ops=NpuOpsDouble(), deterministic=True))
 
@@ -279,7 +279,7 @@ class Undeclared:
 
 
 @pytest.mark.parametrize("kernel, match", [
-    (Undeclared, r"deterministic=True needs a kernel whose backward is repeatable.*cpref.CudaKernel\(deterministic=True\)"),
+    (Undeclared, r"deterministic=True needs a kernel whose backward is repeatable, but an instance of Undeclared does not.*cpref.CudaKernel\(deterministic=True\)"),
     (lambda: CudaKernel(ops=FlashOpsDouble(), **ON_CPU), r"does not declare deterministic = True"),
     (None, r"deterministic must be True or False, got 'yes'"),
 ])  # fmt: skip

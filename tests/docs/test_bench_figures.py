@@ -128,5 +128,8 @@ def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
 
     doc = report.__doc__
     assert "{{ results" not in doc and doc.count("### Last run") == len(BENCHMARKS)
+    assert "{{ goals }}" not in doc and "{total_minutes}" not in doc
+    summary = doc.split("## Goals and where the last run left them")[1].split("## 1.")[0]
+    assert summary.count("\n| ") == 2 + 6, summary  # header, rule, five goals of bench.scaling.goals and make bench's time
     assert all(f"{{{{ figure {path} }}}}" in doc for path in figs.FIGURES)
     assert "```" not in doc.split("## 1.")[1], "a result shown as a code block, not a table"

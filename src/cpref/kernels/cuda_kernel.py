@@ -128,7 +128,7 @@ class CudaKernel:
         self.deterministic = as_bool("deterministic", deterministic)
         if self.deterministic and getattr(self.fallback, "deterministic", False) is not True:
             raise CPInputError(
-                f"CudaKernel(deterministic=True) with fallback={self.fallback!r:.60}, which does not declare "
+                f"CudaKernel(deterministic=True) with fallback, an instance of {type(self.fallback).__qualname__}, which does not declare "
                 "deterministic = True: its calls would not be repeatable; leave fallback unset (TorchKernel) or pass one that is"
             )
         self.calls: Counter = Counter()  # "flash forward", "fallback backward", ...: calls made, by path
