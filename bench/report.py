@@ -117,6 +117,10 @@ batches and layouts:
   all-to-alls and attend one group while the next travels, the outputs and gradients going home
   under the next group's call ([Ulysses in head groups][cpref.modes.ulysses_pipeline]).
 
+The hierarchy's head groups (`a2a+p2p` with `head_groups`, [its page][cpref.modes.hierarchical])
+are not timed here: at CP = 2 its ring has one rank, and in the chunked layouts it is Ulysses'
+pipeline bit for bit; what it adds, a ring per group, needs $P \ge 4$ processes.
+
 Per rank: compute and comm wait; per mode and layout: the step of each path and its ratio to the
 mode's default (below 1: the overlap pays). On two cores neither has a spare core to move the data
 with: gloo's copies compete with the kernel. The all-gather overlap removes most of the waiting

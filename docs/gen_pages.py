@@ -182,6 +182,11 @@ PAGE_FIGURES = {
         ("figures/hierarchical_schedule.png",
          "A real run with `a2a_size = 2` at `P = 4`: each rank's kernel calls at the two ring steps, and whose "
          "a2a group's K/V they saw (identified from the kernel's inputs)."),
+        ("figures/hierarchical_pipeline.png",
+         "The same mode with head_groups=2, as each rank's communicator and kernel logged a real forward + backward: "
+         "each head group's ring makes two calls (its two steps), and group 1's exchange inside the a2a group "
+         "travels under group 0's ring, group 0's output under group 1's; the ring's own shifts, under its calls, "
+         "are not drawn."),
     ],
 }
 

@@ -421,6 +421,10 @@ class _PostLog:
     def __getattr__(self, name: str):
         return getattr(self._comm, name)
 
+    def split(self, groups):
+        """The sub-groups log into the same list (the hierarchy's a2a groups post there)."""
+        return _PostLog(self._comm.split(groups), self._log)
+
     def all_to_all_async(self, x):
         handle, number, log = self._comm.all_to_all_async(x), self._posts, self._log
         self._posts += 1
@@ -444,31 +448,42 @@ class _PostLog:
 
 def pipeline_schedule() -> Figure:
     """`figures/ulysses_pipeline.png`: Ulysses in head groups on each rank, from a real run."""
-    P2, groups, hq, hkv = 2, 2, 8, 4
-    batch, T = sharding(CU, P2, "zigzag"), CU[-1]
+    return _head_groups_schedule("a2a", 2, {}, "all heads of the call")
+
+
+def hierarchical_pipeline() -> Figure:
+    """`figures/hierarchical_pipeline.png`: a2a+p2p in head groups (a2a groups of 2, a ring of 2 per head group)."""
+    return _head_groups_schedule("a2a+p2p", 4, {"a2a_size": 2}, "each ring step's call")
+
+
+def _head_groups_schedule(mode: str, P: int, options: dict, calls_are: str) -> Figure:
+    """Each rank's kernel calls and the all-to-alls they hid, from a real run of `mode` with head_groups=2."""
+    groups, hq, hkv = 2, 8, 4
+    batch, T = sharding(CU, P, "zigzag"), CU[-1]
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(T, hq if i in (0, 3) else hkv, D, generator=g, dtype=torch.float64) for i in range(4))
-    logs: list[list] = [[] for _ in range(P2)]
+    logs: list[list] = [[] for _ in range(P)]
 
     def rank_fn(comm):
         log = logs[comm.rank]
         logged = _PostLog(comm, log)
         local = [batch.shard(t, comm.rank).requires_grad_(True) for t in (q, k, v)]
-        out = cpref.attention(*local, batch, comm=logged, mode="a2a", kernel=logged, head_groups=groups,
-                              check_ranks=False)  # fmt: skip
+        out = cpref.attention(*local, batch, comm=logged, mode=mode, kernel=logged, head_groups=groups,
+                              check_ranks=False, **options)  # fmt: skip
         log.append(("phase", "backward"))
         out.backward(batch.shard(dout, comm.rank))
 
-    SimCluster(P2).run(rank_fn)
-    fig, axes = plt.subplots(P2, 1, figsize=(WIDTH, 4.8), constrained_layout=True, sharex=True)
+    SimCluster(P).run(rank_fn)
+    fig, axes = plt.subplots(P, 1, figsize=(WIDTH, 2.4 * P), constrained_layout=True, sharex=True)
     for r, (ax, log) in enumerate(zip(axes, logs)):
-        x, calls, posted, spans = 0.0, 0, {}, {}  # spans: (posted at, waited at) -> how many all-to-alls
+        x, group, previous, posted, spans = 0.0, -1, None, {}, {}  # spans: (posted at, waited at) -> how many
         for kind, what in log:
             if kind == "kernel":
-                color = rank_color(calls % groups)  # the calls alternate over the groups, in order
+                group += previous != "kernel"  # a group's calls run together, after its inputs' waits
+                color = rank_color(group % groups)
                 ax.add_patch(Rectangle((x, 1.1), what, 0.8, facecolor=color, edgecolor="white", linewidth=1.5))
-                ax.text(x + what / 2, 1.5, f"group {calls % groups}", ha="center", va="center", color="white")
-                x, calls = x + what, calls + 1
+                ax.text(x + what / 2, 1.5, f"group {group % groups}", ha="center", va="center", color="white")
+                x += what
             elif kind == "post":
                 posted[what] = x
             elif kind == "wait":
@@ -476,6 +491,8 @@ def pipeline_schedule() -> Figure:
                 spans[span] = spans.get(span, 0) + 1
             else:
                 _backward_starts(ax, x)
+                group = -1
+            previous = kind
         ends: list[float] = []  # lanes of the in-flight row, each free from its end on
         for (start, end), n in sorted(spans.items()):
             if end <= start:
@@ -485,16 +502,18 @@ def pipeline_schedule() -> Figure:
             ax.add_patch(Rectangle((start, 0.1 + 0.4 * lane), end - start, 0.35, facecolor="0.8", edgecolor="white"))
             ax.text(start + 4, 0.28 + 0.4 * lane, f"{n} x all-to-all", va="center", color="0.1")
         _schedule_axes(ax, r, x)
-    axes[-1].set_xlabel("score entries computed (all heads of the call), in call order")
+    axes[-1].set_xlabel(f"score entries computed ({calls_are}), in call order")
     fig.legend(handles=[Patch(color=rank_color(0), label="head group 0"), Patch(color=rank_color(1), label="head group 1"),
                         Patch(color="0.75", label="all-to-alls hidden by the calls, from post to wait")], ncols=3,
-               frameon=False, loc="lower center", bbox_to_anchor=(0.5, -0.08))  # fmt: skip
-    fig.suptitle(f"a2a, head_groups={groups}, P = {P2}, Hq = {hq}, Hkv = {hkv}, zigzag, cu_seqlens = {CU}")
+               frameon=False, loc="lower center", bbox_to_anchor=(0.5, -0.08 * 2 / P))  # fmt: skip
+    given = "".join(f", {name} = {value}" for name, value in options.items())
+    fig.suptitle(f"{mode}, head_groups={groups}, P = {P}{given}, Hq = {hq}, Hkv = {hkv}, zigzag, cu_seqlens = {CU}")
     return fig
 
 
 FIGURES = {
     "figures/ulysses_pipeline.png": pipeline_schedule,
+    "figures/hierarchical_pipeline.png": hierarchical_pipeline,
     "figures/overlap_schedule.png": overlap_schedule,
     "figures/split_traffic.png": split_traffic,
     "figures/ring_schedule.png": ring_schedule,

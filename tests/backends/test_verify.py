@@ -49,6 +49,9 @@ def sweep_cases() -> list[Case]:
     cases += build_cases(["all_gather"], cpref.LAYOUTS, ("fp32", "bf16"), cp=4, padded=(False, True), options={"overlap": True})
     # Ulysses in head groups: at CP 2 every rank holds 2 of the 4 key/value heads, one per group
     cases += build_cases(["a2a"], cpref.LAYOUTS, ("fp32", "bf16"), cp=2, strided=True, padded=(True,), options={"head_groups": 2})
+    # the hierarchy in head groups: two a2a groups of two (2 key/value heads on each rank), a ring of two per group
+    cases += build_cases(["a2a+p2p"], cpref.LAYOUTS, ("fp32", "bf16"), cp=4, padded=(True,),
+                         options={"a2a_size": 2, "head_groups": 2})  # fmt: skip
     return cases + build_cases(MODES, ["zigzag"], ["fp32"], cp=4, padded=(True,), causal=False)
 
 
@@ -66,9 +69,10 @@ def test_every_mode_layout_dtype_and_placement_rank_by_rank():
     dp_cp = {(r.rank, r.dp, r.cp_rank) for r in report.rows if r.case.strided}
     assert dp_cp == {(0, 0, 0), (2, 0, 1), (1, 1, 0), (3, 1, 1)}  # CP groups {0, 2} and {1, 3}
     hierarchical = [m for m in MODES if "a2a_size" in cpref.MODES[m].defaults()]
-    assert all(dict(r.case.options) == {"a2a_size": 2} for r in report.rows if r.case.mode in hierarchical)
+    assert all(dict(r.case.options).get("a2a_size") == 2 for r in report.rows if r.case.mode in hierarchical)
     assert {r.case.layout for r in report.rows if dict(r.case.options).get("overlap")} == set(cpref.LAYOUTS)
-    assert {r.case.layout for r in report.rows if dict(r.case.options).get("head_groups") == 2} == set(cpref.LAYOUTS)
+    grouped = {(r.case.mode, r.case.layout) for r in report.rows if dict(r.case.options).get("head_groups") == 2}
+    assert grouped == {(m, lay) for m in ("a2a", "a2a+p2p") for lay in cpref.LAYOUTS}
     # the simulated cluster agrees with the oracle, so the oracle column repeats the largest error
     assert all(abs(r.oracle - max(r.errors.values())) < 1e-9 for r in report.rows)
     assert "rank rows pass" in report.format().splitlines()[-1]

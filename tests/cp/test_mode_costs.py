@@ -27,14 +27,15 @@ CONFIGS = [  # (mode, options, P)
     ("a2a+p2p", {"a2a_size": 2}, 4),
     ("a2a+p2p", {"a2a_size": 2}, 8),
     ("a2a+p2p", {"a2a_size": 4}, 8),
+    ("a2a+p2p", {"a2a_size": 2, "head_groups": 2}, 4),  # a ring per head group
 ]
 IDS = [f"{m}-P{P}" + "".join(f"-{k}={v}" for k, v in o.items()) for m, o, P in CONFIGS]
 
 
 def fit(mode, options, heads, P):
     """`options` with `head_groups` lowered to 1 where the heads do not split into that many groups per rank."""
-    n = options.get("head_groups")
-    if n is None or (heads[1] * head_split(heads[0], heads[1], P) // P) % n == 0:
+    n, a = options.get("head_groups"), options.get("a2a_size", P)  # the heads split over the exchange's ranks
+    if n is None or (heads[1] * head_split(heads[0], heads[1], a) // a) % n == 0:
         return options
     return {**options, "head_groups": 1}
 
@@ -54,7 +55,8 @@ def steps_with_work(mode, options, P, rank, layout, causal):
     a = options.get("a2a_size", 1)
     p, g = P // a, rank // a
     calls = g + 1 if layout == "contiguous" and causal else p
-    return calls, calls
+    groups = options.get("head_groups", 1) if a > 1 else 1  # a ring per head group
+    return groups * calls, groups * calls
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

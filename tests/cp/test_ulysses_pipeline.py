@@ -15,6 +15,14 @@ from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over
 from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison
 
 LAYOUTS = ["zigzag", "contiguous", "balanced", "stream"]
+HEAD_GROUP_BATCHES = dict(  # hypothesis strategies of the head-group tests (here and the hierarchy's)
+    P=st.sampled_from([2, 4]),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    layout=st.sampled_from(LAYOUTS),
+    causal=st.booleans(),
+    heads=st.sampled_from([(8, 8, 8, 8), (8, 4, 8, 4)]),
+    groups=st.sampled_from([2, 4]),
+)
 
 
 def padded_batch(lengths, P, layout, heads, dtype=torch.float64, seed=0):
@@ -41,14 +49,7 @@ def test_grouping_and_ungrouping_put_every_head_back_in_its_place(a, n):
 
 
 @settings(max_examples=12, deadline=None)
-@given(
-    P=st.sampled_from([2, 4]),
-    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
-    layout=st.sampled_from(LAYOUTS),
-    causal=st.booleans(),
-    heads=st.sampled_from([(8, 8, 8, 8), (8, 4, 8, 4)]),
-    groups=st.sampled_from([2, 4]),
-)
+@given(**HEAD_GROUP_BATCHES)
 @example(P=4, lengths=[1], layout="zigzag", causal=True, heads=(8, 8, 8, 8), groups=2)  # ranks 1-3 hold padding only
 @example(P=2, lengths=[40, 8, 24], layout="balanced", causal=True, heads=(8, 4, 8, 4), groups=2)  # own and shared rows
 def test_head_groups_match_the_oracle_on_every_rank(P, lengths, layout, causal, heads, groups):

@@ -109,6 +109,8 @@ CASES = [  # (mode, P, layout, options, window): every mode, the plans with inde
     ("a2a", 4, "balanced", {"head_groups": 2}, (-1, -1)),
     ("a2a+p2p", 4, "zigzag", {"a2a_size": 2}, (-1, -1)),
     ("a2a+p2p", 4, "balanced", {"a2a_size": 2}, (-1, -1)),
+    ("a2a+p2p", 4, "zigzag", {"a2a_size": 2, "head_groups": 2}, (-1, -1)),  # a ring per head group
+    ("a2a+p2p", 4, "balanced", {"a2a_size": 2, "head_groups": 2}, (-1, -1)),
 ]
 # where the default backward adds a row twice: a key read by two of a rank's sequences (both zigzag chunks of a
 # document, pieces of one document, a window's shifted blocks); Ulysses attends whole sequences, without index_add_

@@ -39,6 +39,34 @@ no exchange at all: for them the mode runs [its split form][cpref.modes.hierarch
 which attends to a rank's whole documents at home and takes only the documents that span
 ranks through the exchange and the ring.
 
+## In head groups
+
+With `head_groups=n` the exchange inside the a2a group runs as [Ulysses in head
+groups][cpref.modes.ulysses_pipeline] does: every group's all-to-alls of q, k and v posted at
+once, and while group $c + 1$ travels, group $c$ runs **its own ring** across the groups, its
+output posted home under the next group's ring. The backward takes `dout` the same way and
+sends each group's dq, dk, dv home under the next group's ring backward. The ring's shifts
+stay hidden behind the ring's own steps, as without groups; the groups hide the exchange:
+
+```
+post  q,k,v of groups 0 .. n-1          (inside the a2a group)
+wait  group 0 -> its ring over p groups -> post its output
+wait  group 1 -> its ring over p groups -> post its output
+wait  every output; heads back in order
+```
+
+The same bytes at both levels in `n` times the all-to-alls and the ring's shifts (`n` rings,
+each on $\frac{1}{n}$ of the heads), and `n` times the kernel calls of the shared rows, each
+of $\frac{1}{n}$ of the work; the heads must split evenly (`n` dividing each rank's
+$\frac{H_{kv}}{a}$ key/value heads, none replicated), else the call is refused before any
+communication, naming the `head_groups` that work. With `a = 1` there is no exchange and the
+option changes nothing. The stream and balanced layouts' own rows are attended after the
+first posts, before the first wait. The values are the one exchange's to within a few units
+of FP64's last place (4 eps of a tensor's largest value), not bit for bit: a ring step's calls
+on fewer heads round differently. At CP = 2 the ring has one rank, and in the chunked layouts
+this is Ulysses' pipeline bit for bit (measured on the performance page); the default is
+`head_groups=1`.
+
 ## Cost per rank
 
 Forward: the a2a traffic of Ulysses over `a` ranks,
@@ -55,6 +83,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import Counter
 from typing import Any
 
 import torch
@@ -69,8 +98,9 @@ from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
-from cpref.modes.hierarchical_split import SplitHierarchicalFunc, SplitHierarchicalPlan, split_hierarchical_plan
-from cpref.modes.ulysses import check_a2a_heads
+from cpref.modes.hierarchical_split import SplitHierarchicalFunc, SplitHierarchicalPlan, ring_attend, split_hierarchical_plan
+from cpref.modes.ulysses import check_a2a_heads, check_head_groups, pipelines
+from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size",
@@ -95,11 +125,20 @@ def subgroups(comm: Collectives, a: int) -> tuple[Collectives, Collectives]:
 
 
 class HierarchicalFunc(torch.autograd.Function):
-    """Autograd Function: a2a in, ring across, a2a out; the backward takes the same way back."""
+    """Autograd Function: a2a in, ring across, a2a out; the backward takes the same way back (in `groups` head
+    groups, each group's ring while the next group's exchange travels, when `groups > 1`)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float, deterministic: bool = False):
+    def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float, deterministic: bool = False,
+                groups: int = 1):  # fmt: skip
         """Ulysses' exchange inside the a2a group, ring attention across the groups, exchange back."""
+        ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
+        ctx.dtypes, ctx.deterministic, ctx.groups = (k.dtype, v.dtype), deterministic, groups
+        if groups > 1:  # the pipeline: every group's exchange posted, each group's ring while the next travels
+            attend, _ = ring_attend(ring, ring_comm, kernel, scale, q.dtype, deterministic)
+            out, saved = pipelined_forward(q, k, v, a2a, a2a_comm, kernel, groups, causal=True, scale=scale, attend=attend)
+            ctx.save_for_backward(*saved)
+            return out
         # 1) inside the a2a group: all the group's tokens for H/a heads, in the zigzag-over-p order
         qg = a2a_gather(q, a2a, a2a_comm)  # (a T_l, Hq/a, D)
         kg = a2a_gather(replicate(k, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, D)
@@ -108,8 +147,6 @@ class HierarchicalFunc(torch.autograd.Function):
         out_g, lse_g = ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale,
                                     out_dtype=saved_out_dtype(q.dtype, ring))  # (a T_l, Hq/a, Dv), as the ring keeps it
         ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
-        ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
-        ctx.dtypes, ctx.deterministic = (k.dtype, v.dtype), deterministic
         # 3) back to sequence shards of all heads
         return a2a_scatter(out_g.to(q.dtype), a2a, a2a_comm)  # (T_l, Hq, Dv)
 
@@ -117,13 +154,18 @@ class HierarchicalFunc(torch.autograd.Function):
     def backward(ctx: Any, dout):
         """dout through the exchange, the ring's backward, the gradients back through the exchange."""
         no_double_backward()
-        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms
+        if ctx.groups > 1:
+            _, attend_backward = ring_attend(ring, ring_comm, ctx.kernel, ctx.scale, dout.dtype, ctx.deterministic)
+            grads = pipelined_backward(dout.contiguous(), list(ctx.saved_tensors), a2a, a2a_comm, ctx.kernel, ctx.groups,
+                                       causal=True, scale=ctx.scale, attend_backward=attend_backward)  # fmt: skip
+            return (*grads, None, None, None, None, None, None, None, None)
+        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
         dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
         grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale,
                                    kv_grad_dtype=kv_grad_dtype(a2a, kg.dtype), deterministic=ctx.deterministic))  # fmt: skip
         del dout_g  # freed before the exchanges
-        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None, None)
+        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None, None, None)
 
 
 def example_a2a_size(P: int) -> int:
@@ -144,6 +186,8 @@ def check_hierarchical(call: CPCall) -> None:
         sizes = [d for d in range(1, call.P + 1) if call.P % d == 0]
         raise CPInputError(f"a2a_size={a} does not divide the CP size P = {call.P}; choose one of {sizes}")
     check_a2a_heads(call.heads[0], call.heads[1], a, call.P, f"mode 'a2a+p2p' with a2a_size={a}")
+    check_head_groups(call.options["head_groups"], call.heads[0], call.heads[1], a, f"mode 'a2a+p2p' (a2a_size={a})",
+                      f"a = {a} ranks of an a2a group")  # fmt: skip
 
 
 def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan] | SplitHierarchicalPlan:
@@ -159,20 +203,34 @@ def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan] | SplitHierarchi
 
 def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: the sub-groups, the exchange and ring plans, then the Function."""
-    a2a_comm, ring_comm = subgroups(comm, call.options["a2a_size"])
+    a = call.options["a2a_size"]
+    a2a_comm, ring_comm = subgroups(comm, a)
     plan = hierarchical_plan(call)
+    groups = call.options["head_groups"] if pipelines(call.options["head_groups"], a) else 1
     if isinstance(plan, SplitHierarchicalPlan):
         return SplitHierarchicalFunc.apply(q, k, v, plan, a2a_comm, ring_comm, call.kernel, call.causal, call.scale,
-                                           call.deterministic)  # fmt: skip
+                                           call.deterministic, groups)  # fmt: skip
     exchange, ring = plan
-    return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale, call.deterministic)
+    return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale, call.deterministic,
+                                  groups)  # fmt: skip
 
 
-def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window, a2a_size) -> ModeCosts:
-    """Per-rank traffic, collectives and saved bytes of one layer: the exchange over `a`, a ring of `P / a`."""
-    a, t = a2a_size, local_tokens
+def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window, a2a_size,
+                       head_groups=1) -> ModeCosts:  # fmt: skip
+    """Per-rank traffic, collectives and saved bytes of one layer: the exchange over `a`, a ring of `P / a`; in
+    `head_groups` groups, the same bytes in that many times every collective (an exchange and a ring per group)."""
+    a = a2a_size
     if a is None or P % a:
         raise CPInputError(f"mode 'a2a+p2p' has costs for an a2a_size dividing P = {P}, got {a}")
+    costs = _ungrouped_costs(P, local_tokens, heads, dtype, halo_sizes, gathered_rows, a)
+    if not pipelines(head_groups, a):
+        return costs
+    forward, backward = (Counter({op: n * head_groups for op, n in ops.items()}) for ops in (costs.forward_ops, costs.backward_ops))
+    return ModeCosts(costs.forward_bytes, costs.backward_bytes, forward, backward, costs.saved_bytes)
+
+
+def _ungrouped_costs(P, t, heads, dtype, halo_sizes, gathered_rows, a) -> ModeCosts:
+    """`hierarchical_costs` of the one exchange."""
     exchange = exchange_costs(a, t if gathered_rows is None else gathered_rows, heads, dtype)
     h = heads[1] * head_split(heads[0], heads[1], a)  # key/value heads after the exchange's replication
     if gathered_rows is not None:  # stream, balanced: the split plan, the own rows at home (an upper bound, as a2a's)
@@ -204,6 +262,9 @@ MODE = ModeSpec(
     options=(
         Option("a2a_size", None, _a2a_size, "the all-to-all group size `a` dividing P (Ulysses inside groups of `a` "
                "consecutive ranks, the ring across the P / a groups); required", example=example_a2a_size),
+        Option("head_groups", 1, lambda value: as_int("head_groups", value, lo=1),
+               "the exchange in that many head groups, each group's ring while the next group's exchange travels "
+               "(`cpref.modes.ulysses_pipeline`); 1: the one exchange"),
     ),
     check=check_hierarchical,
     windows=True,

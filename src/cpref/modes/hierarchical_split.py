@@ -40,10 +40,11 @@ from cpref.modes.ring import ring_backward, ring_forward, saved_out_dtype
 from cpref.modes.ring_plan import RingPlan
 from cpref.modes.ring_window import build_piece_ring_plan
 from cpref.modes.shared import head_split, no_double_backward, padded_rows
+from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.modes.ulysses_split import gathered_order, split_rows
 from cpref.seqlens import Boundaries
 
-__all__ = ["SplitHierarchicalPlan", "SplitHierarchicalFunc", "build_split_hierarchical_plan", "split_hierarchical_plan"]
+__all__ = ["SplitHierarchicalPlan", "SplitHierarchicalFunc", "ring_attend", "build_split_hierarchical_plan", "split_hierarchical_plan"]
 
 
 @dataclass(frozen=True)
@@ -105,22 +106,49 @@ def split_hierarchical_plan(call: CPCall) -> SplitHierarchicalPlan:
                                                                 call.device))  # fmt: skip
 
 
+def ring_attend(ring: RingPlan, ring_comm: Collectives, kernel, scale: float, dtype: torch.dtype,
+                deterministic: bool):  # fmt: skip
+    """`(attend, attend_backward)` of one head group for the pipeline (`cpref.modes.ulysses_pipeline`): the ring
+    across the groups on that group's heads, forward and backward (dK/dV in the input dtype: no replicas)."""
+
+    def attend(qg, kg, vg):
+        return ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale, out_dtype=saved_out_dtype(dtype, ring))
+
+    def attend_backward(dout_g, qg, kg, vg, out_g, lse_g):
+        return ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, kernel, scale=scale,
+                             deterministic=deterministic)  # fmt: skip
+
+    return attend, attend_backward
+
+
 class SplitHierarchicalFunc(torch.autograd.Function):
-    """Autograd Function: own rows attended here with all heads; shared rows through the hierarchy."""
+    """Autograd Function: own rows attended here with all heads; shared rows through the hierarchy (in `groups`
+    head groups, the own rows' call after their posts, when `groups > 1`: `cpref.modes.ulysses_pipeline`)."""
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan: SplitHierarchicalPlan, a2a_comm: Collectives, ring_comm: Collectives, kernel,
-                causal: bool, scale: float, deterministic: bool = False):  # fmt: skip
+                causal: bool, scale: float, deterministic: bool = False, groups: int = 1):  # fmt: skip
         """The own rows' call with all heads; the shared rows' exchange, ring and exchange back; one output."""
         ex, m = plan.exchange, plan.rows
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv)
         own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
-        out_o = lse_o = None
-        if len(plan.own):  # 1) the documents held here: all heads, no communication
-            out_o, lse_o = kernel.forward(*own, plan.own_seqs, causal=causal, window=plan.window, scale=scale)
-            out.index_copy_(0, plan.own, out_o)
-        saved = [out_o, lse_o]
-        if m:  # 2) the shared documents: exchange inside the group, ring across the groups, exchange back
+        saved = [None, None]
+
+        def own_rows() -> None:  # 1) the documents held here: all heads, no communication
+            if len(plan.own):
+                saved[:] = kernel.forward(*own, plan.own_seqs, causal=causal, window=plan.window, scale=scale)
+                out.index_copy_(0, plan.own, saved[0])
+
+        if m and groups > 1:  # 2) the shared documents in head groups, the own rows' call while the first travel
+            attend, _ = ring_attend(plan.ring, ring_comm, kernel, scale, q.dtype, deterministic)
+            shared, gathered = pipelined_forward(*(padded_rows(x, plan.shared, m) for x in (q, k, v)), ex, a2a_comm,
+                                                 kernel, groups, causal=causal, scale=scale, meanwhile=own_rows,
+                                                 attend=attend)  # fmt: skip
+            out.index_copy_(0, plan.shared, shared[: len(plan.shared)])
+            saved += gathered
+        else:
+            own_rows()
+        if m and groups == 1:  # 2) the shared documents: exchange inside the group, ring across the groups, exchange back
             qg = a2a_gather(padded_rows(q, plan.shared, m), ex, a2a_comm)  # (a m, Hq/a, D)
             kg = a2a_gather(replicate(padded_rows(k, plan.shared, m), ex.replicas), ex, a2a_comm)  # (a m, Hkv'/a, D)
             vg = a2a_gather(replicate(padded_rows(v, plan.shared, m), ex.replicas), ex, a2a_comm)  # (a m, Hkv'/a, Dv)
@@ -131,6 +159,7 @@ class SplitHierarchicalFunc(torch.autograd.Function):
         ctx.save_for_backward(*own, *saved)
         ctx.plan, ctx.comms, ctx.kernel, ctx.causal, ctx.scale = plan, (a2a_comm, ring_comm), kernel, causal, scale
         ctx.dtypes, ctx.shapes, ctx.deterministic = (k.dtype, v.dtype), (q.shape, k.shape, v.shape), deterministic
+        ctx.groups = groups
         return out
 
     @staticmethod
@@ -140,12 +169,25 @@ class SplitHierarchicalFunc(torch.autograd.Function):
         plan, kernel, m, (a2a_comm, ring_comm) = ctx.plan, ctx.kernel, ctx.plan.rows, ctx.comms
         q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
         dq, dk, dv = (dout.new_zeros(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
-        if len(plan.own):  # 1) the own rows: one backward call
-            grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o, plan.own_seqs,
-                                    causal=ctx.causal, window=plan.window, scale=ctx.scale, full_rows=True)  # fmt: skip
-            for g, own_grad in zip((dq, dk, dv), grads):
-                g.index_copy_(0, plan.own, own_grad.to(g.dtype))
-        if m:  # 2) the shared rows: the exchange, the ring's backward, the exchange back
+
+        def own_rows() -> None:  # 1) the own rows: one backward call
+            if len(plan.own):
+                grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o,
+                                        plan.own_seqs, causal=ctx.causal, window=plan.window, scale=ctx.scale,
+                                        full_rows=True)  # fmt: skip
+                for g, own_grad in zip((dq, dk, dv), grads):
+                    g.index_copy_(0, plan.own, own_grad.to(g.dtype))
+
+        if m and ctx.groups > 1:  # 2) the shared rows in head groups, the own rows' call while the first travel
+            _, attend_backward = ring_attend(plan.ring, ring_comm, kernel, ctx.scale, dout.dtype, ctx.deterministic)
+            grads = pipelined_backward(padded_rows(dout, plan.shared, m), gathered, plan.exchange, a2a_comm, kernel,
+                                       ctx.groups, causal=ctx.causal, scale=ctx.scale, meanwhile=own_rows,
+                                       attend_backward=attend_backward)  # fmt: skip
+            for g, shared_grad in zip((dq, dk, dv), grads):
+                g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
+        else:
+            own_rows()
+        if m and ctx.groups == 1:  # 2) the shared rows: the exchange, the ring's backward, the exchange back
             qg, kg, vg, out_g, lse_g = gathered
             dout_g = a2a_gather(padded_rows(dout, plan.shared, m), plan.exchange, a2a_comm)  # (a m, Hq/a, Dv)
             grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, plan.ring, ring_comm, kernel, scale=ctx.scale,
@@ -154,4 +196,4 @@ class SplitHierarchicalFunc(torch.autograd.Function):
             del dout_g
             for g, shared_grad in zip((dq, dk, dv), scatter_grads(grads, plan.exchange, a2a_comm, ctx.dtypes)):
                 g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None

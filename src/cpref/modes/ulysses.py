@@ -148,13 +148,14 @@ def check_ulysses(call: CPCall) -> None:
     check_head_groups(call.options["head_groups"], call.heads[0], call.heads[1], call.P)
 
 
-def check_head_groups(n: int, hq: int, hkv: int, P: int) -> None:
-    """Raise unless `n` head groups split each rank's key/value heads evenly (`cpref.modes.ulysses_pipeline`)."""
+def check_head_groups(n: int, hq: int, hkv: int, P: int, what: str = "mode 'a2a'", ranks: str | None = None) -> None:
+    """Raise unless `n` head groups split evenly the key/value heads each of the `P` ranks of the exchange holds
+    (`cpref.modes.ulysses_pipeline`); `what` and `ranks` name the mode and its exchange's ranks in the message."""
     per_rank = hkv * head_split(hq, hkv, P) // P  # key/value heads on each rank after the exchange
     if per_rank % n:
         raise CPInputError(
-            f"mode 'a2a' with head_groups={n}: each of the P = {P} ranks holds {per_rank} key/value head(s) after the "
-            f"exchange (Hq = {hq}, Hkv = {hkv}), which {n} groups cannot split evenly; head_groups that work: "
+            f"{what} with head_groups={n}: each of the {ranks or f'P = {P} ranks'} holds {per_rank} key/value head(s) "
+            f"after the exchange (Hq = {hq}, Hkv = {hkv}), which {n} groups cannot split evenly; head_groups that work: "
             f"{head_groups_that_work(per_rank)}"
         )
 

@@ -42,6 +42,10 @@ smaller calls and the extra collectives pay for what they hide is measured side 
 With the stream and balanced layouts ([split Ulysses][cpref.modes.ulysses_split]) the
 shared rows take the pipeline, and the own rows' call, which needs no exchange, runs after the
 first groups are posted, before the first wait.
+
+The hierarchy ([a2a+p2p][cpref.modes.hierarchical]) runs the same pipeline inside its a2a
+groups: what attends one group there is the ring across the groups (`attend` and
+`attend_backward` below), not one kernel call.
 """
 
 from __future__ import annotations
@@ -96,10 +100,15 @@ def post_groups(xs: tuple[torch.Tensor, ...], n: int, comm: Collectives) -> list
 
 
 def pipelined_forward(q, k, v, plan: A2APlan, comm: Collectives, kernel: AttentionKernel, n: int, *, causal: bool,
-                      scale: float, meanwhile: Callable[[], None] | None = None):  # fmt: skip
+                      scale: float, meanwhile: Callable[[], None] | None = None, attend: Callable | None = None):  # fmt: skip
     """The forward in `n` head groups. Returns `(out, saved)`: `(T_l, Hq, Dv)` and each group's
-    `(qg, kg, vg, out_g, lse_g)`, in group order. `meanwhile()` runs after the posts, before the first wait."""
+    `(qg, kg, vg, out_g, lse_g)`, in group order. `meanwhile()` runs after the posts, before the first wait;
+    `attend(qg, kg, vg) -> (out_g, lse_g)` attends one group (default: one kernel call over the plan's stream;
+    the hierarchy passes its ring, `cpref.modes.hierarchical`). The output goes home in `q`'s dtype."""
     assert plan.replicas == 1, "head groups split each rank's own key/value heads: none is replicated"
+    if attend is None:
+        def attend(qg, kg, vg):
+            return kernel.forward(qg, kg, vg, plan.attend, causal=causal, window=plan.window, scale=scale)
     # 1) every group's q, k, v posted
     posted = post_groups((q, k, v), n, comm)
     if meanwhile is not None:
@@ -108,17 +117,24 @@ def pipelined_forward(q, k, v, plan: A2APlan, comm: Collectives, kernel: Attenti
     for group in posted:
         # 2) group c arrives (groups after it still travelling): attend it over the whole stream
         qg, kg, vg = (_arrived(p, plan) for p in group)  # (a T_l, Hq/(a n), D), (a T_l, Hkv'/(a n), D | Dv)
-        out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, window=plan.window, scale=scale)
+        out_g, lse_g = attend(qg, kg, vg)
         # 3) its output posted home while the next group is attended
-        home.append(_send_home(out_g, plan, comm))
+        home.append(_send_home(out_g.to(q.dtype), plan, comm))
         saved += [qg, kg, vg, out_g, lse_g]
     # 4) every output back; heads in order
     return ungroup([p.wait() for p in home], comm.size), saved  # (T_l, Hq, Dv)
 
 
 def pipelined_backward(dout, saved: list[torch.Tensor], plan: A2APlan, comm: Collectives, kernel: AttentionKernel,
-                       n: int, *, causal: bool, scale: float, meanwhile: Callable[[], None] | None = None):  # fmt: skip
-    """The backward in `n` head groups from the forward's `saved`. Returns `(dq, dk, dv)` for the local rows."""
+                       n: int, *, causal: bool, scale: float, meanwhile: Callable[[], None] | None = None,
+                       attend_backward: Callable | None = None):  # fmt: skip
+    """The backward in `n` head groups from the forward's `saved`. Returns `(dq, dk, dv)` for the local rows.
+    `attend_backward(dout_g, qg, kg, vg, out_g, lse_g) -> (dq_g, dk_g, dv_g)`, in the input dtype, is one group's
+    backward (default: one kernel call, as `pipelined_forward`'s)."""
+    if attend_backward is None:
+        def attend_backward(dout_g, qg, kg, vg, out_g, lse_g):
+            return kernel.backward(dout_g, qg, kg, vg, out_g, lse_g, plan.attend, causal=causal, window=plan.window,
+                                   scale=scale, full_rows=True)  # fmt: skip
     # 1) every group's dout posted
     posted = [group[0] for group in post_groups((dout,), n, comm)]
     if meanwhile is not None:
@@ -126,9 +142,7 @@ def pipelined_backward(dout, saved: list[torch.Tensor], plan: A2APlan, comm: Col
     home = []
     for c, pending in enumerate(posted):
         # 2) group c's backward call while the next group's dout travels
-        qg, kg, vg, out_g, lse_g = saved[5 * c: 5 * c + 5]
-        grads = kernel.backward(_arrived(pending, plan), qg, kg, vg, out_g, lse_g, plan.attend, causal=causal,
-                                window=plan.window, scale=scale, full_rows=True)  # fmt: skip
+        grads = attend_backward(_arrived(pending, plan), *saved[5 * c: 5 * c + 5])
         # 3) its gradients posted home (in the input dtype: the kernel's default `grad_dtype`)
         home.append([_send_home(g, plan, comm) for g in grads])
     # 4) every gradient back, heads in order
