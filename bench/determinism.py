@@ -11,8 +11,9 @@ rounded as NCCL rounds them:
    steps are is printed beside (on CUDA the backward's atomics usually make them differ);
 3. **cost**: the step (forward + backward) with the flag over without, the fastest of `--repeats`
    alternated runs each; and, alone, the row sums of the all-gather backward (rank 0's plan, zigzag,
-   largest CP size: `add_rows` in occurrence layers against one `index_add_`), the part the flag adds
-   on any device besides the kernel's own algorithm.
+   largest CP size: `add_rows` in occurrence layers against one `index_add_`, and the index's sort
+   into layers, which a batch's first backward pays once), the part the flag adds on any device
+   besides the kernel's own algorithm.
 
 Exit status 1 if an accuracy or repeatability check fails. On a GPU: `python -m bench.determinism --device
 cuda` (a step of `bench/gpu_check.sh`); on the CPU, where `index_add_` is sequential, every row repeats.
@@ -75,7 +76,7 @@ def row(mode: str, P: int, layout: str, args, device: torch.device, dtype: torch
 
 def row_sums(args, device: torch.device) -> dict:
     """Seconds of the all-gather backward's dK sum over rank 0's plan: one `index_add_` vs occurrence layers."""
-    from cpref.determinism import add_rows
+    from cpref.determinism import add_rows, occurrence_layers
     from cpref.modes.all_gather_plan import build_all_gather_plan
 
     P = max(args.cp)
@@ -83,9 +84,10 @@ def row_sums(args, device: torch.device) -> dict:
     plan = build_all_gather_plan(sharding.bounds, P, 0, "zigzag", True, device)
     src = torch.randn((len(plan.kv_index), args.heads[1], args.dim), device=device)  # float32: the partials' dtype
     dst = torch.zeros((sharding.total, args.heads[1], args.dim), device=device)  # (P T_l, Hkv, D)
-    times = fastest({flag: (lambda f=flag: add_rows(dst, plan.kv_index, src, deterministic=f)) for flag in (False, True)},
-                    repeats=max(args.repeats, 5), device=device)  # fmt: skip
-    return {"rows": len(plan.kv_index), "P": P, "index_add_": times[False], "layers": times[True]}
+    cases = {flag: (lambda f=flag: add_rows(dst, plan.kv_index, src, deterministic=f)) for flag in (False, True)}
+    cases["sort"] = lambda: occurrence_layers(plan.kv_index)  # what a batch's first backward adds, once per index
+    times = fastest(cases, repeats=max(args.repeats, 5), device=device)
+    return {"rows": len(plan.kv_index), "P": P, "index_add_": times[False], "layers": times[True], "sort": times["sort"]}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     sums = row_sums(args, device)
     print(f"row sums of the all-gather backward (P = {sums['P']}, rank 0, {sums['rows']} key rows): one index_add_ "
           f"{sums['index_add_'] * 1e6:.0f} us, occurrence layers {sums['layers'] * 1e6:.0f} us "
-          f"({sums['layers'] / sums['index_add_']:.2f}x)")  # fmt: skip
+          f"({sums['layers'] / sums['index_add_']:.2f}x); the batch's first backward also sorts the index, "
+          f"{sums['sort'] * 1e6:.0f} us, once (the layers are kept with the plan's index)")  # fmt: skip
     print(f"{len(failed)} of {len(rows)} checks failed" if failed else f"all {len(rows)} checks passed")
     return {"rows": rows, "row sums": sums, "failed": len(failed)}
 

@@ -175,10 +175,11 @@ every mode and layout on the simulated cluster at CP = 2 and 4 with flash per ra
 FP64 oracle, checks that two steps with `deterministic=True` are bitwise equal, and prints what
 the flag costs ([Deterministic backward][cpref.determinism]). On the CPU of this page's other
 figures, where nothing in the backward races, it costs only the row sums in occurrence layers:
-3 to 4x one `index_add_` for the all-gather plan of 4500 tokens at CP = 4 (0.6 to 0.8 ms against
-0.15 to 0.26 ms, twice a step, for dK and dV, in a step of about half a second on the simulated
-cluster), and the step times with and without the flag differ by less than their run-to-run
-noise (0.98 to 1.14 over two runs of the all-gather rows, 2026-12-03).
+3 to 4x one `index_add_` for the all-gather plan of 4500 tokens at CP = 4 (1.0 ms against
+0.27 ms, twice a step, for dK and dV, in a step of about half a second on the simulated
+cluster; a batch's first backward also sorts the index into layers, 0.36 ms, once), and the
+step times with and without the flag differ by less than their run-to-run noise (0.95 to 1.14
+over three runs of the all-gather rows, 2026-12-03).
 
 Measured once, on 2026-11-30, on one NVIDIA H200 with torch 2.11 (CUDA 13.0): the simulated
 cluster on the GPU agreed with the oracle to $4.2 \cdot 10^{-15}$ in every mode and layout, and

@@ -32,9 +32,13 @@ index `(3, 1, 3, 0, 3, 1)`:
 
 No two additions ever race, on any device, and the result is bit for bit the sequential sum
 (what `index_add_` computes on the CPU). The layers cost one stable sort of the index and one
-host read (how many layers) per call, and one `index_add_` per layer instead of one: the
-all-gather plan's index under the zigzag layout has two (a document's first local chunk is in
-the prefix of its second), an index without repeats one, done as before.
+host read (how many layers), and one `index_add_` per layer instead of one: the all-gather
+plan's index under the zigzag layout has two (a document's first local chunk is in the prefix
+of its second), an index without repeats one, done as before. The sort and the host read are
+paid **once per index tensor**: the indices come from the plans, which the batch cache keeps,
+so `add_rows` keeps each index's layers beside it (by identity, checked against the tensor's
+version, so an index changed in place gets new layers; dropped with the tensor), and a
+backward after the batch's first reads nothing back from the device.
 
 --8<-- "src/cpref/determinism.py:layers"
 
@@ -62,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -95,12 +100,35 @@ def occurrence_layers(index: torch.Tensor) -> list[torch.Tensor]:
 # --8<-- [end:layers]
 
 
+# id(index) -> (its version, its layers), each entry dropped with its tensor (so an id is never read for another);
+# threads (the simulated ranks) may share an index: each step is one dict operation, and two threads that miss at
+# once compute the same layers
+_LAYERS: dict[int, tuple[int, list[torch.Tensor]]] = {}
+
+
+def _layers_of(index: torch.Tensor) -> list[torch.Tensor]:
+    """`occurrence_layers(index)`, computed once per index tensor (and again after an in-place change)."""
+    try:
+        version = index._version
+    except RuntimeError:  # an inference-mode tensor counts no versions: nothing to check a kept answer by
+        return occurrence_layers(index)
+    key = id(index)
+    kept = _LAYERS.get(key)
+    if kept is not None and kept[0] == version:
+        return kept[1]
+    layers = occurrence_layers(index)
+    if key not in _LAYERS:  # the first time this tensor is seen: forget it with the tensor
+        weakref.finalize(index, _LAYERS.pop, key, None)
+    _LAYERS[key] = (version, layers)
+    return layers
+
+
 def add_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *, deterministic: bool) -> torch.Tensor:
     """`dst.index_add_(0, index, src)`, in place; with `deterministic`, one `index_add_` per occurrence layer (distinct
     rows in each, so no two additions race), bit for bit the sequential sum. Returns `dst`."""
     if not deterministic:
         return dst.index_add_(0, index, src)
-    layers = occurrence_layers(index)
+    layers = _layers_of(index)
     if len(layers) == 1:  # distinct rows already
         return dst.index_add_(0, index, src)
     for positions in layers:

@@ -77,6 +77,73 @@ def test_add_rows_sums_a_repeated_row_in_position_order():
     assert [p.tolist() for p in occurrence_layers(index)] == [[0, 3], [1], [2]]
 
 
+class CountingLayers:
+    """`occurrence_layers` counted (the sort and the host read `add_rows` keeps per index tensor)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import cpref.determinism as det
+
+        self.calls, original = 0, det.occurrence_layers
+
+        def counted(index):
+            self.calls += 1
+            return original(index)
+
+        monkeypatch.setattr(det, "occurrence_layers", counted)
+
+
+def test_add_rows_sorts_an_index_once_and_again_only_after_it_changes(monkeypatch):
+    """The plans' indices live as long as the batch: a backward after the first pays no sort and no host read. A new
+    tensor of the same values, or the same tensor changed in place, gets its own layers: never a stale answer."""
+    counter = CountingLayers(monkeypatch)
+    index, src = torch.tensor([2, 0, 2, 1, 2]), torch.arange(5.0).reshape(5, 1)
+    for _ in range(3):
+        assert add_rows(torch.zeros(3, 1), index, src, deterministic=True).flatten().tolist() == [1.0, 3.0, 6.0]
+    assert counter.calls == 1
+    assert add_rows(torch.zeros(3, 1), index.clone(), src, deterministic=True).flatten().tolist() == [1.0, 3.0, 6.0]
+    assert counter.calls == 2  # another tensor: its own layers
+    index[1] = 2  # in place: rows 2 2 2 1 2
+    assert add_rows(torch.zeros(3, 1), index, src, deterministic=True).flatten().tolist() == [0.0, 3.0, 7.0]
+    assert counter.calls == 3
+    with torch.inference_mode():
+        frozen = torch.tensor([1, 1, 0])  # an inference tensor keeps no version: computed each call, still right
+    for _ in range(2):
+        assert add_rows(torch.zeros(2, 1), frozen, src[:3], deterministic=True).flatten().tolist() == [2.0, 1.0]
+    assert counter.calls == 5
+
+
+def test_add_rows_forgets_an_index_with_the_tensor():
+    import gc
+
+    import cpref.determinism as det
+
+    before = len(det._LAYERS)
+    index = torch.tensor([0, 0, 1])
+    add_rows(torch.zeros(2, 1), index, torch.ones(3, 1), deterministic=True)
+    assert len(det._LAYERS) == before + 1
+    del index
+    gc.collect()
+    assert len(det._LAYERS) == before
+
+
+def test_add_rows_keeps_layers_right_across_threads_sharing_an_index():
+    """The simulated ranks share one process and may share a plan's index: every thread gets the right sums."""
+    index, src = torch.tensor([1, 0, 1, 1, 0, 2] * 50), torch.randn(300, 4, dtype=torch.float64)
+    want = torch.zeros(3, 4, dtype=torch.float64).index_add_(0, index, src)
+    results = []
+
+    def worker():
+        results.append(all(torch.equal(add_rows(torch.zeros(3, 4, dtype=torch.float64), index, src, deterministic=True), want)
+                           for _ in range(20)))  # fmt: skip
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4
+
+
 # ---- every mode's backward
 
 
