@@ -37,8 +37,8 @@ plan's index under the zigzag layout has two (a document's first local chunk is 
 of its second), an index without repeats one, done as before. The sort and the host read are
 paid **once per index tensor**: the indices come from the plans, which the batch cache keeps,
 so `add_rows` keeps each index's layers beside it (by identity, checked against the tensor's
-version, so an index changed in place gets new layers; dropped with the tensor), and a
-backward after the batch's first reads nothing back from the device.
+version, so an index changed in place gets new layers; dropped with the tensor), and its
+sums in a backward after the batch's first read nothing back from the device.
 
 --8<-- "src/cpref/determinism.py:layers"
 

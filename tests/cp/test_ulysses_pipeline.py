@@ -214,7 +214,8 @@ def test_head_groups_that_do_not_split_are_refused_before_any_communication(head
     assert only_the_comparison(cluster.trace), cluster.trace
 
 
+@pytest.mark.parametrize("mode", ["a2a", "a2a+p2p"])
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2"])
-def test_a_head_groups_that_is_not_a_positive_int_is_refused(value):
+def test_a_head_groups_that_is_not_a_positive_int_is_refused(value, mode):
     with pytest.raises(cpref.CPInputError, match="head_groups"):
-        cpref.MODES["a2a"].parse_options({"head_groups": value})
+        cpref.MODES[mode].parse_options({"head_groups": value})

@@ -64,8 +64,8 @@ option changes nothing. The stream and balanced layouts' own rows are attended a
 first posts, before the first wait. The values are the one exchange's to within a few units
 of FP64's last place (4 eps of a tensor's largest value), not bit for bit: a ring step's calls
 on fewer heads round differently. At CP = 2 the ring has one rank, and in the chunked layouts
-this is Ulysses' pipeline bit for bit (measured on the performance page); the default is
-`head_groups=1`.
+this is Ulysses' pipeline bit for bit (whose timing the performance page shows); the default
+is `head_groups=1`.
 
 ## Cost per rank
 
