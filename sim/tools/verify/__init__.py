@@ -55,9 +55,10 @@ than $10^{-10}$, the row reads `BAD-REF` (the ground truth is wrong, not the ran
 kernel's own rounding at large logits, where the kernel alone exceeds it. So a row also
 fails when it is more than **2 times as far from the FP64 oracle as the same kernel without
 CP** (P = 1, same dtype, same inputs: CP rank 0 runs the whole batch once more on a
-`SingleRank`, on its device), MagiAttention's criterion. The column shows the ratio
-$e(x_{CP}) / \max(e(x_{P=1}), \epsilon/2)$ of the relative errors
-$e(x) = \max|x - x^\ast| / \max|x^\ast|$, the largest of the four tensors, and `<=2` or
+`SingleRank`, on its device), MagiAttention's criterion, over the whole batch as it states
+it. The column shows the ratio $e_r(x_{CP}) / \max(e(x_{P=1}), \epsilon/2)$ of the errors
+relative to the batch's largest entry, $e_r$ over the rank's rows and $e$ over the batch's:
+$\max|x - x^\ast| / \max_{\text{batch}}|x^\ast|$, the largest of the four tensors, and `<=2` or
 `>2`; `-` for fp64, whose truth is no more precise than the result
 ([`sim.tools.verify.truth`][sim.tools.verify.truth] has the definition and the floor).
 

@@ -27,16 +27,21 @@ more than 1e-5. So every row also holds the criterion of MagiAttention's tests: 
 may be at most `RATIO_LIMIT` = 2 times as far from the FP64 truth as the same kernel without
 CP** (P = 1, same dtype, same inputs). CP rank 0 of each CP group runs the group's whole batch
 once more through `cpref.attention` on a `SingleRank`, on its own device with the same
-kernel; its result is cut into the same shards. With the error of a tensor measured as
+kernel; its result is cut into the same shards. A rank is held to the kernel's error over the
+**whole batch**, as MagiAttention holds a CP result (the whole tensor): with
 
-$$ e(x) = \frac{\max |x - x^\ast|}{\max |x^\ast|}, \qquad
-   \rho = \frac{e(x_{CP})}{\max\big(e(x_{P=1}),\ \epsilon / 2\big)}, $$
+$$ \rho_r = \frac{\max_{\text{rank } r} |x_{CP} - x^\ast|}
+              {\max\big(\max_{\text{batch}} |x_{P=1} - x^\ast|,\ \tfrac{\epsilon}{2} \max_{\text{batch}} |x^\ast|\big)}, $$
 
-$x^\ast$ the oracle's shard and $\epsilon$ the machine epsilon of the dtype (the floor is the
+$x^\ast$ the oracle and $\epsilon$ the machine epsilon of the dtype (the floor is the
 largest error that merely storing the exact result in that dtype makes), the `vs P=1` column
-shows the largest $\rho$ of the row's four tensors and whether it is $\le 2$; above 2 the row
-fails. fp64 rows show `-`: the FP64 truth is no more precise than an fp64 result, so the
-ratio would compare rounding with rounding.
+shows the largest $\rho_r$ of the row's four tensors (`shard_ratio`) and whether it is
+$\le 2$; above 2 the row fails. Held to the run without CP on its own rows instead, a rank
+would fail by chance: the largest of a shard's few thousand errors moves by more than 2x
+between results rounded equally well (float32, P = 4, documents of 96, 224 and 64 tokens, 6
+seeds: the RFC's one call, whose rounding is the kernel's plus the reduce-scatter's, reached
+2.1 on one shard of 48, and at most 1.35 against the batch). fp64 rows show `-`: the FP64
+truth is no more precise than an fp64 result, so the ratio would compare rounding with rounding.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from sim.harness import oracle_padded, run_attention
 from sim.tools.progress import Progress
 from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, cp_groups, make_batch
 
-__all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "precision_ratio", "relative_error",
+__all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "precision_ratio", "shard_ratio", "relative_error",
            "vs_without_cp", "check"]  # fmt: skip
 
 NAMES = ("out", "dq", "dk", "dv")
@@ -106,7 +111,7 @@ class Row:
     oracle: float  # largest |real - oracle| over the four tensors
     status: str  # "pass", "FAIL" or "BAD-REF"
     note: str = ""
-    ratio: float | None = None  # largest precision_ratio of the four tensors against the run without CP; None for fp64
+    ratio: float | None = None  # largest shard_ratio of the four tensors against the run without CP; None for fp64
 
     @property
     def ratio_ok(self) -> bool:
@@ -216,11 +221,39 @@ def compare(got, want, tol: float) -> tuple[dict[str, float], bool, str]:
     return errors, ok, "; ".join(notes)
 
 
-def vs_without_cp(case: Case, got, without_cp, oracle) -> float | None:
-    """The largest `precision_ratio` of a rank's four tensors; None for fp64 or a missing tensor."""
-    if case.dtype == "fp64" or without_cp is None or any(g is None or g.shape != w.shape for g, w in zip(got, oracle)):
+def vs_without_cp(case: Case, got, rank: int, without_cp, oracle) -> float | None:
+    """The largest `shard_ratio` of rank `rank`'s four tensors `got`; None for fp64 or a missing tensor.
+    `without_cp`, `oracle`: per rank, its four shards of the batch without CP and of the oracle."""
+    if case.dtype == "fp64" or without_cp is None or any(g is None or g.shape != w.shape for g, w in zip(got, oracle[rank])):
         return None
-    return max(precision_ratio(g, p, w, DTYPES[case.dtype]) for g, p, w in zip(got, without_cp, oracle))
+    return max(shard_ratio(g, oracle[rank][i], [p[i] for p in without_cp], [w[i] for w in oracle], DTYPES[case.dtype])
+               for i, g in enumerate(got))  # fmt: skip
+
+
+def shard_ratio(got: torch.Tensor, truth: torch.Tensor, without_cp: Tensors, batch_truth: Tensors,
+                dtype: torch.dtype) -> float:  # fmt: skip
+    """`precision_ratio` of one rank's shard: its largest error `max |got - truth|` and the run without CP's over the
+    whole batch (`without_cp`, `batch_truth`: every rank's shards), both relative to the batch's largest entry.
+
+    A rank's shard is a fraction of the batch, and the largest error over a few thousand entries moves from shard to
+    shard by more than 2x between two results equally rounded; so the rank is held to the kernel's error over the
+    batch, as MagiAttention's criterion holds a CP result (the whole tensor): a rank 2x farther than that is 2x
+    farther than P = 1 anywhere. Returns 0.0 when `got` is exact.
+
+    Example:
+        >>> truth = [torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor([4.0], dtype=torch.float64)]
+        >>> plain = [torch.tensor([1.0, -2.0]), torch.tensor([4.0 + 2**-20])]  # P = 1: off on rank 1's entry
+        >>> shard_ratio(torch.tensor([1.0, -2.0 + 2**-19]), truth[0], plain, truth, torch.float32)  # rank 0: twice
+        2.0
+    """
+    scale = max((float(t.abs().max()) for t in batch_truth if t.numel()), default=0.0)
+    err = float((got.double() - truth).abs().max()) if got.numel() else 0.0
+    if err == 0.0:
+        return 0.0
+    err_1 = max((float((p.double() - t).abs().max()) for p, t in zip(without_cp, batch_truth, strict=True) if t.numel()),
+                default=0.0)  # fmt: skip
+    floor = torch.finfo(dtype).eps / 2 * scale
+    return err / max(err_1, floor) if max(err_1, floor) > 0 else float("inf")
 
 
 def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) -> Report:
@@ -241,7 +274,7 @@ def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) 
                 errors, ok, note = compare(got, simulated[r], tol)
                 ref_errors, ref_ok, _ = compare(simulated[r], oracle[r], TOL["fp64"])
                 oracle_err = max(compare(got, oracle[r], tol)[0].values())
-                ratio = vs_without_cp(case, got, None if plain is None else plain[r], oracle[r])
+                ratio = vs_without_cp(case, got, r, plain, oracle)
                 ok &= ratio is None or ratio <= RATIO_LIMIT
                 status = "pass" if ok and ref_ok else "FAIL" if not ok else "BAD-REF"
                 note = note or ("" if ref_ok else f"simulated cluster differs from the oracle by {max(ref_errors.values()):.1e}")
