@@ -284,7 +284,7 @@ def split_traffic() -> Figure:
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     batches = {layout: cpref.Sharding.eod_padded(cu, cp_size=P, layout=layout) for layout in ("zigzag", "balanced")}
     bal = batches["balanced"]
-    splits = [split_rows(bal.bounds, P, r, "balanced", torch.device("cpu")) for r in range(P)]
+    splits = [split_rows(bal.bounds, P, r, "balanced", torch.device("cpu"), group=P, causal=True, window=(-1, -1)) for r in range(P)]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(WIDTH, 5.4), constrained_layout=True)
     own = [len(s.own) for s in splits]
     shared = [len(s.shared) for s in splits]

@@ -98,8 +98,8 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
     if mode == "a2a" and by_pieces:
         from cpref.modes.ulysses_split import build_split_plan
 
-        gathered = build_split_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, heads[0], heads[1], window,
-                                    cpu).rows  # fmt: skip
+        gathered = build_split_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, heads[0], heads[1], causal,
+                                    window, cpu).rows  # fmt: skip
     return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
                       halo_sizes=sizes, gathered_rows=gathered, window=window, **options)  # fmt: skip
 

@@ -133,6 +133,7 @@ __all__ = [
     "pad_to_multiple",
     "unpad",
     "attention_work",
+    "chunk_work",
     "bshd_to_thd",
     "thd_to_bshd",
 ]
@@ -279,21 +280,25 @@ def attention_work(
             each chunk's queries against the key range their window spans.
     """
     b = _bounds(cu_seqlens)
-    work = 0
-    for doc, s, e in local_chunks(b, cp_size=cp_size, rank=rank, layout=layout):
-        a = s - b.padded[doc]  # the chunk's first position
-        z = a + b.real_in(doc, a, e - b.padded[doc])  # real query positions [a, z)
-        if z == a:
-            continue
-        if tuple(window) != (-1, -1):
-            work += _window_work(a, z, b.real_len(doc), causal, window, exact)
-        elif not causal:
-            work += (z - a) * b.real_len(doc)
-        elif exact:
-            work += (z * (z + 1) - a * (a + 1)) // 2  # sum of (p + 1) for p in [a, z)
-        else:
-            work += (z - a) * z  # the chunk's real queries against its causal prefix
-    return work
+    return sum(chunk_work(b, doc, s, e, causal=causal, exact=exact, window=window)
+               for doc, s, e in local_chunks(b, cp_size=cp_size, rank=rank, layout=layout))  # fmt: skip
+
+
+def chunk_work(b: Boundaries, doc: int, start: int, end: int, *, causal: bool = True, exact: bool = False,
+               window: tuple[int, int] = (-1, -1)) -> int:  # fmt: skip
+    """Attention work of the queries of one piece `(doc, start, end)` (`[start, end)` in the padded stream)
+    against their document, in score entries per head: `attention_work`'s term for it (padding counts as absent)."""
+    a = start - b.padded[doc]  # the chunk's first position
+    z = a + b.real_in(doc, a, end - b.padded[doc])  # real query positions [a, z)
+    if z == a:
+        return 0
+    if tuple(window) != (-1, -1):
+        return _window_work(a, z, b.real_len(doc), causal, window, exact)
+    if not causal:
+        return (z - a) * b.real_len(doc)
+    if exact:
+        return (z * (z + 1) - a * (a + 1)) // 2  # sum of (p + 1) for p in [a, z)
+    return (z - a) * z  # the chunk's real queries against its causal prefix
 
 
 def _window_work(a: int, z: int, n: int, causal: bool, window: tuple[int, int], exact: bool) -> int:

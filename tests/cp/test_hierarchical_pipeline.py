@@ -119,7 +119,7 @@ def test_each_groups_exchange_is_posted_before_the_calls_that_hide_it_and_waited
     """The a2a groups' all-to-alls logged beside the kernel calls: at P = 4 each group's ring makes two calls (its
     two steps) between its inputs' wait and its output's post. Balanced at P = 2: documents on one rank, one across."""
     n = 2
-    sharding, q, k, v, dout = padded_batch([48, 16, 64] if P == 2 else [64, 32, 96], P, layout, (8, 8, 8, 8))
+    sharding, q, k, v, dout = padded_batch([32, 32, 64] if P == 2 else [64, 32, 96], P, layout, (8, 8, 8, 8))
     logs = [[] for _ in range(P)]
 
     def rank_fn(comm):

@@ -122,7 +122,8 @@ def test_a2a_p2p_exchanges_and_rings_only_the_documents_that_span_ranks(layout, 
     """The hierarchy over stream or balanced: the documents held whole stay home (all heads, one call), the others
     take the exchange inside the group padded to the most any rank has, then a ring over the groups of those rows
     only; bytes and collectives are the formula's with the plan's rows and shifts, exactly, the saved bytes at
-    most its bound, on every rank, and the traffic a fraction of the unsplit hierarchy's."""
+    most its bound, on every rank, and the traffic below the unsplit hierarchy's: under half of it with balanced
+    (stream's ranks work unevenly, and exchange some of their whole documents for balance: `exchanged_docs`)."""
     from sim.harness import saved_bytes
 
     sharding = cpref.Sharding.eod_padded(cu_from_lengths([8] * 40 + [60] + [8] * 60 + [90]), cp_size=P, layout=layout)
@@ -146,7 +147,7 @@ def test_a2a_p2p_exchanges_and_rings_only_the_documents_that_span_ranks(layout, 
     ring = build_window_ring_plan(sharding.bounds, P // a, 0, layout, True, NO_WINDOW, torch.device("cpu"), a)
     whole = mode_costs("a2a+p2p", P=P, local_tokens=sharding.local_tokens, heads=heads, dtype=torch.float64,
                        a2a_size=a, halo_sizes=ring.halo.sizes)  # fmt: skip
-    assert 0 < want.forward_bytes < whole.forward_bytes / 2
+    assert 0 < want.forward_bytes < whole.forward_bytes / (2 if layout == "balanced" else 1)
 
 
 def _split_rows_and_shifts(sharding, a: int, heads) -> dict:

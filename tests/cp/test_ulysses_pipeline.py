@@ -174,7 +174,7 @@ def schedule(n, own, heads, kind):
 def test_each_group_is_posted_before_the_calls_that_hide_it_and_waited_after(layout, own):
     """Balanced: the batch's first document sits on rank 0, the second on rank 1, the third spans both."""
     P, n = 2, 2
-    sharding, q, k, v, dout = padded_batch([48, 16, 64], P, layout, (8, 8, 8, 8))
+    sharding, q, k, v, dout = padded_batch([32, 32, 64], P, layout, (8, 8, 8, 8))
     logs = [[] for _ in range(P)]
 
     def rank_fn(comm):

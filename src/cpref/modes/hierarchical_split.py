@@ -21,7 +21,9 @@ The two outputs are written into their rows; the backward mirrors it (dK/dV of r
 key/value heads in float32, as in Ulysses). Per rank the exchange moves Ulysses' traffic over
 `a` ranks on $m$ rows instead of $T_l$ (`cpref.costs.exchange_costs` with `gathered_rows`
 $= m$), and the ring the halo of the shared documents only (`halo_sizes` of this plan's ring);
-a batch whose documents all sit on one rank each moves nothing.
+a batch whose documents all sit on one rank each moves nothing, unless the ranks of an a2a
+group would work unevenly: then a few documents held whole take the group's exchange too, as
+in [the split Ulysses' balance](ulysses-split.md#balance), spread over the group only.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class SplitHierarchicalPlan:
 def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str, a: int, hq: int, hkv: int,
                                   causal: bool, window, device) -> SplitHierarchicalPlan:  # fmt: skip
     """Rank `rank`'s plan with a2a groups of `a` consecutive ranks (no caching)."""
-    split, g = split_rows(b, P, rank, layout, device), rank // a
+    split, g = split_rows(b, P, rank, layout, device, group=a, causal=causal, window=window), rank // a
     m, slot_doc, shared = split.rows, b.num_docs, set(split.docs)  # the slots: a document past the last, all padding
     members = []  # per group: its shared pieces (doc, start, end, row) in stream order, then its slots
     for h in range(P // a):

@@ -18,11 +18,30 @@ The two outputs are written into their rows. The backward mirrors it: the own ro
 come from one backward call, the shared rows' through the same exchanges (dK/dV of replicated
 key/value heads in float32, as in Ulysses). Per rank the traffic is Ulysses' on $m$ rows
 instead of $T_l$ (`cpref.costs.exchange_costs` with `gathered_rows` $= m$); a batch whose
-documents all sit on one rank each moves nothing.
+documents all sit on one rank each, with work as even as the balance below asks, moves nothing.
+
+## Balance
+
+A layout balances work as the sequence modes do it: a document's share of causal work goes
+with its tokens ([`cpref.balanced`][cpref.balanced]). Ulysses does not: every rank attends
+$1 / P$ of the heads of **every** shared document, whatever share of its tokens it holds. So a
+rank's work here is its own documents' work $O_r$ plus a $P$-th of the shared ones', $S / P$,
+and a `balanced` plan can leave it uneven (on the packed mix `[244, 2244, 5964, 7932]` at
+$P = 2$, the rank that keeps the 2244-token document works 10% more than the other, and
+`stream` keeps most documents whole, wherever they fall). Exchanging an own document of work
+$w$ takes $(P - 1) w / P$ off its rank and adds $w / P$ to every other, so the split trades a
+few more exchanged rows for balance (`exchanged_docs`): while the most loaded rank is above
+the mean by more than `cpref.balanced.TOLERANCE` (2%), it exchanges the own document of that
+rank that lowers the loads' sum of squares most (the change is a parabola in $w$, least at
+$w = E / (k (k - 1))$ with $E = (k - 1) L_r - \sum_{t \ne r} L_t$ over the $k$ ranks that
+share it: `_best_move`), until none lowers it. Every rank computes it from the boundaries
+alone. The hierarchy uses the same rule inside its a2a groups ($k = a$: there an exchanged
+document spreads over its group only).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +50,15 @@ import torch
 from cpref.call import CPCall
 from cpref.comm import Collectives
 from cpref.kernels.contract import Varlen
-from cpref.layout import local_chunks
+from cpref.balanced import TOLERANCE
+from cpref.layout import chunk_work, local_chunks
 from cpref.modes.shared import document_sequences, head_split, no_double_backward, padded_rows
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.seqlens import Boundaries
 
-__all__ = ["SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order"]
+__all__ = ["SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order",
+           "exchanged_docs", "split_loads"]
 
 
 @dataclass(frozen=True)
@@ -77,19 +98,75 @@ class RowSplit:
     docs: tuple[int, ...]
 
 
-def _shared_docs(b: Boundaries, P: int, layout: str) -> set[int]:
-    """The documents whose real tokens sit on more than one rank."""
-    holders: dict[int, set[int]] = {}
+def split_loads(b: Boundaries, P: int, layout: str, group: int, causal: bool, window, exchanged) -> list[int]:
+    """Each rank's attention work, in score entries per head times `group`, when the documents `exchanged` take
+    the exchange: `group` times the work of the documents it keeps, plus the exchanged pieces' work of its group
+    (the `group` ranks that share it, each attending `1 / group` of the heads: `P` for Ulysses, the a2a group
+    for the hierarchy)."""
+    held = _holdings(b, P, layout, causal, window)
+    return [group * sum(w for doc, w in held[r].items() if doc not in exchanged)
+            + sum(w for t in _group_of(r, group) for doc, w in held[t].items() if doc in exchanged) for r in range(P)]  # fmt: skip
+
+
+def exchanged_docs(b: Boundaries, P: int, layout: str, group: int, causal: bool, window) -> set[int]:
+    """The documents that take the exchange (module docstring, "Balance"): those whose real tokens sit on more than
+    one rank; then, one at a time while the most loaded rank (`split_loads`) is above the mean by more than
+    `TOLERANCE`, the document it keeps whose exchange lowers the loads' sum of squares most (`_best_move`),
+    until none lowers it."""
+    held = _holdings(b, P, layout, causal, window)
+    exchanged = {doc for r in range(P) for doc in held[r] if any(doc in held[t] for t in range(P) if t != r)}
+    load = split_loads(b, P, layout, group, causal, window, exchanged)
+    kept = [sorted((w, b.real_len(doc), doc) for doc, w in held[r].items() if doc not in exchanged) for r in range(P)]
+    while max(load) * P > (1 + TOLERANCE) * sum(load):
+        r = load.index(max(load))
+        g = _group_of(r, group)
+        i = _best_move(kept[r], load, r, g)
+        if i is None:
+            break
+        w, _, doc = kept[r].pop(i)
+        load = [x + w * ((t in g) - group * (t == r)) for t, x in enumerate(load)]  # its work spread over the group
+        exchanged.add(doc)
+    return exchanged
+
+
+def _best_move(kept: list[tuple[int, int, int]], load: list[int], r: int, g: range) -> int | None:
+    r"""The index in `kept` (rank r's documents `(work, tokens, doc)`, sorted) of the one to exchange, or None.
+
+    Exchanging work $w$ takes $(k - 1) w$ off $L_r$ and adds $w$ to each of its $k - 1$ group mates, so the
+    loads' sum of squares changes by $\Delta(w) = w\,(k (k - 1) w - 2E)$, $E = (k - 1) L_r - \sum_{mates} L_t$:
+    convex in $w$, least at $w = E / (k (k - 1))$. The document is the one beside that point with the lower
+    $\Delta$ (the heavier on a tie; of equal work, the fewest tokens, then the lowest index), if $\Delta < 0$.
+    """
+    k = len(g)
+    E = (k - 1) * load[r] - sum(load[t] for t in g if t != r)
+    if not kept or k == 1:  # alone in its group: an exchange moves nothing
+        return None
+    cross = bisect.bisect_left(kept, E / (k * (k - 1)), key=lambda c: c[0])
+    near = [i for i in (cross, cross - 1) if 0 <= i < len(kept)]
+    i = min(near, key=lambda i: kept[i][0] * (k * (k - 1) * kept[i][0] - 2 * E))
+    if kept[i][0] * (k * (k - 1) * kept[i][0] - 2 * E) >= 0:
+        return None
+    return bisect.bisect_left(kept, kept[i][0], key=lambda c: c[0])  # of its work, the first: fewest tokens
+
+
+def _holdings(b: Boundaries, P: int, layout: str, causal: bool, window) -> list[dict[int, int]]:
+    """Per rank, `{doc: work}` of the documents whose real tokens it holds: its pieces' queries' exact work."""
+    held: list[dict[int, int]] = [{} for _ in range(P)]
     for r in range(P):
         for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
             if b.real_in(doc, s - b.padded[doc], e - b.padded[doc]):
-                holders.setdefault(doc, set()).add(r)
-    return {doc for doc, ranks in holders.items() if len(ranks) > 1}
+                held[r][doc] = held[r].get(doc, 0) + chunk_work(b, doc, s, e, causal=causal, exact=True, window=window)
+    return held
 
 
-def split_rows(b: Boundaries, P: int, rank: int, layout: str, device) -> RowSplit:
-    """Rank `rank`'s own and shared rows (no caching)."""
-    shared_docs = _shared_docs(b, P, layout)
+def _group_of(r: int, group: int) -> range:
+    """The ranks of rank `r`'s group of `group` consecutive ranks."""
+    return range(r // group * group, (r // group + 1) * group)
+
+
+def split_rows(b: Boundaries, P: int, rank: int, layout: str, device, *, group: int, causal: bool, window) -> RowSplit:
+    """Rank `rank`'s own and shared rows (no caching); `group`, `causal`, `window`: as in `exchanged_docs`."""
+    shared_docs = exchanged_docs(b, P, layout, group, causal, window)
     shared_ids, own_rows, own_lens = [], [], []  # per rank: global ids of its shared rows
     for r in range(P):
         ids, row = [], 0
@@ -117,9 +194,10 @@ def gathered_order(ids: list[torch.Tensor], m: int, total: int) -> tuple[torch.T
     return torch.argsort(torch.where(received >= 0, received, total + torch.arange(len(received)))), received
 
 
-def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, window, device) -> SplitPlan:
+def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, causal: bool, window,
+                     device) -> SplitPlan:  # fmt: skip
     """Rank `rank`'s split plan (no caching)."""
-    rows = split_rows(b, P, rank, layout, device)
+    rows = split_rows(b, P, rank, layout, device, group=P, causal=causal, window=window)
     m = rows.rows
     # the gathered buffer: rank-major, each rank's shared rows then padding slots; wanted: document order, slots last
     order, received = gathered_order(list(rows.ids), m, b.total)
@@ -141,9 +219,9 @@ def _varlen(lens: list[tuple[int, int]]) -> Varlen:
 
 def split_plan(call: CPCall) -> SplitPlan:
     """The cached split plan of this rank."""
-    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.window, str(call.device))
+    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.causal, call.window, str(call.device))
     return call.plan(key, lambda: build_split_plan(call.bounds, call.P, call.rank, call.layout, call.heads[0],
-                                                   call.heads[1], call.window, call.device))  # fmt: skip
+                                                   call.heads[1], call.causal, call.window, call.device))  # fmt: skip
 
 
 class SplitUlyssesFunc(torch.autograd.Function):
