@@ -124,15 +124,16 @@ pipeline bit for bit; what it adds, a ring per group, needs $P \ge 4$ processes.
 Per rank: compute and comm wait; per mode and layout: the step of each path and its ratio to the
 mode's default (below 1: the overlap pays). On two cores neither has a spare core to move the data
 with: gloo's copies compete with the kernel. The all-gather overlap removes most of the waiting
-and adds two kernel calls and a merge; Ulysses waits little to begin with (its waits, well under
-a tenth of a second on the zigzag layout, are mostly the other rank finishing its share, as the
-balanced layout's uneven compute shows), so its head groups have little to hide, and smaller
-calls to pay for it. The ratios of the last run are under its tables (the overlapped paths against
-their defaults); across runs both paths have come out between about 0.8 and 1.3 of their defaults,
-mostly either side of 1 from run to run: within what this machine moves from step to step. One
-case has paid in each of the last three runs: Ulysses' head groups on the packed mix in the zigzag
-layout, 0.92-0.93 of the one exchange (two of those runs with 4 heads and `head_groups=2`, one
-with 8 heads and `head_groups=4`); pass `head_groups` where a measurement of your own says so.
+and adds two kernel calls and a merge; Ulysses waits little to begin with (its waits are well
+under a tenth of a second; on stream and balanced the split now evens the ranks' work, so they are
+the exchanges themselves: [the split's balance](ulysses-split.md#balance)), so its head groups
+have little to hide, and smaller calls to pay for it. The ratios of the last run are under its
+tables (the overlapped paths against their defaults); across runs both paths have come out
+between about 0.8 and 1.3 of their defaults, mostly either side of 1 from run to run: within what
+this machine moves from step to step. One case has paid in each of the last four runs: Ulysses'
+head groups on the packed mix in the zigzag layout, 0.92-0.95 of the one exchange (three of those
+runs with 4 heads and `head_groups=2`, one with 8 heads and `head_groups=4`); pass `head_groups`
+where a measurement of your own says so.
 Which path is the default follows from this: the one call and the one exchange, until a backend
 that moves data off the compute cores (NCCL, HCCL) is measured (issue 25).
 
@@ -173,8 +174,8 @@ memory-efficient kernel, the fast column is [`CudaKernel`][cpref.kernels.cuda_ke
 column `TorchKernel`'s explicit path. Last, `bench/determinism.py` in bfloat16 and float16 runs
 every mode and layout on the simulated cluster at CP = 2 and 4 with flash per rank against the
 FP64 oracle, checks that two steps with `deterministic=True` are bitwise equal, and prints what
-the flag costs ([Deterministic backward][cpref.determinism]). On the CPU of this page's other
-figures, where nothing in the backward races, it costs only the row sums in occurrence layers:
+the flag costs ([Deterministic backward][cpref.determinism]). On a 2-core CPU (an earlier run
+than this page's other figures, on another machine), where nothing in the backward races, it costs only the row sums in occurrence layers:
 3 to 4x one `index_add_` for the all-gather plan of 4500 tokens at CP = 4 (1.0 ms against
 0.27 ms, twice a step, for dK and dV, in a step of about half a second on the simulated
 cluster; a batch's first backward also sorts the index into layers, 0.36 ms, once), and the
@@ -324,8 +325,9 @@ LIMITS = {
                   "the other and what the split adds to its compute.",
     "compute": "Two busy cores slow each other (the pair's factor: the second figure leaves it out); the ring makes one "
                "call per step, and every split runs its calls over smaller segments.",
-    "comm": "Mostly waiting for the other rank to finish its share (the balanced layout evens the counted work, not "
-            "the time), then gloo's copies, which run on the compute cores.",
+    "comm": "The collectives nothing hides (the all-gather's and Ulysses' defaults wait for theirs; the overlapped "
+            "paths cut that wait by about half or more), what one rank waits for the other, and gloo's copies, which run on "
+            "the compute cores.",
     "ring:": "At CP = 2 every shift but one is its direction's last; the per-shift goal needs P >= 3 processes, which "
              "two cores run only oversubscribed.",
     "overlapped": "No core is free to move the data: gloo's copies compete with the kernel, and the overlap adds calls "

@@ -154,6 +154,12 @@ PAGE_FIGURES = {
          "Two real runs of `python -m sim train`, drawn when this site was built: the loss of each step at CP = 1 "
          "and at CP = 4 lie on top of each other; below, their relative difference."),
     ],
+    "ulysses-split.md": [
+        ("figures/split_balance.png",
+         "Each rank's attention work in the split Ulysses on the packed mix, over the mean: the documents whose tokens "
+         "span ranks exchanged alone (plain) and with the documents the balance adds (hatched); each rank's bar in its "
+         "color. The counts are the plan's (`split_loads`), which the tests hold to the work of the kernels' calls."),
+    ],
     "hierarchical-split.md": [
         ("figures/split_traffic.png",
          "A long-tailed pack of 24 documents under balanced over `P = 4`: each rank's own rows (documents it holds "

@@ -314,6 +314,42 @@ def split_traffic() -> Figure:
     return fig
 
 
+def split_balance() -> Figure:
+    """`figures/split_balance.png`: each rank's work in the split Ulysses on the packed mix, the documents that span
+    ranks alone against the balance's choice (`cpref.modes.ulysses_split.split_loads`, which the tests hold to the
+    kernels' calls exactly)."""
+    from cpref.balanced import TOLERANCE
+    from cpref.modes.ulysses_split import _holdings, exchanged_docs, split_loads
+
+    cu = [0, *torch.tensor([244, 2244, 5964, 7932]).cumsum(0).tolist()]
+    fig, ax = plt.subplots(figsize=(WIDTH, 3.4), constrained_layout=True)
+    x, ticks, labels = 0.0, [], []
+    for layout, n in [(layout, n) for layout in ("balanced", "stream") for n in (2, 4)]:
+        b = cpref.Sharding.eod_padded(cu, cp_size=n, layout=layout).bounds
+        held = _holdings(b, n, layout, True, NO_WINDOW)
+        spanning = {doc for r in range(n) for doc in held[r] if sum(doc in h for h in held) > 1}
+        start = x
+        for j, docs in enumerate((spanning, exchanged_docs(b, n, layout, n, True, NO_WINDOW))):
+            load = split_loads(b, n, layout, n, True, NO_WINDOW, docs)
+            ax.bar([x + r * 0.18 for r in range(n)], [w * n / sum(load) for w in load], 0.16,
+                   color=[rank_color(r) for r in range(n)], hatch="//" if j else "", edgecolor="0.25")  # fmt: skip
+            x += n * 0.18 + 0.15
+        ticks.append((start + x - 0.33) / 2)
+        labels.append(f"{layout}, P = {n}")
+        x += 0.4
+    ax.axhline(1 + TOLERANCE, color="0.3", lw=0.8, ls="--")
+    ax.text(x - 0.4, 1 + TOLERANCE + 0.02, "mean + 2%", ha="right", va="bottom", color="0.3")
+    ax.set_xticks(ticks, labels)
+    ax.set_ylabel("rank's work / mean")
+    ax.set_ylim(0, 1.75)
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="0.25", label="the spanning documents exchanged"),
+                       Patch(facecolor="white", edgecolor="0.25", hatch="//", label="with the balance's")],
+              frameon=False, loc="upper left")  # fmt: skip
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title("a2a on the packed mix [244, 2244, 5964, 7932]: each rank's work", loc="left")
+    return fig
+
+
 class _ScheduleLog:
     """A rank's collectives and kernel that log, in order, each post and wait and each kernel call with its work."""
 
@@ -516,6 +552,7 @@ FIGURES = {
     "figures/hierarchical_pipeline.png": hierarchical_pipeline,
     "figures/overlap_schedule.png": overlap_schedule,
     "figures/split_traffic.png": split_traffic,
+    "figures/split_balance.png": split_balance,
     "figures/ring_schedule.png": ring_schedule,
     "figures/window_ring.png": window_ring,
     "figures/hierarchical_schedule.png": hierarchical_schedule,

@@ -22,21 +22,35 @@ documents all sit on one rank each, with work as even as the balance below asks,
 
 ## Balance
 
-A layout balances work as the sequence modes do it: a document's share of causal work goes
+A layout balances work as the sequence modes see it: a document's share of causal work goes
 with its tokens ([`cpref.balanced`][cpref.balanced]). Ulysses does not: every rank attends
-$1 / P$ of the heads of **every** shared document, whatever share of its tokens it holds. So a
-rank's work here is its own documents' work $O_r$ plus a $P$-th of the shared ones', $S / P$,
-and a `balanced` plan can leave it uneven (on the packed mix `[244, 2244, 5964, 7932]` at
-$P = 2$, the rank that keeps the 2244-token document works 10% more than the other, and
-`stream` keeps most documents whole, wherever they fall). Exchanging an own document of work
-$w$ takes $(P - 1) w / P$ off its rank and adds $w / P$ to every other, so the split trades a
-few more exchanged rows for balance (`exchanged_docs`): while the most loaded rank is above
-the mean by more than `cpref.balanced.TOLERANCE` (2%), it exchanges the own document of that
-rank that lowers the loads' sum of squares most (the change is a parabola in $w$, least at
-$w = E / (k (k - 1))$ with $E = (k - 1) L_r - \sum_{t \ne r} L_t$ over the $k$ ranks that
-share it: `_best_move`), until none lowers it. Every rank computes it from the boundaries
-alone. The hierarchy uses the same rule inside its a2a groups ($k = a$: there an exchanged
-document spreads over its group only).
+$1 / P$ of the heads of **every** shared document, whatever share of its tokens it holds. Per
+rank, in score entries per head,
+
+$$ L_r = O_r + \frac{S}{P}, $$
+
+$O_r$ the work of the documents it keeps, $S$ that of the exchanged ones (`split_loads`). So a
+`balanced` plan can leave Ulysses uneven: on the packed mix `[244, 2244, 5964, 7932]` at
+$P = 2$ the rank that keeps the 2244-token document works 5% above the mean (10% more than
+the other), and under `stream`, which keeps most documents whole wherever they fall, one rank
+works 56% above it.
+Exchanging a document of work $w$ that rank $r$ keeps takes $(P - 1) w / P$ off it and adds
+$w / P$ to every other rank, so the split trades a few more exchanged rows for balance
+(`exchanged_docs`, from the boundaries alone, so every rank agrees):
+
+1. Exchange the documents whose real tokens sit on more than one rank.
+2. While the most loaded rank is above the mean by more than `cpref.balanced.TOLERANCE` (2%),
+   exchange the document it keeps that lowers the loads' sum of squares most. Over the $k$
+   ranks that share the exchange, the change is $\Delta(w) = w\,(k (k - 1) w - 2E)$ in units
+   of $1 / k$, with $E = (k - 1) L_r - \sum_{t \ne r} L_t$: a parabola, least at
+   $w = E / (k (k - 1))$, so a bisection over the rank's documents sorted by work finds it.
+   On a tie the heavier one is taken; of equal work, the one with the fewest tokens.
+3. Stop when no document lowers it.
+
+The hierarchy ([for stream and balanced][cpref.modes.hierarchical_split]) uses the same rule
+inside its a2a groups ($k = a$): there an exchanged document spreads over its group only.
+
+{{ figure figures/split_balance.png }}
 """
 
 from __future__ import annotations
