@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import cpref
 from cpref.balanced import TOLERANCE
 from cpref.kernels.contract import NO_WINDOW
-from cpref.modes.ulysses_split import _best_move, _holdings, exchanged_docs, split_loads
+from cpref.layout import local_chunks
+from cpref.modes.ulysses_split import _best_move, _holdings, exchanged_docs, split_loads, split_rows
 from tests.cp.conftest import CountingKernel, run_cp
 from tests.helpers import attention_inputs, cu_from_lengths
 
@@ -160,3 +161,23 @@ def test_the_pages_figures_for_the_full_mix(layout, above):
     b = sharding.bounds
     assert round(100 * (_uneven(split_loads(b, 2, layout, 2, True, NO_WINDOW, _spanning(sharding))) - 1)) == above
     assert _uneven(split_loads(b, 2, layout, 2, True, NO_WINDOW, exchanged_docs(b, 2, layout, 2, True, NO_WINDOW))) <= 1 + TOLERANCE
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=10), st.sampled_from(["stream", "balanced"]),
+       st.sampled_from([(2, 2), (3, 3), (4, 2), (4, 4)]), st.booleans())  # fmt: skip
+def test_own_and_shared_rows_partition_every_ranks_shard(lengths, layout, sizes, padded):
+    """Each local row is own or shared exactly once (the split Functions' outputs start empty and are filled by
+    the two): the rows of the exchanged documents shared, with their padding, the rest own."""
+    P, group = sizes
+    padding = [n + 3 for n in lengths] if padded else list(lengths)  # every document padded by 3, or none
+    padding[-1] += -sum(padding) % P
+    b = cpref.Sharding(cu_from_lengths(lengths), cp_size=P, layout=layout,
+                       cu_seqlens_padded=cu_from_lengths(padding)).bounds  # fmt: skip
+    exchanged = exchanged_docs(b, P, layout, group, True, NO_WINDOW)
+    for r in range(P):
+        split = split_rows(b, P, r, layout, torch.device("cpu"), group=group, causal=True, window=NO_WINDOW)
+        rows = torch.cat([split.own, split.shared])
+        assert torch.equal(rows.sort().values, torch.arange(b.total // P)), r
+        docs = [doc for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout) for _ in range(e - s)]  # per row
+        assert {docs[i] for i in split.shared.tolist()} <= exchanged and not {docs[i] for i in split.own.tolist()} & exchanged

@@ -132,7 +132,7 @@ class SplitHierarchicalFunc(torch.autograd.Function):
                 causal: bool, scale: float, deterministic: bool = False, groups: int = 1):  # fmt: skip
         """The own rows' call with all heads; the shared rows' exchange, ring and exchange back; one output."""
         ex, m = plan.exchange, plan.rows
-        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv)
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv): every row own or shared
         own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
         saved = [None, None]
 
@@ -170,7 +170,7 @@ class SplitHierarchicalFunc(torch.autograd.Function):
         no_double_backward()
         plan, kernel, m, (a2a_comm, ring_comm) = ctx.plan, ctx.kernel, ctx.plan.rows, ctx.comms
         q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
-        dq, dk, dv = (dout.new_zeros(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
+        dq, dk, dv = (dout.new_empty(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
 
         def own_rows() -> None:  # 1) the own rows: one backward call
             if len(plan.own):

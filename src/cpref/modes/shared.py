@@ -50,9 +50,11 @@ def document_sequences(n: int, pad: int) -> list[tuple[int, int]]:
 
 
 def padded_rows(x: torch.Tensor, rows: torch.Tensor, m: int) -> torch.Tensor:
-    """`x[rows]` followed by zero rows up to `m` (a payload every rank sends at one shape): `(m, ...)`."""
-    out = x.new_zeros((m, *x.shape[1:]))
-    out[: len(rows)] = x.index_select(0, rows)
+    """`x[rows]` followed by zero rows up to `m` (a payload every rank sends at one shape): `(m, ...)`, the rows
+    gathered straight into it and only the tail zeroed (one pass over the payload)."""
+    out = x.new_empty((m, *x.shape[1:]))
+    torch.index_select(x, 0, rows, out=out[: len(rows)])
+    out[len(rows) :].zero_()
     return out
 
 

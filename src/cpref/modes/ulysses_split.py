@@ -14,7 +14,8 @@ variant splits each rank's rows in two:
   document order (the padding slots last), one kernel call over the shared documents, and
   back.
 
-The two outputs are written into their rows. The backward mirrors it: the own rows' gradients
+Every local row is one or the other (a document's padding goes with it), so the two outputs,
+written into their rows, fill the result: nothing is zeroed first. The backward mirrors it: the own rows' gradients
 come from one backward call, the shared rows' through the same exchanges (dK/dV of replicated
 key/value heads in float32, as in Ulysses). Per rank the traffic is Ulysses' on $m$ rows
 instead of $T_l$ (`cpref.costs.exchange_costs` with `gathered_rows` $= m$); a batch whose
@@ -246,7 +247,7 @@ class SplitUlyssesFunc(torch.autograd.Function):
     def forward(ctx: Any, q, k, v, plan: SplitPlan, comm: Collectives, kernel, causal: bool, scale: float, groups: int = 1):
         """The own rows' call with all heads; the shared rows' exchange, call and exchange back; one output."""
         ex, m, window = plan.exchange, plan.rows, plan.exchange.window
-        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv)
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv): every row own or shared
         own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
         saved = [None, None]
 
@@ -281,7 +282,7 @@ class SplitUlyssesFunc(torch.autograd.Function):
         plan, comm, kernel, m = ctx.plan, ctx.comm, ctx.kernel, ctx.plan.rows
         ex, window = plan.exchange, plan.exchange.window
         q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
-        dq, dk, dv = (dout.new_zeros(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
+        dq, dk, dv = (dout.new_empty(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
 
         def own_rows() -> None:  # 1) the own rows: one backward call
             if len(plan.own):
