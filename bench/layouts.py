@@ -17,7 +17,8 @@ Each batch is sharded by `cpref.Sharding.eod_padded(cu_seqlens, cp_size=P, layou
 layout, mode-independent: the padding tokens as a share of the padded batch, the causal work
 largest / mean over ranks, `sharding.attention_work(r, exact=True)` (the real scores), and the
 busiest rank's **shared rows**, its tokens of documents whose real tokens sit on more than one
-rank (what `all_gather` and `a2a` move for the layouts that keep documents whole). Per mode,
+rank (what `all_gather` moves for the layouts that keep documents whole; `a2a` moves those and the
+documents its balance adds, `cpref.modes.ulysses_split`, counted in its bytes). Per mode,
 from forward + backward of `cpref.attention` on `sim.SimCluster(P)` with a kernel that computes
 nothing (zeros of the contract's shapes and dtypes, so the collectives move real-shaped tensors):
 

@@ -181,3 +181,29 @@ def test_own_and_shared_rows_partition_every_ranks_shard(lengths, layout, sizes,
         assert torch.equal(rows.sort().values, torch.arange(b.total // P)), r
         docs = [doc for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout) for _ in range(e - s)]  # per row
         assert {docs[i] for i in split.shared.tolist()} <= exchanged and not {docs[i] for i in split.own.tolist()} & exchanged
+
+
+@pytest.mark.parametrize(("mode", "a"), [("a2a", 2), ("a2a+p2p", 2)])
+def test_balance_false_exchanges_only_the_documents_that_span_ranks(mode, a):
+    """`balance=False`: the split of the spanning documents alone, in the plan and in the kernels' work (uneven on
+    the mix, as without the balance), the outputs still the oracle's; the option reaches the plan's cache key, so
+    both runs on one batch keep their own plans."""
+    from sim.harness import oracle_shards
+
+    P = 2
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths(MIX), cp_size=P, layout="balanced")
+    b, spanning = sharding.bounds, _spanning(sharding)
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    options = {"a2a_size": a} if mode == "a2a+p2p" else {}
+    works = {}
+    for balance in (False, True):
+        kernels = [HeadCountingKernel() for _ in range(P)]
+        results, _ = run_cp(q, k, v, dout, sharding, mode=mode, kernels=kernels, balance=balance, check_ranks=False,
+                            **options)  # fmt: skip
+        works[balance] = [kern.work() for kern in kernels]
+        want = oracle_shards(q, k, v, dout, sharding)
+        for r in range(P):
+            for got, ref in zip(results[r], want[r]):
+                torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    assert [w * a for w in works[False]] == [x * HEADS[0] for x in split_loads(b, P, "balanced", a, True, NO_WINDOW, spanning)]
+    assert _uneven(works[False]) > 1.04 and _uneven(works[True]) <= 1 + TOLERANCE

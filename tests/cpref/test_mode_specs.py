@@ -91,7 +91,7 @@ def test_a_mode_in_a_new_file_is_collected_with_its_options(tmp_path, monkeypatc
 
 
 def test_the_options_come_from_the_declarations():
-    assert OPTIONS == ("a2a_size", "check_ranks", "deterministic", "head_groups", "overlap", "save_gathered_kv")
+    assert OPTIONS == ("a2a_size", "balance", "check_ranks", "deterministic", "head_groups", "overlap", "save_gathered_kv")
     assert cpref.MODES["a2a+p2p"].example_options(4) == {"a2a_size": 2}
     assert cpref.MODES["a2a+p2p"].example_options(3) == {"a2a_size": 1}
     assert all(spec.example_options(4) == {} for name, spec in cpref.MODES.items() if name != "a2a+p2p")
@@ -120,7 +120,10 @@ def _first_error(mode, **options):
     [
         ("p2p", {"a2a_size": 2}, r"a2a_size=2 is only used by mode a2a\+p2p, not mode='p2p'"),
         ("a2a", {"save_gathered_kv": True}, r"save_gathered_kv=True is only used by mode all_gather, not mode='a2a'"),
-        ("p2p", {"windw": 4}, r"unknown option windw=4; the modes' options are \['a2a_size', 'head_groups', 'overlap', 'save_gathered_kv'\]"),
+        ("p2p", {"windw": 4}, r"unknown option windw=4; the modes' options are \['a2a_size', 'balance', 'head_groups', 'overlap', "
+                                r"'save_gathered_kv'\]"),
+        ("a2a", {"balance": "maybe"}, r"balance must be True or False, got 'maybe'"),
+        ("p2p", {"balance": False}, r"balance=False is only used by mode a2a / a2a\+p2p, not mode='p2p'"),
         ("all_gather", {"save_gathered_kv": "yes"}, r"save_gathered_kv"),
         ("a2a+p2p", {"a2a_size": 1.5}, r"a2a_size must be an int, got 1\.5"),
         ("a2a+p2p", {"a2a_size": 0}, r"a2a_size=0 is outside"),

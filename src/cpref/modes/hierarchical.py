@@ -89,7 +89,7 @@ from typing import Any
 import torch
 
 from cpref.call import CPCall
-from cpref.checks import as_int
+from cpref.checks import as_bool, as_int
 from cpref.comm import Collectives
 from cpref.errors import CPInputError
 from cpref.costs import ModeCosts, combine, exchange_costs, kept_output_bytes, halo_costs, ring_costs
@@ -98,6 +98,7 @@ from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.ulysses_split import BALANCE_DOC
 from cpref.modes.hierarchical_split import SplitHierarchicalFunc, SplitHierarchicalPlan, ring_attend, split_hierarchical_plan
 from cpref.modes.ulysses import check_a2a_heads, check_head_groups, pipelines
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
@@ -216,9 +217,10 @@ def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
 
 
 def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window, a2a_size,
-                       head_groups=1) -> ModeCosts:  # fmt: skip
+                       head_groups=1, balance=True) -> ModeCosts:  # fmt: skip
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over `a`, a ring of `P / a`; in
-    `head_groups` groups, the same bytes in that many times every collective (an exchange and a ring per group)."""
+    `head_groups` groups, the same bytes in that many times every collective (an exchange and a ring per group);
+    `balance` is in `gathered_rows` and `halo_sizes` (the split plan's)."""
     a = a2a_size
     if a is None or P % a:
         raise CPInputError(f"mode 'a2a+p2p' has costs for an a2a_size dividing P = {P}, got {a}")
@@ -265,6 +267,7 @@ MODE = ModeSpec(
         Option("head_groups", 1, lambda value: as_int("head_groups", value, lo=1),
                "the exchange in that many head groups, each group's ring while the next group's exchange travels "
                "(`cpref.modes.ulysses_pipeline`); 1: the one exchange"),
+        Option("balance", True, lambda value: as_bool("balance", value), BALANCE_DOC),
     ),
     check=check_hierarchical,
     windows=True,

@@ -71,9 +71,9 @@ class SplitHierarchicalPlan:
 
 
 def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str, a: int, hq: int, hkv: int,
-                                  causal: bool, window, device) -> SplitHierarchicalPlan:  # fmt: skip
+                                  causal: bool, window, device, balance: bool = True) -> SplitHierarchicalPlan:  # fmt: skip
     """Rank `rank`'s plan with a2a groups of `a` consecutive ranks (no caching)."""
-    split, g = split_rows(b, P, rank, layout, device, group=a, causal=causal, window=window), rank // a
+    split, g = split_rows(b, P, rank, layout, device, group=a, causal=causal, window=window, balance=balance), rank // a
     m, slot_doc, shared = split.rows, b.num_docs, set(split.docs)  # the slots: a document past the last, all padding
     members = []  # per group: its shared pieces (doc, start, end, row) in stream order, then its slots
     for h in range(P // a):
@@ -101,11 +101,12 @@ def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str,
 
 def split_hierarchical_plan(call: CPCall) -> SplitHierarchicalPlan:
     """The cached split plan of this rank."""
-    a = call.options["a2a_size"]
-    key = ("a2a+p2p split", call.P, call.rank, call.layout, a, call.heads[:2], call.causal, call.window, str(call.device))
+    a, balance = call.options["a2a_size"], call.options["balance"]
+    key = ("a2a+p2p split", call.P, call.rank, call.layout, a, call.heads[:2], call.causal, call.window, balance,
+           str(call.device))  # fmt: skip
     return call.plan(key, lambda: build_split_hierarchical_plan(call.bounds, call.P, call.rank, call.layout, a,
                                                                 call.heads[0], call.heads[1], call.causal, call.window,
-                                                                call.device))  # fmt: skip
+                                                                call.device, balance))  # fmt: skip
 
 
 def ring_attend(ring: RingPlan, ring_comm: Collectives, kernel, scale: float, dtype: torch.dtype,

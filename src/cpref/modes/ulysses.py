@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from cpref.call import CPCall
-from cpref.checks import as_int
+from cpref.checks import as_bool, as_int
 from cpref.comm import Collectives
 from cpref.costs import ModeCosts, exchange_costs
 from cpref.errors import CPInputError
@@ -77,7 +77,7 @@ from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
 from cpref.modes.ulysses_pipeline import head_groups_that_work, pipelined_backward, pipelined_forward
-from cpref.modes.ulysses_split import SplitUlyssesFunc, split_plan
+from cpref.modes.ulysses_split import BALANCE_DOC, SplitUlyssesFunc, split_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = ["UlyssesFunc", "check_a2a_heads", "check_head_groups", "pipelines", "run_ulysses", "ulysses_plan",
@@ -183,7 +183,7 @@ def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
 
 
 def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window,
-                  head_groups) -> ModeCosts:  # fmt: skip
+                  head_groups, balance=True) -> ModeCosts:  # fmt: skip
     """Per-rank traffic, collectives and saved bytes of one layer: the exchange over all P ranks. With
     `gathered_rows` (stream, balanced: `cpref.modes.ulysses_split`) the exchange of those `m` rows; its saved
     bytes are then an upper bound (every local row counted as an own row, and the `m` exchanged ones). In
@@ -217,6 +217,7 @@ MODE = ModeSpec(
         Option("head_groups", 1, lambda value: as_int("head_groups", value, lo=1),
                "the exchange in that many head groups, each group's attention while the next travels "
                "(`cpref.modes.ulysses_pipeline`); 1: the one exchange"),
+        Option("balance", True, lambda value: as_bool("balance", value), BALANCE_DOC),
     ),
     check=check_ulysses,
     windows=True,

@@ -49,7 +49,8 @@ $w / P$ to every other rank, so the split trades a few more exchanged rows for b
 3. Stop when no document lowers it.
 
 The hierarchy ([for stream and balanced][cpref.modes.hierarchical_split]) uses the same rule
-inside its a2a groups ($k = a$): there an exchanged document spreads over its group only.
+inside its a2a groups ($k = a$): there an exchanged document spreads over its group only. `balance=False` (an option of both modes) keeps step 1
+alone: the fewest rows exchanged, where moving data costs more than the uneven work.
 
 {{ figure figures/split_balance.png }}
 """
@@ -72,7 +73,10 @@ from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.seqlens import Boundaries
 
-__all__ = ["SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order",
+BALANCE_DOC = ("over stream and balanced, also exchange documents held whole while a rank's work is above the mean "
+               "by more than 2% (`cpref.modes.ulysses_split`, Balance); False: only the documents that span ranks")
+
+__all__ = ["BALANCE_DOC", "SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order",
            "exchanged_docs", "split_loads"]
 
 
@@ -123,13 +127,15 @@ def split_loads(b: Boundaries, P: int, layout: str, group: int, causal: bool, wi
             + sum(w for t in _group_of(r, group) for doc, w in held[t].items() if doc in exchanged) for r in range(P)]  # fmt: skip
 
 
-def exchanged_docs(b: Boundaries, P: int, layout: str, group: int, causal: bool, window) -> set[int]:
+def exchanged_docs(b: Boundaries, P: int, layout: str, group: int, causal: bool, window, balance: bool = True) -> set[int]:
     """The documents that take the exchange (module docstring, "Balance"): those whose real tokens sit on more than
     one rank; then, one at a time while the most loaded rank (`split_loads`) is above the mean by more than
     `TOLERANCE`, the document it keeps whose exchange lowers the loads' sum of squares most (`_best_move`),
-    until none lowers it."""
+    until none lowers it; with `balance=False`, only the first."""
     held = _holdings(b, P, layout, causal, window)
     exchanged = {doc for r in range(P) for doc in held[r] if any(doc in held[t] for t in range(P) if t != r)}
+    if not balance:
+        return exchanged
     load = split_loads(b, P, layout, group, causal, window, exchanged)
     kept = [sorted((w, b.real_len(doc), doc) for doc, w in held[r].items() if doc not in exchanged) for r in range(P)]
     while max(load) * P > (1 + TOLERANCE) * sum(load):
@@ -179,9 +185,10 @@ def _group_of(r: int, group: int) -> range:
     return range(r // group * group, (r // group + 1) * group)
 
 
-def split_rows(b: Boundaries, P: int, rank: int, layout: str, device, *, group: int, causal: bool, window) -> RowSplit:
-    """Rank `rank`'s own and shared rows (no caching); `group`, `causal`, `window`: as in `exchanged_docs`."""
-    shared_docs = exchanged_docs(b, P, layout, group, causal, window)
+def split_rows(b: Boundaries, P: int, rank: int, layout: str, device, *, group: int, causal: bool, window,
+               balance: bool = True) -> RowSplit:  # fmt: skip
+    """Rank `rank`'s own and shared rows (no caching); `group`, `causal`, `window`, `balance`: as in `exchanged_docs`."""
+    shared_docs = exchanged_docs(b, P, layout, group, causal, window, balance)
     shared_ids, own_rows, own_lens = [], [], []  # per rank: global ids of its shared rows
     for r in range(P):
         ids, row = [], 0
@@ -210,9 +217,9 @@ def gathered_order(ids: list[torch.Tensor], m: int, total: int) -> tuple[torch.T
 
 
 def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, causal: bool, window,
-                     device) -> SplitPlan:  # fmt: skip
+                     device, balance: bool = True) -> SplitPlan:  # fmt: skip
     """Rank `rank`'s split plan (no caching)."""
-    rows = split_rows(b, P, rank, layout, device, group=P, causal=causal, window=window)
+    rows = split_rows(b, P, rank, layout, device, group=P, causal=causal, window=window, balance=balance)
     m = rows.rows
     # the gathered buffer: rank-major, each rank's shared rows then padding slots; wanted: document order, slots last
     order, received = gathered_order(list(rows.ids), m, b.total)
@@ -234,9 +241,10 @@ def _varlen(lens: list[tuple[int, int]]) -> Varlen:
 
 def split_plan(call: CPCall) -> SplitPlan:
     """The cached split plan of this rank."""
-    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.causal, call.window, str(call.device))
+    balance = call.options["balance"]
+    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.causal, call.window, balance, str(call.device))
     return call.plan(key, lambda: build_split_plan(call.bounds, call.P, call.rank, call.layout, call.heads[0],
-                                                   call.heads[1], call.causal, call.window, call.device))  # fmt: skip
+                                                   call.heads[1], call.causal, call.window, call.device, balance))  # fmt: skip
 
 
 class SplitUlyssesFunc(torch.autograd.Function):
