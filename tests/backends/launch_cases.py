@@ -88,7 +88,10 @@ def one_never_arrives() -> None:
 
 def raise_while_peer_sleeps() -> None:
     """Rank 0 raises a real error at once, rank 1 works on outside any collective: rank 1 did not
-    hang, rank 0 failed first (no timeout involved)."""
+    hang, rank 0 failed first (no timeout involved). The barrier first: every rank's gloo pairs are
+    connected, so rank 0's exit cannot fail rank 1's own `init_process_group` (a connection closed
+    mid-handshake, which rank 1 would report as its own error before the launcher stops it)."""
+    dist.barrier()
     if dist.get_rank() == 0:
         raise ValueError("rank 0 rejects its input")
     time.sleep(120)
