@@ -319,17 +319,16 @@ def split_balance() -> Figure:
     ranks alone against the balance's choice (`cpref.modes.ulysses_split.split_loads`, which the tests hold to the
     kernels' calls exactly)."""
     from cpref.balanced import TOLERANCE
-    from cpref.modes.ulysses_split import _holdings, exchanged_docs, split_loads
+    from cpref.modes.ulysses_split import exchanged_docs, split_loads
 
     cu = [0, *torch.tensor([244, 2244, 5964, 7932]).cumsum(0).tolist()]
     fig, ax = plt.subplots(figsize=(WIDTH, 3.4), constrained_layout=True)
     x, ticks, labels = 0.0, [], []
     for layout, n in [(layout, n) for layout in ("balanced", "stream") for n in (2, 4)]:
         b = cpref.Sharding.eod_padded(cu, cp_size=n, layout=layout).bounds
-        held = _holdings(b, n, layout, True, NO_WINDOW)
-        spanning = {doc for r in range(n) for doc in held[r] if sum(doc in h for h in held) > 1}
         start = x
-        for j, docs in enumerate((spanning, exchanged_docs(b, n, layout, n, True, NO_WINDOW))):
+        for j, balance in enumerate((False, True)):
+            docs = exchanged_docs(b, n, layout, n, True, NO_WINDOW, balance)
             load = split_loads(b, n, layout, n, True, NO_WINDOW, docs)
             ax.bar([x + r * 0.18 for r in range(n)], [w * n / sum(load) for w in load], 0.16,
                    color=[rank_color(r) for r in range(n)], hatch="//" if j else "", edgecolor="0.25")  # fmt: skip

@@ -73,8 +73,9 @@ from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.seqlens import Boundaries
 
-BALANCE_DOC = ("over stream and balanced, also exchange documents held whole while a rank's work is above the mean "
-               "by more than 2% (`cpref.modes.ulysses_split`, Balance); False: only the documents that span ranks")
+BALANCE_DOC = (f"over stream and balanced, also exchange documents held whole while a rank's work is above the mean "
+               f"by more than {TOLERANCE:.0%} (`cpref.modes.ulysses_split`, Balance); False: only the documents that "
+               f"span ranks")  # fmt: skip
 
 __all__ = ["BALANCE_DOC", "SplitPlan", "SplitUlyssesFunc", "RowSplit", "build_split_plan", "split_plan", "split_rows", "gathered_order",
            "exchanged_docs", "split_loads"]
