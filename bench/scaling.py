@@ -32,17 +32,25 @@ the timing proxies of `bench.timed` around the communicator and the kernel.
 
 For the ring (`p2p`) it also prints every kernel call of each rank (one per step without a
 window; under one a step can make two): its compute time and the time then spent waiting for
-the next block (posting the shifts and waiting on them), and the **fraction of communication
-hidden** behind compute, $1 - \text{exposed} / (n \cdot t_s)$, where $t_s$ is the time of one
+the next block (posting the shifts and waiting on them); then **every shift on its own**, the
+share of it hidden behind compute (`bench.ring_timing`, which pairs each shift's post with its
+wait): $1 - \min(\text{exposed}, t_s) / t_s$, where $t_s$ is the time of one
 blocking shift of the ring's largest payload (the block, or under a window the largest halo)
-measured alone on the same processes, $n$ the number of shifts, and a call's exposed
-communication its wait up to what its shifts take alone (waiting longer is waiting for the
-other rank's compute: imbalance, which the per-call times show).
+measured alone on the same processes and a shift's exposed time is what the rank spent inside its
+post and its wait (waiting longer than $t_s$ is waiting for the other rank's compute: imbalance,
+which the per-call times show). A shift with no kernel call between its post and its wait (the
+dK/dV accumulators' trip home, after the last call) has nothing to hide behind and is shown as
+`-`; the target, at least 90% hidden, judges every other shift. Last, the fraction hidden over all
+of a rank's shifts together, $1 - \sum \min(\text{wait}, n\,t_s) / (n\, t_s)$ per call.
 
 Each configuration first runs one untimed step on a small document (groups, connections, first
-calls), then `--repeats` timed steps, in rounds over every configuration (a slow spell of the
-machine hits every configuration alike, not one); the fastest is kept. The load average is printed with
-the results: on a shared machine the figures move with it.
+calls), then `--repeats` timed steps, in rounds: each round runs the CP = 1 step alone, the two
+processes' step and every CP = 2 configuration, one after the other, so a slow spell of the machine
+hits the baseline and the split alike, not one of them; the fastest of each is kept. (Until
+2026-12-04 the CP = 1 steps all ran before the first CP = 2 round: on this page's virtual machine a
+slow minute during the CP = 2 rounds then read as 10-29% compute inflation in every mode, gone in
+the next run.) The load average is printed with the results: on a shared machine the figures move
+with it.
 
 Both batches run twice: full causal, and under a causal sliding window `window=(1024, 0)` (the
 ring then sends each rank only the halo its window reads, see the ring's window page, and the
@@ -59,6 +67,7 @@ import time
 import torch
 
 import cpref
+from bench.ring_timing import hidden, ring_shifts, ring_steps, shift_hidden
 from bench.timed import Clock, TimedComm, TimedKernel
 from cpref.backends import TorchComm
 from cpref.kernels import Varlen
@@ -70,6 +79,7 @@ from sim.tools.cli import Parser
 TARGET = 0.95  # efficiency against the machine, for zigzag and balanced
 TARGET_LAYOUTS = ("zigzag", "balanced")
 INFLATION_TARGET, WAIT_TARGET = 0.03, 0.03  # compute over half the CP = 1 step; comm wait over the rank's step
+RING_TARGET = 0.9  # of each ring shift with a kernel call to hide behind (bench.ring_timing)
 TIMED_LAYOUTS = TARGET_LAYOUTS  # contiguous (imbalanced by design) and stream: counted in bench.layouts' tables
 
 
@@ -91,28 +101,37 @@ def _batch(tokens: int, heads: int, dim: int, seed: int = 0) -> tuple[torch.Tens
     return tuple(torch.randn(tokens, heads, dim, generator=gen) for _ in range(4))
 
 
-def cp1_steps(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1), together: bool = True) -> list[float]:
-    """Seconds of each forward + backward of one kernel call over the whole batch, on this process's own copy
-    (`together`: every process of the world alike, starting each step together: the two-process factor)."""
-    kernel, (q, k, v, dout), scale = cpref.TorchKernel(), _batch(sum(lengths), heads, dim), dim**-0.5
-    seqs, times = Varlen.from_lengths(lengths, lengths), []
-    for _ in range(repeats):
-        if together:
-            torch.distributed.barrier()
-        start = time.perf_counter()
-        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window)
-        kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window)
-        times.append(time.perf_counter() - start)
-    return times
+def cp1_step(kernel, batch, seqs: Varlen, scale: float, window=(-1, -1), together: bool = True) -> float:
+    """Seconds of one forward + backward of one kernel call over the whole batch, on this process's own copy
+    (`together`: every process of the world alike, starting together: the two-process factor)."""
+    q, k, v, dout = batch
+    if together:
+        torch.distributed.barrier()
+    start = time.perf_counter()
+    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window)
+    kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window)
+    return time.perf_counter() - start
 
 
 def batch_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1)) -> dict:
-    """One batch on this rank of two, in one launch: CP = 1 on rank 0 alone (rank 1 blocked in a barrier, not
-    computing), then the same step on both processes at once, then every mode at CP = 2 (`cp2_rank`)."""
-    alone = cp1_steps(lengths, heads, dim, repeats, window, together=False) if torch.distributed.get_rank() == 0 else []
-    torch.distributed.barrier()
-    pair = cp1_steps(lengths, heads, dim, repeats, window)
-    return {"alone": alone, "pair": pair, "cp2": cp2_rank(lengths, heads, dim, repeats, window)}
+    """One batch on this rank of two, in one launch and in `repeats` rounds; each round runs 1) CP = 1 on rank 0
+    alone (rank 1 blocked in a barrier, not computing), 2) the same step on both processes at once, 3) every mode at
+    CP = 2 (`CP2.round`). A slow spell of the machine then hits the CP = 1 step, the pair and CP = 2 alike, and the
+    ratios of their fastest rounds compare like with like. Returns `{"alone": [s], "pair": [s], "cp2": {...},
+    "rounds": [(round, what, start)]}` (`start`: this process's clock when each step began; `what`: `"alone"`,
+    `"pair"` or `"cp2"`, the round's every CP = 2 configuration)."""
+    kernel, batch, seqs = cpref.TorchKernel(), _batch(sum(lengths), heads, dim), Varlen.from_lengths(lengths, lengths)
+    cp2, rounds, alone, pair = CP2(lengths, heads, dim, window), [], [], []
+    for i in range(repeats):
+        if torch.distributed.get_rank() == 0:
+            rounds.append((i, "alone", time.perf_counter()))
+            alone.append(cp1_step(kernel, batch, seqs, dim**-0.5, window, together=False))
+        torch.distributed.barrier()
+        rounds.append((i, "pair", time.perf_counter()))
+        pair.append(cp1_step(kernel, batch, seqs, dim**-0.5, window))
+        rounds.append((i, "cp2", time.perf_counter()))
+        cp2.round()
+    return {"alone": alone, "pair": pair, "cp2": cp2.results, "rounds": rounds}
 
 
 def _step(comm, kernel, clock: Clock, batch, sharding: cpref.Sharding, mode: str, window=(-1, -1), **path) -> dict:
@@ -159,44 +178,33 @@ def shifted_rows(sharding: cpref.Sharding, window: tuple[int, int]) -> int:
     return max(plan.halo.sizes)
 
 
-def cp2_rank(lengths: list[int], heads: int, dim: int, repeats: int, window=(-1, -1)) -> dict:
-    """Every mode (and overlapped path) and layout on this rank: `{(mode, layout, path): [one dict per timed step]}`,
-    and per layout the time of one of the ring's shifts alone (`("shift", layout)`)."""
-    clock, raw = Clock(), TorchComm()
-    comm, kernel = TimedComm(raw, clock), TimedKernel(cpref.TorchKernel(), clock)
-    batch, small = _batch(sum(lengths), heads, dim), _batch(256, heads, dim, seed=1)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    shardings = {layout: (cpref.Sharding([0, 256], cp_size=comm.size, layout=layout),
-                          cpref.Sharding(cu, cp_size=comm.size, layout=layout)) for layout in TIMED_LAYOUTS}  # fmt: skip
-    results: dict = {("shift", layout): shift_seconds(raw, shifted_rows(timed, window), heads, dim)
-                     for layout, (_, timed) in shardings.items()}  # fmt: skip
-    runs = [(mode, path, layout) for mode, path in configurations(window, heads) for layout in shardings]
-    for mode, path, layout in runs:  # warm-up: groups, connections, first calls
-        _step(comm, kernel, clock, small, shardings[layout][0], mode, window, **path)
-    for _ in range(repeats):  # in rounds over every configuration: a slow spell of the machine hits them alike
-        for mode, path, layout in runs:
-            step = _step(comm, kernel, clock, batch, shardings[layout][1], mode, window, **path)
-            results.setdefault((mode, layout, path_name(path)), []).append(step)
-    return results
+class CP2:
+    """Every mode (and overlapped path) and layout at CP = 2 on this rank, one timed step each per `round()`.
 
+    `results`: `{(mode, layout, path): [one dict per round]}`, and per layout the time of one of the ring's shifts
+    alone (`("shift", layout)`). Made once per batch: groups, connections and every configuration's first calls are
+    warmed up on a small document first.
+    """
 
-def ring_steps(events: list[tuple[str, str, float]]) -> list[dict]:
-    """The ring's steps from a rank's timed calls: each kernel call with the shifts posted before it
-    and the waits after it (until the next kernel call)."""
-    steps: list[dict] = []
-    posted, shifts = 0.0, 0  # posted since the last kernel call: they belong to the next step
-    for which, name, seconds in events:
-        if which == "compute":
-            steps.append({"phase": name, "compute": seconds, "wait": posted, "shifts": shifts})
-            posted, shifts = 0.0, 0
-        elif name == "send_recv_async":
-            posted, shifts = posted + seconds, shifts + 1
-        elif name == "wait" and steps:
-            steps[-1]["wait"] += seconds
-    if steps:  # a shift posted after the last kernel call (the dK/dV coming home)
-        steps[-1]["wait"] += posted
-        steps[-1]["shifts"] += shifts
-    return steps
+    def __init__(self, lengths: list[int], heads: int, dim: int, window=(-1, -1)) -> None:
+        self.clock, raw = Clock(), TorchComm()
+        self.comm, self.kernel = TimedComm(raw, self.clock), TimedKernel(cpref.TorchKernel(), self.clock)
+        self.batch, self.window = _batch(sum(lengths), heads, dim), window
+        small = _batch(256, heads, dim, seed=1)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        self.shardings = {layout: cpref.Sharding(cu, cp_size=raw.size, layout=layout) for layout in TIMED_LAYOUTS}
+        self.results: dict = {("shift", layout): shift_seconds(raw, shifted_rows(timed, window), heads, dim)
+                              for layout, timed in self.shardings.items()}  # fmt: skip
+        self.runs = [(mode, path, layout) for mode, path in configurations(window, heads) for layout in self.shardings]
+        for mode, path, layout in self.runs:  # warm-up: groups, connections, first calls
+            warm = cpref.Sharding([0, 256], cp_size=raw.size, layout=layout)
+            _step(self.comm, self.kernel, self.clock, small, warm, mode, window, **path)
+
+    def round(self) -> None:
+        """One timed step of every configuration, in turn."""
+        for mode, path, layout in self.runs:
+            step = _step(self.comm, self.kernel, self.clock, self.batch, self.shardings[layout], mode, self.window, **path)
+            self.results.setdefault((mode, layout, path_name(path)), []).append(step)
 
 
 def summary(t1: float, t_pair: float, per_rank: list[dict]) -> dict:
@@ -211,7 +219,8 @@ def summary(t1: float, t_pair: float, per_rank: list[dict]) -> dict:
         ranks = [{"total": r["total"], "compute": r["compute"], "comm": r["comm"]} for r in best]
         rows.append({"mode": mode, "layout": layout, "path": path, "t2": max(r["total"] for r in best), "ranks": ranks})
         if mode == "p2p" and not path:
-            ring += [{"layout": layout, "rank": rank, "steps": ring_steps(r["events"])} for rank, r in enumerate(best)]
+            ring += [{"layout": layout, "rank": rank, "steps": ring_steps(r["events"]), "shifts": ring_shifts(r["events"])}
+                     for rank, r in enumerate(best)]  # fmt: skip
     return {"t1": t1, "t_pair": t_pair, "rows": rows, "ring": ring, "shift": t_shift, "target": TARGET,
             "target_layouts": list(TARGET_LAYOUTS)}  # fmt: skip
 
@@ -230,13 +239,6 @@ def busy_inflation(batch: dict, row: dict) -> list[float]:
 def efficiency(batch: dict, row: dict) -> float:
     """The speedup over what two independent processes achieve here: `(T1 / T2) / (2 T1 / T_pair) = T_pair / (2 T2)`."""
     return batch["t_pair"] / (2 * row["t2"])
-
-
-def hidden(steps: list[dict], t_shift: float) -> tuple[int, float]:
-    """`(shifts, fraction hidden)` of one rank's ring: a call's exposed communication is its wait, up to what its
-    shifts take alone (beyond that it waits for the peer's compute)."""
-    exposed, shifts = sum(min(s["wait"], s["shifts"] * t_shift) for s in steps), sum(s["shifts"] for s in steps)
-    return shifts, (1 - exposed / (shifts * t_shift) if shifts and t_shift > 0 else float("nan"))
 
 
 def label(row: dict) -> str:
@@ -273,12 +275,18 @@ def markdown(batch: dict) -> str:
               f"{inflated}; over half the step of two processes at once instead (the split's own extra work, without "
               f"two busy cores' cost to each other), above +{INFLATION_TARGET:.0%}: {busy}. Comm wait and other: shares of the rank's step; comm wait above the target {WAIT_TARGET:.0%}: "
               f"{waiting}. The ring (`p2p`) "
-              f"per kernel call: compute / then waiting for the next block, ms (its largest shift alone: {alone}):", "",
-              "| layout | rank | kernel calls: compute / wait (ms) | shifts | hidden |", "| --- | ---: | --- | ---: | ---: |"]  # fmt: skip
+              f"per kernel call: compute / then waiting for the next block, ms (its largest shift alone: {alone}); "
+              f"each shift in the order posted, the share of it hidden (`-`: no kernel call between its post and its "
+              f"wait, nothing to hide it behind); all its shifts together:", "",
+              "| layout | rank | kernel calls: compute / wait (ms) | each shift hidden | all shifts |",
+              "| --- | ---: | --- | --- | ---: |"]  # fmt: skip
     for r in batch["ring"]:
-        shifts, frac = hidden(r["steps"], batch["shift"][r["layout"]])
+        t_shift = batch["shift"][r["layout"]]
+        shifts, frac = hidden(r["steps"], t_shift)
         cells = ", ".join(f"{s['phase'][:3]} {s['compute'] * 1e3:.0f}/{s['wait'] * 1e3:.1f}" for s in r["steps"])
-        lines.append(f"| {r['layout']} | {r['rank']} | {cells} | {shifts} | {frac:.0%} |")
+        each = ", ".join(f"{s['phase'][:3]} {shift_hidden(s, t_shift):.0%}" if s["calls"] else f"{s['phase'][:3]} -"
+                         for s in r["shifts"])  # fmt: skip
+        lines.append(f"| {r['layout']} | {r['rank']} | {cells} | {each} | {shifts}: {frac:.0%} |")
     return "\n".join(lines)
 
 
@@ -288,7 +296,7 @@ def batch_parser(doc: str) -> Parser:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 4)")
     parser.add_argument("--heads", type=int, default=4, help="query and key heads (a multiple of 4: Ulysses in head groups at CP = 2)")
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per configuration (fastest kept)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds: steps per configuration (fastest kept)")
     return parser
 
 
@@ -316,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
         t1 = min(ranks[0]["alone"])
         t_pair = min(max(steps) for steps in zip(*(r["pair"] for r in ranks)))  # per repeat, the slower process
         per_rank = [r["cp2"] for r in ranks]
-        batch = {"title": title, "name": name, "window": list(window), **summary(t1, t_pair, per_rank)}
+        batch = {"title": title, "name": name, "window": list(window), **summary(t1, t_pair, per_rank),
+                 "schedule": [what for _, what, _ in sorted(ranks[0]["rounds"], key=lambda r: r[2])]}  # rank 0's steps in time order
         print(markdown(batch))
         if any(r["path"] for r in batch["rows"]):
             print(f"\nThe overlapped paths beside the defaults:\n\n{paths_markdown(batch)}")
@@ -389,8 +398,8 @@ def goals(batches_run: list[dict]) -> list[dict]:
     mixed = [b for b in plain if not b["name"].startswith("1 x ")]  # `batches` names the one document "1 x T"
     infl = [(max(compute_inflation(b, r)), max(busy_inflation(b, r)), where(b, r)) for b in mixed for r in judged(b)]
     wait = [(max(x["comm"] / x["total"] for x in r["ranks"]), where(b, r)) for b in plain for r in judged(b)]
-    ring = [(hidden(r["steps"], b["shift"][r["layout"]])[1], f"{r['layout']} rank {r['rank']}, {b['name']}")
-            for b in plain for r in b["ring"]]  # fmt: skip
+    ring = [(shift_hidden(s, b["shift"][r["layout"]]), f"{r['layout']} rank {r['rank']} {s['phase']} shift {i + 1}, {b['name']}")
+            for b in plain for r in b["ring"] for i, s in enumerate(r["shifts"]) if s["calls"]]  # fmt: skip
     paths = [(r["t2"] / next(d["t2"] for d in b["rows"] if not d["path"] and (d["mode"], d["layout"]) == (r["mode"], r["layout"])),
               f"{label(r)} {r['layout']}, {b['name']}") for b in plain for r in b["rows"] if r["path"]]  # fmt: skip
     rows = []
@@ -410,9 +419,9 @@ def goals(batches_run: list[dict]) -> list[dict]:
                      "measured": f"{sum(w <= WAIT_TARGET for w, _ in wait)} of {len(wait)} within; largest {high[0]:.1%} ({high[1]})"})
     if ring:
         low = min(ring)
-        rows.append({"goal": "ring: >= 90% of every shift hidden but each direction's last", "met": None,
-                     "why": "not judged at CP = 2",
-                     "measured": f"all shifts, per rank: {low[0]:.0%} hidden at least ({low[1]}), {max(ring)[0]:.0%} at most"})
+        rows.append({"goal": f"ring: >= {RING_TARGET:.0%} of every shift hidden that a kernel call can hide", "met": low[0] >= RING_TARGET,
+                     "measured": f"{sum(x >= RING_TARGET for x, _ in ring)} of {len(ring)} shifts at or above; lowest "
+                                 f"{low[0]:.0%} ({low[1]})"})
     if paths:
         best = min(paths)
         rows.append({"goal": "overlapped paths: faster than their mode's default where they pay", "met": None,

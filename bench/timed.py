@@ -32,8 +32,10 @@ __all__ = ["Clock", "TimedComm", "TimedHandle", "TimedKernel"]
 class Clock:
     """Seconds spent inside kernel calls (`compute`) and collective calls (`comm`).
 
-    `events` lists every timed call in order as `(field, name, seconds)`, e.g.
-    `("compute", "forward", 0.41)` or `("comm", "wait", 0.02)`: the per-step view of a ring.
+    `events` lists every timed call in order as `(field, name, seconds, posted)`, e.g.
+    `("compute", "forward", 0.41, None)` or `("comm", "wait", 0.02, 3)`: the per-step view of a ring.
+    `posted` is set on a handle's `wait`: the index in `events` of the call that posted it (so each
+    shift's post, the kernel calls after it and its wait can be told apart); `None` elsewhere.
     """
 
     compute: float = 0.0
@@ -44,25 +46,26 @@ class Clock:
         self.compute = self.comm = 0.0
         self.events = []
 
-    def timed(self, which: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call `fn(*args, **kwargs)`, adding its wall time to `which` (compute or comm) and to `events`."""
+    def timed(self, which: str, fn: Callable[..., Any], *args: Any, posted: int | None = None, **kwargs: Any) -> Any:
+        """Call `fn(*args, **kwargs)`, adding its wall time to `which` (compute or comm) and to `events`
+        (`posted`: for a handle's wait, the event index of its post)."""
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             seconds = time.perf_counter() - start
             setattr(self, which, getattr(self, which) + seconds)
-            self.events.append((which, getattr(fn, "__name__", type(fn).__name__), seconds))
+            self.events.append((which, getattr(fn, "__name__", type(fn).__name__), seconds, posted))
 
 
 class TimedHandle:
-    """A posted collective whose `wait()` is timed as communication."""
+    """A posted collective whose `wait()` is timed as communication, naming its post's event."""
 
-    def __init__(self, handle: Any, clock: Clock) -> None:
-        self._handle, self._clock = handle, clock
+    def __init__(self, handle: Any, clock: Clock, posted: int) -> None:
+        self._handle, self._clock, self._posted = handle, clock, posted
 
     def wait(self) -> torch.Tensor:
-        return self._clock.timed("comm", self._handle.wait)
+        return self._clock.timed("comm", self._handle.wait, posted=self._posted)
 
 
 class TimedComm:
@@ -87,16 +90,21 @@ class TimedComm:
         return self.clock.timed("comm", self.inner.send_recv, x, shift)
 
     def send_recv_async(self, x: torch.Tensor, shift: int = 1) -> TimedHandle:
-        return TimedHandle(self.clock.timed("comm", self.inner.send_recv_async, x, shift), self.clock)
+        return self._posted(self.inner.send_recv_async, x, shift)
 
     def all_gather_async(self, x: torch.Tensor) -> TimedHandle:
-        return TimedHandle(self.clock.timed("comm", self.inner.all_gather_async, x), self.clock)
+        return self._posted(self.inner.all_gather_async, x)
 
     def reduce_scatter_async(self, x: torch.Tensor) -> TimedHandle:
-        return TimedHandle(self.clock.timed("comm", self.inner.reduce_scatter_async, x), self.clock)
+        return self._posted(self.inner.reduce_scatter_async, x)
 
     def all_to_all_async(self, x: torch.Tensor) -> TimedHandle:
-        return TimedHandle(self.clock.timed("comm", self.inner.all_to_all_async, x), self.clock)
+        return self._posted(self.inner.all_to_all_async, x)
+
+    def _posted(self, post: Callable[..., Any], *args: Any) -> TimedHandle:
+        """Time the post; its handle's wait names the post's event."""
+        handle = self.clock.timed("comm", post, *args)
+        return TimedHandle(handle, self.clock, len(self.clock.events) - 1)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.clock.timed("comm", self.inner.all_reduce, x, op)

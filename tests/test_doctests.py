@@ -1,4 +1,4 @@
-"""Every `Examples:` block in cpref's and sim's docstrings runs, and its printed result holds."""
+"""Every `Examples:` block in cpref's, sim's and the benchmarks' docstrings runs, and its printed result holds."""
 
 import doctest
 import importlib
@@ -6,15 +6,16 @@ import pkgutil
 
 import pytest
 
+import bench
 import cpref
 import sim
 
 
 def _modules():
-    for pkg in (cpref, sim):
+    for pkg in (cpref, sim, bench):
         yield pkg.__name__
         for info in pkgutil.walk_packages(pkg.__path__, prefix=pkg.__name__ + "."):
-            if info.name not in ("sim.demo",):
+            if info.name not in ("sim.demo", "bench.report"):  # the demo runs; the page's module times a kernel on import
                 yield info.name
 
 
