@@ -118,6 +118,13 @@ which at CP = 2 spares the forward's shift too and at larger $P$ the last K/V sh
 a run that meets it meets the issue's. The fraction over all of a rank's shifts, the accumulators'
 trip home included, is printed beside it.
 
+**Other CP sizes.** `make bench` runs $P = 2$: two processes of one thread each are all this
+machine's two cores run without oversubscription. On a machine with more,
+`python -m bench.scaling --cp 4 --heads 8` runs the same tables at $P = 4$: the factor of four
+processes at once, compute over $T(\text{CP}=1)/4$, a ring of three shifts each way (all but the
+accumulators' trip home judged) and, beside the defaults, the hierarchy's a2a level in head groups,
+which at $P = 2$ is Ulysses' pipeline and is not timed.
+
 ### The overlapped paths
 
 Without a window, each overlapped path runs beside its mode's default, in the same run, on the same
@@ -132,8 +139,9 @@ batches and layouts:
   under the next group's call ([Ulysses in head groups][cpref.modes.ulysses_pipeline]).
 
 The hierarchy's head groups (`a2a+p2p` with `head_groups`, [its page][cpref.modes.hierarchical])
-are not timed here: at CP = 2 its ring has one rank, and in the chunked layouts it is Ulysses'
-pipeline bit for bit; what it adds, a ring per group, needs $P \ge 4$ processes.
+are not timed by `make bench`: at CP = 2 its ring has one rank, and in the chunked layouts it is
+Ulysses' pipeline bit for bit; what it adds, a ring per group, needs $P \ge 4$ processes, where
+`--cp 4` times it beside the hierarchy's default.
 
 Per rank: compute and comm wait; per mode and layout: the step of each path and its ratio to the
 mode's default (below 1: the overlap pays). On two cores neither has a spare core to move the data

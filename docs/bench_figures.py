@@ -65,8 +65,8 @@ def draw_kernel(results: dict) -> Figure:
 
 
 def draw_scaling(results: dict) -> Figure:
-    """Per batch, every mode's speedup at CP = 2 in each layout, against the machine's two-process factor and the
-    target (a fraction of it: the efficiency against the machine)."""
+    """Per batch, every mode's speedup at CP = P (2 in `make bench`; the ranks each row has) in each layout, against
+    the machine's P-process factor and the target (a fraction of it: the efficiency against the machine)."""
     batches = results["batches"]
     cols = 2
     rows = -(-len(batches) // cols)
@@ -78,20 +78,22 @@ def draw_scaling(results: dict) -> Figure:
         layouts = list(dict.fromkeys(r["layout"] for r in rows))
         speed = {(r["mode"], r["layout"]): batch["t1"] / r["t2"] for r in rows}
         _bars(ax, modes, {lay: [speed[(m, lay)] for m in modes] for lay in layouts}, LAYOUT_COLORS, fmt=None)
-        factor = 2 * batch["t1"] / batch["t_pair"]
-        ax.axhline(factor, color="0.1", linestyle="dashed", linewidth=1.2, label="two processes, no communication")
+        P = len(rows[0]["ranks"])
+        n = "two" if P == 2 else str(P)
+        factor = P * batch["t1"] / batch["t_pair"]
+        ax.axhline(factor, color="0.1", linestyle="dashed", linewidth=1.2, label=f"{n} processes, no communication")
         ax.axhline(batch["target"] * factor, color="0.45", linestyle="dotted", linewidth=1.5,
                    label=f"target: {batch['target']} of that")  # fmt: skip
         window = "" if batch["window"] == [-1, -1] else f", window {batch['window'][0]}"
-        ax.set_title(f"{batch['name']}{window}\ntwo processes: {factor:.2f}", loc="left")
-        ax.set_ylim(0, 2.4)
+        ax.set_title(f"{batch['name']}{window}\n{n} processes: {factor:.2f}", loc="left")
+        ax.set_ylim(0, 1.2 * P)
         ax.grid(axis="y", color="0.9")
         ax.set_axisbelow(True)
         ax.tick_params(axis="x", labelrotation=20)
     for ax in axes.flat[len(batches):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
-        ax.set_ylabel("speedup T(CP=1) / T(CP=2)")
+        ax.set_ylabel(f"speedup T(CP=1) / T(CP={P})")
     fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
     return fig
 

@@ -208,6 +208,34 @@ def test_the_overlapped_paths_run_only_without_a_window_and_every_mode_by_defaul
     assert plain == windowed + [("all_gather", {"overlap": True}), ("a2a", {"head_groups": 4})]  # one head a group
     assert [scaling.path_name(path) for _, path in plain[-2:]] == ["overlap=True", "head_groups=4"]
     assert scaling.configurations((-1, -1), 4)[-1] == ("a2a", {"head_groups": 2})
+    # at P = 4 Ulysses' ranks hold 8 / 4 heads, and the hierarchy (groups of 2) runs its a2a level in head groups too
+    assert scaling.configurations((-1, -1), 8, P=4)[-2:] == [("a2a", {"head_groups": 2}), ("a2a+p2p", {"head_groups": 4})]
+    assert scaling.batches(1000, P=4)["4 mixed"] == [16, 136, 368, 480]  # each a multiple of 2 P = 8
+
+
+def test_the_scaling_figures_at_another_cp_size_divide_by_p():
+    """`--cp 4`: the factor is 4 T1 / T_all, the efficiency T_all / (4 T4), the compute over T1 / 4 (P: the ranks of
+    each row), and the table names every rank; refused before any process starts: a P below 2, tokens or heads that
+    the P ranks cannot split."""
+    import pytest
+
+    from bench import scaling
+
+    ranks = [{"total": 3.0, "compute": c, "comm": 0.1} for c in (2.5, 2.6, 2.5, 2.8)]
+    rows = [{"mode": "p2p", "layout": "zigzag", "path": "", "t2": 3.0, "ranks": ranks}]
+    batch = {"t1": 10.0, "t_pair": 11.0, "target": 0.95, "target_layouts": ["zigzag"], "rows": rows, "ring": [], "shift": {}}
+    assert scaling.efficiency(batch, rows[0]) == pytest.approx(11.0 / 12.0)
+    assert scaling.compute_inflation(batch, rows[0]) == pytest.approx([0.0, 0.04, 0.0, 0.12])
+    assert scaling.busy_inflation(batch, rows[0]) == pytest.approx([c / 2.75 - 1 for c in (2.5, 2.6, 2.5, 2.8)])
+    text = scaling.markdown(batch)
+    assert "4 such processes at once: 11.00 s each: 4 processes here do 3.64x the work of one." in text
+    assert "| T(CP=4) | speedup | efficiency | compute over T(CP=1) / 4, rank 0 / 1 / 2 / 3 |" in text
+    assert "| p2p | zigzag | 3.00 s | 3.33 | 0.92 | +0% / +4% / +0% / +12% |" in text
+    for argv, message in ((["--cp", "1"], "--cp 1: the CP size"), (["--cp", "4", "--tokens", "1004"], "a multiple of 2 x 4 = 8"),
+                          (["--cp", "4"], "--heads 4: Ulysses in head groups over 4 ranks")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            scaling.main(argv)
+        assert exit_.value.code == 2, message
 
 def test_the_determinism_check_runs_and_reports_what_it_checked():
     """`bench.determinism` (a step of bench/gpu_check.sh): one row per mode, CP size and layout, each with its
@@ -239,7 +267,7 @@ def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch(
         assert keys == want and all(len(r["ranks"]) == 2 for r in batch["rows"])
         assert {(r["layout"], r["rank"]) for r in batch["ring"]} == {(lay, k) for lay in scaling.TIMED_LAYOUTS for k in (0, 1)}
         # the baseline runs inside the rounds, beside the split: a slow spell cannot hit CP = 2 alone
-        assert batch["schedule"] == ["alone", "pair", "cp2"] * 2
+        assert batch["schedule"] == ["alone", "pair", "cp"] * 2
     assert "head_groups=2" in result["paths_verdict"]
 
 

@@ -63,15 +63,18 @@ def test_kernel_figure_plots_each_mix_over_sdpa_and_its_target():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["m0", "m1", "m2"]
 
 
-def _scaling_batch(name: str, t1: float, t_pair: float) -> dict:
-    rows = [{"mode": m, "layout": lay, "t2": 1.0 + 0.1 * i + 0.05 * j, "ranks": []}
+def _scaling_batch(name: str, t1: float, t_pair: float, P: int = 2) -> dict:
+    ranks = [{"total": 1.0, "compute": 0.9, "comm": 0.05}] * P
+    rows = [{"mode": m, "layout": lay, "t2": 1.0 + 0.1 * i + 0.05 * j, "ranks": ranks}
             for i, m in enumerate(MODES) for j, lay in enumerate(LAYOUTS)]  # fmt: skip
     return {"name": name, "window": [-1, -1], "t1": t1, "t_pair": t_pair, "rows": rows, "ring": [], "shift": {},
             "target": 0.95, "target_layouts": ["zigzag"]}
 
 
-def test_scaling_figure_plots_speedups_per_layout_and_the_two_process_factor():
-    batches = [_scaling_batch("one", 2.0, 1.9), _scaling_batch("two", 3.0, 3.3), _scaling_batch("three", 1.5, 1.4)]
+@pytest.mark.parametrize("P, n", [(2, "two"), (4, "4")])
+def test_scaling_figure_plots_speedups_per_layout_and_the_p_process_factor(P, n):
+    """The factor is P T(CP=1) / T(P at once), P the ranks every row was measured on (bench.scaling --cp)."""
+    batches = [_scaling_batch("one", 2.0, 1.9, P), _scaling_batch("two", 3.0, 3.3, P), _scaling_batch("three", 1.5, 1.4, P)]
     fig = figs.draw_scaling({"batches": batches})
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert len(visible) == 3
@@ -79,9 +82,10 @@ def test_scaling_figure_plots_speedups_per_layout_and_the_two_process_factor():
         for lay in LAYOUTS:
             want = [batch["t1"] / r["t2"] for r in batch["rows"] if r["layout"] == lay]
             assert heights(ax, lay) == pytest.approx(want), (batch["name"], lay)
-        assert horizontal(ax, "two processes, no communication") == pytest.approx([2 * batch["t1"] / batch["t_pair"]])
-        assert horizontal(ax, "target: 0.95 of that") == pytest.approx([0.95 * 2 * batch["t1"] / batch["t_pair"]])
-        assert ax.get_title(loc="left").startswith(batch["name"] + "\ntwo processes: ")
+        assert horizontal(ax, f"{n} processes, no communication") == pytest.approx([P * batch["t1"] / batch["t_pair"]])
+        assert horizontal(ax, "target: 0.95 of that") == pytest.approx([0.95 * P * batch["t1"] / batch["t_pair"]])
+        assert ax.get_title(loc="left").startswith(batch["name"] + f"\n{n} processes: ")
+    assert visible[0].get_ylabel() == f"speedup T(CP=1) / T(CP={P})"
 
 
 def test_memory_figure_plots_the_formula_as_a_line_and_the_measured_as_points():
