@@ -10,7 +10,11 @@
 #      device's matmul peak;
 #   4. `bench.determinism` on the GPU in bf16 and fp16: every mode and layout on the simulated
 #      cluster at CP = 2 and 4 (the ranks share the GPU, flash per rank) against the FP64 oracle,
-#      two steps with deterministic=True bitwise equal, and what the flag costs.
+#      two steps with deterministic=True bitwise equal, and what the flag costs;
+#   5. last, on the machine's CPU cores (not the GPU): `bench.scaling` at CP = 4 over gloo, four
+#      processes of one thread, one 8k document and a packed mix, full causal: the performance
+#      goals that two cores cannot judge (efficiency against the machine, comm wait, each ring
+#      shift with a call to hide behind, the hierarchy in head groups). Skipped below 8 cores.
 # Usage: PY=python3 bench/gpu_check.sh [LOGDIR]   (each step's output also goes to LOGDIR/<step>.log)
 set -u
 PY=${PY:-python3}
@@ -33,4 +37,9 @@ step kernel-bf16 "$PY" -m bench.kernel --device cuda --dtype bf16
 step kernel-fp16 "$PY" -m bench.kernel --device cuda --dtype fp16
 step determinism-bf16 "$PY" -m bench.determinism --device cuda --dtype bf16
 step determinism-fp16 "$PY" -m bench.determinism --device cuda --dtype fp16
+if [ "$(nproc)" -ge 8 ]; then
+  step scaling-cp4 "$PY" -m bench.scaling --cp 4 --heads 8 --tokens 8192 --window none
+else
+  echo "== scaling-cp4: skipped, $(nproc) cores (four processes need four free cores, eight to spare the host)"
+fi
 exit $status

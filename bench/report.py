@@ -197,7 +197,9 @@ memory-efficient kernel, the fast column is [`CudaKernel`][cpref.kernels.cuda_ke
 column `TorchKernel`'s explicit path. Last, `bench/determinism.py` in bfloat16 and float16 runs
 every mode and layout on the simulated cluster at CP = 2 and 4 with flash per rank against the
 FP64 oracle, checks that two steps with `deterministic=True` are bitwise equal, and prints what
-the flag costs ([Deterministic backward][cpref.determinism]). On a 2-core CPU (an earlier run
+the flag costs ([Deterministic backward][cpref.determinism]). After the GPU's steps, on a machine
+with eight cores or more, it runs section 3's tables at CP = 4 on the CPU cores
+(`bench.scaling --cp 4 --heads 8 --tokens 8192`, full causal): the goals two cores cannot judge. On a 2-core CPU (an earlier run
 than this page's other figures, on another machine), where nothing in the backward races, it costs only the row sums in occurrence layers:
 3 to 4x one `index_add_` for the all-gather plan of 4500 tokens at CP = 4 (1.0 ms against
 0.27 ms, twice a step, for dK and dV, in a step of about half a second on the simulated
