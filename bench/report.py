@@ -154,8 +154,9 @@ tables (the overlapped paths against their defaults); across runs both paths hav
 between about 0.8 and 1.3 of their defaults, mostly either side of 1 from run to run: within what
 this machine moves from step to step. One case paid in each of four runs before 2026-12-04:
 Ulysses' head groups on the packed mix in the zigzag layout, 0.92-0.95 of the one exchange (three
-of those runs with 4 heads and `head_groups=2`, one with 8 heads and `head_groups=4`); in eight
-runs on 2026-12-04, on a slower machine, 0.93-1.00 (seven below 1, one even): a few percent at best.
+of those runs with 4 heads and `head_groups=2`, one with 8 heads and `head_groups=4`); in nine
+runs on 2026-12-04, on a slower machine, 0.93-1.06 (seven below 1): a few percent at best, and not
+every time.
 Pass `head_groups` where a measurement of your own says so.
 Which path is the default follows from this: the one call and the one exchange, until a backend
 that moves data off the compute cores (NCCL, HCCL) is measured (issue 25).
@@ -350,9 +351,9 @@ LIMITS = {
                   "the other and what the split adds to its compute.",
     "compute": "Two busy cores slow each other (the pair's factor: the second figure leaves it out); the ring makes one "
                "call per step, and every split runs its calls over smaller segments.",
-    "comm": "The collectives nothing hides (the all-gather's and Ulysses' defaults wait for theirs; the overlapped "
-            "paths cut that wait by about half or more), what one rank waits for the other, and gloo's copies, which run on "
-            "the compute cores.",
+    "comm": "The collectives nothing hides (the all-gather's and Ulysses' defaults wait for theirs; the all-gather "
+            "overlap cuts that wait by about half or more, Ulysses' head groups by less and not in every run), what one "
+            "rank waits for the other, and gloo's copies, which run on the compute cores.",
     "ring:": "A shift travels while both cores compute: gloo's copies get what time the kernels leave them, so the "
              "same shifts come out 97%, 98%, 97% hidden in one run and 94%, 52%, 95% in the next (zigzag, one 16k "
              "document, rank 1, 2026-12-04). Pieces and halos smaller than the largest shift are judged against its time alone.",

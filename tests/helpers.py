@@ -86,7 +86,7 @@ def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, windo
 
         plan = build_split_hierarchical_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, options["a2a_size"],
                                              heads[0], heads[1], causal, window, cpu)  # fmt: skip
-        gathered, sizes = plan.rows, plan.ring.halo.sizes
+        gathered, sizes = plan.rows, plan.ring.halo.sizes if plan.ring.halo is not None else None  # None: one call
     elif mode in ("p2p", "a2a+p2p") and (window != (-1, -1) or by_pieces):
         a = options.get("a2a_size", 1)
         if sharding.cp_size > a:  # a ring of P / a members, each a groups of a ranks

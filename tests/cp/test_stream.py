@@ -199,3 +199,41 @@ def test_the_piece_plan_selects_what_the_rfc_indexing_selects(layout, P, units, 
         rfc = build_all_gather_plan(s.bounds, P, r, layout, causal, torch.device("cpu"), window)
         want = _visible_tokens(rfc, causal, torch.cat(index))  # rank-major
         assert _visible_tokens(pieces[r], causal, torch.cat([index[r], gathered])) == want, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+@pytest.mark.parametrize("window", [NO_WINDOW, (6, 0)], ids=["causal", "window"])
+@pytest.mark.parametrize("layout", ["stream", "balanced"])
+@pytest.mark.parametrize(("P", "heads", "groups"), [(2, (4, 2, 8, 8), 1), (2, (8, 4, 8, 8), 2), (4, (8, 4, 8, 8), 1)],
+                         ids=["P2", "P2-head_groups=2", "P4"])  # fmt: skip
+def test_one_a2a_group_is_ulysses_split_one_kernel_call_on_the_gathered_block(P, heads, groups, layout, window, dtype):
+    """a2a_size = P: the ring across the groups has one member, so its plan is one call that reads the gathered
+    block as it is (rows no sequence reads become keys of sequences without queries, as Ulysses' padding keys):
+    no halo, no `index_select` of the block, the output saved in the input dtype. It is then Ulysses' split, bit
+    for bit (outputs, gradients, saved bytes) and call for call, in head groups too (the piece plan made the
+    same call over a copy of the block and merged it in float32: bf16 saved twice the output's bytes)."""
+    from sim.harness import saved_bytes
+    from cpref.modes.hierarchical_split import build_split_hierarchical_plan
+
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([5, 30, 3, 41, 17, 9]), cp_size=P, layout=layout)
+    q, k, v, dout = attention_inputs(sharding.total, heads, dtype=dtype)
+    runs = {}
+    for mode, options in (("a2a", {"head_groups": groups}), ("a2a+p2p", {"a2a_size": P, "head_groups": groups})):
+        kernels = [CountingKernel() for _ in range(P)]
+        results, _ = run_cp(q, k, v, dout, sharding, mode=mode, window=window, kernels=kernels, check_ranks=False,
+                            **options)  # fmt: skip
+        calls = [(kern.forward_calls, kern.backward_calls) for kern in kernels]
+        saved = saved_bytes(q, k, v, sharding, mode=mode, window=window, check_ranks=False, **options)
+        runs[mode] = results, calls, saved
+    (want, want_calls, want_saved), (got, got_calls, got_saved) = runs["a2a"], runs["a2a+p2p"]
+    assert got_calls == want_calls and got_saved == want_saved
+    for r, (a, b) in enumerate(zip(got, want)):
+        for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+            assert torch.equal(x, y), (r, name)
+    for r in range(P):
+        plan = build_split_hierarchical_plan(sharding.bounds, P, r, layout, P, heads[0], heads[1], True, window,
+                                             torch.device("cpu"))  # fmt: skip
+        if plan.rows:
+            (call,) = plan.ring.steps[0].calls
+            assert plan.ring.whole_rows and call.kv_index is None and call.window == window
+            assert call.seqs.total_q == call.seqs.total_kv == P * plan.rows  # the gathered block, every row

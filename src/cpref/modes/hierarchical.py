@@ -30,7 +30,8 @@ the zigzag ring over `p` ranks unchanged: every ring step is balanced too. The p
 built from global token ids and checks the nesting as it is built.
 
 With `a = 1` the exchange does nothing and this is the ring (`p2p`); with `a = P` the ring
-has one step and this is Ulysses (`a2a`): both reduce exactly, bit for bit.
+has one step and this is Ulysses (`a2a`): both reduce exactly, bit for bit (over stream and
+balanced too, below).
 
 ## Stream and balanced
 
@@ -63,9 +64,9 @@ communication, naming the `head_groups` that work. With `a = 1` there is no exch
 option changes nothing. The stream and balanced layouts' own rows are attended after the
 first posts, before the first wait. The values are the one exchange's to within a few units
 of FP64's last place (4 eps of a tensor's largest value), not bit for bit: a ring step's calls
-on fewer heads round differently. At CP = 2 the ring has one rank, and in the chunked layouts
-this is Ulysses' pipeline bit for bit (whose timing the performance page shows); the default
-is `head_groups=1`.
+on fewer heads round differently. At CP = 2 the ring has one rank, and in every layout this is
+Ulysses' pipeline bit for bit (whose timing the performance page shows); the default is
+`head_groups=1`.
 
 ## Cost per rank
 
@@ -240,8 +241,8 @@ def _ungrouped_costs(P, t, heads, dtype, halo_sizes, gathered_rows, a) -> ModeCo
         if not gathered_rows:
             return own
         own = own.saved_bytes
-        halo = halo_costs(halo_sizes, heads, h // a, dtype)
-        return combine(exchange, halo, saved=own + exchange.saved_bytes + kept_output_bytes(2, gathered_rows, heads, dtype))
+        halo = halo_costs(halo_sizes or (0,), heads, h // a, dtype)  # None: a ring of one, which sends nothing
+        return combine(exchange, halo, saved=own + exchange.saved_bytes + kept_output_bytes(P // a, gathered_rows, heads, dtype))
     if halo_sizes is not None:  # a window: the halo shifts over the ring of P / a groups, rows of h / a heads
         halo = halo_costs(halo_sizes, heads, h // a, dtype)
         return combine(exchange, halo, saved=exchange.saved_bytes + kept_output_bytes(2, t, heads, dtype))

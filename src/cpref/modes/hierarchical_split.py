@@ -15,7 +15,9 @@ does, this variant splits each rank's rows in two:
   order with the group's padding slots last; then the ring across the `P / a` groups, which
   sends only the rows each group reads ([the ring that sends only what is read][cpref.modes.ring_window]),
   planned over **the shared rows alone**: member `g` holds its group's shared pieces, in stream
-  order, then the slots, which see nothing; then the way back.
+  order, then the slots, which see nothing; then the way back. With one group (`a = P`) the ring
+  has one member and its plan is one kernel call over the gathered block as it is, the rows no
+  query reads (the slots) being keys of a sequence without queries: Ulysses' split, bit for bit.
 
 The two outputs are written into their rows; the backward mirrors it (dK/dV of replicated
 key/value heads in float32, as in Ulysses). Per rank the exchange moves Ulysses' traffic over

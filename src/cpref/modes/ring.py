@@ -132,7 +132,7 @@ def ring_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
     acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
     if plan.whole_rows:  # a ring of one: one kernel call on the own block sees every key
         call = plan.steps[0].calls[0]
-        return kernel.forward(q, k, v, call.seqs, causal=call.causal, scale=scale, out_dtype=out_dtype)
+        return kernel.forward(q, k, v, call.seqs, causal=call.causal, window=call.window, scale=scale, out_dtype=out_dtype)
     out = lse = None  # the running (T_l, Hq, Dv) output and (T_l, Hq) lse: the first block's, then merged
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv): one block travels
     for t, step in enumerate(plan.steps):
@@ -170,8 +170,8 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
     acc, d, S = compute_dtype(q.dtype), k.shape[-1], len(plan.steps)
     if plan.whole_rows:  # a ring of one: one kernel call, whose rows are whole
         call = plan.steps[0].calls[0]
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.seqs, causal=call.causal, scale=scale, full_rows=True,
-                                     grad_dtype=kv_grad_dtype)  # fmt: skip
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, call.seqs, causal=call.causal, window=call.window,
+                                     scale=scale, full_rows=True, grad_dtype=kv_grad_dtype)  # fmt: skip
         return dq.to(q.dtype), dk, dv
     kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)
     home = (1 - S) % comm.size  # after the last step, the accumulators go back to their owners (1: the ring closes)

@@ -128,7 +128,8 @@ class RingPlan:
 
     @property
     def whole_rows(self) -> bool:
-        """Whether one kernel call sees every key of every row (the classic ring of one: no merge, no send)."""
+        """Whether one kernel call sees every key of every row: a ring of one (the classic one, or one member's over
+        pieces, `cpref.modes.ring_window`), no merge, no send."""
         return self.halo is None and len(self.steps) == 1 and len(self.steps[0].calls) == 1
 
 

@@ -23,7 +23,10 @@ causal mask); the pairs with keys form one kernel call with
 explicit shifts (query $a$ stands at key $a - \mathrm{lo}$, [the kernel contract][cpref.kernels.contract]).
 A sender's two zigzag chunks of a document are not adjacent, so a query chunk whose window
 reaches both needs two calls, merged by lse like two steps (one call per piece *slot*: the
-$k$-th piece the sender holds of each document).
+$k$-th piece the sender holds of each document). A ring of one member (`a2a+p2p` with one a2a
+group) has one call on its own block; its plan reads the block as it is, each run of rows the
+call does not read (padding) becoming the keys of a sequence without queries: no copy of the
+block, no merge, the output in the input dtype (`RingPlan.whole_rows`).
 
 **Distances.** The plan keeps distance 0 (the own block) and the distances
 $\mathcal{D} \subseteq \{1, \dots, P - 1\}$ at which some rank's queries see a key of the block
@@ -162,6 +165,11 @@ def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: 
     in local order, `real(doc, a, z)` the real tokens of positions `[a, z)` of `doc` (every member's buffer
     equally long)."""
     P = len(members)
+    if P == 1:  # a ring of one member: its one call reads the own block as it is (no halo, no copy, no merge)
+        calls = _calls(real, members, rank, rank, causal, window)
+        whole = _reading_the_block(*calls[0], _rows(members[0])) if len(calls) == 1 else None
+        if whole is not None:
+            return RingPlan((RingStep(rank, (RingCall(whole, causal, None, window),)),))
     shifts = (0, *_distances(real, members, causal, window))
 
     @functools.cache
@@ -181,6 +189,35 @@ def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: 
     sizes = (0, *(max(len(reads(s, d)) for s in range(P)) for d in shifts[1:]))  # a shift's rows, on every rank
     send = (None, *(reads((rank + d) % P, d).to(device) for d in shifts[1:]))  # own rows rank r + d reads
     return RingPlan(tuple(steps), Halo(shifts, send, sizes))
+
+
+def _rows(pieces) -> int:
+    """The rows of a member's buffer: its pieces, padding included."""
+    return pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
+
+
+def _reading_the_block(seqs: Varlen, rows: torch.Tensor, n: int) -> Varlen | None:
+    """A call over `block[rows]` (each sequence's keys one run of consecutive rows, `_calls`) rewritten to read the
+    `n`-row block as it is: each run of rows no sequence reads becomes the keys of a sequence without queries (no
+    work, as the split Ulysses' padding keys), so the kernel takes the block itself, no `index_select`. None if the
+    runs do not come in increasing order."""
+    lens, cursor = [], 0  # (q_len, kv_len, shift) of every sequence; the first block row not yet covered
+    for i in range(len(seqs.cu_q) - 1):
+        n_q, n_k = seqs.cu_q[i + 1] - seqs.cu_q[i], seqs.cu_kv[i + 1] - seqs.cu_kv[i]
+        if n_k:
+            first = int(rows[seqs.cu_kv[i]])  # its keys: block rows [first, first + n_k)
+            if first < cursor:
+                return None
+            lens += [(0, first - cursor, 0)] if first > cursor else []
+            cursor = first + n_k
+        lens.append((n_q, n_k, seqs.shifts[i] if seqs.shifts is not None else 0))
+    lens += [(0, n - cursor, 0)] if n > cursor else []
+    if not lens:
+        return None
+    q_lens, kv_lens, shifts = zip(*lens)
+    # shifts every sequence has anyway (bottom-right: kv_len - q_len) are left implicit: the kernel's plain path
+    implicit = all(not q or not k or d == k - q for q, k, d in lens)
+    return Varlen.from_lengths(q_lens, kv_lens, None if implicit else shifts)
 
 
 def _outgoing(kv: torch.Tensor, halo: Halo, t: int) -> torch.Tensor:
