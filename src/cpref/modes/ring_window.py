@@ -210,7 +210,7 @@ def _reading_the_block(seqs: Varlen, rows: torch.Tensor, n: int) -> Varlen | Non
                 return None
             lens += [(0, first - cursor, 0)] if first > cursor else []
             cursor = first + n_k
-        lens.append((n_q, n_k, seqs.shifts[i] if seqs.shifts is not None else 0))
+        lens.append((n_q, n_k, seqs.shifts[i] if seqs.shifts is not None else n_k - n_q))  # None: bottom-right
     lens += [(0, n - cursor, 0)] if n > cursor else []
     if not lens:
         return None
