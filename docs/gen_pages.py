@@ -66,6 +66,9 @@ GUIDE = [
     ("data.md", "The data path and loss", "cpref.data"),
     ("models.md", "Models with CP", "cpref.models"),
     ("hf.md", "Hugging Face models", "cpref.hf"),
+    ("hf-batch.md", "Hugging Face batches", "cpref.hf.batch"),
+    ("hf-guard.md", "What every Hugging Face forward checks", "cpref.hf.guard"),
+    ("hf-admit.md", "Which Hugging Face models run", "cpref.hf.admit"),
     ("training.md", "The training step", "cpref.training"),
     ("train.md", "Train a model with CP", "sim.tools.train"),
     ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
@@ -212,7 +215,7 @@ SECTIONS = [
     ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "determinism.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
                               "cuda-kernel.md", "npu-kernel.md"]),
-    ("Models and training", ["models.md", "hf.md", "training.md", "train.md", "checkpoint.md", "checkpoint-files.md"]),
+    ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-admit.md", "training.md", "train.md", "checkpoint.md", "checkpoint-files.md"]),
     ("Performance", ["performance.md"]),
     ("Reference", ["glossary.md", "references.md"]),
 ]  # fmt: skip

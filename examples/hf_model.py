@@ -1,58 +1,104 @@
-"""Train a Hugging Face model with cpref's context parallelism, over torchrun.
+"""Train a Hugging Face model with cpref's context parallelism, on the batches transformers makes.
 
-    torchrun --standalone --nproc-per-node 4 examples/hf_model.py --cp 2    # DP 2 x CP 2, gloo on CPU
+    .venv/bin/python examples/hf_model.py --cp 2              # launches itself: 4 processes, DP 2 x CP 2, gloo on CPU
+    .venv/bin/torchrun --standalone --nproc-per-node 4 examples/hf_model.py --cp 2    # the same, by hand
 
-(from the repository root, after `make test` or `make demo` has made .venv: `.venv/bin/torchrun`).
 Every process builds the same tiny Llama (scaled RoPE, as Llama 3.1+ checkpoints have it; a real
-model: `AutoModelForCausalLM.from_pretrained(path, attn_implementation="cpref")`) and trains it
-with `cpref.training.train` on packs of standard-library text, documents packed end to end. Then
-rank 0 trains the same model on the same packs on one device, without CP, and prints both loss
-curves and their largest relative difference (the exit status is 1 above 1e-5).
+model: `AutoModelForCausalLM.from_pretrained(path, attn_implementation="cpref")`). Each step, every
+DP replica collates its documents (standard-library text, byte tokens) with transformers'
+`DataCollatorWithFlattening`, the padding-free batch of packed training (`position_ids` restart at
+every document); `cpref.hf.shard_batch` turns it into this rank's shard. Then rank 0 trains the same
+model on the same batches on one device, without CP, with transformers' own attention and loss
+(`model(**batch, num_items_in_batch=...)`), and prints both loss curves and their largest relative
+difference (the exit status is 1 above 1e-5).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from itertools import islice
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 # --8<-- [start:hf]
 import cpref
 import cpref.hf
 from cpref.packing import BYTE_VOCAB, stdlib_documents
-from cpref.training import PackSource, Topology, TrainConfig, train
 
 cpref.hf.register()  # attn_implementation="cpref": every attention layer runs cpref.attention
+collate = transformers.DataCollatorWithFlattening()  # input_ids, labels, position_ids: (1, T) each
 
 
-def tiny_llama() -> transformers.LlamaForCausalLM:
+def tiny_llama(attn_implementation: str) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
         vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attention_dropout=0.0, attn_implementation="cpref",
+        num_key_value_heads=2, attention_dropout=0.0, attn_implementation=attn_implementation,
         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})  # fmt: skip
     torch.manual_seed(0)  # the same weights on every rank
     return transformers.LlamaForCausalLM(config)
 
 
-def documents():  # byte tokens of many short documents
-    return (doc[: 8 + (n * 37) % 300] for n, doc in enumerate(stdlib_documents()))
+def features(step: int, replica: int, dp: int) -> list[dict]:
+    """The documents DP replica `replica` trains on at `step`: four of many short ones."""
+    first = 4 * (step * dp + replica)
+    docs = islice(stdlib_documents(), first, first + 4)
+    return [{"input_ids": doc[: 8 + (n * 37) % 120].tolist()} for n, doc in enumerate(docs, start=first)]
 
 
-def run(world, cp: int, mode: str, steps: int, packs_per_step: int) -> list[float]:
-    """Train on `world` (DP x CP ranks, CP groups of `cp` consecutive ranks); the loss of every step."""
+def train(world, cp: int, mode: str, steps: int) -> list[float]:
+    """DP x CP training on `world` (CP groups of `cp` consecutive ranks): every step's loss."""
     dp = world.size // cp
-    cp_group = world.split([list(range(d * cp, (d + 1) * cp)) for d in range(dp)])
-    topo = Topology(cp=cp_group, world=world, dp_rank=world.rank // cp, dp_size=dp)
-    config = TrainConfig(mode=mode, layout="balanced", options=cpref.MODES[mode].example_options(cp),
-                         micro_batches=packs_per_step // dp, lr=1e-3)  # fmt: skip
-    model = tiny_llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    stats = train(model, optimizer, PackSource(documents, 128), topo, config, steps, forward=cpref.hf.forward)
-    return [s.loss for s in stats]
+    group = world.split([list(range(d * cp, (d + 1) * cp)) for d in range(dp)])  # this rank's CP group
+    model = tiny_llama("cpref")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        batch = collate(features(step, world.rank // cp, dp))  # this replica's batch, as transformers makes it
+        b = cpref.hf.shard_batch(batch, cp_size=cp, rank=group.rank, layout="balanced")  # this rank's shard
+        count = world.all_reduce(b["loss_mask"].sum().reshape(1))  # the loss tokens of every replica
+        cp_args = cpref.hf.CP(group, b["sharding"], mode, cpref.MODES[mode].example_options(cp))
+        logits = model(b["tokens"][None], position_ids=b["position_ids"][None], use_cache=False, cp=cp_args).logits[0]
+        loss = cpref.cp_loss(F.cross_entropy(logits, b["labels"], reduction="none"), b["loss_mask"], world, count=count)
+        optimizer.zero_grad()
+        loss.backward()
+        # every rank holds a replica: the gradient of the mean loss is the SUM of the ranks' gradients
+        grads = world.all_reduce(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        for p, g in zip(model.parameters(), grads.split([p.numel() for p in model.parameters()])):
+            p.grad.copy_(g.view_as(p))
+        optimizer.step()
+        losses.append(float(world.all_reduce(loss.detach().reshape(1))))
+    return losses
 # --8<-- [end:hf]
+
+
+def without_cp(dp: int, steps: int) -> list[float]:
+    """The same model and batches on one device: transformers' own attention and loss."""
+    model = tiny_llama("sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        batches = [collate(features(step, r, dp)) for r in range(dp)]
+        count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)  # the loss tokens of the step
+        optimizer.zero_grad()
+        loss = sum(model(**b, num_items_in_batch=count, use_cache=False).loss for b in batches)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def launch_self(nproc: int) -> int:
+    """Run this script under torchrun with `nproc` processes (it was started without it); its exit status."""
+    import subprocess
+
+    args = ["--standalone", "--nproc-per-node", str(nproc), __file__, *sys.argv[1:]]
+    print("launching: torchrun " + " ".join(args), flush=True)
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *args])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,18 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=2, help="CP group size (the world size over it is DP)")
     parser.add_argument("--mode", default="p2p", choices=sorted(cpref.MODES))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=4, help="processes to launch when started without torchrun")
     args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        return launch_self(args.nproc)
     torch.distributed.init_process_group("gloo")
     from cpref.backends import TorchComm
 
     world = TorchComm()
     if world.size % args.cp:
         parser.error(f"--cp {args.cp} does not divide the {world.size} processes")
-    packs = world.size // args.cp  # per step: one pack per DP replica
-    losses = run(world, args.cp, args.mode, args.steps, packs)
+    losses = train(world, args.cp, args.mode, args.steps)
     status = 0
     if world.rank == 0:
-        alone = run(cpref.SingleRank(), 1, args.mode, args.steps, packs)  # the same packs, one device
+        alone = without_cp(world.size // args.cp, args.steps)
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, alone))
         for step, (a, b) in enumerate(zip(losses, alone)):
             print(f"step {step:2d}  loss with CP {a:.6f}  without {b:.6f}")

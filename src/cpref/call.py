@@ -59,7 +59,7 @@ class CPCall:
 
     @property
     def layout(self) -> str:
-        """`"zigzag"`, `"contiguous"` or `"stream"`."""
+        """`"zigzag"`, `"contiguous"`, `"stream"` or `"balanced"`."""
         return self.sharding.layout
 
     @property

@@ -5,8 +5,8 @@ be a multiple of `2P` tokens. [`get_batch_on_this_cp_rank`][cpref.data.get_batch
 follows MindSpeed's EOD-padding path:
 
 1. pad every document **at its end** to a multiple of the layout's granularity (`2P` for
-   zigzag; for stream only the last document, so that the batch is a multiple of `P`), with
-   `pad_token_id` tokens whose loss mask is 0;
+   zigzag, `P` for contiguous; for stream and balanced only the last document, so that the
+   batch is a multiple of `P`), with `pad_token_id` tokens whose loss mask is 0;
 2. compute position ids inside each padded document (positions restart at every document,
    for RoPE);
 3. slice tokens, labels, loss mask and position ids with the layout;
@@ -75,7 +75,7 @@ def get_batch_on_this_cp_rank(
         cu_seqlens: real (unpadded) document boundaries, leading 0.
         cp_size: CP group size `P`.
         rank: this rank.
-        layout: `"zigzag"` (default), `"contiguous"` or `"stream"`.
+        layout: `"zigzag"` (default), `"contiguous"`, `"stream"` or `"balanced"`.
         pad_token_id: token and label id of the padding.
 
     Returns:

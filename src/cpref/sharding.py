@@ -56,7 +56,7 @@ class Sharding:
     Args:
         cu_seqlens: global real document boundaries, leading 0 (a 1-D integer tensor or a list).
         cp_size: the CP group size `P`.
-        layout: `"zigzag"` (default), `"contiguous"` or `"stream"` (see [`cpref.layout`][cpref.layout]).
+        layout: `"zigzag"` (default), `"contiguous"`, `"stream"` or `"balanced"` (see [`cpref.layout`][cpref.layout]).
         cu_seqlens_padded: the padded boundaries that define the shards (each document padded
             at its end to a multiple of the layout's granularity; for stream, the batch padded at its
             end to a multiple of `P`), or None without padding.
@@ -123,7 +123,7 @@ class Sharding:
 
     @property
     def layout(self) -> str:
-        """`"zigzag"`, `"contiguous"` or `"stream"`."""
+        """`"zigzag"`, `"contiguous"`, `"stream"` or `"balanced"`."""
         return self._layout
 
     @property

@@ -88,7 +88,7 @@ class TrainConfig:
 
     Attributes:
         mode: the CP mode (`cpref.MODES`).
-        layout: `"zigzag"`, `"contiguous"` or `"stream"`.
+        layout: `"zigzag"`, `"contiguous"`, `"stream"` or `"balanced"`.
         options: the mode's options, e.g. `{"a2a_size": 2}`.
         micro_batches: packs per DP replica and step (gradient accumulation).
         lr: AdamW learning rate.

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import cpref
 import cpref.hf
+from cpref.hf.layer import Checked
 from sim import SimCluster
 from sim.harness import CountingKernel
 from tests.helpers import assert_close
@@ -124,30 +125,6 @@ def test_logits_loss_and_gradients_equal_hugging_faces(references, name, P, mode
         assert_close(sum(r[2][n] for r in results), g, torch.float32, msg=f"{what}: gradient of {n}")
 
 
-def test_hugging_faces_loss_with_shift_labels_is_the_global_mean_only_with_the_global_count():
-    """`model(..., labels=..., shift_labels=..., num_items_in_batch=N)` with N the loss tokens of all ranks: the ranks'
-    losses add up to the mean over the pack, as `cpref.cp_loss`'s do. Without `num_items_in_batch` each rank
-    divides by its own count: their sum is not the mean (use `cp_loss`, or pass the global count)."""
-    cpref.hf.register()
-    base = build("llama3", cpref.hf.NAME)
-    cu, tokens, labels, mask = pack()
-    _, want, _ = reference("llama3")
-    P = 4
-
-    def rank(comm):
-        b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "loss_mask": mask}, cu, cp_size=P,
-                                            rank=comm.rank, layout="zigzag")  # fmt: skip
-        shifted = b["labels"].masked_fill(b["loss_mask"] == 0, -100)[None]  # (1, T_l): already the next tokens
-        cp = cpref.hf.CP(comm, b["sharding"], "p2p")
-        run = lambda **kw: base(b["tokens"][None], position_ids=b["position_ids"][None], use_cache=False, cp=cp,
-                                labels=shifted, shift_labels=shifted, **kw).loss.detach()  # fmt: skip
-        return run(num_items_in_batch=int(mask.sum())), run()
-
-    results = SimCluster(P).run(rank)
-    assert_close(sum(r[0] for r in results), want, torch.float32, msg="with the global count")
-    assert abs(float(sum(r[1] for r in results)) - float(want)) > 0.5 * float(want)  # P means, not one
-
-
 class _Layer(torch.nn.Module):
     is_causal = True
 
@@ -159,7 +136,7 @@ def _call(**kw):
     def rank(comm):
         sharding = cpref.Sharding([0, 4], cp_size=1, layout="contiguous")
         q = torch.zeros(1, 2, 4, 8)
-        args = dict(module=_Layer(), query=q, key=q, value=q, attention_mask=None, cp=cpref.hf.CP(comm, sharding))
+        args = dict(module=_Layer(), query=q, key=q, value=q, attention_mask=None, cp=Checked(comm, sharding))
         args.update(kw)
         return cpref.hf.attention(**args)
 
@@ -169,9 +146,11 @@ def _call(**kw):
 @pytest.mark.parametrize("change, match", [
     (dict(cp=None), r"model\(\.\.\., cp=cpref\.hf\.CP"),
     (dict(cp="p2p"), "must be a cpref.hf.CP, got str"),
+    (dict(cp=cpref.hf.CP(cpref.SingleRank(), cpref.Sharding([0, 4], cp_size=1))), "without the model-level checks"),
     (dict(query=torch.zeros(2, 2, 4, 8)), "batch size 2"),
     (dict(key=torch.zeros(1, 2, 6, 8), value=torch.zeros(1, 2, 6, 8)), "use_cache=False"),
     (dict(attention_mask=torch.zeros(1, 1, 4, 4)), "call the model without attention_mask"),
+    (dict(attention_mask=torch.ones(1, 4, dtype=torch.bool)), r"mask of shape \(1, 4\) reached the layer"),
     (dict(softcap=50.0), r"soft-capping \(softcap=50.0\)"),
     (dict(s_aux=torch.zeros(2)), "attention sinks"),
 ])  # fmt: skip

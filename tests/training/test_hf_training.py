@@ -22,7 +22,6 @@ from sim import SimCluster
 from sim.tools.train import short_documents
 
 pytest.importorskip("transformers")
-from tests.helpers import run_torchrun  # noqa: E402
 from tests.models.test_hf_attention import build  # noqa: E402
 
 STEPS, PACK = 20, 64
@@ -69,11 +68,23 @@ def test_twenty_steps_match_the_run_without_cp(cp, dp, mode, layout):
     assert want[-1][0] < want[0][0]  # it learns: the loss falls over the 20 steps
 
 
-def test_the_example_trains_dp2_x_cp2_over_torchrun_as_on_one_device():
-    """`examples/hf_model.py` under torchrun, 4 gloo processes (DP 2 x CP 2, a2a+p2p over the balanced layout):
-    it exits 0 (its 20 losses within 1e-5 relative of the run without CP, which it prints) and prints every step."""
-    out = run_torchrun("examples/hf_model.py", 4, "--cp", "2", "--mode", "a2a+p2p")
+def test_the_example_launches_itself_and_trains_dp2_x_cp2_as_transformers_does_without_cp():
+    """`python examples/hf_model.py` without torchrun (on main: a torch.distributed RANK traceback) launches itself
+    on 4 gloo processes (DP 2 x CP 2, a2a+p2p over the balanced layout, transformers' DataCollatorWithFlattening
+    batches through cpref.hf.shard_batch) and exits 0: its 20 losses within 1e-5 relative of transformers' own
+    attention and loss without CP, which it prints."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, "examples/hf_model.py", "--cp", "2", "--mode", "a2a+p2p"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("launching: torchrun --standalone --nproc-per-node 4 ")
     lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
     assert [line.split()[1] for line in lines] == [str(s) for s in range(STEPS)]
     assert "DP 2 x CP 2, mode a2a+p2p: largest relative difference" in out.stdout

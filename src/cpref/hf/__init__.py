@@ -1,0 +1,133 @@
+r"""Hugging Face models with cpref's CP: one attention implementation, registered by name.
+
+`transformers` routes its models' attention (Llama, Qwen2/3, Mistral, Gemma, GPT-2, BERT, ...)
+through one seam: a function registered under a name with `transformers.AttentionInterface`,
+chosen with `attn_implementation=name`, and a mask function registered under the same name with
+`AttentionMaskInterface`. [`register`][cpref.hf.register] puts cpref's
+[`attention`][cpref.hf.layer.attention] and [`mask`][cpref.hf.layer.mask] there, so a model built
+or loaded with `attn_implementation="cpref"` runs every attention layer with CP. Its embeddings,
+RoPE (scaled RoPE included), norms and MLPs are per-token and see the rank's shard.
+
+```python
+import cpref, cpref.hf
+cpref.hf.register()                                           # once: the name "cpref"
+model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="cpref")
+b = cpref.hf.shard_batch(batch, cp_size=P, rank=comm.rank)    # a padded or flattened batch -> this rank's
+cp = cpref.hf.CP(comm, b["sharding"], mode="p2p")
+logits = model(b["tokens"][None], position_ids=b["position_ids"][None], use_cache=False, cp=cp).logits[0]
+loss = cpref.cp_loss(F.cross_entropy(logits, b["labels"], reduction="none"), b["loss_mask"], comm)
+loss.backward()                                               # then sum the gradients over the CP group
+```
+
+## Right, or refused when the model is built
+
+`register()` also wraps the one method `transformers` asks of every model it builds whether an
+attention implementation can be used ([`cpref.hf.admit`][cpref.hf.admit]). A model built with
+cpref's name is refused there, naming its class and why, when cpref would compute something
+else: attention layers that do not pass the forward's arguments on (StableLm), heads that read a
+token by its index in the sequence (sequence classification), and layer kinds cpref does not
+run (Llama 4's chunked layers and its attention temperature tuning, linear attention,
+convolutions, logit soft-capping). Other models get a check of every forward.
+
+## Every forward: positions, masks, labels
+
+**The CP arguments travel with the call.** `model(..., cp=cpref.hf.CP(...))`: `transformers`
+hands the model's extra keyword arguments down to every attention call, so each layer finds the
+communicator, the batch's [`Sharding`][cpref.sharding] and the mode there, and gradient
+checkpointing, which runs a layer's forward again in the backward with the same arguments,
+finds them too. Nothing is global: two models, or two steps with two batches, share no state.
+
+Before the model runs, [`cpref.hf.guard`][cpref.hf.guard] checks what the model's own per-token
+code would get wrong on a shard, on every rank alike:
+
+* **positions**: missing `position_ids` are filled in from the sharding (each token's
+  position in its document), and given ones must be the sharding's (up to a start offset that
+  every rank shares): `transformers` would number a shard `0 .. T / P - 1`;
+* **masks**: a padding `attention_mask` is honoured where its padding is the sharding's and
+  refused where it marks a real token as padding;
+  [`shard_batch`][cpref.hf.batch.shard_batch] is how a padded batch becomes the sharding's;
+* **labels**: `labels=` keeps its meaning (the model shifts them), shifted over the unsharded
+  batch (one all-gather of the label ids), and `num_items_in_batch` counts the whole batch's
+  loss tokens, so the model's `loss` on a rank is its share of the batch's mean.
+
+**The gradients.** Every rank holds a replica of the parameters and its loss share reaches
+only its tokens' part of each gradient: the gradient of the batch's loss is the **sum** of the
+ranks' gradients over the CP group (over DP x CP with data parallelism too), one all-reduce with a
+sum, as [`cpref.training`][cpref.training] does. A mean would make it `P` times too small.
+
+**Each layer's own settings** come from the layer: its `scaling` (`softmax_scale`), its heads
+(GQA: fewer key/value heads than query heads), `is_causal`, and `sliding_window`, which
+`transformers` gives as the number of keys a query sees, itself included: `window=(W - 1, 0)`
+in cpref's convention ([the kernel contract][cpref.kernels.contract]).
+
+## Everything refused
+
+Each raises `cpref.CPInputError` naming the value and the fix, on every rank alike, before any
+communication; where only one rank's inputs are wrong (its positions, say), that rank raises
+its error and the others raise too, naming it.
+
+| when | refused | why |
+| --- | --- | --- |
+| built | a class with `_supports_attention_backend = False` (StableLm) | its layers drop `cp=` |
+| built | a head that reads tokens by index (`...ForSequenceClassification`, `...ForQuestionAnswering`, multiple choice, next sentence, pre-training) | the index is the shard's |
+| built | a `layer_types` entry but `full_attention` and `sliding_attention` (Llama 4's `chunked_attention`, ...) | cpref runs causal, full and sliding-window layers |
+| built | `attn_logit_softcapping` (Gemma 2) | not in the kernel contract |
+| built | `attn_temperature_tuning` with NoPE layers (Llama 4) | it scales a query by its index in the shard |
+| first forward | attention sinks (a `sinks` parameter: GPT-OSS) | not in the kernel contract |
+| first forward | a pooler of the first token (BERT's: build with `add_pooling_layer=False`) | the first token is the shard's |
+| forward | no `cp=cpref.hf.CP(...)`, or not a `CP` | the layers cannot know the CP group or the documents |
+| forward | batch size above 1, or not `T / P` tokens | cpref attends one packed sequence, sharded |
+| forward | `position_ids` that are not the sharding's (another rank's, another layout's, `0 .. T / P - 1`) | RoPE and learned positions would be wrong |
+| forward | an `attention_mask` that marks a real token as padding, or a 4-D mask | the padding is the sharding's |
+| forward | `cu_seq_lens_q`/`_k` that are not the sharding's boundaries | the documents are the sharding's |
+| forward | `logits_to_keep`, image or audio inputs | they read the shard's last tokens, or are not text |
+| forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
+| forward | ranks that pass different loss arguments or position starts | the ranks would compute different things |
+| layer | a key/value cache (more keys than queries, `use_cache=True` in training) | a rank's keys are not its queries' keys |
+| layer | attention dropout in training | cpref's kernels have none; set `attention_dropout=0.0` |
+| layer | logit soft-capping (`softcap`), attention sinks (`s_aux`) passed to the layer | not in the kernel contract |
+| layer | a sliding window without a causal mask | models differ in what it means |
+| layer | a mask function of the model's own (`or_mask_function`, e.g. image tokens) | cpref's masks are the sharding's |
+| `CP(...)` | `options` with `causal`, `softmax_scale` or `window` | every layer gives its own |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cpref.hf.batch import shard_batch
+from cpref.hf.layer import CP, NAMES, attention, mask
+
+__all__ = ["CP", "attention", "mask", "forward", "register", "shard_batch", "NAME"]
+
+NAME = "cpref"  # the attn_implementation register() adds
+
+
+def register(name: str = NAME) -> str:
+    """Register cpref's attention and mask with `transformers` under `name`, and check the models built with it.
+
+    Imports `transformers`; idempotent. Returns the name (`attn_implementation=name`).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from cpref.hf.admit import install
+    from cpref.hf.guard import guard
+
+    install(guard)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    NAMES.add(name)
+    return name
+
+
+def forward(model: torch.nn.Module, batch: dict, ctx: Any) -> torch.Tensor:
+    """`cpref.training`'s `forward` for a Hugging Face causal LM: logits `(T_l, V)` of this rank's shard.
+
+    `batch` is `get_batch_on_this_cp_rank`'s (`tokens`, `position_ids`); `ctx` a `cpref.models.CPContext`
+    (`comm`, `sharding`, `mode`, `options`)."""
+    options = dict(ctx.options) | ({"kernel": ctx.kernel} if getattr(ctx, "kernel", None) is not None else {})
+    cp = CP(ctx.comm, ctx.sharding, ctx.mode, options)
+    return model(batch["tokens"][None], position_ids=batch["position_ids"][None], use_cache=False, cp=cp).logits[0]

@@ -1,0 +1,283 @@
+r"""The model-level checks of every forward under CP: positions, masks, labels, on every rank alike.
+
+A Hugging Face model's forward does per-token work before and after its attention layers, and
+some of it reads what only the whole sequence defines: position ids (transformers numbers a
+shard `0 .. T_l - 1` when none are passed), a padding mask, labels that the model shifts itself.
+Under CP each rank holds a shard, so that work would be silently wrong. A forward pre-hook,
+installed on every model built with cpref's name ([`cpref.hf.admit`][cpref.hf.admit]), makes
+it right or refuses, before the model runs:
+
+1. **Inputs.** One packed sequence (batch size 1) of exactly this rank's `T / P` tokens; no
+   `logits_to_keep` (it keeps the shard's last tokens) and no image or audio inputs.
+2. **Positions.** Missing `position_ids` are filled in from the sharding: every token's
+   position in its document (from `padding_idx + 1` for the RoBERTa family, as their
+   embeddings count). Given ones must be the sharding's positions of this rank's real tokens,
+   up to one start offset shared by every rank (a collator's `position_ids_start`); anything
+   else (another rank's, another layout's, `0 .. T_l - 1`) is refused with the fix.
+3. **Masks.** A 2-D `attention_mask` is honoured where its padding is the sharding's padding
+   (then it is dropped: cpref keeps that padding out of attention already) and refused where
+   it marks a real token as padding; the fix is [`cpref.hf.shard_batch`][cpref.hf.batch.shard_batch],
+   which makes a padding mask the sharding's padding. A prepared (4-D) mask is refused.
+   `transformers`' own packed-sequence signals, `cu_seq_lens_q`/`_k`, must be the sharding's
+   boundaries, and are then dropped with `max_length_q`/`_k`.
+4. **Agreement.** The ranks exchange one row of ints (host side where the communicator can,
+   as [`cpref.consistency`][cpref.consistency] does): whether each rank's inputs passed, which
+   loss arguments it passed and its positions' start. A rank whose inputs failed raises its own
+   error and every other rank raises too, naming it; ranks that disagree all raise, naming
+   what differs. Nothing else has been communicated.
+5. **Labels.** `labels=` keeps its meaning in `transformers` (the model shifts them): the
+   ranks all-gather their label shards (`T / P` ints each) and shift them over the unsharded,
+   unpadded stream, exactly as the model does without CP, so each rank gets `shift_labels` for
+   its tokens; `num_items_in_batch` (when not given) is the number of loss tokens of the whole
+   batch. The model's `loss` on a rank is then that rank's share: the shares add up to the
+   mean over the batch. With `shift_labels` and no `num_items_in_batch`, the count is one
+   all-reduce. Only causal LMs shift; `labels=` of any other head is refused.
+
+$$ \text{shift\_labels}_i = \text{labels}_{g(i) + 1}, \qquad \text{loss}_r = \frac{\sum_{i \in r}
+   \ell_i}{\#\{j : \text{labels}_{j+1} \ne -100\}} $$
+
+where $g(i)$ is token $i$'s index in the unpadded stream. The gradient of the batch's loss is
+the **sum** of the ranks' gradients (every rank holds a replica of the parameters):
+all-reduce them over the CP group with a sum, as [`cpref.training`][cpref.training] does.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from cpref.consistency import exchange
+from cpref.errors import CPInputError, PeerInputError
+from cpref.hf.admit import check_config, check_modules
+from cpref.hf.layer import CP, NAMES, Checked
+from cpref.sharding import Sharding
+
+__all__ = ["guard", "LOSS_KEYS", "MULTIMODAL"]
+
+LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")  # the loss arguments the ranks must pass alike
+MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_embeds", "input_features", "input_values")
+
+
+def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The forward pre-hook (`with_kwargs=True`): the module docstring's five steps; returns the call's arguments."""
+    if model.config._attn_implementation not in NAMES:
+        return None  # set_attn_implementation chose another implementation since
+    cp = kwargs.get("cp")
+    if isinstance(cp, Checked):
+        return None  # an outer model (the causal LM around this base model) checked this forward
+    what = type(model).__name__
+    if cp is None:
+        raise CPInputError(f"{what}: attn_implementation='cpref' needs the CP arguments of this forward: call "
+                           "model(..., cp=cpref.hf.CP(comm, sharding, mode=...))")  # fmt: skip
+    if not isinstance(cp, CP):
+        raise CPInputError(f"{what}: cp= must be a cpref.hf.CP, got {type(cp).__name__}")
+    check_config(model.config, what)
+    start = _scan(model)
+    call, accepts_positions = _bind(model, args, kwargs)
+    device = _device(call)
+    problem, offset = None, -1
+    try:
+        # 1-3) this rank's own inputs
+        _check_inputs(model, call, cp.sharding, cp.comm.rank, what)
+        offset = _positions(call, cp.sharding, cp.comm.rank, start, accepts_positions, device, what)
+        _check_mask(call, cp.sharding, cp.comm.rank, what)
+    except CPInputError as err:
+        problem = err
+    # 4) every rank's verdict, and the arguments that decide what is communicated next
+    _agree(cp, what, problem, [int(call.get(k) is not None) for k in LOSS_KEYS], offset, device)
+    # 5) labels over the unsharded batch
+    _loss_arguments(call, cp)
+    call["cp"] = Checked(cp.comm, cp.sharding, cp.mode, cp.options)
+    return (), call
+
+
+def _scan(model: torch.nn.Module) -> int:
+    """Refuse the layers cpref does not run (once a model); the first position of a document in its embeddings."""
+    start = getattr(model, "_cpref_start", None)
+    if start is None:
+        check_modules(model)
+        starts = [m.padding_idx + 1 for m in model.modules()
+                  if hasattr(type(m), "create_position_ids_from_input_ids") and isinstance(getattr(m, "padding_idx", None), int)]  # fmt: skip
+        start = starts[0] if starts else 0
+        model._cpref_start = start
+    return start
+
+
+def _bind(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], bool]:
+    """The forward's arguments by name, and whether it takes `position_ids`."""
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    call: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            call.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            call[name] = value
+        elif value:
+            raise CPInputError(f"{type(model).__name__}: pass the forward's arguments by name under CP, got "
+                               f"{len(value)} extra positional ones")  # fmt: skip
+    takes = "position_ids" in sig.parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    return call, takes
+
+
+def _device(call: dict) -> torch.device:
+    x = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+
+
+def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, what: str) -> None:
+    """Step 1, and the shapes of the loss arguments."""
+    x = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise CPInputError(f"{what}: input_ids (1, T_l) or inputs_embeds (1, T_l, hidden) are needed, got {got}")
+    if x.shape[0] != 1:
+        raise CPInputError(f"{what}: cpref runs one packed sequence (batch size 1), got batch size {x.shape[0]}; pack "
+                           "the batch with cpref.hf.shard_batch(batch, cp_size=P, rank=r)")  # fmt: skip
+    if x.shape[1] != s.local_tokens:
+        raise CPInputError(f"{what}: rank {rank} was given {x.shape[1]} tokens but the sharding gives every rank "
+                           f"{s.local_tokens}; pass this rank's shard (cpref.hf.shard_batch(...)['tokens'])")  # fmt: skip
+    for key in MULTIMODAL:
+        if call.get(key) is not None:
+            raise CPInputError(f"{what}: {key}= is not supported under CP: cpref.hf runs text models")
+    keep = call.get("logits_to_keep")
+    if isinstance(keep, torch.Tensor) or (keep is not None and keep != 0):
+        raise CPInputError(f"{what}: logits_to_keep={keep!r} keeps the last tokens of this rank's shard, not of the "
+                           "sequence; call the model without it under CP")  # fmt: skip
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        given = call.pop(key, None)
+        got = tuple(int(v) for v in (given.tolist() if isinstance(given, torch.Tensor) else given or ()))
+        if given is not None and got not in (s.cu_seqlens, s.cu_seqlens_padded):
+            raise CPInputError(f"{what}: {key}={list(got)[:8]} are not the batch's document boundaries "
+                               f"{list(s.cu_seqlens)[:8]} (the sharding's); pass the batch through cpref.hf.shard_batch")  # fmt: skip
+    for key in ("max_length_q", "max_length_k"):
+        call.pop(key, None)  # derived from the boundaries
+    for key in ("labels", "shift_labels"):
+        y = call.get(key)
+        if y is None:
+            continue
+        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.numel() != s.local_tokens:
+            got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
+            raise CPInputError(f"{what}: {key} must be this rank's {s.local_tokens} integer labels (1, T_l), got {got}")
+        if key == "labels" and not _causal_lm(model):
+            raise CPInputError(f"{what}: labels= under CP are shifted for causal LMs only; compute this head's loss "
+                               "from its outputs with cpref.cp_loss (normalised over the whole batch)")  # fmt: skip
+
+
+def _causal_lm(model: torch.nn.Module) -> bool:
+    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _real(s: Sharding, rank: int) -> torch.Tensor:
+    """Which of rank `rank`'s tokens are real (not the sharding's padding): bool `(T / P,)`."""
+    return s.plan(("hf_real", rank), lambda: s.shard(s.pad(torch.ones(s.cu_seqlens[-1], dtype=torch.bool), value=False), rank))
+
+
+def _positions(call: dict, s: Sharding, rank: int, start: int, takes: bool, device: torch.device, what: str) -> int:
+    """Step 2: fill in or check `position_ids`; returns their start offset (-1 on a rank without real tokens)."""
+    want = s.positions(rank)  # (T_l,)
+    pos = call.get("position_ids")
+    if pos is None:
+        if not takes:
+            raise CPInputError(f"{what}.forward takes no position_ids, so it numbers each shard from 0; it cannot run under CP")
+        call["position_ids"] = (want + start).to(device)[None]  # (1, T_l)
+        return start
+    if not isinstance(pos, torch.Tensor) or pos.is_floating_point() or pos.numel() != s.local_tokens or (
+        pos.dim() == 2 and pos.shape[0] != 1) or pos.dim() > 2:  # fmt: skip
+        got = f"{tuple(pos.shape)} {pos.dtype}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        raise CPInputError(f"{what}: position_ids must be this rank's {s.local_tokens} integer positions (1, T_l), got "
+                           f"{got}; pass batch['position_ids'] of cpref.hf.shard_batch, or none")  # fmt: skip
+    real = _real(s, rank).to(pos.device)
+    gap = (pos.reshape(-1) - want.to(pos.device))[real]  # (real tokens,) the offset of every real token
+    if gap.numel() == 0:
+        return -1
+    lo, hi = torch.stack([gap.min(), gap.max()]).tolist()
+    if lo != hi or lo < 0:
+        raise CPInputError(_wrong_positions(pos.reshape(-1).cpu(), s, rank, what))
+    return lo
+
+
+def _wrong_positions(pos: torch.Tensor, s: Sharding, rank: int, what: str) -> str:
+    """Why `pos` are not rank `rank`'s positions (the error path only)."""
+    want = s.positions(rank)
+    first = int((pos != want).nonzero()[0, 0])
+    if torch.equal(pos, torch.arange(pos.numel())):
+        why = f"they count 0 .. {pos.numel() - 1} over the shard (transformers' numbering of a shard without CP)"
+    else:
+        other = [r for r in range(s.cp_size) if r != rank and torch.equal(pos, s.positions(r))]
+        why = f"they are rank {other[0]}'s positions" if other else "they are not this rank's positions in its documents"
+    return (f"{what}: position_ids of rank {rank} do not follow the batch's sharding ({s!r}): {why}; at shard token "
+            f"{first} got {int(pos[first])}, expected {int(want[first])}. Pass batch['position_ids'] of "
+            "cpref.hf.shard_batch (the sharding's positions(rank)), or omit them and cpref fills them in")  # fmt: skip
+
+
+def _check_mask(call: dict, s: Sharding, rank: int, what: str) -> None:
+    """Step 3: honour (drop) a padding mask that is the sharding's padding, else refuse."""
+    mask = call.get("attention_mask")
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dim() > 2 or mask.numel() != s.local_tokens:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise CPInputError(f"{what}: attention_mask {got} is not a padding mask of this rank's {s.local_tokens} tokens "
+                           "(1, T_l): a prepared or custom mask is not supported; cpref's masks are the sharding's "
+                           "documents and padding, causal or not, with each layer's window")  # fmt: skip
+    flat = mask.reshape(-1)
+    padded = flat == 0
+    if not (padded | (flat == 1)).all():
+        raise CPInputError(f"{what}: attention_mask must hold 1 (token) and 0 (padding) only")
+    wrong = padded & _real(s, rank).to(flat.device)
+    if wrong.any():
+        raise CPInputError(f"{what}: attention_mask marks {int(wrong.sum())} real tokens of rank {rank}'s shard as "
+                           f"padding (the first at shard token {int(wrong.nonzero()[0, 0])}), but padding under CP is "
+                           "the sharding's: pass the padded batch and its attention_mask to cpref.hf.shard_batch, "
+                           "which makes them the sharding's padding, and call the model without attention_mask")  # fmt: skip
+    call["attention_mask"] = None  # its padding is the sharding's: kept out of attention already
+
+
+def _agree(cp: CP, what: str, problem: CPInputError | None, given: list[int], offset: int, device: torch.device) -> None:
+    """Step 4: every rank raises alike (see the module docstring)."""
+    comm = cp.comm
+    if comm.size > 1:
+        rows, who = exchange(comm, [int(problem is None), *given, offset], device)
+        failed = [label for label, row in zip(who, rows) if not row[0]]
+        if failed and problem is None:
+            named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
+            raise PeerInputError(f"{what}: the inputs of {named} of the CP group failed the model-level checks (that "
+                                 f"rank's own error names the value and the fix); rank {comm.rank} raises too, so that "
+                                 "no rank waits in a collective")  # fmt: skip
+        if problem is None:
+            lines = []
+            for i, name in enumerate(LOSS_KEYS, start=1):
+                if len({row[i] for row in rows}) > 1:
+                    lines.append(f"{name}: " + "; ".join(f"{label}: {'given' if row[i] else 'none'}" for label, row in zip(who, rows)))
+            starts = {row[-1] for row in rows if row[-1] >= 0}
+            if len(starts) > 1:
+                lines.append("the position_ids' start: " + "; ".join(f"{label}: {row[-1]}" for label, row in zip(who, rows) if row[-1] >= 0))
+            if lines:
+                raise CPInputError(f"{what}: the ranks of the CP group pass different arguments to the model, which "
+                                   "would give wrong results or collectives that do not match:\n  " + "\n  ".join(lines)
+                                   + "\npass the same loss arguments and positions of the same numbering on every rank")  # fmt: skip
+    if problem is not None:
+        raise problem
+
+
+def _loss_arguments(call: dict, cp: CP) -> None:
+    """Step 5: `shift_labels` over the unsharded stream, and the batch's loss tokens."""
+    labels, shift = call.get("labels"), call.get("shift_labels")
+    if labels is None:
+        return
+    s, comm, ignore = cp.sharding, cp.comm, call.get("ignore_index", -100)
+    if shift is None:
+        every = comm.all_gather(labels.reshape(-1).long())  # (P T_l,) every rank's labels
+        stream = s.unpad(s.unshard(list(every.split(s.local_tokens))))  # (T_real,) in stream order
+        # the label of token j is the next one's: labels[j + 1], the last one's ignored
+        nxt = torch.cat([stream[1:], stream.new_full((1,), ignore)])  # (T_real,)
+        call["shift_labels"] = s.shard(s.pad(nxt, value=ignore), comm.rank).view(1, -1)  # (1, T_l)
+        if call.get("num_items_in_batch") is None:
+            call["num_items_in_batch"] = (nxt != ignore).sum()
+    elif call.get("num_items_in_batch") is None:
+        mine = (shift.reshape(-1) != ignore).sum().reshape(1)  # (1,) this rank's loss tokens
+        call["num_items_in_batch"] = comm.all_reduce(mine).reshape(())

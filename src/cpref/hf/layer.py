@@ -1,0 +1,144 @@
+"""What every attention layer of a Hugging Face model calls under CP: `attention`, and the mask it is handed.
+
+`transformers` calls an attention implementation as
+`fn(module, query (B, Hq, T_l, D), key, value (B, Hkv, T_l, X), attention_mask, scaling=, dropout=, **kwargs)`,
+with the model's forward's keyword arguments in `kwargs`, `cp=` among them. Its masks come from
+the function registered under the same name with `AttentionMaskInterface`: [`mask`][cpref.hf.layer.mask]
+here, which refuses what cpref cannot honour and hands on a padding mask that the model-level
+checks ([`cpref.hf.guard`][cpref.hf.guard]) did not take, for the layer to refuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from cpref.api import MODES
+from cpref.api import attention as cp_attention
+from cpref.checks import as_choice
+from cpref.comm import Collectives, check_comm
+from cpref.errors import CPInputError
+from cpref.kernels.contract import NO_WINDOW
+from cpref.sharding import Sharding
+
+__all__ = ["CP", "attention", "mask", "NAMES", "LAYER_OWN"]
+
+NAMES: set[str] = set()  # the attn_implementation names cpref.hf.register() added
+
+# options each layer gives itself: an option of that name in CP would collide with it
+LAYER_OWN = {"causal": "is_causal", "softmax_scale": "scaling", "window": "sliding_window"}
+
+
+@dataclass(frozen=True)
+class CP:
+    """What every attention call of one forward needs: pass it as `model(..., cp=CP(...))`.
+
+    Attributes:
+        comm: this rank's CP group (`cpref.comm.Collectives`: gloo, NCCL, HCCL or the simulated cluster).
+        sharding: the batch's `cpref.Sharding` (from `cpref.hf.shard_batch` or `cpref.get_batch_on_this_cp_rank`).
+        mode: a name of `cpref.MODES`.
+        options: the mode's options (e.g. `{"a2a_size": 2}`), `kernel`, `deterministic`, as `cpref.attention`
+            takes them; not `causal`, `softmax_scale` or `window`, which every layer gives itself.
+
+    Raises:
+        CPInputError: for a communicator, sharding or mode that is not one, a sharding of another CP size, or
+            an option that a layer gives itself.
+    """
+
+    comm: Collectives
+    sharding: Sharding
+    mode: str = "p2p"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _, size = check_comm(self.comm, fix="pass the CP group's collectives: cpref.hf.CP(comm, sharding, mode=...)")
+        if not isinstance(self.sharding, Sharding):
+            raise CPInputError(f"cpref.hf.CP: sharding must be the batch's cpref.Sharding, got "
+                               f"{type(self.sharding).__name__}; use batch['sharding'] of cpref.hf.shard_batch")  # fmt: skip
+        if self.sharding.cp_size != size:
+            raise CPInputError(f"cpref.hf.CP: the sharding is over cp_size={self.sharding.cp_size} but the CP group "
+                               f"has {size} ranks; shard the batch with cp_size={size}")  # fmt: skip
+        as_choice("mode", self.mode, list(MODES))
+        if not isinstance(self.options, Mapping):
+            raise CPInputError(f"cpref.hf.CP: options must be a dict, got {type(self.options).__name__}")
+        for name, own in LAYER_OWN.items():
+            if name in self.options:
+                raise CPInputError(f"cpref.hf.CP: options may not set {name}={self.options[name]!r}: every layer gives "
+                                   f"its own (its {own}); remove it from options")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Checked(CP):
+    """A `CP` that has passed the model-level checks of this forward (`cpref.hf.guard` makes it)."""
+
+
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+         mask_function: Any = None, attention_mask: torch.Tensor | None = None, use_vmap: bool = False,
+         **kwargs: Any) -> torch.Tensor | None:  # fmt: skip
+    """`transformers`' mask entry for cpref: what `create_causal_mask` and its kin hand every layer.
+
+    cpref's masks are the sharding's (its documents, its padding), causal or not, and each layer's
+    window: nothing is built here. A mask function the model adds of its own (`or_mask_function`,
+    `and_mask_function`, which `transformers` marks `use_vmap`) is refused; a 2-D padding mask is
+    handed on as it is (the model-level checks take one that matches the sharding; any other
+    reaches the layer, which refuses it).
+    """
+    if use_vmap:
+        raise CPInputError("the model adds a mask of its own to the causal one (an or_mask_function or "
+                           "and_mask_function, e.g. image tokens that see each other): cpref attends the sharding's "
+                           "documents, causal or not, with each layer's window, and nothing else")  # fmt: skip
+    return attention_mask
+
+
+def _refuse(module, query, key, attention_mask, dropout, kwargs) -> None:
+    """Everything the layer refuses, each naming the value and the fix."""
+    what = type(module).__name__
+    cp = kwargs.get("cp")
+    if cp is None:
+        raise CPInputError(f"{what}: attn_implementation='cpref' needs the CP arguments of this forward: call "
+                           "model(..., cp=cpref.hf.CP(comm, sharding, mode=...))")  # fmt: skip
+    if not isinstance(cp, CP):
+        raise CPInputError(f"{what}: cp= must be a cpref.hf.CP, got {type(cp).__name__}")
+    if not isinstance(cp, Checked):
+        raise CPInputError(f"{what}: cpref.hf.attention was reached without the model-level checks of positions, "
+                           "masks and labels; build the model after cpref.hf.register(), with "
+                           "attn_implementation='cpref' (the name register() returns)")  # fmt: skip
+    if query.shape[0] != 1:
+        raise CPInputError(f"{what}: cpref runs one packed sequence (batch size 1), got batch size {query.shape[0]}; "
+                           "pack the documents into one sequence with cpref.hf.shard_batch")  # fmt: skip
+    if key.shape[2] != query.shape[2]:
+        raise CPInputError(f"{what}: {key.shape[2]} keys for {query.shape[2]} queries: a key/value cache is not "
+                           "supported with CP; call the model with use_cache=False")  # fmt: skip
+    if kwargs.get("use_cache") and module.training:
+        raise CPInputError(f"{what}: use_cache=True in training: a key/value cache is not supported with CP; call the "
+                           "model with use_cache=False")  # fmt: skip
+    if dropout and module.training:
+        raise CPInputError(f"{what}: attention dropout {dropout} in training is not supported by cpref's kernels; set "
+                           "the config's attention_dropout to 0.0")  # fmt: skip
+    if attention_mask is not None:
+        raise CPInputError(f"{what}: an attention mask of shape {tuple(attention_mask.shape)} reached the layer: "
+                           "cpref's masks are the sharding's documents and padding; pass the padding to "
+                           "cpref.hf.shard_batch, and call the model without attention_mask")  # fmt: skip
+    for name, what_it_is in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
+        if kwargs.get(name) is not None:
+            raise CPInputError(f"{what}: {what_it_is} ({name}={kwargs[name]!r}) is not supported by cpref")
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """`transformers`' attention signature over cpref: `query (1, Hq, T_l, D)`, `key`/`value (1, Hkv, T_l, X)`
+    of this rank's shard -> `(attn_output (1, T_l, Hq, Dv), None)` (no attention weights)."""
+    _refuse(module, query, key, attention_mask, dropout, kwargs)
+    cp, window = kwargs["cp"], kwargs.get("sliding_window")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T_l, H, X) each
+    causal = bool(getattr(module, "is_causal", True))
+    if window is not None and not causal:
+        raise CPInputError(f"{type(module).__name__}: a sliding window without a causal mask (sliding_window={window}) "
+                           "is not supported: its convention differs between models")  # fmt: skip
+    window = NO_WINDOW if window is None else (int(window) - 1, 0)  # W keys a query sees, itself included
+    out = cp_attention(q, k, v, cp.sharding, comm=cp.comm, mode=cp.mode, causal=causal, window=window,
+                       softmax_scale=None if scaling is None else float(scaling), **cp.options)  # fmt: skip
+    return out[None], None  # (1, T_l, Hq, Dv)
