@@ -97,6 +97,11 @@ PAGE_FIGURES = {
          "Striped (token `t` on rank `t mod P`) is drawn for comparison only: cpref has no striped "
          "layout, so it has no block metric."),
     ],
+    "hf-batch.md": [
+        ("figures/hf_batch.png", "What `shard_batch` makes of a padded batch: each row's tokens a document, packed "
+         "in row order and padded at its end for the layout; each rank keeps its zigzag chunks, and a document's last "
+         "token takes no loss (it has no next token in its document)."),
+    ],
     "all-gather.md": [
         ("figures/rank_major_index.png",
          "The gathered K/V stay rank-major; `kv_index` picks each query chunk's causal prefix in natural order."),

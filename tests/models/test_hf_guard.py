@@ -119,9 +119,11 @@ def test_position_ids_offset_alike_on_every_rank_are_a_collators_start():
 
 
 @pytest.mark.parametrize("how, match", [
-    ("another rank's", "they are rank 0's positions"),
-    ("0 .. T_l - 1", "they count 0 .. "),
-    ("another layout's", "not this rank's positions in its documents"),
+    ("another rank's", "they are rank 0's positions; at shard token 0 got 0, expected 4"),
+    ("0 .. T_l - 1", "they count 0 .. 21 over the shard (transformers' numbering of a shard without CP); at shard "
+     "token 0 got 0, expected 4. Pass batch['position_ids'] of cpref.hf.shard_batch (the sharding's positions(rank)), "
+     "or omit them and cpref fills them in"),
+    ("another layout's", "not this rank's positions in its documents; at shard token 0 got 8, expected 4"),
     ("float", "integer positions"),
 ])  # fmt: skip
 def test_position_ids_that_are_not_this_ranks_are_refused_on_every_rank(how, match):
@@ -137,6 +139,19 @@ def test_position_ids_that_are_not_this_ranks_are_refused_on_every_rank(how, mat
         return logits(model, b, cp, comm, position_ids=pos[None])
 
     refused(*run("llama3", 2, "zigzag", go), fault=1, match=match)
+
+
+def test_the_positions_of_the_shardings_padding_are_not_read():
+    """Padding neither attends nor is attended: its position ids may be anything (0 here, as a collator's)."""
+    plain, _ = run("llama3", 2, "zigzag", lambda m, b, cp, comm: logits(m, b, cp, comm, position_ids=b["position_ids"][None]))
+
+    def go(model, b, cp, comm):
+        s = b["sharding"]
+        real = s.shard(s.pad(torch.ones(s.cu_seqlens[-1], dtype=torch.bool), value=False), comm.rank)
+        return logits(model, b, cp, comm, position_ids=b["position_ids"].where(real, 0)[None]), bool((~real).any())
+
+    results, _ = run("llama3", 2, "zigzag", go)
+    assert all(torch.equal(a, b) for (a, _), b in zip(results, plain)) and results[0][1]  # rank 0 holds padding
 
 
 def test_ranks_whose_positions_start_at_different_offsets_are_refused():
@@ -247,6 +262,8 @@ def test_labels_are_shifted_over_the_unsharded_batch(name, P, mode, layout):
 
     results, trace = run(name, P, layout, go, mode)
     assert label_collectives(trace) == [("all_gather", (results[0][2],))]  # one all-gather of T_l label ids
+    rows = [e for e in trace if e.param == "host" and e.shape == (1, len(LOSS_KEYS) + 2)]
+    assert len(rows) == 1  # one row a forward: the base model inside the causal LM is not checked again
     assert_close(sum(r[0] for r in results), want, torch.float32, msg=f"{name} P={P} {mode} {layout}: loss")
     for n, g in grads.items():
         assert_close(sum(r[1][n] for r in results), g, torch.float32, msg=f"{name}: gradient of {n}")
