@@ -29,11 +29,13 @@ import time
 import torch
 
 import cpref
+from cpref.api import check_mode
+from cpref.errors import CPInputError
 from cpref.kernels import Varlen
 from cpref.modes.all_gather import all_gather_backward, all_gather_forward
 from cpref.modes.all_gather_plan import build_all_gather_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, nonnegative, positive
 
 
 def _time(fn, repeats: int) -> float:
@@ -108,13 +110,18 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cu", type=int, nargs="+", default=[0, 120, 1248, 4232])
-    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cu", type=nonnegative, nargs="+", default=[0, 120, 1248, 4232])
+    parser.add_argument("--cp", type=positive, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--kv-heads", type=positive, default=2)
+    parser.add_argument("--dim", type=positive, default=64)
+    parser.add_argument("--repeats", type=positive, default=5)
     args = parser.parse_args(argv)
+    try:  # the batch and the heads, refused before anything runs
+        cpref.Sharding(args.cu, cp_size=1)
+        check_mode("all_gather", cp_size=max(args.cp), heads=(args.heads, args.kv_heads), layout="zigzag")
+    except CPInputError as exc:
+        parser.error(str(exc))
     lengths = [b - a for a, b in zip(args.cu[:-1], args.cu[1:])]
     title = (f"KV all-gather CP compute balance: documents {lengths}, Hq={args.heads} Hkv={args.kv_heads} D={args.dim}, "
              f"float32, causal fwd+bwd, {torch.get_num_threads()} threads, median of {args.repeats}")  # fmt: skip

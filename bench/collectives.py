@@ -22,7 +22,7 @@ import torch
 from cpref.backends import TorchComm
 from cpref.consistency import FIELDS
 from sim.tools.launch import launch
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, positive
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all")
 
@@ -60,9 +60,9 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=8192, help="rows T_l of each rank's (T_l, 8, 64) float32 block")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", type=positive, default=8192, help="rows T_l of each rank's (T_l, 8, 64) float32 block")
+    parser.add_argument("--nproc", type=positive, default=2)
+    parser.add_argument("--repeats", type=positive, default=5)
     args = parser.parse_args(argv)
     mib = args.rows * 8 * 64 * 4 / 2**20
     title = (f"gloo exchanges: {args.nproc} processes, one thread each, a {mib:.0f} MiB block per rank, fastest of "

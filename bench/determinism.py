@@ -30,7 +30,7 @@ from bench.kernel import fastest
 from sim.cluster import SimCluster
 from sim.harness import oracle_shards, run_attention
 from sim.oracle import TOL, TOL_BF16_GQA
-from sim.tools.cli import Parser, dtype_name
+from sim.tools.cli import Parser, device_name, dtype_name, positive, positives
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("zigzag", "balanced")
@@ -104,13 +104,13 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(prog="python -m bench.determinism", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    parser.add_argument("--device", type=device_name, default="cpu", help="torch device, e.g. cuda")
     parser.add_argument("--dtype", type=dtype_name, choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--cp", type=lambda s: tuple(int(x) for x in s.split(",")), default=(2, 4), help="CP sizes")
-    parser.add_argument("--docs", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1000, 3000, 500))
-    parser.add_argument("--heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=(8, 4), help="Hq,Hkv")
-    parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps each way (fastest kept)")
+    parser.add_argument("--cp", type=positives, default=(2, 4), help="CP sizes")
+    parser.add_argument("--docs", type=positives, default=(1000, 3000, 500))
+    parser.add_argument("--heads", type=positives, default=(8, 4), help="Hq,Hkv")
+    parser.add_argument("--dim", type=positive, default=64, help="head dim D = Dv")
+    parser.add_argument("--repeats", type=positive, default=3, help="timed steps each way (fastest kept)")
     parser.add_argument("--mode", default="all", help="comma list or all")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]

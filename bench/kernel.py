@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from cpref.kernels import TorchKernel, Varlen, default_kernel
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, device_name, positive, positive_float
 
 # The five mixes, each 8192 tokens.
 MIXES = {
@@ -165,12 +165,12 @@ def verdicts(results: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation, at least (fastest kept)")
-    parser.add_argument("--budget", type=float, default=6.0,
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--dim", type=positive, default=64, help="head dim D = Dv")
+    parser.add_argument("--repeats", type=positive, default=3, help="timed runs per implementation, at least (fastest kept)")
+    parser.add_argument("--budget", type=positive_float, default=6.0,
                         help="seconds of timed rounds per mix: a cheap mix runs more rounds than --repeats (at most 50)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="torch device, e.g. cuda (default cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]

@@ -32,9 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cpref
-from cpref.api import mode_costs
+from cpref.api import check_mode, mode_costs
+from cpref.errors import CPInputError
 from sim import SimCluster
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, positive
 
 __all__ = ["LiveBytes", "CountedComm", "rank_memory"]
 
@@ -177,11 +178,18 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 3072], help="documents (multiples of 8)")
-    parser.add_argument("--heads", type=int, nargs=4, default=[8, 2, 64, 64], metavar=("HQ", "HKV", "D", "DV"))
-    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--lengths", type=positive, nargs="+", default=[1024, 3072], help="documents (multiples of 8)")
+    parser.add_argument("--heads", type=positive, nargs=4, default=[8, 2, 64, 64], metavar=("HQ", "HKV", "D", "DV"))
+    parser.add_argument("--cp", type=positive, nargs="+", default=[1, 2, 4])
     args = parser.parse_args(argv)
     cu, heads = torch.tensor([0, *torch.tensor(args.lengths).cumsum(0).tolist()]), tuple(args.heads)
+    try:  # every case the run will make, refused before any of them runs
+        for P in args.cp:
+            sharding = cpref.Sharding(cu, cp_size=P, layout="zigzag")
+            for mode in sorted(cpref.MODES):
+                check_mode(mode, cp_size=P, heads=heads[:2], layout=sharding.layout, **cpref.MODES[mode].example_options(P))
+    except CPInputError as exc:
+        parser.error(str(exc))
     title = (f"Memory per rank: forward + backward, documents {args.lengths}, (Hq, Hkv, D, Dv) = {heads}, float32, "
              "causal, zigzag, simulated cluster; MiB, and relative to P = 1")  # fmt: skip
     print(f"## {title}\n")

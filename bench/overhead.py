@@ -32,7 +32,7 @@ import cpref
 from bench.kernel import MIXES, fastest
 from bench.timed import Clock, TimedKernel
 from cpref.kernels import Varlen
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, positive
 
 TARGET = 1.05
 DEFAULT_MIXES = ("1 x 8192", "4 mixed", "256 x 32")
@@ -96,9 +96,9 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--mixes", nargs="+", default=list(DEFAULT_MIXES), choices=list(MIXES))
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (fastest kept)")
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--dim", type=positive, default=64)
+    parser.add_argument("--repeats", type=positive, default=3, help="timed runs per case (fastest kept)")
     args = parser.parse_args(argv)
     modes = sorted(cpref.MODES)
     title = (f"CP path at P = 1 (cpref.SingleRank, zigzag): forward + backward, {args.heads} heads, head dim {args.dim}, "

@@ -84,7 +84,7 @@ from cpref.kernels import Varlen
 from cpref.modes.ring_window import build_window_ring_plan
 from cpref.seqlens import CHUNKED_LAYOUTS
 from sim.tools.launch import launch
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, positive
 
 TARGET = 0.95  # efficiency against the machine, for zigzag and balanced
 TARGET_LAYOUTS = ("zigzag", "balanced")
@@ -318,16 +318,16 @@ def markdown(batch: dict) -> str:
 def batch_parser(doc: str) -> Parser:
     """The command line of a benchmark over `batches`: `--tokens`, `--heads`, `--head-dim`, `--repeats`."""
     parser = Parser(description=doc.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384, help="tokens per batch (a multiple of 2 P)")
-    parser.add_argument("--heads", type=int, default=4, help="query and key heads (a multiple of 2 P: Ulysses in head groups)")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="timed rounds: steps per configuration (fastest kept)")
+    parser.add_argument("--tokens", type=positive, default=16384, help="tokens per batch (a multiple of 2 P)")
+    parser.add_argument("--heads", type=positive, default=4, help="query and key heads (a multiple of 2 P: Ulysses in head groups)")
+    parser.add_argument("--head-dim", type=positive, default=64)
+    parser.add_argument("--repeats", type=positive, default=2, help="timed rounds: steps per configuration (fastest kept)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = batch_parser(__doc__)
-    parser.add_argument("--cp", type=int, default=2, help="the CP size P: P processes, one thread each (at least P "
+    parser.add_argument("--cp", type=positive, default=2, help="the CP size P: P processes, one thread each (at least P "
                         "free cores, or the figures measure the oversubscription)")
     parser.add_argument("--window", nargs="+", default=["none", "1024"], metavar="W",
                         help="causal sliding windows of W + 1 keys, window=(W, 0), in CP = 1 and every mode, one table "

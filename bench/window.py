@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from bench.kernel import fastest
 from cpref.kernels import TorchKernel, Varlen
 from cpref.kernels.torch_fused_plan import plan_band_runs
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, nonnegative, positive
 
 NAMES = ("window", "explicit window", "full causal", "SDPA band mask")
 
@@ -106,11 +106,11 @@ def report(times: dict[str, float], counts: dict[str, int]) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens of the one document")
-    parser.add_argument("--window", type=int, default=1024, help="keys before each query it sees: window=(W, 0)")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=64, help="head dim D = Dv")
-    parser.add_argument("--repeats", type=int, default=1, help="timed rounds of every case (fastest kept)")
+    parser.add_argument("--tokens", type=positive, default=32768, help="tokens of the one document")
+    parser.add_argument("--window", type=nonnegative, default=1024, help="keys before each query it sees: window=(W, 0)")
+    parser.add_argument("--heads", type=positive, default=4)
+    parser.add_argument("--dim", type=positive, default=64, help="head dim D = Dv")
+    parser.add_argument("--repeats", type=positive, default=1, help="timed rounds of every case (fastest kept)")
     args = parser.parse_args(argv)
     title = (f"Sliding window: 1 x {args.tokens} tokens, causal window {args.window}, {args.heads} heads, head dim "
              f"{args.dim}, fp32, forward + backward, {torch.get_num_threads()} threads, fastest of {args.repeats} "

@@ -26,7 +26,7 @@ import cpref
 from sim.tools import verify
 from sim.harness import CountingKernel, max_error, mode_trace, oracle_shards, run_attention, saved_bytes
 from sim.trace import summarize
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, device_name
 
 LENGTHS = [48, 112, 32]  # three documents, each a multiple of 2P = 8
 P = 4
@@ -118,7 +118,7 @@ def part3_verify() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=cpref.LAYOUTS, action="append", help="limit part 2 to layouts")
-    parser.add_argument("--device", default="cpu", help="torch device of part 2's tensors, e.g. cuda (default cpu)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="torch device of part 2's tensors, e.g. cuda (default cpu)")
     args = parser.parse_args(argv)
     cu = _cu(LENGTHS)
     part1_layouts(cu)

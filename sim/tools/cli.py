@@ -3,7 +3,10 @@
 * [`Parser`][sim.tools.cli.Parser]: an `argparse.ArgumentParser` whose errors are one line,
   `prog: error: message`, exit status 2 (no usage block, no traceback), and whose `--help`
   shows every option's default;
-* [`positive`][sim.tools.cli.positive]: the `type=` of a whole number >= 1;
+* [`positive`][sim.tools.cli.positive], [`positives`][sim.tools.cli.positives], [`nonnegative`][sim.tools.cli.nonnegative],
+  [`positive_float`][sim.tools.cli.positive_float], [`device_name`][sim.tools.cli.device_name]:
+  the `type=` of a whole number >= 1 (or a comma list of them) or >= 0, a finite number > 0, a torch
+  device this machine has;
 * [`dtype_name`][sim.tools.cli.dtype_name]: a dtype by cpref's short name (`fp32`) or torch's
   (`float32`, `torch.float32`), as the tools name them;
 * [`fail`][sim.tools.cli.fail]: the same one-line error for what is refused after parsing.
@@ -12,10 +15,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn
 
-__all__ = ["Parser", "positive", "dtype_name", "fail", "DTYPE_ALIASES"]
+__all__ = ["Parser", "positive", "positives", "nonnegative", "positive_float", "device_name", "dtype_name", "fail", "DTYPE_ALIASES"]
 
 # torch's names of the dtypes the tools take -> their short names
 DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "float16": "fp16",
@@ -34,15 +38,59 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
-def positive(value: str) -> int:
-    """A whole number >= 1 (argparse `type=`)."""
+def _whole(value: str, lo: int) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {n}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {lo}, got {value!r}") from None
+    if n < lo:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {lo}, got {n}")
     return n
+
+
+def positive(value: str) -> int:
+    """A whole number >= 1 (argparse `type=`)."""
+    return _whole(value, 1)
+
+
+def nonnegative(value: str) -> int:
+    """A whole number >= 0 (argparse `type=`)."""
+    return _whole(value, 0)
+
+
+def positives(value: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers >= 1 (argparse `type=`), e.g. `1000,3000,500`."""
+    try:
+        return tuple(positive(n) for n in value.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1, got {value!r}") from None
+
+
+def positive_float(value: str) -> float:
+    """A finite number > 0 (argparse `type=`): `inf`, `nan`, 0 and negatives are refused."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}")
+    return x
+
+
+def device_name(value: str) -> str:
+    """A torch device this machine has (argparse `type=`): `cpu`, `cuda`, `cuda:1`, ..."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda, got {value!r}") from None
+    if device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        count = module.device_count() if module is not None and hasattr(module, "device_count") else 0
+        if count == 0 or (device.index is not None and device.index >= count):
+            raise argparse.ArgumentTypeError(f"device {value!r}: this machine has {count} {device.type} device(s)")
+    return value
 
 
 def dtype_name(value: str) -> str:

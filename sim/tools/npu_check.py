@@ -41,7 +41,7 @@ from cpref.kernels import Varlen
 from cpref.kernels.merge import merge_partial
 from sim import oracle
 from sim.oracle import TOL, TOL_BF16_GQA
-from sim.tools.cli import Parser
+from sim.tools.cli import Parser, nonnegative
 
 __all__ = ["Case", "CASES", "Row", "find_npu", "format_table", "main", "multi_rank_commands", "run_case", "run_cases"]
 
@@ -281,7 +281,7 @@ def multi_rank_commands(device_count: int) -> list[list[str]]:
 def main(argv: list[str] | None = None) -> int:
     """`make test-npu`: the NPU suite where an NPU is present, one line and exit 0 where not."""
     parser = Parser(prog="python -m sim.tools.npu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", type=int, default=0, help="NPU index for the single-device checks")
+    parser.add_argument("--device", type=nonnegative, default=0, help="NPU index for the single-device checks")
     args = parser.parse_args(argv)
     found, reason = find_npu()
     if not found:

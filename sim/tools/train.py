@@ -56,11 +56,14 @@ CP size, and either backend's checkpoint resumes on the other ([Checkpoints](che
 Everything that could go wrong with the checkpoints is refused **before the first step**, with
 the path or setting, both values and the fix:
 
-- `--save` into a directory that is neither empty nor a cpref checkpoint, next to a `DIR.tmp`
-  or `DIR.old` that cpref did not write, or onto the current directory
-  ([where checkpoints live](checkpoint-files.md));
-- `--save` onto a checkpoint at a later step than this run's first save (a step never moves
-  back; `--overwrite` replaces it deliberately);
+- `--save` into a directory that is neither empty nor a cpref checkpoint, a checkpoint that holds
+  files of yours, next to a `DIR.tmp` or `DIR.old` that a save of cpref's did not leave (a copy of
+  yours named so is kept), inside a checkpoint, under a file, where nothing can be written, or onto
+  the current directory ([where checkpoints live](checkpoint-files.md));
+- `--save` onto a checkpoint this run does not continue (it did not `--resume` from it), or at a
+  later step than this run's first save (a step never moves back); `--overwrite` replaces it
+  deliberately, and even then only cpref's own files go;
+- a value out of range: `--lr inf`, `--pack-tokens 1`, `--steps 0` (one line each, before anything runs);
 - `--resume` with `--steps` at or below the checkpoint's step (nothing to train);
 - `--resume` of another model, other packs per step (`dp x micro_batches`), or other settings
   (`--lr`, `--pack-tokens`, clipping, `--dtype`): `--override lr` (repeatable) trains on with this
@@ -85,11 +88,12 @@ import cpref
 from cpref.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
 from cpref.models import CausalLM, ModelConfig
 from cpref.packing import BYTE_VOCAB, stdlib_documents
+from cpref.checks import as_int
 from cpref.errors import CPInputError
 from cpref.api import check_mode
 from cpref.kernels.contract import NO_WINDOW
 from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, train
-from sim.tools.cli import Parser, dtype_name, fail, positive
+from sim.tools.cli import Parser, dtype_name, fail, positive, positive_float
 
 __all__ = ["RunSpec", "PRESETS", "run_rank", "run_sim", "main"]
 
@@ -128,6 +132,13 @@ class RunSpec:
     override: tuple[str, ...] = ()  # settings that may differ from the resumed checkpoint's
     overwrite: bool = False  # allow replacing a checkpoint at a later step
     documents: Callable[[], Iterator[torch.Tensor]] = short_documents
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise CPInputError(f"unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
+        for name, lo in (("cp", 1), ("dp", 1), ("steps", 1), ("seed", 0)):
+            as_int(name, getattr(self, name), lo=lo)
+        as_int("pack_tokens", self.pack_tokens, lo=2)  # a pack holds a token and its end-of-document token at least
 
     def model_config(self) -> ModelConfig:
         """The preset of `model`, over the byte-level vocabulary."""
@@ -175,7 +186,7 @@ def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
     if spec.save:
         plan = Checkpointing(spec.save, spec.meta, spec.save_every)
         saves = [d for d in range(start + 1, spec.steps + 1) if plan.due(d, spec.steps)]
-        check_save(spec.save, saves[0], overwrite=spec.overwrite)
+        check_save(spec.save, saves[0], overwrite=spec.overwrite, resumed=spec.resume)
     return found, notes
 
 
@@ -199,7 +210,7 @@ def run_rank(world: Any, spec: RunSpec, payload: Any = None, on_step: Callable[[
     if resume is not None:
         start = load_checkpoint(resume, model, optimizer, expect=spec.meta(0), payload=payload, override=spec.override).step
     source = PackSource(spec.documents, spec.pack_tokens)
-    plan = Checkpointing(spec.save, spec.meta, spec.save_every, payload, spec.overwrite) if spec.save else None
+    plan = Checkpointing(spec.save, spec.meta, spec.save_every, payload, spec.overwrite, spec.resume) if spec.save else None
     return train(model, optimizer, source, topo, spec.train, spec.steps, start=start,
                  on_step=on_step if world.rank == 0 else None, checkpoint=plan)  # fmt: skip
 
@@ -242,7 +253,7 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
     p.add_argument("--steps", type=positive, default=10, help="optimizer steps")
     p.add_argument("--micro-batches", type=positive, default=1, help="packs per DP replica and step")
     p.add_argument("--pack-tokens", type=positive, default=512, help="tokens per pack")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--dtype", type=dtype_name, choices=["fp32", "bf16"], default="fp32",
                    help="bf16 (or bfloat16): the forward under bfloat16 autocast")  # fmt: skip
     p.add_argument("--backend", choices=["sim", "gloo"], default="sim", help="simulated ranks or gloo processes")

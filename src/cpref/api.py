@@ -30,6 +30,12 @@ tiny host exchange ([`cpref.consistency`][cpref.consistency]). A rank whose own 
 (its shard's length, say, which only it sees) still meets the others in that comparison,
 marked invalid, before raising: they raise too, naming it, instead of waiting for it.
 
+## The output
+
+It is differentiable (once) in `q`, `k` and `v`, and handed out as a view
+([`CPAttentionOutput`][cpref.api.CPAttentionOutput]): an in-place edit of it (`out.add_(1)`) is
+refused by autograd in every mode, naming it; edit `out.clone()` instead.
+
 ## Modes
 
 `MODES` maps each mode name to the [`ModeSpec`][cpref.modes.spec.ModeSpec] its own file
@@ -61,7 +67,7 @@ from cpref.modes.spec import ModeSpec
 from cpref.layout import LAYOUTS
 from cpref.sharding import Sharding
 
-__all__ = ["attention", "MODES", "collect_modes", "mode_costs", "prepare", "check_mode", "check_sharding"]
+__all__ = ["attention", "MODES", "CPAttentionOutput", "collect_modes", "mode_costs", "prepare", "check_mode", "check_sharding"]
 
 
 def collect_modes() -> dict[str, ModeSpec]:
@@ -207,6 +213,9 @@ def check_mode(mode: str, *, cp_size: int, heads: tuple[int, int], causal: bool 
     options = _check_options(mode, options)
     window = check_window(window, as_bool("causal", causal))
     hq, hkv = (as_int(name, h, lo=1) for name, h in zip(("Hq", "Hkv"), heads))
+    if hq % hkv:
+        raise CPInputError(f"heads: Hq = {hq} is not a multiple of Hkv = {hkv} (GQA shares each key/value head "
+                           "among Hq / Hkv query heads)")  # fmt: skip
     sharding = Sharding.eod_padded([0, 1], cp_size=P, layout=as_choice("layout", layout, list(LAYOUTS)))
     call = CPCall(sharding, 0, causal, window, 1.0, None, (hq, hkv, 1, 1), torch.float32, torch.device("cpu"),
                   MappingProxyType(options))  # fmt: skip
@@ -301,7 +310,27 @@ def attention(
     # CPU and CUDA autocast would lower the kernel's float32 matmuls to bf16 in the forward only,
     # and the backward's recomputed probabilities would no longer match the saved lse
     with _no_autocast(q.device.type):
-        return MODES[mode].run(q, k, v, call, comm)
+        return CPAttentionOutput.apply(MODES[mode].run(q, k, v, call, comm))
+
+
+class CPAttentionOutput(torch.autograd.Function):
+    """The output of every mode, handed out as a view of itself: an in-place edit is refused alike in every mode.
+
+    Some modes save the tensor they return for their backward (the ring and the all-gather: it gives
+    the backward's `Delta`), so an in-place edit of it would change their gradients, or fail in one
+    mode and pass in another. Returned as a view of a custom Function's output, it is refused by
+    autograd at the edit, naming this Function ("Output 0 of CPAttentionOutput is a view and is being
+    modified inplace"), whatever the mode, layout or batch; the fix is to edit `out.clone()`. Without
+    autograd (`torch.no_grad()`) it is an ordinary tensor.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
+        return dout
 
 
 def _usable(comm: Any) -> bool:

@@ -21,8 +21,10 @@ naming each setting and both values.
 
 **Nothing is overwritten by a failure, nothing foreign is deleted** ([where checkpoints
 live](checkpoint-files.md)): a save writes `DIR.tmp` and swaps it into place, replaces only an
-empty directory or a cpref checkpoint, and never moves a checkpoint's step backwards unless
-told to (`overwrite=True`). Loading checks the SHA-256 sum of every file and every field of
+empty directory or a cpref checkpoint of cpref's files alone, replaces a checkpoint only if the
+run continues it (it resumed from it, or saved it itself) and moves its step forward, unless
+told to (`overwrite=True`, and even then only cpref's own files go), and never saves inside a
+checkpoint or where it cannot write: all of it refused before the first step. Loading checks the SHA-256 sum of every file and every field of
 `meta.json`, naming the first that differs, and every tensor shape, before it touches the
 model or the optimizer.
 
@@ -32,9 +34,11 @@ unpickler that admits only the classes DCP's metadata is made of, and its non-te
 with `weights_only=True` (`cpref.backends.checkpoint`). The sums are no defence against a
 deliberate edit (anyone can recompute them); the restricted readers are.
 
-**How it is tested** (`tests/training/test_checkpoint_safety.py`, `test_checkpoint.py`,
-`test_gloo_resume.py`, `test_gloo_training.py`): foreign files and siblings are refused before
-the first step and left byte for byte; a kill between the renames, and an incomplete `DIR.tmp`,
+**How it is tested** (`tests/training/test_checkpoint_safety.py`, `test_checkpoint_targets.py`,
+`test_checkpoint.py`, `test_gloo_resume.py`, `test_gloo_training.py`): foreign files and siblings
+are refused before the first step and left byte for byte (a fuzz over directory states: user
+files and folders, links, a save's leftovers and the user's copies, nested targets, truncated and
+edited files); a kill between the renames, and an incomplete `DIR.tmp`,
 resume from the newest complete checkpoint; a crash at a random step with `save_every` resumes
 bit for bit, and `kill -9` of a gloo run at a random step resumes to the last printed digit;
 every setting that differs is refused naming both values, and `override` applies and prints
@@ -144,7 +148,7 @@ def _sha(data: bytes) -> str:
 
 def _file_sums(directory: Path) -> dict[str, str]:
     return {p.relative_to(directory).as_posix(): _sha(p.read_bytes()) for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name not in ("meta.json", files.MARK)}  # fmt: skip
+            if p.is_file() and p.relative_to(directory).as_posix() not in files.NOT_SUMMED}  # fmt: skip
 
 
 def _field_sums(record: dict) -> dict[str, str]:
@@ -152,16 +156,20 @@ def _field_sums(record: dict) -> dict[str, str]:
 
 
 def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: CheckpointMeta,
-                    world: Any, payload: Payload | None = None, *, overwrite: bool = False) -> Path:  # fmt: skip
+                    world: Any, payload: Payload | None = None, *, overwrite: bool = False,
+                    resumed: str | Path | None = None) -> Path:  # fmt: skip
     """Write a checkpoint of this replica (collective over `world`); returns its directory.
+
+    `resumed` is the checkpoint this run continues (the one it resumed from, or its own last save):
+    a checkpoint there may be replaced by a later step; any other needs `overwrite`.
 
     Raises:
         CPInputError: on every rank alike, before anything is written, if `directory` holds
-            anything but cpref's own files, or a checkpoint at `meta.step` or later (unless
-            `overwrite`), see [`check_save`][cpref.checkpoint.check_save].
+            anything but cpref's own files, a checkpoint this run does not continue (unless
+            `overwrite`) or one at `meta.step` or later, see [`check_save`][cpref.checkpoint.check_save].
     """
     payload = payload or TorchPayload()
-    path = check_save(directory, meta.step, overwrite=overwrite)
+    path = check_save(directory, meta.step, overwrite=overwrite, resumed=resumed, pending=True)
     world.barrier()  # every rank has checked before rank 0 changes anything
     if world.rank == 0:
         files.recover(path, lambda p: read_meta(p).step)
@@ -181,18 +189,33 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer: to
     return path
 
 
-def check_save(directory: str | Path, first_step: int, *, overwrite: bool = False) -> Path:
-    """Refuse a save target before training: foreign files there, or a checkpoint at `first_step` or later.
+def check_save(directory: str | Path, first_step: int, *, overwrite: bool = False,
+               resumed: str | Path | None = None, pending: bool = False) -> Path:  # fmt: skip
+    """Refuse a save target before training: one a save could not write, or where it would replace what is not its own.
 
-    Pure reads, the same on every rank. Returns the resolved directory.
+    Besides [`check_target`][cpref.checkpoint_files.check_target]'s refusals: a checkpoint there (or
+    beside it, left by an interrupted save) that this run does not continue (`resumed` names the
+    checkpoint it resumed from), or one at `first_step` or later; `overwrite` replaces either
+    deliberately, and even then only cpref's own files go. Pure reads, the same on every rank.
+    Returns the resolved directory (`pending`: see `check_target`).
     """
-    path = files.check_target(directory)
-    newest = max((read_meta(p).step for p in (path, *files.siblings(path)) if _complete(p)), default=None)
-    if newest is not None and newest >= first_step and not overwrite:
+    path = files.check_target(directory, pending=pending)
+    held = [p for p in (path, *files.siblings(path)) if _complete(p)]
+    newest = max((read_meta(p).step for p in held), default=None)
+    if newest is None or overwrite:
+        return path
+    if newest >= first_step:
         raise CPInputError(
             f"{path} holds a checkpoint at step {newest}; saving step {first_step} there would not move it forward. "
             f"Resume from it (--resume {path}) and train past step {newest}, save elsewhere, or replace it "
             "deliberately (--overwrite, overwrite=True)"
+        )
+    continued = resumed is not None and files.resolve(resumed) in (path, *files.siblings(path))
+    if not continued:
+        raise CPInputError(
+            f"{path} holds a checkpoint at step {newest} that this run does not continue (it did not resume from it); "
+            f"a save would replace it. Resume from it (--resume {path}), save elsewhere, or replace it deliberately "
+            "(--overwrite, overwrite=True)"
         )
     return path
 

@@ -5,38 +5,55 @@ moment leaves a complete checkpoint somewhere:
 
 1. `DIR.tmp` is **created exclusively** (`mkdir` without `exist_ok`) and marked as cpref's with a
    file `.cpref-save` before anything else goes in;
-2. the payload, the RNG state and last `meta.json` are written into it; the mark is removed;
-3. `DIR` (the previous checkpoint, if any) is renamed to `DIR.old`, `DIR.tmp` to `DIR`, and
-   `DIR.old` is deleted.
+2. the payload, the RNG state and last `meta.json` are written into it;
+3. `DIR` (the previous checkpoint, if any) is marked `.cpref-old` and renamed to `DIR.old`,
+   `DIR.tmp` renamed to `DIR` and its mark removed, and `DIR.old` deleted.
 
-A kill between the renames of step 3 leaves `DIR.old` and `DIR.tmp`, both complete, and no
-`DIR`. The next save **recovers** first: it finishes the swap (the newer complete one becomes
-`DIR`), and resuming picks the newest complete one of the three ([`find`][cpref.checkpoint_files.find]).
+A kill between the renames of step 3 leaves `DIR.old` and `DIR.tmp`, both complete and both
+marked, and no `DIR`. The next save **recovers** first: it finishes the swap (the newer
+complete one becomes `DIR`), and resuming picks the newest complete one of the three
+([`find`][cpref.checkpoint_files.find]).
 
-**A save never destroys what cpref did not write.** It replaces `DIR` only if `DIR` does not
-exist, is an empty directory, or is a cpref checkpoint (its `meta.json` says so); it deletes a
-sibling `DIR.tmp` or `DIR.old` only if it carries the mark or a cpref `meta.json`. Anything
-else (a `notes.txt`, a `sub/` folder, a file named `DIR.old`) is refused by
-[`check_target`][cpref.checkpoint_files.check_target], which a training run calls **before
-its first step**, naming the path and the fix. Paths are resolved first, so `--save .` means
-the current directory (refused unless it is empty or a checkpoint) and the filesystem root
-is refused.
+**A save never deletes, moves or overwrites a file it did not write.** cpref's files are the
+ones a checkpoint's `meta.json` lists in its sums, `meta.json` itself, and its two marks;
+anything else (a `notes.txt`, a `sub/` folder, a link) is the user's. A save replaces `DIR`
+only if `DIR` does not exist, is an empty directory, or is a cpref checkpoint that holds
+nothing but cpref's files; it deletes a sibling `DIR.tmp` or `DIR.old` only if it carries the
+mark cpref put there for that purpose, so a user's copy named `DIR.old` is never taken for a
+leftover. [`check_target`][cpref.checkpoint_files.check_target], which a training run calls
+**before its first step**, refuses every other target in one line naming the path and the fix:
+
+* a target that holds files cpref did not write, or beside a `DIR.tmp` / `DIR.old` that is
+  not a save's own;
+* a target **inside a checkpoint** (saving there would add files that checkpoint's sums do not
+  list: it would no longer load), or named as another checkpoint's `.tmp` or `.old`;
+* a target that cannot be written: under a file, or in a directory this process may not write
+  to (checked by creating and removing an empty directory there);
+* the current directory or one holding it, and the filesystem root.
+
+The same ownership is checked again at the moment of each deletion: a file that appeared in
+`DIR` during training stops the save with the new checkpoint complete in `DIR.tmp`, and `DIR`
+untouched.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 from cpref.errors import CPInputError
 
-__all__ = ["MARK", "FORMAT_PREFIX", "resolve", "siblings", "is_ours", "check_target", "claim", "swap", "recover",
-           "find"]  # fmt: skip
+__all__ = ["MARK", "OLD_MARK", "FORMAT_PREFIX", "resolve", "siblings", "foreign", "is_ours", "check_target", "claim",
+           "swap", "recover", "find"]  # fmt: skip
 
 MARK = ".cpref-save"  # inside DIR.tmp while a save is writing it
+OLD_MARK = ".cpref-old"  # inside DIR.old, the previous checkpoint a save is replacing
 FORMAT_PREFIX = "cpref-checkpoint/"
+NOT_SUMMED = ("meta.json", MARK, OLD_MARK)  # cpref's files that meta.json's sums do not list
 
 
 def resolve(directory: str | Path) -> Path:
@@ -52,36 +69,68 @@ def siblings(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
 
 
-def _meta_format(path: Path) -> str | None:
+def _summed(path: Path) -> set[str] | None:
+    """The files a cpref `meta.json` in `path` lists, or None where there is none (or another program's)."""
     try:
         record = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
         return None
-    fmt = record.get("format") if isinstance(record, dict) else None
-    return fmt if isinstance(fmt, str) else None
+    if not isinstance(record, dict) or not str(record.get("format", "")).startswith(FORMAT_PREFIX):
+        return None
+    sums = record.get("sha256")
+    return set(sums) if isinstance(sums, dict) else None
 
 
-def is_ours(path: Path) -> bool:
-    """Whether `path` is a directory cpref wrote: a checkpoint (its `meta.json` names a cpref format)
-    or a save in progress (it holds the mark)."""
-    if not path.is_dir() or path.is_symlink():
+def _is_checkpoint(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (_summed(path) is not None or (path / MARK).is_file())
+
+
+def foreign(path: Path) -> list[str]:
+    """What under the directory `path` cpref did not write (relative paths, sorted; directories end in `/`).
+
+    Everything, where `path` is neither a checkpoint nor a save in progress. In a save in progress
+    (`MARK`, no `meta.json` yet) every plain file is taken for the save's payload.
+    """
+    summed = _summed(path)
+    writing = summed is None and (path / MARK).is_file()
+    own = set(NOT_SUMMED) | (summed or set())
+    out = []
+    for root, dirs, names in os.walk(path, followlinks=False):
+        here = Path(root).relative_to(path)
+        for d in list(dirs):
+            rel = (here / d).as_posix()
+            if (Path(root) / d).is_symlink() or not (writing or any(f.startswith(rel + "/") for f in own)):
+                out.append(rel + "/")
+                dirs.remove(d)  # not walked: the whole folder is the user's
+        for name in names:
+            rel, file = (here / name).as_posix(), Path(root) / name
+            if file.is_symlink() or not file.is_file() or not (writing or summed is not None and rel in own):
+                out.append(rel)
+    return sorted(out)
+
+
+def is_ours(path: Path, mark: str | None = None) -> bool:
+    """Whether `path` is a directory cpref wrote and holds nothing else (and, given `mark`, carries it)."""
+    if not _is_checkpoint(path) or (mark is not None and not (path / mark).is_file()):
         return False
-    fmt = _meta_format(path)
-    return (path / MARK).is_file() or (fmt is not None and fmt.startswith(FORMAT_PREFIX))
+    return not foreign(path)
 
 
-def _contents(path: Path, most: int = 4) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+def _shown(names: list[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def check_target(directory: str | Path) -> Path:
-    """Refuse a save target that holds anything but an empty directory or cpref's own files.
+def check_target(directory: str | Path, *, pending: bool = False) -> Path:
+    """Refuse a save target that a save could not write, or where it would replace or break what is not its own.
 
-    Pure reads, the same on every rank: call it before training starts. Returns the resolved path.
+    Reads only (and one empty directory made and removed to prove the place writable), the same on
+    every rank: call it before training starts. Returns the resolved path. `pending`: the save is
+    about to be written (after training), so files of the user's in `DIR` do not stop it here: it
+    writes `DIR.tmp` and [`swap`][cpref.checkpoint_files.swap] leaves `DIR` as it is, saying where
+    the new checkpoint is.
 
     Raises:
-        CPInputError: naming the path, what it holds, and the fix.
+        CPInputError: naming the path, what is wrong with it, and the fix (see the module docstring).
     """
     path = resolve(directory)
     fix = "choose another directory to save into, or move it away"
@@ -89,26 +138,50 @@ def check_target(directory: str | Path) -> Path:
     if path == cwd or path in cwd.parents:
         raise CPInputError(f"cannot save a checkpoint to {directory!r} ({path}): it is the current directory or holds it, "
                            "and a save replaces its directory as a whole; name a directory inside it, e.g. ckpt")  # fmt: skip
+    _check_place(path)
     if path.exists() or path.is_symlink():
         if not path.is_dir() or path.is_symlink():
             raise CPInputError(f"cannot save a checkpoint to {path}: it exists and is not a directory; {fix}")
-        if any(path.iterdir()) and not is_ours(path):
-            raise CPInputError(
-                f"cannot save a checkpoint to {path}: it is not empty and not a cpref checkpoint (it holds "
-                f"{_contents(path)}); a save replaces only an empty directory or a checkpoint; {fix}"
-            )
-    for sibling in siblings(path):
-        if (sibling.exists() or sibling.is_symlink()) and not is_ours(sibling):
-            raise CPInputError(
-                f"cannot save a checkpoint to {path}: {sibling} exists and was not written by cpref (a save "
-                f"uses that name for its own files); {fix}"
-            )
+        mine = foreign(path)
+        if mine and not pending:
+            what = "is a checkpoint but" if _is_checkpoint(path) else "is not empty and not a cpref checkpoint:"
+            raise CPInputError(f"cannot save a checkpoint to {path}: it {what} it holds {_shown(mine)}, which cpref did "
+                               "not write; a save replaces only an empty directory or a checkpoint of cpref's files "
+                               f"alone, and never deletes yours; {fix}")  # fmt: skip
+    for sibling, mark in zip(siblings(path), (MARK, OLD_MARK)):
+        if (sibling.exists() or sibling.is_symlink()) and not is_ours(sibling, mark):
+            raise CPInputError(f"cannot save a checkpoint to {path}: {sibling} exists and was not written by cpref "
+                               f"(a save uses that name for its own files, and deletes it); {fix}")  # fmt: skip
     return path
 
 
-def _remove_ours(path: Path) -> None:
+def _check_place(path: Path) -> None:
+    """Refuse a target inside a checkpoint or named as a checkpoint's sibling, or where nothing can be written."""
+    for parent in path.parents:
+        if _is_checkpoint(parent):
+            raise CPInputError(f"cannot save a checkpoint to {path}: it is inside the checkpoint {parent}, which would "
+                               "then hold files its sums do not list and no longer load; save beside it, not in it")  # fmt: skip
+    for suffix in (".tmp", ".old"):
+        if path.name.endswith(suffix) and _is_checkpoint(path.with_name(path.name.removesuffix(suffix))):
+            raise CPInputError(f"cannot save a checkpoint to {path}: that is the name a save of the checkpoint "
+                               f"{path.with_name(path.name.removesuffix(suffix))} uses beside it; name another directory")  # fmt: skip
+    place = path.parent
+    while not place.exists():
+        place = place.parent
+    if not place.is_dir():
+        raise CPInputError(f"cannot save a checkpoint to {path}: {place} is a file, not a directory; name a directory "
+                           "to save into")  # fmt: skip
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cpref-probe-", dir=place))
+    except OSError as exc:
+        raise CPInputError(f"cannot save a checkpoint to {path}: nothing can be written in {place} "
+                           f"({type(exc).__name__}: {exc.strerror}); choose a directory you can write to") from None  # fmt: skip
+
+
+def _remove(path: Path, mark: str) -> None:
+    """Delete a sibling cpref left (it carries `mark` and holds nothing else); refuse anything else."""
     if path.exists() or path.is_symlink():
-        if not is_ours(path):  # checked before training; checked again at the moment of deleting
+        if not is_ours(path, mark):  # checked before training; checked again at the moment of deleting
             raise CPInputError(f"{path} exists and was not written by cpref; it is left as it is: move it away")
         shutil.rmtree(path)
 
@@ -125,6 +198,11 @@ def _steps(paths, complete) -> tuple[dict[Path, int], list[str]]:
     return found, problems
 
 
+def _leftovers(path: Path) -> list[Path]:
+    """The siblings of `path` that an interrupted save left, each carrying its mark."""
+    return [p for p, mark in zip(siblings(path), (MARK, OLD_MARK)) if is_ours(p, mark)]
+
+
 def recover(path: Path, complete: Callable[[Path], int]) -> None:
     """Finish a swap that a crash interrupted, then delete cpref's leftovers beside `path`.
 
@@ -134,11 +212,14 @@ def recover(path: Path, complete: Callable[[Path], int]) -> None:
     """
     tmp, old = siblings(path)
     if not path.exists():
-        found, _ = _steps([p for p in (tmp, old) if is_ours(p)], complete)
+        found, _ = _steps(_leftovers(path), complete)
         if found:
             max(found, key=lambda p: found[p]).rename(path)
-    _remove_ours(tmp)
-    _remove_ours(old)
+    for mark in (MARK, OLD_MARK):  # a mark left inside the checkpoint by a kill during the swap
+        if path.is_dir() and (path / mark).is_file() and _summed(path) is not None:
+            (path / mark).unlink()
+    _remove(tmp, MARK)
+    _remove(old, OLD_MARK)
 
 
 def claim(path: Path) -> Path:
@@ -155,26 +236,34 @@ def claim(path: Path) -> Path:
 def swap(path: Path) -> None:
     """Put the complete `DIR.tmp` in place of `DIR` (step 3 of the module docstring)."""
     tmp, old = siblings(path)
-    (tmp / MARK).unlink()
-    if path.exists():
+    if old.exists() or old.is_symlink():
+        raise CPInputError(f"{old} appeared during training; it is left as it is, and the new checkpoint is complete in "
+                           f"{tmp}: move {old.name} away and rename {tmp.name} to {path.name}")  # fmt: skip
+    if path.exists() and any(path.iterdir()):
+        mine = foreign(path)
+        if mine:
+            raise CPInputError(f"{path} now holds files cpref did not write ({_shown(mine)}); it is left as it is, and the "
+                               f"new checkpoint is complete in {tmp}: move those files away and save again")  # fmt: skip
+        (path / OLD_MARK).write_text("the checkpoint a cpref save is replacing\n")
         path.rename(old)
-    tmp.rename(path)  # the new checkpoint appears complete, or not at all
+    tmp.rename(path)  # the new checkpoint appears complete, or not at all (over an empty directory too)
+    (path / MARK).unlink()
     if old.exists():
-        shutil.rmtree(old)
+        _remove(old, OLD_MARK)
 
 
 def find(directory: str | Path, complete: Callable[[Path], int]) -> tuple[Path, str | None]:
-    """The checkpoint to resume from: `DIR` if complete, else the newest complete sibling.
+    """The checkpoint to resume from: `DIR` if complete, else the newest complete sibling a save left.
 
     Returns `(path, note)`; `note` says why a sibling was chosen (None for `DIR` itself).
 
     Raises:
-        CPInputError: if none of `DIR`, `DIR.tmp`, `DIR.old` holds a complete checkpoint, with
-            what is wrong with each.
+        CPInputError: if none of `DIR` and the siblings an interrupted save left holds a complete
+            checkpoint, with what is wrong with each.
     """
     path = resolve(directory)
     tmp, old = siblings(path)
-    found, problems = _steps((path, tmp, old), complete)
+    found, problems = _steps((path, *(p for p, mark in ((tmp, MARK), (old, OLD_MARK)) if (p / mark).is_file())), complete)
     if path in found:
         return path, None
     if found:
@@ -182,5 +271,6 @@ def find(directory: str | Path, complete: Callable[[Path], int]) -> tuple[Path, 
         return best, (f"{path} holds no complete checkpoint (a save was interrupted); resuming from {best}, "
                       f"the newest complete one (step {found[best]})")  # fmt: skip
     if not problems:
-        raise CPInputError(f"no checkpoint to resume from at {path}: neither it nor {tmp.name} nor {old.name} exists")
+        raise CPInputError(f"no checkpoint to resume from at {path}: neither it nor a {tmp.name} or {old.name} that a "
+                           "save left exists")  # fmt: skip
     raise CPInputError(f"no complete checkpoint to resume from at {path}:\n" + "\n".join(problems))

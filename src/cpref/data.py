@@ -44,6 +44,8 @@ the loss is 0 with zero gradients, not NaN.
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any, Mapping
 
 import torch
@@ -92,9 +94,17 @@ def get_batch_on_this_cp_rank(
     """
     sharding = Sharding.eod_padded(cu_seqlens, cp_size=cp_size, layout=layout)
     rank = as_int("rank", rank, lo=0, hi=cp_size)
+    pad_token_id = as_int("pad_token_id", pad_token_id)
+    if not isinstance(batch, Mapping):
+        raise CPInputError(f"batch must be a dict of (T, ...) tensors, got {type(batch).__name__}")
     batch = dict(batch)
     if "tokens" not in batch or "labels" not in batch:
         raise CPInputError(f"batch needs 'tokens' and 'labels', got keys {sorted(batch)}")
+    for name, x in batch.items():
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != sharding.cu_seqlens[-1]:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise CPInputError(f"batch[{name!r}] is {got}, but cu_seqlens holds {sharding.cu_seqlens[-1]} tokens: every "
+                               "value of the batch must be a (T, ...) tensor of the whole (unpadded) batch")  # fmt: skip
     if "loss_mask" not in batch:
         batch["loss_mask"] = torch.ones_like(batch["tokens"], dtype=torch.float32)
     fill = {"tokens": pad_token_id, "labels": pad_token_id}
@@ -108,7 +118,7 @@ def get_batch_on_this_cp_rank(
 
 
 def cp_loss(
-    token_loss: torch.Tensor, loss_mask: torch.Tensor, comm: Collectives, *, count: torch.Tensor | None = None
+    token_loss: torch.Tensor, loss_mask: torch.Tensor, comm: Collectives, *, count: torch.Tensor | float | None = None
 ) -> torch.Tensor:
     """This rank's share of the globally normalised masked mean loss.
 
@@ -119,8 +129,9 @@ def cp_loss(
         comm: the group the loss is normalised over (one all-reduce of a scalar count): the
             CP group, or the whole DP x CP group to make the loss the mean over every replica.
         count: the global number of loss tokens, if the caller has it already (e.g. over several
-            micro-batches); then no all-reduce is made, only the host exchange of whether each
-            rank's inputs passed validation.
+            micro-batches): a number or a one-element tensor, the same on every rank, at least the
+            loss tokens of every rank of `comm`. Then no all-reduce is made; the ranks compare it
+            in their host exchange (it is read on the host: one synchronisation on an accelerator).
 
     Returns:
         A scalar whose sum over the CP ranks is the mean loss over all loss tokens; 0 (with
@@ -128,20 +139,33 @@ def cp_loss(
         CP group (see the module docstring).
 
     Raises:
-        ValueError: for mismatched shapes or a non-floating `token_loss`, on every rank of
-            `comm` alike: the ranks exchange whether their inputs passed (one host exchange, as
-            in [`cpref.consistency`][cpref.consistency]) before the count's all-reduce, so a
-            rank whose own inputs fail never leaves the others waiting in it.
+        CPInputError: for mismatched shapes, a non-floating `token_loss`, or a `count` that is not
+            a finite number, is below the loss tokens of the group (`count=0` with loss tokens),
+            or differs between ranks: on every rank of `comm` alike. The ranks exchange whether
+            their inputs passed, and the count (one host exchange, as in
+            [`cpref.consistency`][cpref.consistency]) before the count's all-reduce, so a rank
+            whose own inputs fail never leaves the others waiting in it.
     """
-    problem = _loss_input_problem(token_loss, loss_mask)
+    problem = _loss_input_problem(token_loss, loss_mask, count)
+    given = local = 0.0
+    if problem is None and count is not None:  # one host read of both
+        given, local = torch.stack([torch.as_tensor(count).reshape(()).to(loss_mask.device).double(),
+                                    loss_mask.detach().double().sum()]).tolist()  # fmt: skip
+        if not (math.isfinite(given) and given >= 0):
+            problem, given = f"count must be a finite number >= 0, got {given!r}; {_COUNT_FIX}", 0.0
     if comm.size > 1:  # does every rank's pass? (a rank that raised alone would leave the others waiting)
         device = token_loss.device if isinstance(token_loss, torch.Tensor) else getattr(comm, "device", "cpu")
-        rows, who = exchange(comm, [int(problem is None)], torch.device(device))
-        failed = [label for label, (ok,) in zip(who, rows) if not ok]
+        row = [int(problem is None), int(count is not None), _bits(given), _bits(local)]
+        rows, who = exchange(comm, row, torch.device(device))
+        failed = [label for label, (ok, *_) in zip(who, rows) if not ok]
         if failed and problem is None:
             named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
             raise PeerInputError(f"cp_loss: the token_loss / loss_mask of {named} of the group failed validation (that "
                                f"rank's own error names them); rank {comm.rank} raises too, so that no rank waits")  # fmt: skip
+        if problem is None:
+            problem = _count_problem(rows, who)
+    elif problem is None and count is not None and local > given:
+        problem = f"count={given:g} is below this rank's {local:g} loss tokens; {_COUNT_FIX}"
     if problem is not None:
         raise CPInputError(problem)
     mask = loss_mask.to(token_loss.dtype)
@@ -151,7 +175,36 @@ def cp_loss(
     return (token_loss * mask).sum() / count.clamp_min(1)
 
 
-def _loss_input_problem(token_loss: object, loss_mask: object) -> str | None:
+_COUNT_FIX = ("count is the loss tokens of every rank (and micro-batch) the loss is normalised over, the same on every "
+              "rank; omit it and cp_loss counts them (one all-reduce)")  # fmt: skip
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _count_problem(rows: list[list[int]], who: list[str]) -> str | None:
+    """What is wrong with the ranks' `count=` (rows `[ok, given?, count, local tokens]`), or None."""
+    if who[0] == "lowest code":  # min and max only: the columns differ where min != max
+        differ = [i for i in (1, 2) if rows[0][i] != rows[1][i]]
+        if differ:
+            return f"cp_loss: the ranks pass different count= (given or not, or its value); {_COUNT_FIX}"
+        return None
+    if len({row[1] for row in rows}) > 1:
+        return ("cp_loss: count= is given on " + ", ".join(w for w, row in zip(who, rows) if row[1]) + " and not on "
+                + ", ".join(w for w, row in zip(who, rows) if not row[1]) + f"; {_COUNT_FIX}")  # fmt: skip
+    if not rows[0][1]:
+        return None
+    counts = [struct.unpack("<d", struct.pack("<q", row[2]))[0] for row in rows]
+    if len(set(counts)) > 1:
+        return "cp_loss: the ranks pass different count=: " + "; ".join(f"{w}: {c:g}" for w, c in zip(who, counts)) + f"; {_COUNT_FIX}"
+    total = sum(struct.unpack("<d", struct.pack("<q", row[3]))[0] for row in rows)
+    if total > counts[0] * (1 + 1e-12):
+        return f"cp_loss: count={counts[0]:g} is below the {total:g} loss tokens of the group's ranks; {_COUNT_FIX}"
+    return None
+
+
+def _loss_input_problem(token_loss: object, loss_mask: object, count: object = None) -> str | None:
     """What is wrong with `cp_loss`'s inputs on this rank, or None."""
     for name, t in (("token_loss", token_loss), ("loss_mask", loss_mask)):
         if not isinstance(t, torch.Tensor):
@@ -161,4 +214,13 @@ def _loss_input_problem(token_loss: object, loss_mask: object) -> str | None:
                 "they must match exactly (one mask entry per token; reshape, do not broadcast)")  # fmt: skip
     if not token_loss.is_floating_point():
         return f"token_loss has dtype {token_loss.dtype}; it must be floating"
+    if count is not None:
+        ok = isinstance(count, (int, float)) and not isinstance(count, bool) or (
+            isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool)  # fmt: skip
+        if not ok:
+            got = f"a tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor) else repr(count)
+            return f"count must be a number or a one-element tensor, got {got}; {_COUNT_FIX}"
+        value = float(count) if not isinstance(count, torch.Tensor) else None
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            return f"count must be a finite number >= 0, got {count!r}; {_COUNT_FIX}"
     return None

@@ -323,5 +323,8 @@ def thd_to_bshd(x: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
     lengths = {b.padded_len(i) for i in range(b.num_docs)}
     if len(lengths) != 1:
         raise CPInputError(f"documents have lengths {sorted(lengths)}; a (B, S, ...) batch needs one")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != b.total:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise CPInputError(f"x has shape {got} but cu_seqlens holds {b.total} tokens: thd_to_bshd takes (T, ...) of them")
     s = lengths.pop()
     return x.reshape(b.num_docs, s, *x.shape[1:])  # (B, S, ...)

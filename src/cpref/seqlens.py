@@ -45,6 +45,9 @@ def host_ints(value: Any, name: str = "cu_seqlens") -> list[int]:
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise CPInputError(f"{name} must be a 1-D integer tensor, got shape {tuple(value.shape)} dtype {value.dtype}; {fix}")
+        if value.device.type == "meta":
+            raise CPInputError(f"{name} is on the meta device, which holds no values; pass the boundaries on the CPU "
+                               "(or the device of the batch)")  # fmt: skip
         return [int(x) for x in value.tolist()]
     if value is None or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise CPInputError(f"{name} is {type(value).__name__} {value!r:.40}; {fix}")

@@ -189,10 +189,20 @@ class Sharding:
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of [`shard`][cpref.sharding.Sharding.shard]: every rank's shard, in rank order -> `(T, ...)`."""
-        if len(shards) != self._cp_size:
-            raise CPInputError(f"unshard got {len(shards)} shards but the batch is sharded over cp_size={self._cp_size}; "
-                               "pass every rank's shard, in rank order")  # fmt: skip
+        if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or len(shards) != self._cp_size:
+            got = f"a tensor {tuple(shards.shape)}" if isinstance(shards, torch.Tensor) else (
+                f"{len(shards)} shards" if isinstance(shards, Sequence) else type(shards).__name__)  # fmt: skip
+            raise CPInputError(f"unshard got {got} but the batch is sharded over cp_size={self._cp_size}; pass a list of "
+                               "every rank's shard, in rank order")  # fmt: skip
         first = shards[0]
+        for rank, part in enumerate(shards):
+            if not isinstance(part, torch.Tensor) or part.dim() < 1:
+                got = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+                raise CPInputError(f"shard of rank {rank} is {got}, not a tensor of shape (T / P, ...)")
+            if (part.dtype, part.device, part.shape[1:]) != (first.dtype, first.device, first.shape[1:]):
+                raise CPInputError(f"shard of rank {rank} is {part.dtype} {tuple(part.shape)} on {part.device}, rank 0's "
+                                   f"{first.dtype} {tuple(first.shape)} on {first.device}: every rank's shard must have "
+                                   "the same dtype, device and trailing dims")  # fmt: skip
         out = first.new_empty((self.total, *first.shape[1:]))  # (T, ...)
         for rank, part in enumerate(shards):
             if part.shape[0] != self.local_tokens:
@@ -205,6 +215,10 @@ class Sharding:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.bounds.real[-1]:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise CPInputError(f"x has shape {got} but cu_seqlens ends at {self.bounds.real[-1]}: pad takes the real stream")
+        if not isinstance(value, (int, float)) or (isinstance(value, float) and not x.is_floating_point()
+                                                    and not value.is_integer()):  # fmt: skip
+            raise CPInputError(f"pad value must be a number that x's dtype {x.dtype} holds, got {value!r} "
+                               f"({type(value).__name__})")  # fmt: skip
         if not self.bounds.is_padded:
             return x
         b, pieces = self.bounds, []
@@ -216,6 +230,14 @@ class Sharding:
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of [`pad`][cpref.sharding.Sharding.pad]: drop each document's tail padding, `(T, ...) -> (T_real, ...)`."""
         b = self.bounds
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.total:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            hint = ("; it is one rank's shard: unshard every rank's first" if isinstance(x, torch.Tensor) and x.dim() >= 1
+                    and x.shape[0] == self.local_tokens and self._cp_size > 1 else
+                    "; it is already the real stream" if isinstance(x, torch.Tensor) and x.dim() >= 1
+                    and x.shape[0] == b.real[-1] else "")  # fmt: skip
+            raise CPInputError(f"x has shape {got} but the padded stream has {self.total} tokens: unpad takes the whole "
+                               f"padded stream (sharding.unshard of every rank's shard){hint}")  # fmt: skip
         return torch.cat([x[b.padded[i] : b.padded[i] + b.real_len(i)] for i in range(b.num_docs)])
 
     def attention_work(self, rank: int, *, causal: bool = True, exact: bool = False,

@@ -34,6 +34,7 @@ so several runs can live in one process (the simulated cluster runs every rank a
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -111,8 +112,12 @@ class TrainConfig:
         as_choice("layout", self.layout, LAYOUTS)
         as_int("micro_batches", self.micro_batches, lo=1)
         as_bool("bf16", self.bf16)
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise CPInputError(f"lr must be a positive number, got {self.lr!r}")
+        if isinstance(self.lr, bool) or not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise CPInputError(f"lr must be a finite number > 0, got {self.lr!r}")
+        clip = self.grad_clip
+        if clip is not None and (isinstance(clip, bool) or not (isinstance(clip, (int, float)) and math.isfinite(clip)
+                                                                 and clip > 0)):  # fmt: skip
+            raise CPInputError(f"grad_clip must be None or a finite number > 0, got {clip!r}")
 
 
 class PackSource:
@@ -225,7 +230,9 @@ class Checkpointing:
         every: also save after every `every` steps, so that a crash loses at most `every` steps
             (None: only after the last step).
         payload: how the state is written (default `TorchPayload`; `DcpPayload` on process groups).
-        overwrite: allow replacing a checkpoint at the first save's step or later.
+        overwrite: allow replacing a checkpoint this run does not continue, or one at the first save's step
+            or later (only cpref's own files ever go).
+        resumed: the checkpoint this run resumed from: a save may replace it with a later step.
     """
 
     directory: Any
@@ -233,6 +240,7 @@ class Checkpointing:
     every: int | None = None
     payload: Payload | None = None
     overwrite: bool = False
+    resumed: Any = None
 
     def __post_init__(self) -> None:
         if self.every is not None:
@@ -254,7 +262,9 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
     """
     saves = [done for done in range(start + 1, steps + 1) if checkpoint is not None and checkpoint.due(done, steps)]
     if saves:
-        check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite)
+        check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite, resumed=checkpoint.resumed)
+    # what a save may replace: the checkpoint resumed from, then the run's own last save (overwrite: the first only)
+    continues, first = (None if checkpoint is None else checkpoint.resumed), True
     stats = []
     for step in range(start, steps):
         s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step, forward)
@@ -263,5 +273,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
             on_step(s)
         if step + 1 in saves:
             save_checkpoint(checkpoint.directory, model, optimizer, checkpoint.meta(step + 1), topo.world,
-                            checkpoint.payload, overwrite=checkpoint.overwrite)  # fmt: skip
+                            checkpoint.payload, overwrite=checkpoint.overwrite and first,
+                            resumed=continues)  # fmt: skip
+            continues, first = checkpoint.directory, False
     return stats

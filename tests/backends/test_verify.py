@@ -244,7 +244,7 @@ def test_tolerances():
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "ring"], "mode ['ring'] unknown"),
     (["--dtype", "fp8"], "dtype ['fp8'] unknown"),
-    (["--docs", "10,x"], "comma-separated integers"),
+    (["--docs", "10,x"], "comma-separated whole numbers >= 1"),
     (["--heads", "8,3"], "Hkv >= 1 dividing Hq"),
     (["--window", "3"], "argument --window: expected LEFT,RIGHT, two integers >= -1 (-1: unbounded), e.g. 127,0; got '3'"),
     (["--window", "3,0,1"], "expected LEFT,RIGHT, two integers >= -1"),

@@ -20,22 +20,19 @@ BAD = {
                    ["--nproc", "4", "--mode", "a2a+p2p", "--a2a-size", "3"], ["--head-dim", "x"]],
     "sim train": [["--cp", "0"], ["--cp", "3", "--mode", "a2a"], ["--mode", "ring"], ["--dtype", "fp16"],
                   ["--lr", "-1"], ["--save-every", "2"], ["--steps", "many"], ["--cp", "4", "--mode", "a2a+p2p",
-                  "--a2a-size", "3"], ["--override", "mode"]],
+                  "--a2a-size", "3"], ["--override", "mode"], ["--pack-tokens", "1"], ["--lr", "inf"]],
     "bench layouts": [["--quick", "--frobnicate"]],
     "sim demo": [["--layout", "diagonal"]],
+    "bench memory": [["--lengths", "7"], ["--heads", "8", "3", "64", "64"]],  # on main: a CPInputError traceback
+    "bench all_gather": [["--cu", "0", "10", "5"], ["--heads", "8", "--kv-heads", "3"]],
 }  # fmt: skip
+MODULES = {"sim verify": "sim.tools.verify", "sim train": "sim.tools.train", "sim demo": "sim.demo"}
 
 
 def _main(tool: str):
-    if tool == "sim verify":
-        from sim.tools.verify import main
-    elif tool == "sim train":
-        from sim.tools.train import main
-    elif tool == "bench layouts":
-        from bench.layouts import main
-    else:
-        from sim.demo import main
-    return main
+    import importlib
+
+    return importlib.import_module(MODULES.get(tool, tool.replace(" ", "."))).main
 
 
 @pytest.mark.parametrize("tool, argv", [(tool, argv) for tool, cases in BAD.items() for argv in cases])
@@ -74,3 +71,73 @@ def test_train_help_shows_defaults_the_data_and_the_model_sizes(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 512)" in out and "(default: p2p)" in out
     assert "standard-library source files" in out and "llama: hidden_size=" in out
+
+
+# ---- every value of every tool: checked by its type before any work --------------------------------------------------
+TOOLS = ["sim.tools.train", "sim.tools.verify", "sim.demo", "sim.tools.npu_check", "bench.all", "bench.all_gather",
+         "bench.collectives", "bench.determinism", "bench.kernel", "bench.layouts", "bench.memory", "bench.overhead",
+         "bench.scaling", "bench.window"]  # fmt: skip
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def parser_of(tool: str, monkeypatch):
+    """The parser `tool`'s main builds (its parse_args stopped before any work)."""
+    import importlib
+
+    from sim.tools.cli import Parser
+
+    def stop(self, *a, **kw):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(Parser, "parse_args", stop)
+    try:
+        importlib.import_module(tool).main([])
+    except _Parsed as parsed:
+        return parsed.parser
+    raise AssertionError(f"{tool}.main parsed nothing")
+
+
+def test_every_option_of_every_tool_has_a_checked_type(monkeypatch):
+    """No bare int or float: `--lr inf`, `--repeats 0`, `--rows -1` ran into the work on main."""
+    import sim.tools.cli as cli
+
+    unchecked = []
+    for tool in TOOLS:
+        for action in parser_of(tool, monkeypatch)._actions:
+            if action.type in (int, float) or (action.type is None and isinstance(action.default, (int, float))
+                                               and not isinstance(action.default, bool) and action.nargs != 0):  # fmt: skip
+                unchecked.append(f"{tool} {action.option_strings}")
+    assert unchecked == []
+    assert {cli.positive, cli.positive_float, cli.nonnegative, cli.positives} <= {
+        a.type for t in TOOLS for a in parser_of(t, monkeypatch)._actions}  # fmt: skip
+
+
+BAD_VALUES = {"positive": ["0", "-2", "x"], "nonnegative": ["-1", "1.5"], "positive_float": ["0", "-1", "inf", "nan", "x"],
+              "positives": ["0,1", "4,x"], "device_name": ["gpu", "cuda:7"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_bad_number_for_any_option_is_one_line_before_any_work(tool, monkeypatch, capsys):
+    import importlib
+
+    checked = [(a, a.type.__name__) for a in parser_of(tool, monkeypatch)._actions
+               if getattr(a.type, "__name__", None) in BAD_VALUES]  # fmt: skip
+    monkeypatch.undo()
+    main = importlib.import_module(tool).main
+    for action, kind in checked:
+        for bad in BAD_VALUES[kind]:
+            if kind == "device_name" and bad == "cuda:7":
+                import torch
+
+                if torch.cuda.device_count() > 7:
+                    continue
+            try:
+                status = main([action.option_strings[0], bad])
+            except SystemExit as exit:
+                status = exit.code
+            err = capsys.readouterr().err
+            assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (tool, action.dest, bad, err)

@@ -115,7 +115,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
     monkeypatch.setattr(cpref.checkpoint.TorchPayload, "save", broken)
     with pytest.raises(OSError, match="disk full"):
-        run_sim(spec(2, 3, save=str(path)))
+        run_sim(spec(2, 3, save=str(path), resume=str(path)))
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert read_meta(path).step == 2
 
@@ -137,12 +137,12 @@ def meta_of(step=1, dp=1, micro=2, **model_changes):
     return replace(m, dp=dp, model={**m.model, **model_changes})
 
 
-def save_one_rank(directory, step=1, dp=1, micro=2):
+def save_one_rank(directory, step=1, dp=1, micro=2, **kw):
     from cpref.checkpoint import save_checkpoint
     from cpref.comm import SingleRank
 
     model, opt, _ = fresh()
-    return save_checkpoint(directory, model, opt, meta_of(step, dp, micro), SingleRank())
+    return save_checkpoint(directory, model, opt, meta_of(step, dp, micro), SingleRank(), **kw)
 
 
 def test_a_checkpoint_of_another_format_is_refused(tmp_path):
@@ -241,7 +241,9 @@ def test_loading_state_pt_runs_no_code_from_the_file(tmp_path):
 
 def test_saving_again_replaces_the_checkpoint_and_leaves_nothing_beside_it(tmp_path):
     save_one_rank(tmp_path / "ckpt", step=1)
-    save_one_rank(tmp_path / "ckpt", step=2)
+    with pytest.raises(CPInputError, match="holds a checkpoint at step 1 that this run does not continue"):
+        save_one_rank(tmp_path / "ckpt", step=2)  # another run's checkpoint is never replaced by accident
+    save_one_rank(tmp_path / "ckpt", step=2, resumed=tmp_path / "ckpt")  # the run that continues it
     assert read_meta(tmp_path / "ckpt").step == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no ckpt.old, no ckpt.tmp
 

@@ -68,7 +68,7 @@ def test_a_save_into_a_directory_that_is_not_a_checkpoint_is_refused_before_trai
     (target / "sub").mkdir(parents=True)
     (target / ("notes.txt" if foreign == "file" else "sub/data.bin")).write_text("mine")
     before, steps = tree(tmp_path), Steps()
-    with pytest.raises(CPInputError, match=rf"cannot save a checkpoint to {target}: it is not empty and not a cpref checkpoint \(it holds .*sub/"):
+    with pytest.raises(CPInputError, match=rf"cannot save a checkpoint to {target}: it is not empty and not a cpref checkpoint: it holds .*sub/"):
         run_sim(spec(3, save=str(target)), on_step=steps)
     assert steps.seen == [] and tree(tmp_path) == before
 
@@ -88,12 +88,19 @@ def test_foreign_siblings_named_like_a_saves_own_are_refused_and_kept(tmp_path, 
     assert steps.seen == [] and tree(tmp_path) == before
 
 
-def test_an_existing_checkpoint_beside_a_complete_old_one_is_replaced(tmp_path):
-    """Was: `OSError: [Errno 39]` at the end of the run (the rename onto a non-empty `.old`)."""
+def test_a_copy_of_a_checkpoint_named_like_a_saves_old_one_is_refused_and_kept(tmp_path):
+    """On main a user's backup `ckpt.old` (a copy of the checkpoint) was deleted by the next save: the sibling rule
+    took any cpref checkpoint there for a save's leftover. Only a sibling carrying a save's own mark is one."""
+    import shutil
+
     run_sim(spec(2, save=str(tmp_path / "ckpt")))
-    run_sim(spec(1, save=str(tmp_path / "ckpt.old")))  # a complete cpref checkpoint where .old goes
-    run_sim(spec(4, resume=str(tmp_path / "ckpt"), save=str(tmp_path / "ckpt")))
-    assert ck.read_meta(tmp_path / "ckpt").step == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt.old")
+    before, steps = tree(tmp_path), Steps()
+    with pytest.raises(CPInputError, match=rf"{tmp_path / 'ckpt.old'} exists and was not written by cpref"):
+        run_sim(spec(4, resume=str(tmp_path / "ckpt"), save=str(tmp_path / "ckpt")), on_step=steps)
+    assert steps.seen == [] and tree(tmp_path) == before
+    with pytest.raises(CPInputError, match="that is the name a save of the checkpoint .*ckpt uses beside it"):
+        run_sim(spec(1, save=str(tmp_path / "ckpt.tmp")))  # nor can a save take that name
 
 
 @pytest.mark.parametrize("name", [".", ".."])
@@ -165,9 +172,10 @@ def test_a_kill_between_the_renames_resumes_from_the_newer_checkpoint(tmp_path, 
 
 def test_an_incomplete_tmp_beside_a_complete_old_resumes_from_the_old(tmp_path):
     run_sim(spec(2, save=str(tmp_path / "ckpt")))
+    (tmp_path / "ckpt" / cf.OLD_MARK).write_text("")  # a save marked it and moved it aside,
     (tmp_path / "ckpt").rename(tmp_path / "ckpt.old")
     (tmp_path / "ckpt.tmp").mkdir()
-    (tmp_path / "ckpt.tmp" / cf.MARK).write_text("")  # killed while writing the payload
+    (tmp_path / "ckpt.tmp" / cf.MARK).write_text("")  # and was killed while writing the payload
     path, meta, note = ck.find_checkpoint(tmp_path / "ckpt")
     assert (path.name, meta.step) == ("ckpt.old", 2) and "ckpt.old, the newest complete one (step 2)" in note
     run_sim(spec(3, resume=str(tmp_path / "ckpt"), save=str(tmp_path / "ckpt")))
@@ -179,7 +187,7 @@ def test_no_complete_checkpoint_anywhere_names_each_candidate(tmp_path):
     (tmp_path / "ckpt.tmp" / cf.MARK).write_text("")
     with pytest.raises(CPInputError, match=r"no complete checkpoint to resume from at .*\n  .*ckpt.tmp: .*no readable meta.json"):
         ck.find_checkpoint(tmp_path / "ckpt")
-    with pytest.raises(CPInputError, match="neither it nor nothing.tmp nor nothing.old exists"):
+    with pytest.raises(CPInputError, match="neither it nor a nothing.tmp or nothing.old that a save left exists"):
         ck.find_checkpoint(tmp_path / "nothing")
 
 
@@ -436,9 +444,12 @@ def test_a_sibling_with_another_programs_meta_json_is_not_taken_for_cpref_s(tmp_
 def test_recovery_puts_the_newer_complete_sibling_in_place(tmp_path):
     run_sim(spec(2, save=str(tmp_path / "a")))
     run_sim(spec(4, save=str(tmp_path / "b")))
+    (tmp_path / "a" / cf.OLD_MARK).write_text("")  # what a save killed between its renames leaves
+    (tmp_path / "b" / cf.MARK).write_text("")
     (tmp_path / "a").rename(tmp_path / "ckpt.old")
     (tmp_path / "b").rename(tmp_path / "ckpt.tmp")
     cf.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
+    assert not (tmp_path / "ckpt" / cf.MARK).exists()
     assert ck.read_meta(tmp_path / "ckpt").step == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 

@@ -200,7 +200,7 @@ def test_a_topology_and_a_config_that_cannot_be_are_refused():
         Topology(cp2, world4)
     with pytest.raises(CPInputError, match=r"dp_rank=2 is outside \[0, 2\)"):
         Topology(cp2, world4, dp_rank=2, dp_size=2)
-    with pytest.raises(CPInputError, match=r"lr must be a positive number, got 0"):
+    with pytest.raises(CPInputError, match=r"lr must be a finite number > 0, got 0"):
         TrainConfig(lr=0)
     with pytest.raises(CPInputError, match=r"micro_batches=0 is outside \[1, inf\)"):
         TrainConfig(micro_batches=0)

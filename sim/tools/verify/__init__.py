@@ -151,7 +151,7 @@ from typing import Any, Sequence
 import cpref
 from cpref.api import check_mode
 from cpref.kernels.contract import NO_WINDOW, check_window
-from sim.tools.cli import Parser, dtype_name, fail, positive
+from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positive_float, positives
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
 from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths
 from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
@@ -237,13 +237,6 @@ def _option(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 2, 'x')") from None
 
 
-def _ints(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(n) for n in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-
-
 def _window(value: str) -> tuple[int, int]:
     """`LEFT,RIGHT`: two ints >= -1, `cpref.attention`'s `window=(left, right)`."""
     try:
@@ -301,10 +294,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
     p.add_argument("--option", action="append", type=_option, default=[], metavar="NAME=VALUE",
                    help="a mode option, for the modes that declare it, e.g. overlap=True (repeatable; Python literals)")
     p.add_argument("--a2a-size", type=positive, help="all-to-all group size, for the modes that take a2a_size (default: 2 for an even CP size, else 1)")
-    p.add_argument("--docs", type=_ints, default=Setup.docs, help="document lengths (default 1000,3000,500)")
-    p.add_argument("--heads", type=_ints, default=Setup.heads, help="Hq,Hkv (default 8,4)")
+    p.add_argument("--docs", type=positives, default=Setup.docs, help="document lengths (default 1000,3000,500)")
+    p.add_argument("--heads", type=positives, default=Setup.heads, help="Hq,Hkv (default 8,4)")
     p.add_argument("--head-dim", type=positive, default=Setup.head_dim)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative, default=0)
     p.add_argument("--kernel", choices=("torch", "npu"), default="torch", help="cpref's attention kernel")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--window", type=_window, default=NO_WINDOW, metavar="LEFT,RIGHT",
@@ -312,7 +305,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                    f"{', '.join(_window_modes())}; --mode all skips the others (default -1,-1: none)")  # fmt: skip
     p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")
     p.add_argument("--impl", action="append", metavar="package.module:function", help="verify this function (repeatable)")
-    p.add_argument("--timeout", type=float, default=300.0, help="process-group timeout in seconds")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="process-group timeout in seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: if stderr is a tty")
     args = p.parse_args(_glued(sys.argv[1:] if argv is None else argv))
     try:
