@@ -326,10 +326,12 @@ class CPAttentionOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        """`out`, as a view of itself."""
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> torch.Tensor:
+        """The identity: the mode's own Function takes `dout`."""
         return dout
 
 

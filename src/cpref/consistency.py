@@ -90,7 +90,7 @@ from cpref.errors import CPInputError, PeerInputError
 from cpref.kernels.contract import FLOAT_DTYPES
 from cpref.seqlens import LAYOUTS
 
-__all__ = ["FIELDS", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange"]
+__all__ = ["FIELDS", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange", "check_same"]
 
 _DTYPES, _LAYOUTS = FLOAT_DTYPES, LAYOUTS  # a column holds the index of the value in its tuple
 
@@ -154,6 +154,29 @@ def exchange(comm: Any, row: list[int], device: torch.device) -> tuple[list[list
         table = torch.cat([comm.all_reduce(mine, "min"), comm.all_reduce(mine, "max")])  # (2, F)
         return table.tolist(), ["lowest code", "highest code"]
     return comm.all_gather(mine).tolist(), [f"rank {r}" for r in range(comm.size)]  # (P, F), one host copy
+
+
+def check_same(comm: Any, what: str, values: dict[str, Any], device: torch.device | None = None) -> None:
+    """Raise the same `CPInputError` on every rank of `comm` unless every rank passes equal `values`.
+
+    One host exchange of a digest per value (by `repr`), e.g. a training run's settings, whose
+    difference between ranks would make them call different collectives or train different models.
+    """
+    if comm.size == 1:
+        return
+    names = sorted(values)
+    rows, who = exchange(comm, [_digest(values[n]) for n in names], device or torch.device("cpu"))
+    lines = []
+    for i, name in enumerate(names):
+        groups: dict[int, list[str]] = {}
+        for label, row in zip(who, rows):
+            groups.setdefault(row[i], []).append(label)
+        if len(groups) > 1:
+            lines.append(f"{name}: " + " vs ".join(", ".join(g) for g in groups.values()))
+    if lines:
+        raise CPInputError(f"{what}: the ranks pass different values, which would make them train different models or "
+                           "wait in different collectives (ranks that agree are listed together): " + "; ".join(lines)
+                           + "; pass the same on every rank")  # fmt: skip
 
 
 class _Agreed:

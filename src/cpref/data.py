@@ -51,7 +51,7 @@ from typing import Any, Mapping
 import torch
 
 from cpref.checks import as_int
-from cpref.comm import Collectives
+from cpref.comm import Collectives, check_comm
 from cpref.consistency import exchange
 from cpref.errors import CPInputError, PeerInputError
 from cpref.seqlens import CuSeqlens
@@ -146,6 +146,8 @@ def cp_loss(
             [`cpref.consistency`][cpref.consistency]) before the count's all-reduce, so a rank
             whose own inputs fail never leaves the others waiting in it.
     """
+    check_comm(comm, fix="pass the group the loss is normalised over: the CP group's (or the DP x CP group's) "
+               "collectives, or cpref.SingleRank() without CP")  # fmt: skip
     problem = _loss_input_problem(token_loss, loss_mask, count)
     given = local = 0.0
     if problem is None and count is not None:  # one host read of both

@@ -114,7 +114,7 @@ from typing import Sequence
 import torch
 
 from cpref.balanced import balanced_pieces
-from cpref.checks import as_int
+from cpref.checks import as_bool, as_int
 from cpref.errors import CPInputError
 from cpref.seqlens import CHUNKED_LAYOUTS, LAYOUTS, Boundaries, CuSeqlens, layout_multiple
 
@@ -280,6 +280,10 @@ def attention_work(
             each chunk's queries against the key range their window spans.
     """
     b = _bounds(cu_seqlens)
+    causal, exact = as_bool("causal", causal), as_bool("exact", exact)
+    if isinstance(window, (str, bytes)) or not isinstance(window, Sequence) or len(window) != 2:
+        raise CPInputError(f"window must be a pair (left, right) of ints >= -1 (-1: unbounded), got {window!r}")
+    window = tuple(as_int(f"window[{i}]", w, lo=-1) for i, w in enumerate(window))
     return sum(chunk_work(b, doc, s, e, causal=causal, exact=exact, window=window)
                for doc, s, e in local_chunks(b, cp_size=cp_size, rank=rank, layout=layout))  # fmt: skip
 
@@ -313,6 +317,9 @@ def _window_work(a: int, z: int, n: int, causal: bool, window: tuple[int, int], 
 
 def bshd_to_thd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed-length batch `(B, S, ...)` as `B` packed documents: `((B S, ...), cu_seqlens)`."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] == 0:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise CPInputError(f"bshd_to_thd takes a batch (B, S, ...) of documents of S >= 1 tokens, got {got}")
     b, s = x.shape[0], x.shape[1]
     return x.reshape(b * s, *x.shape[2:]), torch.arange(0, (b + 1) * s, s, dtype=torch.int64)
 

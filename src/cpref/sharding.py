@@ -182,7 +182,8 @@ class Sharding:
         """Rank `rank`'s shard of a tensor of the padded stream: `(T, ...) -> (T / P, ...)` along dim 0."""
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.total:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            fix = "; pad it first with sharding.pad(x)" if self.bounds.is_padded and _is_real(x, self) else ""
+            real = isinstance(x, torch.Tensor) and _is_real(x, self)
+            fix = "; pad it first with sharding.pad(x)" if self.bounds.is_padded and real else ""
             raise CPInputError(f"x has shape {got} but the sharded stream has {self.total} tokens: dim 0 must "
                                f"hold the whole (padded) stream{fix}")  # fmt: skip
         return x.index_select(0, self.global_index(rank).to(x.device))  # (T/P, ...)

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from cpref.checkpoint import CheckpointMeta, Payload, check_save, save_checkpoint
 from cpref.checks import as_bool, as_choice, as_int
-from cpref.comm import Collectives, SingleRank
+from cpref.comm import Collectives, SingleRank, check_comm
+from cpref.consistency import check_same
 from cpref.data import cp_loss, get_batch_on_this_cp_rank
 from cpref.errors import CPInputError
 from cpref.layout import LAYOUTS
@@ -72,6 +73,9 @@ class Topology:
     dp_size: int = 1
 
     def __post_init__(self) -> None:
+        check_comm(self.cp, fix="pass the CP group's collectives as cp")
+        check_comm(self.world, fix="pass the DP x CP group's collectives as world")
+        as_int("dp_size", self.dp_size, lo=1)
         if self.world.size != self.dp_size * self.cp.size:
             raise CPInputError(f"world has {self.world.size} ranks but dp_size {self.dp_size} x cp {self.cp.size} = {self.dp_size * self.cp.size}")
         as_int("dp_rank", self.dp_rank, lo=0, hi=self.dp_size)
@@ -129,7 +133,9 @@ class PackSource:
     """
 
     def __init__(self, documents: Callable[[], Iterator[torch.Tensor]], pack_tokens: int) -> None:
-        self.pack_tokens = pack_tokens
+        if not callable(documents):
+            raise CPInputError(f"documents must be a function returning an iterator of documents, got {type(documents).__name__}")
+        self.pack_tokens = as_int("pack_tokens", pack_tokens, lo=2)  # a token and its end-of-document token
         self._packs = pack_documents(documents(), pack_tokens)
         self._made: list[Pack] = []
 
@@ -261,6 +267,8 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
     `checkpoint.due(done, steps)`.
     """
     saves = [done for done in range(start + 1, steps + 1) if checkpoint is not None and checkpoint.due(done, steps)]
+    run = {"config": config, "steps": steps, "start": start, "saves": saves, "dp_size": topo.dp_size}
+    check_same(topo.world, "cpref.training.train", run)  # before any step: a rank alone with other settings is named
     if saves:
         check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite, resumed=checkpoint.resumed)
     # what a save may replace: the checkpoint resumed from, then the run's own last save (overwrite: the first only)

@@ -51,7 +51,25 @@ CALLS = {
                                 count=torch.ones(2)), "a one-element tensor, got a tensor of shape \\(2,\\)"),
     "a string count": (lambda: cpref.cp_loss(torch.ones(3), torch.ones(3), cpref.SingleRank(), count="3"),
                        "count must be a number or a one-element tensor, got '3'"),
+    "bshd_to_thd of a 1-D tensor": (lambda: cpref.bshd_to_thd(torch.zeros(5)), "takes a batch \\(B, S, ...\\)"),
+    "bshd_to_thd of a list": (lambda: cpref.bshd_to_thd([[1, 2]]), "got list"),
+    "shard of a list": (lambda: S.shard([0] * 16, 0), "x has shape list"),
+    "attention_work with a triple": (lambda: S.attention_work(0, window=(1, 2, 3)), "window must be a pair"),
+    "attention_work with a string causal": (lambda: S.attention_work(0, causal="yes"), "causal must be True or False"),
+    "cp_loss without a communicator": (lambda: cpref.cp_loss(torch.ones(2), torch.ones(2), None),
+                                       "comm must be the CP group's collectives"),
+    "a Topology of None": (lambda: _training().Topology(None, None), "pass the CP group's collectives as cp"),
+    "a pack source of 1 token": (lambda: _training().PackSource(lambda: iter([]), 1), "pack_tokens=1 is outside"),
+    "a pack source of a list": (lambda: _training().PackSource([], 8), "documents must be a function"),
+    "an infinite learning rate": (lambda: _training().TrainConfig(lr=float("inf")), "lr must be a finite number > 0"),
+    "a negative clip": (lambda: _training().TrainConfig(grad_clip=-1.0), "grad_clip must be None or a finite number"),
 }  # fmt: skip
+
+
+def _training():
+    import cpref.training
+
+    return cpref.training
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
@@ -140,3 +158,21 @@ def test_an_in_place_edit_of_the_output_is_refused_alike_in_every_mode_and_a_clo
             return all(torch.equal(a, t.grad) for a, t in zip(grads, local))
 
         assert SimCluster(2).run(rank) == [True, True], layout
+
+
+def test_ranks_that_train_with_other_settings_are_refused_alike_before_any_step():
+    """On main a rank alone with other micro-batches waited in another collective than its peers."""
+    from cpref.training import PackSource, Topology, TrainConfig, train
+
+    def rank(comm):
+        model = torch.nn.Linear(2, 2)
+        try:
+            train(model, torch.optim.SGD(model.parameters(), lr=0.1), PackSource(lambda: iter([]), 8),
+                  Topology(comm, comm), TrainConfig(mode="p2p", micro_batches=1 + (comm.rank == 2)), 1)  # fmt: skip
+        except CPInputError as err:
+            return str(err)
+
+    cluster = SimCluster(3, timeout=20.0)
+    results = cluster.run(rank)
+    assert len(set(results)) == 1 and "config: rank 0, rank 1 vs rank 2" in results[0]
+    assert [(e.op, e.param) for e in cluster.trace] == [("all_gather", "host")]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -154,8 +153,15 @@ def test_gradients_are_scaled_to_the_clip_when_the_global_norm_exceeds_it():
         assert b.tolist() == pytest.approx([-g * 0.5 / NORM for g in GRAD], rel=1e-5, abs=1e-8)
 
 
+class Sized(SingleRank):
+    """A communicator of `size` ranks that is never called (the topology's arithmetic only)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
 def test_the_packs_of_a_step_are_the_next_dp_times_micro_batches_split_disjointly():
-    topos = [Topology(SingleRank(), SimpleNamespace(size=2), r, 2) for r in (0, 1)]
+    topos = [Topology(SingleRank(), Sized(2), r, 2) for r in (0, 1)]
     mine = [step_packs(range(100), 1, t, 2) for t in topos]  # step 1 of 2 x 2 packs a step: packs 4..7
     assert sorted(mine[0] + mine[1]) == [4, 5, 6, 7]
 
@@ -195,7 +201,7 @@ def test_a_parameter_no_pack_reaches_takes_part_in_the_sum_as_zeros():
 
 
 def test_a_topology_and_a_config_that_cannot_be_are_refused():
-    cp2, world4 = SimpleNamespace(size=2), SimpleNamespace(size=4)
+    cp2, world4 = Sized(2), Sized(4)
     with pytest.raises(CPInputError, match=r"world has 4 ranks but dp_size 1 x cp 2 = 2"):
         Topology(cp2, world4)
     with pytest.raises(CPInputError, match=r"dp_rank=2 is outside \[0, 2\)"):
