@@ -207,7 +207,8 @@ PAGE_FIGURES = {
 # Hand-written pages (in docs/) placed around the generated guide pages.
 GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart"),
                ("your-model.md", "Use cpref with your model")]
-GUIDE_LAST = [("field-bugs.md", "The bugs CP users hit"), ("glossary.md", "Glossary"), ("references.md", "References")]
+GUIDE_LAST = [("verify-your-implementation.md", "Verify your implementation"), ("field-bugs.md", "The bugs CP users hit"),
+              ("glossary.md", "Glossary"), ("references.md", "References")]
 
 
 # The navigation: sections a reader walks in order, each a list of the pages above (every page in exactly one).
@@ -217,7 +218,8 @@ SECTIONS = [
                   "cache.md"]),
     ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "all-gather-overlap.md", "ring.md", "ring-plan.md", "ring-window.md",
                "merge.md", "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
-    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "consistency.md", "determinism.md", "field-bugs.md"]),
+    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "verify-your-implementation.md", "consistency.md",
+                          "determinism.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
                               "cuda-kernel.md", "npu-kernel.md"]),
     ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-admit.md", "training.md", "train.md", "checkpoint.md", "checkpoint-files.md"]),

@@ -12,7 +12,12 @@ Each has cpref's signature with the process group in place of `comm`:
   stream layout, and `stream_ulysses_without_eod_reset`, the same attending across documents (causal over
   the whole stream, the bug of a packed batch run without its boundaries);
 * `raises_on_rank_1`, `killed_mid_collective`, `mismatched_causal`: faults the harness must
-  turn into a clear report instead of a hang.
+  turn into a clear report instead of a hang;
+* `blockwise`: a plain-torch CP attention (K/V gathered, attended block by block with scores `q @ k^T` in the
+  input dtype, merged by lse in float32), exact as CP but rounding as most implementations do; and the bugs CP
+  implementations have, one each: `blockwise_bf16_merge`, `blockwise_wrong_lse`, `blockwise_off_by_one`,
+  `blockwise_no_dk_reduction`, `blockwise_stale_kv`; `raises_without_cp` (it refuses one rank) and
+  `local_blockwise`, its local attention for `--baseline`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import signal
 
 import torch
+import torch.distributed as dist
 
 import cpref
 import examples.stream_ulysses
@@ -99,3 +105,119 @@ def mismatched_causal(q, k, v, sharding, *, process_group, causal, **kwargs) -> 
     """Fault: rank 1 passes the other mask; cpref's rank check raises the same error on every rank."""
     comm = _comm(process_group)
     return cpref.attention(q, k, v, sharding, comm=comm, causal=causal != (comm.rank == 1), **kwargs)
+
+
+# ---- a plain-torch CP attention, exact but rounding as most do, and the bugs CP implementations have --------------
+class _GatherKV(torch.autograd.Function):
+    """Every rank's block, stacked `(P, T_l, ...)`; backward: the gradient of each block summed over the ranks
+    (an all-reduce, then this rank's), or with `reduce=False` only this rank's own use of its block (the bug)."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce: bool):
+        ctx.group, ctx.reduce = group, reduce
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.reduce:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None, None
+
+
+def _visible(sharding, r: int, s: int, causal: bool, window, ahead: int) -> torch.Tensor:
+    """`(T_l, T_l)`: which of rank s's keys rank r's queries see (same document, real key, causal, the window);
+    `ahead` keys past the diagonal are visible too in another rank's block (the off-by-one bug)."""
+    ends = torch.tensor(sharding.cu_seqlens_padded[1:])
+    doc = lambda t: torch.bucketize(sharding.global_index(t), ends, right=True)  # noqa: E731  (T_l,)
+    real = sharding.shard(sharding.pad(torch.ones(sharding.cu_seqlens[-1], dtype=torch.bool), value=False), s)
+    qp, kp = sharding.positions(r)[:, None], sharding.positions(s)[None, :]
+    seen = (doc(r)[:, None] == doc(s)[None, :]) & real[None, :]
+    right = (ahead if s != r else 0) if causal else window[1]
+    if right >= 0:
+        seen &= kp <= qp + right
+    if window[0] >= 0:
+        seen &= kp >= qp - window[0]
+    return seen
+
+
+def blockwise(q, k, v, sharding, *, process_group, causal, window, bug=None, **kwargs) -> torch.Tensor:
+    """K/V gathered, then attended block by block (one block per source rank), each block's scores `q @ k^T`
+    computed in the input dtype (as plain-torch implementations do), its softmax and the merge of the blocks'
+    outputs by their lse in float32: exact as CP. `bug`: `"bf16 merge"` carries every block's output and lse, and
+    the running merge, in the input dtype (a ring that merges in bf16 across its steps), `"wrong lse"` merges by
+    the larger lse instead of their log-sum-exp, `"off by one"` lets a query see one key past the diagonal in
+    another rank's block, `"no dk reduction"` drops the reduction of dK/dV over the ranks, `"stale kv"` attends
+    its own K/V where the next rank's should be."""
+    group = process_group
+    P, r = dist.get_world_size(group), dist.get_rank(group)
+    K, V = (_GatherKV.apply(x, group, bug != "no dk reduction") for x in (k, v))  # (P, T_l, Hkv, X)
+    blocks = []
+    for s in range(P):
+        ks, vs = (k, v) if bug == "stale kv" and s == (r + 1) % P else (K[s], V[s])
+        blocks.append((ks, vs, _visible(sharding, r, s, causal, window, 1 if bug == "off by one" else 0)))
+    return _merge_blocks(q, blocks, bug)
+
+
+def _merge_blocks(q, blocks, bug=None) -> torch.Tensor:
+    """`blockwise`'s local part: every `(k, v, seen)` block attended in turn, merged by lse (see `blockwise`)."""
+    dtype, out, lse = q.dtype, None, None
+    for ks, vs, seen in blocks:
+        G, scale = q.shape[1] // ks.shape[1], q.shape[-1] ** -0.5
+        ks, vs = (x.repeat_interleave(G, dim=1) for x in (ks, vs))  # (T_k, Hq, X)
+        scores = torch.einsum("qhd,khd->hqk", q, ks).float() * scale  # q @ k^T in the input dtype
+        scores = scores.masked_fill(~seen.to(q.device), float("-inf"))  # (Hq, T_l, T_k)
+        b_lse = torch.logsumexp(scores, dim=-1)  # (Hq, T_l), -inf for a row that sees no key here
+        p = torch.exp(scores - torch.where(b_lse.isfinite(), b_lse, 0.0)[..., None])
+        b_out = torch.einsum("hqk,khd->qhd", p, vs.float())  # (T_l, Hq, Dv)
+        if bug == "bf16 merge":  # the block's partial result carried in the input dtype, as its kernel returns it
+            b_out, b_lse = b_out.to(dtype).float(), b_lse.to(dtype).float()
+        if out is None:
+            out, lse = b_out, b_lse
+            continue
+        new = torch.maximum(lse, b_lse) if bug == "wrong lse" else torch.logaddexp(lse, b_lse)
+        ok = new.isfinite()
+        w, w_b = (torch.where(ok, torch.exp(x - torch.where(ok, new, 0.0)), 0.0).T[..., None] for x in (lse, b_lse))
+        out, lse = out * w + b_out * w_b, new
+        if bug == "bf16 merge":  # and the running merge too
+            out, lse = out.to(dtype).float(), lse.to(dtype).float()
+    return out.to(dtype)
+
+
+def local_blockwise(q, k, v, sharding, *, causal, window, **kwargs) -> torch.Tensor:
+    """`blockwise`'s local attention on one device (for `--baseline`): the whole batch as one block."""
+    return _merge_blocks(q, [(k, v, _visible(sharding, 0, 0, causal, window, 0))])
+
+
+def blockwise_bf16_merge(q, k, v, sharding, **kwargs):
+    """Wrong in low precision: the blocks' outputs and lse, and their running merge, in the input dtype."""
+    return blockwise(q, k, v, sharding, bug="bf16 merge", **kwargs)
+
+
+def blockwise_wrong_lse(q, k, v, sharding, **kwargs):
+    """Wrong: blocks merged by the larger of their lse, not by their log-sum-exp."""
+    return blockwise(q, k, v, sharding, bug="wrong lse", **kwargs)
+
+
+def blockwise_off_by_one(q, k, v, sharding, **kwargs):
+    """Wrong: another rank's block lets a query see one key past its own position."""
+    return blockwise(q, k, v, sharding, bug="off by one", **kwargs)
+
+
+def blockwise_no_dk_reduction(q, k, v, sharding, **kwargs):
+    """Wrong: dK/dV of the gathered blocks not summed over the ranks."""
+    return blockwise(q, k, v, sharding, bug="no dk reduction", **kwargs)
+
+
+def blockwise_stale_kv(q, k, v, sharding, **kwargs):
+    """Wrong: the next rank's K/V block replaced by this rank's own."""
+    return blockwise(q, k, v, sharding, bug="stale kv", **kwargs)
+
+
+def raises_without_cp(q, k, v, sharding, *, process_group, **kwargs):
+    """Correct at CP > 1, refuses to run on one rank (as a ring that cannot send to itself): its baseline is SDPA."""
+    if dist.get_world_size(process_group) == 1:
+        raise RuntimeError("needs at least two ranks")
+    return blockwise(q, k, v, sharding, process_group=process_group, **kwargs)

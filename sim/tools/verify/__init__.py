@@ -51,16 +51,20 @@ than $10^{-10}$, the row reads `BAD-REF` (the ground truth is wrong, not the ran
 | fp16 | 5e-3 |
 | bf16 | 2.5e-2; 3.5e-2 with $H_{kv} < H_q$ |
 
-**Relative to the kernel** (`vs P=1`). A fixed tolerance cannot tell a CP fault from the
-kernel's own rounding at large logits, where the kernel alone exceeds it. So a row also
-fails when it is more than **2 times as far from the FP64 oracle as the same kernel without
-CP** (P = 1, same dtype, same inputs: CP rank 0 runs the whole batch once more on a
-`SingleRank`, on its device), MagiAttention's criterion, over the whole batch as it states
-it. The column shows the ratio $e_r(x_{CP}) / \max(e(x_{P=1}), \epsilon/2)$ of the errors
-relative to the batch's largest entry, $e_r$ over the rank's rows and $e$ over the batch's:
-$\max|x - x^\ast| / \max_{\text{batch}}|x^\ast|$, the largest of the four tensors, and `<=2` or
-`>2`; `-` for fp64, whose truth is no more precise than the result
-([`sim.tools.verify.truth`][sim.tools.verify.truth] has the definition and the floor).
+**Relative to the same attention without CP** (`vs P=1`). A fixed tolerance cannot tell a CP
+fault from the kernel's own rounding at large logits, where the kernel alone exceeds it. So a
+row also fails when it is more than **2 times as far from the FP64 oracle as the same
+attention without CP** (P = 1, same dtype, same inputs: CP rank 0 runs the whole batch once
+more, on its device), MagiAttention's criterion. The run without CP is the row's **baseline**
+([`sim.tools.verify.baselines`][sim.tools.verify.baselines]): for cpref, its kernel on a
+`SingleRank`; for an `--impl`, the implementation itself on a process group of one rank (or
+what `--baseline` names); a `baseline` column shows it where it is not the kernel. The column
+shows the larger of two ratios, each the largest of the four tensors: the rank's largest error
+over the baseline's over the whole batch (both relative to the batch's largest entry, with a
+floor of $\epsilon/2$), and the rank's root-mean-square error over the baseline's on the same
+rows, which catches a result that rounds more on every row; `<=2` or `>2`; `-` for fp64, whose
+truth is no more precise than the result ([`sim.tools.verify.truth`][sim.tools.verify.truth]
+has the definitions and the floors).
 
 **Inputs.** `--docs 1000,3000,500` (default) are the document lengths, each rounded up to
 the layout's granularity ($P$ contiguous, $2P$ zigzag); with `--padded` every document ends
@@ -122,7 +126,10 @@ and the batch's [`cpref.Sharding`][cpref.sharding.Sharding] (the real and padded
 backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` without
 `--window`), `options` holds the mode options (`a2a_size`); `--kernel` applies to cpref only.
 `--impl` may be repeated; `--impl cpref` is cpref itself. `tests/backends/verify_impls.py` has
-a correct example (a `TorchComm` over the group, then `cpref.attention`) and wrong ones.
+a correct example (a `TorchComm` over the group, then `cpref.attention`) and wrong ones, and a
+plain-torch CP attention with the bugs CP implementations have. Adapters of well-known
+implementations ship in [`sim.tools.verify.peers`][sim.tools.verify.peers] (DeepSpeed-Ulysses);
+[Verify your implementation](verify-your-implementation.md) walks through a run, column by column.
 `examples/stream_ulysses.py` is a peer written the way
 DeepSpeed-Ulysses is (`torch.distributed` and SDPA only, contiguous shards of the whole packed
 stream): `--layout stream` describes its sharding, so it is verified on packed batches:
@@ -183,6 +190,8 @@ def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backen
     # 1) everything that can be checked before a process starts
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
     _check(cases, world, backend, setup.heads)
+    if ":" in setup.baseline:
+        load_impl(setup.baseline, "--baseline")
     # 2) the production path, on every rank
     plan = Plan(setup, tuple(cases), backend, progress)
     per_rank = launch(rank_main, nproc, backend=backend, timeout=timeout, args=(plan,), device=plan.device_type)
@@ -305,6 +314,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                    f"{', '.join(_window_modes())}; --mode all skips the others (default -1,-1: none)")  # fmt: skip
     p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")
     p.add_argument("--impl", action="append", metavar="package.module:function", help="verify this function (repeatable)")
+    p.add_argument("--baseline", default="auto", metavar="NAME", help="the run without CP of the vs P=1 column: auto "
+                   "(impl for --impl rows, kernel for cpref), impl (the implementation at CP size 1), sdpa (PyTorch's "
+                   "SDPA in the dtype), kernel (cpref's) or package.module:function (your local attention)")  # fmt: skip
     p.add_argument("--timeout", type=positive_float, default=300.0, help="process-group timeout in seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: if stderr is a tty")
     args = p.parse_args(_glued(sys.argv[1:] if argv is None else argv))
@@ -320,7 +332,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
             raise ValueError(f"--option {unknown[0]}: no mode of {args.modes} takes it")
         args.layouts = _names(args.layout, list(cpref.LAYOUTS), "layout")
         args.dtypes = _names(",".join(dtype_name(x) for x in args.dtype.split(",")), list(DTYPES), "dtype")
-        args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel)
+        args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel, args.baseline)
+        if ":" in args.baseline:
+            load_impl(args.baseline, "--baseline")
     except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
         p.error(str(exc))
     return args
@@ -352,7 +366,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
               f"documents {','.join(map(str, s.docs))}{' padded' if args.padded else ''}, Hq={s.heads[0]} "
               f"Hkv={s.heads[1]} D={s.head_dim}, {'causal' if args.causal else 'full'}{window}, seed {s.seed}; "
               "errors against the simulated cluster in FP64 "
-              "(pass/fail), vs P=1: error against the oracle over that of the kernel without CP (pass: <= 2), "
+              f"(pass/fail), vs P=1: error against the oracle over that of the same attention without CP (baseline "
+              f"{s.baseline}; pass: <= 2), "
               "oracle column: against the FP64 oracle", flush=True)  # fmt: skip
     if printer:
         used = {f"{c.layout} cp{c.cp}": lengths(s, c)[0] for c in cases}

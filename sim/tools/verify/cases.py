@@ -58,6 +58,8 @@ class Setup:
         head_dim: `D`, also `Dv`.
         seed: CP group `d` (its DP index) draws its batch with seed `seed + 1000 d`.
         kernel: `"torch"` (`TorchKernel`) or `"npu"` (`NpuKernel`), for `cpref` cases.
+        baseline: what the `vs P=1` column holds a row to (`sim.tools.verify.baselines`): `"auto"`,
+            `"impl"`, `"sdpa"`, `"kernel"` or `"package.module:function"`.
     """
 
     docs: tuple[int, ...] = (1000, 3000, 500)
@@ -65,6 +67,7 @@ class Setup:
     head_dim: int = 32
     seed: int = 0
     kernel: str = "torch"
+    baseline: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.docs or any(not isinstance(n, int) or n < 2 for n in self.docs):
@@ -73,6 +76,8 @@ class Setup:
             raise ValueError(f"heads (Hq, Hkv) = {self.heads} need Hkv >= 1 dividing Hq; e.g. --heads 8,4")
         if self.head_dim < 1 or self.kernel not in ("torch", "npu"):
             raise ValueError(f"head_dim must be >= 1 and kernel 'torch' or 'npu', got {self.head_dim}, {self.kernel!r}")
+        if self.baseline not in ("auto", "impl", "sdpa", "kernel") and ":" not in self.baseline:
+            raise ValueError(f"baseline must be auto, impl, sdpa, kernel or package.module:function, got {self.baseline!r}")
 
 
 @dataclass(frozen=True)

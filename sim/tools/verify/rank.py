@@ -11,8 +11,10 @@ starts on every process (or that torchrun's processes run). Per rank:
    `npu:<local rank>` for HCCL), run the implementation, backpropagate the upstream
    gradient, and keep `out, dq, dk, dv` on the CPU;
 3. on CP rank 0 only, run the group's whole batch once more without CP
-   ([`run_without_cp`][sim.tools.verify.rank.run_without_cp]: `cpref.attention` on a `SingleRank`,
-   the same kernel, dtype, device, mask and window), the reference of the `vs P=1` column;
+   ([`run_without_cp`][sim.tools.verify.rank.run_without_cp]: the row's baseline,
+   [`sim.tools.verify.baselines`][sim.tools.verify.baselines], in the same dtype, on the same device,
+   with the same mask and window: the implementation itself on a process group of this one rank,
+   SDPA, cpref's kernel or your local attention), the reference of the `vs P=1` column;
 4. return both (under torchrun, gather every rank's results on rank 0, which compares).
 
 A case that raises is not caught and skipped: a rank that raised can no longer be trusted to
@@ -34,13 +36,15 @@ from cpref.backends import TorchComm
 from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
 from sim.tools.progress import Progress
+from sim.tools.verify.baselines import resolve, run_baseline
 from sim.tools.verify.cases import Case, Setup, cp_groups, make_batch, placement
 
 __all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
 
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
-Pair = tuple[Result, Result | None]  # (the rank's result, the whole batch's without CP on CP rank 0, else None)
+Baseline = tuple[Result, str, str]  # the whole batch's result without CP, the baseline it is, and a note
+Pair = tuple[Result, Baseline | None]  # (the rank's result, the run without CP on CP rank 0, else None)
 
 
 class CaseFailed(RuntimeError):
@@ -69,21 +73,21 @@ class Plan:
         return DEVICE_TYPES[self.backend]
 
 
-def load_impl(spec: str) -> Callable[..., torch.Tensor]:
-    """Import `"package.module:function"`.
+def load_impl(spec: str, flag: str = "--impl") -> Callable[..., torch.Tensor]:
+    """Import `"package.module:function"` (`flag`: the option that named it, for the error).
 
     Raises:
         ValueError: if `spec` is not of that form, does not import, or is not callable.
     """
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
-        raise ValueError(f"--impl {spec!r}: expected package.module:function, e.g. tests.backends.verify_impls:cpref_over_group")
+        raise ValueError(f"{flag} {spec!r}: expected package.module:function, e.g. tests.backends.verify_impls:cpref_over_group")
     try:
         fn = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"--impl {spec!r}: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(f"{flag} {spec!r}: {type(exc).__name__}: {exc}") from exc
     if not callable(fn):
-        raise ValueError(f"--impl {spec!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"{flag} {spec!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -98,10 +102,13 @@ def _device(device_type: str) -> torch.device:
     return torch.device(device_type, getattr(torch, device_type).current_device())  # bound by sim.tools.launch
 
 
-def make_groups(plan: Plan) -> dict[tuple[int, bool], tuple[TorchComm, int]]:
-    """`{(P, strided): (this rank's CP communicator, its DP index)}`, made in case order (the same on every rank)."""
+def make_groups(plan: Plan) -> dict[Any, tuple[TorchComm, int]]:
+    """`{(P, strided): (this rank's CP communicator, its DP index)}`, made in case order (the same on every rank),
+    and under the key `"solo"` a group of this rank alone, where a baseline runs the implementation at CP size 1."""
     world = TorchComm()
-    groups: dict[tuple[int, bool], tuple[TorchComm, int]] = {}
+    groups: dict[Any, tuple[TorchComm, int]] = {}
+    if any(resolve(plan.setup.baseline, case.impl) == "impl" for case in plan.cases):
+        groups["solo"] = (world.split([[g] for g in range(world.size)]), 0)
     for case in plan.cases:
         key = (case.cp, case.strided)
         if key in groups:
@@ -135,16 +142,32 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     return (out.detach().cpu(), *grads)
 
 
-def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kernel: Any) -> Result:
-    """CP group `dp`'s whole batch on this one device at P = 1 (`cpref.attention` on a `SingleRank`,
-    the same kernel, in the case's dtype): `(out, dq, dk, dv)` over the whole stream, on the CPU."""
+def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kernel: Any, solo: Any = None) -> Baseline:
+    """CP group `dp`'s whole batch on this one device at P = 1 through the case's baseline, in its dtype:
+    `((out, dq, dk, dv) over the whole stream on the CPU, the baseline's name, a note)`.
+
+    `solo` is a process group of this rank alone (for the implementation itself). Where the
+    implementation raises at CP size 1, SDPA is the baseline, and the note says why."""
     batch = make_batch(setup, case, dp)
-    q, k, v = (t.to(device).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
-    whole = cpref.Sharding(batch.cu, cp_size=1, cu_seqlens_padded=batch.cu_padded)  # one rank: every document whole
-    out = cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=case.causal,
-                          window=case.window, kernel=kernel)  # fmt: skip
-    out.backward(batch.dout.to(device))
-    return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
+    whole = cpref.Sharding(batch.cu, cp_size=1, layout=case.layout, cu_seqlens_padded=batch.cu_padded)  # one rank
+    name, note = resolve(setup.baseline, case.impl), ""
+    sized = cpref.MODES[case.mode].example_options(1)  # the options chosen by the CP size take their values at P = 1
+    options = {key: sized.get(key, value) if key in cpref.MODES[case.mode].example_options(case.cp) else value
+               for key, value in case.options}  # fmt: skip
+    call = dict(mode=case.mode, causal=case.causal, window=case.window, **options)
+    impl = None if case.impl == "cpref" else load_impl(case.impl)
+    for attempt in (name, "sdpa"):
+        q, k, v = (t.to(device).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
+        try:
+            out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call)
+            out.backward(batch.dout.to(device))
+        except Exception as exc:
+            if attempt != "impl":
+                raise
+            note = f"the implementation raised at CP size 1 ({type(exc).__name__}: {exc}); baseline sdpa"
+            continue
+        return (out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()), attempt, note
+    raise AssertionError("unreachable")
 
 
 def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
@@ -166,7 +189,8 @@ def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
         comm, dp = groups[(case.cp, case.strided)]
         try:
             got = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
-            results.append((got, run_without_cp(case, plan.setup, dp, device, kernel) if comm.rank == 0 else None))
+            solo = groups["solo"][0].process_group if "solo" in groups else None
+            results.append((got, run_without_cp(case, plan.setup, dp, device, kernel, solo) if comm.rank == 0 else None))
         except Exception as exc:
             where = f"CP group {dp}, CP rank {comm.rank}, world rank {comm.global_rank}"
             raise CaseFailed(f"case {case.label} ({where}): {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,96 @@
+r"""The baseline of the `vs P=1` column: the same attention without CP, whose rounding a CP result is held to.
+
+MagiAttention's criterion compares a CP result with **the same attention without CP**: a CP
+implementation is exact when it is no farther from the FP64 truth than its own local attention
+run on the whole batch. So the baseline of a row is chosen with `--baseline`:
+
+| `--baseline` | the run without CP (CP rank 0, the whole batch, the case's dtype, its device) |
+| --- | --- |
+| `auto` (default) | `impl` for an `--impl` row, `kernel` for cpref's own |
+| `impl` | the implementation itself, on a process group of one rank (CP size 1) |
+| `sdpa` | PyTorch's SDPA over every document, in the dtype ([`packed_sdpa`][sim.tools.verify.baselines.packed_sdpa]) |
+| `kernel` | cpref's fused kernel (`cpref.attention` on a `SingleRank`) |
+| `package.module:function` | your local attention: `fn(q, k, v, sharding, *, mode, causal, window, **options)` on the whole batch |
+
+An implementation whose local attention computes `q @ k^T` in bf16 (most written on plain
+torch) is as exact as CP can be and still 2-3 times farther from the truth than cpref's kernel,
+which computes scores in float32: against `kernel` its bf16 rows fail the `vs P=1` column with
+no CP fault at all, against `impl` they pass. Where the implementation cannot run on one rank
+(it raises there: a ring that sends to itself, say), its row falls back to `sdpa` and says so;
+one that would hang there is named with `--baseline sdpa` or your own function. The table's
+`baseline` column says what each row was held to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import cpref
+
+__all__ = ["BASELINES", "packed_sdpa", "resolve", "run_baseline"]
+
+BASELINES = ("auto", "impl", "sdpa", "kernel")  # or package.module:function
+
+
+def resolve(baseline: str, impl: str) -> str:
+    """The baseline a row of `impl` uses: `auto` made concrete."""
+    if baseline == "auto":
+        return "kernel" if impl == "cpref" else "impl"
+    return baseline
+
+
+def _mask(s: cpref.Sharding, causal: bool, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(allowed (T, T), real (T,))` over the padded stream: the same document, real keys, causal, the band.
+    A padding query may see only itself (its output is zeroed), so that no row of the mask is empty."""
+    doc = torch.zeros(s.total, dtype=torch.int64)
+    pos = torch.zeros(s.total, dtype=torch.int64)
+    real = torch.zeros(s.total, dtype=torch.bool)
+    for i, (a, b) in enumerate(zip(s.cu_seqlens_padded, s.cu_seqlens_padded[1:])):
+        doc[a:b], pos[a:b] = i, torch.arange(b - a)
+        real[a : a + s.cu_seqlens[i + 1] - s.cu_seqlens[i]] = True
+    step = pos[None, :] - pos[:, None]  # key position minus query position
+    allowed = (doc[:, None] == doc[None, :]) & real[None, :]
+    left, right = window
+    right = 0 if causal else right
+    if left >= 0:
+        allowed &= step >= -left
+    if right >= 0:
+        allowed &= step <= right
+    return allowed | torch.diag(~real), real
+
+
+def packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding: cpref.Sharding, *, causal: bool = True,
+                window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None) -> torch.Tensor:  # fmt: skip
+    """PyTorch's SDPA over a whole packed stream in its dtype: `(T, Hq, D)`, `(T, Hkv, D)`, `(T, Hkv, Dv)` -> `(T, Hq, Dv)`.
+
+    Every document attends only itself (a block-diagonal mask from `sharding`'s boundaries, causal
+    and the window as `cpref.attention` reads them); padding rows get a zero output and gradient.
+    """
+    allowed, real = (t.to(q.device) for t in _mask(sharding, causal, tuple(window)))
+    group = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # (T, Hq, X)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed,
+                                         scale=softmax_scale).transpose(0, 1)  # (T, Hq, Dv)  # fmt: skip
+    return out * real[:, None, None]
+
+
+def run_baseline(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: cpref.Sharding, *,
+                 impl: Callable | None, solo: Any, kernel: Any, **call: Any) -> torch.Tensor:  # fmt: skip
+    """The baseline `name`'s output over the whole batch (`whole`: its sharding at CP size 1), differentiable.
+
+    `impl` is the row's implementation and `solo` a process group of this one rank (for `impl`); `call`
+    holds `mode`, `causal`, `window` and the mode options, as the implementation receives them.
+    """
+    if name == "kernel":
+        return cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=call["causal"],
+                               window=call["window"], kernel=kernel)  # fmt: skip
+    if name == "sdpa":
+        return packed_sdpa(q, k, v, whole, causal=call["causal"], window=call["window"])
+    if name == "impl":
+        return impl(q, k, v, whole, process_group=solo, **call)
+    from sim.tools.verify.rank import load_impl  # a local attention function, named as --impl names one
+
+    return load_impl(name, "--baseline")(q, k, v, whole, **call)
