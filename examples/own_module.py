@@ -10,6 +10,7 @@ and prints both losses per step and their largest relative difference (exit stat
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -82,9 +83,12 @@ def main() -> int:
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, alone))
         print(f"CP {comm.size}: largest relative difference {worst:.1e}")
         status = int(worst > 1e-5)
-    torch.distributed.barrier()  # tear down together: gloo can abort a rank that leaves while its peer still works
-    torch.distributed.destroy_process_group()
-    return status
+    torch.distributed.barrier()  # every rank is done with every collective
+    # leave without gloo's teardown: at exit its threads can abort a rank whose peer closed first
+    # ("terminate called without an active exception"); the barrier above left nothing in flight
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
