@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -n auto
 # chromium is on PATH (sudo unless root).
 SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: demo test test-sim test-npu docs docs-check bench clean
+.PHONY: demo test test-sim test-npu lint docs docs-check bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -37,6 +37,10 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.dev
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff (in the docs extra, pinned there), with the rules pyproject.toml's [tool.ruff] selects: bugs and dead code
+lint: $(VENV)/.docs
+	$(PY) -m ruff check .
 
 test-sim: $(VENV)/.dev
 	$(PY) -m pytest $(PYTEST_ARGS) tests/sim

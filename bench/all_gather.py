@@ -81,7 +81,7 @@ def rank_seconds(sharding: cpref.Sharding, q, k, v, dout, repeats: int) -> list[
         comm = ReplayComm(r, shards)
         ql, kl, vl, dl = shards[r]
 
-        def step():
+        def step(ql=ql, kl=kl, vl=vl, dl=dl, plan=plan, comm=comm):  # this rank's, bound
             o, lse, k_sel, v_sel = all_gather_forward(ql, kl, vl, plan, comm, kernel, causal=True, scale=scale)
             all_gather_backward(dl, ql, k_sel, v_sel, o, lse, plan, comm, kernel, causal=True, scale=scale)
 

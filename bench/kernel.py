@@ -58,6 +58,9 @@ TARGET = 1.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+CPU = torch.device("cpu")
+
+
 def _sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU), so that wall time covers it."""
     if device.type != "cpu":
@@ -65,7 +68,7 @@ def _sync(device: torch.device) -> None:
 
 
 def fastest(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
-            device: torch.device = torch.device("cpu"), budget: float = 0.0,
+            device: torch.device = CPU, budget: float = 0.0,
             max_rounds: int = 50) -> dict[str, float]:  # fmt: skip
     """The fastest wall seconds of each `fn()`, timed in alternation so that load drift hits all alike.
 
@@ -90,7 +93,7 @@ def fastest(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
     return {**{name: min(ts) for name, ts in times.items()}, "rounds": rounds}
 
 
-def matmul_peak(repeats: int = 3, n: int = 4096, device: torch.device = torch.device("cpu"),
+def matmul_peak(repeats: int = 3, n: int = 4096, device: torch.device = CPU,
                 dtype: torch.dtype = torch.float32, budget: float = 0.0) -> float:  # fmt: skip
     """FLOP/s of the fastest `n x n x n` matmul in `dtype` on `device` (sampled as `fastest` does)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
@@ -103,7 +106,7 @@ def attention_flops(lengths: list[int], heads: int, dim: int) -> int:
     return sum(7 * n * n * heads * dim for n in lengths)
 
 
-def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, device: torch.device = torch.device("cpu"),
+def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, device: torch.device = CPU,
           dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:  # fmt: skip
     """Forward + backward closures of the three implementations over one shared set of tensors."""
     g = torch.Generator().manual_seed(seed)
@@ -129,7 +132,7 @@ def cases(lengths: list[int], heads: int = 8, dim: int = 64, seed: int = 0, devi
     return {"fast": kernel_step(default_kernel(device)), "explicit": kernel_step(TorchKernel(fast=False)), "sdpa": sdpa}
 
 
-def table(mixes: dict[str, list[int]], heads: int, dim: int, repeats: int, device: torch.device = torch.device("cpu"),
+def table(mixes: dict[str, list[int]], heads: int, dim: int, repeats: int, device: torch.device = CPU,
           dtype: torch.dtype = torch.float32, budget: float = 0.0) -> list[dict]:  # fmt: skip
     """One row per mix: the fastest seconds of each implementation, over at least `repeats` rounds
     and about `budget` seconds of rounds (see `fastest`), and the number of rounds."""

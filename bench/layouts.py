@@ -118,7 +118,7 @@ def shared_rows(sharding: cpref.Sharding) -> int:
     pieces = [sharding.local_chunks(r) for r in range(P)]
     holders: dict[int, set[int]] = {}
     for r in range(P):
-        for doc, s, e in pieces[r]:
+        for doc, s, _e in pieces[r]:
             if s - cu_padded[doc] < cu[doc + 1] - cu[doc]:  # the piece holds real tokens
                 holders.setdefault(doc, set()).add(r)
     return max(sum(e - s for doc, s, e in pieces[r] if len(holders.get(doc, ())) > 1) for r in range(P))

@@ -61,7 +61,7 @@ def ring_shifts(events: list[tuple]) -> list[dict]:
         ValueError: if a shift is never awaited (the events are not a whole step).
     """
     shifts: dict[int, dict] = {}  # post's event index -> the shift
-    for i, (which, name, seconds, posted) in enumerate(events):
+    for i, (_field, name, seconds, posted) in enumerate(events):
         if name in POSTS:
             shifts[i] = {"post": i, "post_s": seconds, "wait": None}
         elif name == "wait" and posted in shifts:

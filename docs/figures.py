@@ -302,7 +302,7 @@ def rank_major_index() -> Figure:
         cu_kv = meta["seqs"].cu_kv
         chunks = batch.local_chunks(r)
         assert len(chunks) == len(meta["actual_seq_qlen"]), "one kv sequence per local query chunk"
-        for col, (doc, start, end) in enumerate(chunks):
+        for col in range(len(chunks)):
             for pos, row in enumerate(kv_index[cu_kv[col] : cu_kv[col + 1]]):
                 ax.add_patch(Rectangle((col, row), 1, 1, facecolor=rank_color(owner[row]), edgecolor="white"))
                 ax.text(col + 0.5, row + 0.5, str(pos), ha="center", va="center", color="white")

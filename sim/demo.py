@@ -73,7 +73,8 @@ def _same(values: list[int]) -> str:
     return str(values[0]) if len(set(values)) == 1 else f"{min(values)}-{max(values)}"
 
 
-def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device = torch.device("cpu")) -> float:
+def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device | str = "cpu") -> float:
+    device = torch.device(device)
     T = int(cu[-1])
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64).to(device) for h in (HQ, HKV, HKV, HQ))

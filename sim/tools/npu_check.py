@@ -203,8 +203,8 @@ def _run_ring(kernel, case: Case, q, k, v, dout, scale):
 def _max_errors(got, want, tol: float) -> tuple[dict[str, float], bool]:
     """Largest |got - want| per tensor, and whether all lie within atol = rtol = tol (-inf must match)."""
     errors, ok = {}, True
-    for name, g, w in zip(NAMES, got, want):
-        g = g.detach().double().cpu()
+    for name, g_in, w in zip(NAMES, got, want):
+        g = g_in.detach().double().cpu()
         same_inf = bool(((g == w) | (torch.isfinite(g) & torch.isfinite(w))).all())
         finite = torch.isfinite(w) & torch.isfinite(g)
         diff = (g - w)[finite].abs()
@@ -238,10 +238,11 @@ def run_case(make_kernel: Callable[[str], object], case: Case, dtype: torch.dtyp
 def run_cases(make_kernel, device: torch.device, dtypes, *, cases=None, small: bool = False) -> list[Row]:
     """Every case in every dtype; `small` shrinks the lengths 16-fold (a CPU dry run of the harness)."""
     rows = []
-    for case in CASES if cases is None else cases:
+    for given in CASES if cases is None else cases:
+        case = given
         if small:
             shrink = lambda lens: tuple(-(-n // 16) for n in lens)  # noqa: E731  ceil(n / 16): zeros stay zeros
-            case = Case(**{**case.__dict__, "q_lens": shrink(case.q_lens), "kv_lens": shrink(case.kv_lens)})
+            case = Case(**{**given.__dict__, "q_lens": shrink(given.q_lens), "kv_lens": shrink(given.kv_lens)})
         rows += [run_case(make_kernel, case, dtype, device) for dtype in dtypes]
     return rows
 

@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -
         _, notes = preflight(spec)  # refused here, before any process starts or step trains
     except CPInputError as exc:
         return fail(prog, str(exc))
-    if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, once
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         for line in notes:
             print(line, file=sys.stderr)
         print(f"training {spec.model} with {spec.train.mode}/{spec.train.layout} at DP {spec.dp} x CP {spec.cp} "

@@ -204,7 +204,8 @@ def _fill(pool: list[int], n: list[int], room: list[int], target: list[float], p
         todo.remove(r)
         R, goal = room[r], 2 * target[r]
 
-        def work(a: int) -> int:  # a tokens from the dense end, R - a from the sparse end
+        def work(a: int, lo: int = lo, hi: int = hi, R: int = R) -> int:
+            # a tokens from the dense end, R - a from the sparse end (this rank's lo, hi and R, bound)
             return F(lo + a) - F(lo) + F(hi) - F(hi - R + a)
 
         a, z = 0, R  # the fewest dense tokens that reach the goal (work(a) grows with a), or the one before

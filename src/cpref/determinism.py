@@ -137,24 +137,23 @@ def add_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor, *, deter
 
 
 _lock = threading.Lock()
-_holders = 0
-_found: tuple[bool, bool] = (False, False)
+_held = {"holders": 0, "found": (False, False)}  # how many blocks hold the switch, and what it was before the first
 
 
 @contextlib.contextmanager
 def torch_deterministic() -> Iterator[None]:
     """`torch.use_deterministic_algorithms(True)` (strict) inside the block, what was set before restored after the
     last holder leaves (where it was already strictly on, it stays on)."""
-    global _holders, _found
     with _lock:
-        if _holders == 0:
-            _found = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        if _held["holders"] == 0:
+            _held["found"] = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
             torch.use_deterministic_algorithms(True)
-        _holders += 1
+        _held["holders"] += 1
     try:
         yield
     finally:
         with _lock:
-            _holders -= 1
-            if _holders == 0:
-                torch.use_deterministic_algorithms(_found[0], warn_only=_found[1])
+            _held["holders"] -= 1
+            if _held["holders"] == 0:
+                enabled, warn_only = _held["found"]
+                torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

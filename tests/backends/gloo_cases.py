@@ -294,9 +294,9 @@ def extra_later_layer_divergence(world, comms, meshes):
                "softmax_scale": ({"softmax_scale": 0.3}, "softmax_scale: rank 0, rank 2, rank 3: 0.5; rank 1: 0.3"),
                "mode": ({"mode": "all_gather"}, "\n  mode: rank 0, rank 2, rank 3: digest"),
                "check_ranks": ({"check_ranks": False}, "check_ranks: rank 0, rank 2, rank 3: True; rank 1: False")}  # fmt: skip
-    for what, (kw, text) in changes.items():
+    for kw, text in changes.values():
         comm = TorchComm(world.process_group)
-        _raises(CPInputError, text, _two_layers, comm, lambda r, local, cu, s: (local, s, dict(kw) if r == 1 else {}))
+        _raises(CPInputError, text, _two_layers, comm, lambda r, local, cu, s, kw=kw: (local, s, dict(kw) if r == 1 else {}))
     comm = TorchComm(world.process_group)
     _raises(CPInputError, "dtype: rank 0, rank 2, rank 3: torch.float32; rank 1: torch.float64", _two_layers, comm,
             lambda r, local, cu, s: ([t.double() for t in local] if r == 1 else local, s, {}))  # fmt: skip

@@ -164,9 +164,9 @@ def blockwise(q, k, v, sharding, *, process_group, causal, window, bug=None, **k
 def _merge_blocks(q, blocks, bug=None) -> torch.Tensor:
     """`blockwise`'s local part: every `(k, v, seen)` block attended in turn, merged by lse (see `blockwise`)."""
     dtype, out, lse = q.dtype, None, None
-    for ks, vs, seen in blocks:
-        G, scale = q.shape[1] // ks.shape[1], q.shape[-1] ** -0.5
-        ks, vs = (x.repeat_interleave(G, dim=1) for x in (ks, vs))  # (T_k, Hq, X)
+    for k_b, v_b, seen in blocks:
+        G, scale = q.shape[1] // k_b.shape[1], q.shape[-1] ** -0.5
+        ks, vs = (x.repeat_interleave(G, dim=1) for x in (k_b, v_b))  # (T_k, Hq, X)
         scores = torch.einsum("qhd,khd->hqk", q, ks).float() * scale  # q @ k^T in the input dtype
         scores = scores.masked_fill(~seen.to(q.device), float("-inf"))  # (Hq, T_l, T_k)
         b_lse = torch.logsumexp(scores, dim=-1)  # (Hq, T_l), -inf for a row that sees no key here

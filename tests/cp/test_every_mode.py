@@ -361,7 +361,7 @@ def test_activation_recomputation_gives_the_same_gradients(mode, reentrant):
         cpref.clear_cache()
         sharding = cpref.Sharding(cu, cp_size=P)  # after the clear: each run builds its plans afresh
         cluster = SimCluster(P, timeout=30.0)
-        runs[recompute] = (cluster.run(lambda comm: rank_fn(comm, recompute)), [e for e in cluster.trace])
+        runs[recompute] = (cluster.run(lambda comm, again=recompute: rank_fn(comm, again)), [e for e in cluster.trace])
     (plain, plain_trace), (again, again_trace) = runs[False], runs[True]
     for r, (got, want) in enumerate(zip(again, plain)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):

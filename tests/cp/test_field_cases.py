@@ -51,7 +51,7 @@ def test_fp32_on_the_field_batch_matches_the_run_without_cp_at_the_field_toleran
     for r in range(P):
         for name, got, plain in zip(NAMES, results[r], without_cp[r]):
             assert got.dtype == torch.float32
-            torch.testing.assert_close(got, plain, atol=2e-6, rtol=1e-5, msg=lambda m: f"{mode} rank {r} {name}\n{m}")
+            torch.testing.assert_close(got, plain, atol=2e-6, rtol=1e-5, msg=lambda m, r=r, name=name: f"{mode} rank {r} {name}\n{m}")
 
 
 FIELD_HEADS = {  # (Hq, Hkv, D, Dv)
@@ -80,4 +80,4 @@ def test_the_field_head_dims_match_the_oracle_in_every_mode(mode, heads, dtype):
     for r in range(P):
         for name, got, want in zip(NAMES, results[r], refs[r]):
             assert got.dtype == dtype and got.shape == want.shape
-            torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol, msg=lambda m: f"rank {r} {name}\n{m}")
+            torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol, msg=lambda m, r=r, name=name: f"rank {r} {name}\n{m}")

@@ -40,7 +40,7 @@ def check(config, P, layout, causal, lengths, heads, dtype=torch.float64, seed=0
             assert a.dtype == dtype and a.shape == b.shape
             if dtype == torch.bfloat16 and HEADS[heads][1] < HEADS[heads][0]:
                 tol = 3.5e-2  # bf16 with GQA: TransformerEngine's tolerance
-                torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m: f"rank {r} {name}\n{m}")
+                torch.testing.assert_close(a.double(), b, atol=tol, rtol=tol, msg=lambda m, r=r, name=name: f"rank {r} {name}\n{m}")
             else:
                 assert_close(a, b, dtype, msg=f"{config} P={P} {layout} causal={causal} {heads} rank {r} {name}")
 

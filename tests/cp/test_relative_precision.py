@@ -108,7 +108,7 @@ def test_every_mode_is_within_twice_the_error_of_the_kernel_without_cp(mode, lay
             cluster = SimCluster(P, timeout=30.0, reduction="native")
             results, _ = run_cp(*batch(scale, dtype, seed), sharding, mode=mode, cluster=cluster, **extra(mode, P))
             want, without_cp = references(scale, dtype, seed)
-            shards = lambda t: torch.cat([sharding.shard(t, r) for r in range(P)])  # noqa: E731
+            shards = lambda t, s=sharding, P=P: torch.cat([s.shard(t, r) for r in range(P)])  # noqa: E731
             for i in range(len(NAMES)):  # the whole stream, rank by rank
                 got[i].append(torch.cat([results[r][i] for r in range(P)]))
                 plain[i].append(shards(without_cp[i]))

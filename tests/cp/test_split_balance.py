@@ -114,7 +114,7 @@ def _reference(b, P: int, layout: str, group: int, causal: bool, window) -> set[
         r = load.index(max(load))
         squares = sum(x * x for x in load)
 
-        def key(doc: int):
+        def key(doc: int, exchanged=exchanged, squares=squares, r=r):  # this round's, bound
             after = split_loads(b, P, layout, group, causal, window, exchanged | {doc})
             return sum(x * x for x in after) - squares, -held[r][doc], b.real_len(doc), doc
 

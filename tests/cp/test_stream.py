@@ -173,7 +173,7 @@ def _visible_tokens(plan, causal: bool, source) -> list[list[int]]:
     """For each local query row, the global tokens its sequence lets it see (`source[row]`: the token of a
     row of the buffer `kv_index` points into)."""
     seqs, out = plan.seqs, []
-    for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
+    for i, (q0, q1, k0, _k1) in enumerate(seqs.pairs()):
         for x in range(q1 - q0):
             lo, hi = seqs.visible(i, x, causal, plan.window)
             out.append(sorted(source[plan.kv_index[k0 + lo : k0 + hi]].tolist()) if hi > lo else [])

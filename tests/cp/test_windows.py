@@ -318,7 +318,7 @@ def test_the_ring_computes_only_what_the_window_sees(mode, layout):
     kernels = [CountingKernel() for _ in range(P)]
     run_cp(q, k, v, dout, sharding, mode=mode, window=window, kernels=kernels, **cpref.MODES[mode].example_options(P))
     for r in range(P):
-        for kind, seqs, causal, used in kernels[r].calls:
+        for _kind, seqs, causal, used in kernels[r].calls:
             for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
                 if k1 > k0:
                     assert any(hi > lo for lo, hi in (seqs.visible(i, x, causal, used) for x in range(q1 - q0))), (r, i)

@@ -24,8 +24,8 @@ lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=40)
 def _docs_of(s: cpref.Sharding, r: int) -> dict[int, list[tuple[int, int]]]:
     """Rank r's real pieces per document, as positions inside the document."""
     out: dict[int, list[tuple[int, int]]] = {}
-    for doc, a, z in s.local_chunks(r):
-        a, z = a - s.cu_seqlens_padded[doc], min(z - s.cu_seqlens_padded[doc], s.cu_seqlens[doc + 1] - s.cu_seqlens[doc])
+    for doc, start, end in s.local_chunks(r):
+        a, z = start - s.cu_seqlens_padded[doc], min(end - s.cu_seqlens_padded[doc], s.cu_seqlens[doc + 1] - s.cu_seqlens[doc])
         if z > a:
             out.setdefault(doc, []).append((a, z))
     return out

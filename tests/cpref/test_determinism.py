@@ -184,7 +184,7 @@ CASES = [  # (mode, P, layout, options, window): every mode, the plans with inde
 REPEATS_BY_DEFAULT = {"all_gather", "p2p", "a2a+p2p"}
 
 
-@pytest.mark.parametrize("mode, P, layout, options, window", CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("mode, P, layout, options, window", CASES, ids=str)
 def test_every_mode_adds_distinct_rows_and_the_same_bits_when_deterministic(monkeypatch, mode, P, layout, options, window):
     lengths = [9 * P, 3, 5 * P + 1]
     sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P, layout=layout)

@@ -85,7 +85,7 @@ def test_every_call_gives_the_oracles_result_or_a_cpinputerror_on_every_rank(c):
     out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu, dout, causal=c["causal"], scale=scale, window=c["window"])
     for name, want, i in (("out", out, 0), ("dq", dq, 1), ("dk", dk, 2), ("dv", dv, 3)):
         got = sharding.unpad(sharding.unshard([r[i] for r in results]))
-        torch.testing.assert_close(got, want, atol=TOL[torch.float64], rtol=TOL[torch.float64], msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=TOL[torch.float64], rtol=TOL[torch.float64], msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_the_fuzz_reaches_both_outcomes():

@@ -141,7 +141,7 @@ def test_an_in_place_edit_of_the_output_is_refused_alike_in_every_mode_and_a_clo
         s = cpref.Sharding.eod_padded(cu, cp_size=2, layout=layout)
         q, k, v = (s.pad(t) for t in random_qkv(cu[-1], 4, 2, 8))
 
-        def rank(comm):
+        def rank(comm, s=s, q=q, k=k, v=v):  # this layout's, bound
             local = [s.shard(t, comm.rank).detach().requires_grad_() for t in (q, k, v)]
             run = lambda: cpref.attention(*local, s, comm=comm, mode=mode, **cpref.MODES[mode].example_options(2))  # noqa: E731
             with pytest.raises(RuntimeError, match="Output 0 of CPAttentionOutput is a view and is being modified "

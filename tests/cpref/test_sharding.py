@@ -151,7 +151,7 @@ def test_attention_takes_layout_and_size_from_the_sharding_only():
     local = _shards(s)
     for extra in ({"layout": "contiguous"}, {"cu_seqlens_padded": [0, 16, 32]}):
         cluster = SimCluster(2, timeout=10.0)
-        errors = cluster.run(lambda comm: _error(lambda: cpref.attention(*local[comm.rank], s, comm=comm, mode="p2p", **extra)))
+        errors = cluster.run(lambda comm, extra=extra: _error(lambda: cpref.attention(*local[comm.rank], s, comm=comm, mode="p2p", **extra)))
         assert all(isinstance(e, cpref.CPInputError) and "Sharding" in str(e) for e in errors), errors
         assert only_the_comparison(cluster.trace)
 

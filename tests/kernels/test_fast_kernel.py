@@ -29,16 +29,6 @@ LENGTHS = [16, 16, 16, 5, 1, 24, 24, 0, 3]
 Q_LENS, KV_LENS = [4, 4] * 3 + [12, 3, 6], [4, 16] * 3 + [5, 0, 9]
 
 
-@pytest.fixture
-def op_calls(monkeypatch):
-    """Counts calls of the fused op, forward and backward."""
-    calls = []
-    for name in ("_FORWARD", "_BACKWARD"):
-        real = getattr(torch_fused, name)
-        monkeypatch.setattr(torch_fused, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    return calls
-
-
 def check_both(q_lens, kv_lens, heads, dtype, *, causal, seed=0):
     """The fast path against the oracle (in `check`) and against the explicit path, same tolerance."""
     fast = check(FAST, q_lens, kv_lens, heads, dtype, causal=causal, seed=seed)

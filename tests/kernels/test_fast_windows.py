@@ -20,7 +20,6 @@ from cpref.kernels.torch_fused_plan import band_rows, is_plain, is_shifted, plan
 from sim import oracle
 from tests.cp.test_windows import shifted_oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
-from tests.kernels.test_fast_kernel import op_calls  # noqa: F401 (a fixture)
 from tests.kernels.test_torch_kernel import DTYPES, HEADS, largest_allocation
 
 FAST, EXPLICIT = TorchKernel(), TorchKernel(fast=False)

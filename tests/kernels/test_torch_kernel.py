@@ -150,7 +150,6 @@ def test_cu_seqlens_int32_and_noncontiguous_inputs(index_dtype):
 
 def test_bad_inputs_raise_cp_input_error():
     q, k, v = random_qkv(6, 3, 2, 8)
-    cu = torch.tensor([0, 6])
     with pytest.raises(CPInputError, match="Hq % Hkv"):
         TorchKernel().forward(q, k, v, Varlen([0, 6]), causal=True, scale=1.0)
     q, k, v = random_qkv(6, 4, 2, 8)

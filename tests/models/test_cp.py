@@ -112,5 +112,5 @@ def test_a_mode_without_windows_refuses_a_sliding_window_model_before_communicat
         match = re.escape(f"layers {sliding} of this model attend in a sliding window") + ".*" + re.escape(
             f"mode={mode!r} does not take yet; run it with a mode that does: {takes}")  # fmt: skip
         with pytest.raises(cpref.CPInputError, match=match):
-            cluster.run(lambda comm: forward_on_rank(models[name], tokens, cu, comm, mode=mode, layout="zigzag"))
+            cluster.run(lambda comm, name=name: forward_on_rank(models[name], tokens, cu, comm, mode=mode, layout="zigzag"))
     assert cluster.trace == []  # not even the ranks' comparison of the arguments

@@ -93,7 +93,7 @@ def test_a_llama4_text_model_with_full_layers_and_no_temperature_tuning_gives_hu
         want = torch.cat([ref(tokens[a:b][None], use_cache=False).logits[0] for a, b in zip(cu, cu[1:])])
     for P, mode, layout in [(2, "p2p", "zigzag"), (4, "a2a", "balanced")]:
 
-        def rank(comm):
+        def rank(comm, P=P, mode=mode, layout=layout):  # this case's, bound
             b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=P, rank=comm.rank,
                                                 layout=layout)  # fmt: skip
             cp = cpref.hf.CP(comm, b["sharding"], mode, cpref.MODES[mode].example_options(P))

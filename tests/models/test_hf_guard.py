@@ -99,7 +99,7 @@ def test_the_roberta_family_numbers_its_positions_from_padding_idx_plus_1():
         want = torch.cat([ref(tokens[a:b][None]).logits[0] for a, b in zip(cu, cu[1:])])
     for P, layout in [(2, "zigzag"), (4, "stream")]:
 
-        def rank(comm):
+        def rank(comm, P=P, layout=layout):  # this case's, bound
             b = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens}, cu, cp_size=P, rank=comm.rank,
                                                 layout=layout, pad_token_id=1)  # fmt: skip
             with torch.no_grad():

@@ -400,7 +400,7 @@ def test_posted_collectives_return_what_the_blocking_calls_do_and_take_their_pla
                 comm.all_to_all(x))  # fmt: skip
 
     cluster = SimCluster(P)
-    for r, (exchanged, scattered, gathered, total, gathered_again, scattered_again, exchanged_again) in enumerate(cluster.run(fn)):
+    for r, (exchanged, scattered, gathered, _total, gathered_again, scattered_again, exchanged_again) in enumerate(cluster.run(fn)):
         assert torch.equal(gathered, gathered_again) and torch.equal(scattered, scattered_again)
         assert torch.equal(exchanged, exchanged_again)
         assert gathered.tolist() == [0.0, 1.0, 0.0, 2.0, 0.0, 3.0]

@@ -68,8 +68,6 @@ def saved(tmp_path, **kw):
 
 
 def fresh(model="llama"):
-    import sim.tools.train
-
     m = CausalLM(spec(1, 1, model=model).model_config(), seed=123)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3), {k: v.clone() for k, v in m.state_dict().items()}
 

@@ -167,7 +167,7 @@ from sim.tools.verify.truth import KEY, Report, check
 __all__ = ["run", "main", "parse_args", "cases_from_args"]
 
 
-def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backend: str = "gloo",
+def run(cases: Sequence[Case], setup: Setup | None = None, *, nproc: int = 2, backend: str = "gloo",
         timeout: float = 300.0, progress: bool | None = None) -> Report | None:  # fmt: skip
     """Run `cases` on `nproc` processes (one launch) and compare every rank with its ground truth.
 
@@ -187,6 +187,7 @@ def run(cases: Sequence[Case], setup: Setup = Setup(), *, nproc: int = 2, backen
             CP size not dividing the world, an `--impl` that does not import), before any process starts.
         LaunchFailure: if a rank raised or died.
     """
+    setup = Setup() if setup is None else setup
     # 1) everything that can be checked before a process starts
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
     _check(cases, world, backend, setup.heads)
@@ -352,7 +353,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
     """Parse, run, print the table; return the exit status (0: every row passes)."""
     args = parse_args(argv, prog)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
-    cases, printer = cases_from_args(args, world), int(os.environ.get("RANK", 0)) == 0
+    cases, printer = cases_from_args(args, world), int(os.environ.get("RANK", "0")) == 0
     try:
         _check(cases, world, args.backend, args.setup.heads)  # refused in one line, before anything is printed
     except ValueError as exc:

@@ -101,10 +101,10 @@ def _rows(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tenso
     if ids.dim() != 2 or ids.is_floating_point() or ids.numel() == 0:
         raise CPInputError(f"input_ids must be integer token ids (B, L), got {tuple(ids.shape)} {ids.dtype}")
     tensors = {}
-    for name, x in batch.items():
-        if name in _DERIVED or not isinstance(x, torch.Tensor):
+    for name, given in batch.items():
+        if name in _DERIVED or not isinstance(given, torch.Tensor):
             continue
-        x = x[None] if x.dim() == 1 and batch["input_ids"].dim() == 1 else x
+        x = given[None] if given.dim() == 1 and batch["input_ids"].dim() == 1 else given
         if tuple(x.shape[:2]) != tuple(ids.shape):
             raise CPInputError(f"{name} has shape {tuple(x.shape)} but input_ids {tuple(ids.shape)}: every per-token "
                                "tensor of the batch must match input_ids in its first dims")  # fmt: skip

@@ -319,7 +319,7 @@ class TorchKernel:
         if window == (-1, -1) and seqs.bottom_right:
             return self._plan_triangles(seqs, hq, causal, device)
         blocks, size = [], 0
-        for i, (q0, q1, k0, k1) in enumerate(seqs.pairs()):
+        for i, (q0, q1, k0, _k1) in enumerate(seqs.pairs()):
             seen = [seqs.visible(i, x, causal, window) for x in range(q1 - q0)]  # [lo, hi) of every row
             rows_seeing = [x for x, (lo, hi) in enumerate(seen) if hi > lo]  # an interval: lo and hi never decrease
             if not rows_seeing:

@@ -81,8 +81,8 @@ def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str,
     for h in range(P // a):
         pieces, row = [], 0
         held = sorted(c for r in range(h * a, (h + 1) * a) for c in local_chunks(b, cp_size=P, rank=r, layout=layout))
-        for doc, s, e in (c for c in held if c[0] in shared):
-            s, e = s - b.padded[doc], e - b.padded[doc]
+        for doc, start, end in (c for c in held if c[0] in shared):
+            s, e = start - b.padded[doc], end - b.padded[doc]
             if pieces and pieces[-1][0] == doc and pieces[-1][2] == s:  # adjacent pieces of one document: one
                 pieces[-1] = (doc, pieces[-1][1], e, pieces[-1][3])
             else:
