@@ -16,12 +16,14 @@ Each has cpref's signature with the process group in place of `comm`:
 * `blockwise`: a plain-torch CP attention (K/V gathered, attended block by block with scores `q @ k^T` in the
   input dtype, merged by lse in float32), exact as CP but rounding as most implementations do; and the bugs CP
   implementations have, one each: `blockwise_bf16_merge`, `blockwise_wrong_lse`, `blockwise_off_by_one`,
-  `blockwise_no_dk_reduction`, `blockwise_stale_kv`; `raises_without_cp` (it refuses one rank) and
-  `local_blockwise`, its local attention for `--baseline`.
+  `blockwise_no_dk_reduction`, `blockwise_stale_kv`; `raises_without_cp` (it refuses one rank, so its baseline is
+  the fallback) with the same bugs (`raises_without_cp_bf16_merge`, ...), and `local_blockwise`, its local
+  attention for `--baseline`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
@@ -217,7 +219,13 @@ def blockwise_stale_kv(q, k, v, sharding, **kwargs):
 
 
 def raises_without_cp(q, k, v, sharding, *, process_group, **kwargs):
-    """Correct at CP > 1, refuses to run on one rank (as a ring that cannot send to itself): its baseline is SDPA."""
+    """`blockwise`, refusing to run on one rank (as a ring that cannot send to itself): its baseline is the fallback."""
     if dist.get_world_size(process_group) == 1:
         raise RuntimeError("needs at least two ranks")
     return blockwise(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+# the same bugs in the implementation that refuses one rank: raises_without_cp_bf16_merge, ..._stale_kv
+BUGS = ("bf16 merge", "wrong lse", "off by one", "no dk reduction", "stale kv")
+for _bug in BUGS:
+    globals()["raises_without_cp_" + _bug.replace(" ", "_")] = functools.partial(raises_without_cp, bug=_bug)

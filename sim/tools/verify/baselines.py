@@ -9,16 +9,28 @@ run on the whole batch. So the baseline of a row is chosen with `--baseline`:
 | `auto` (default) | `impl` for an `--impl` row, `kernel` for cpref's own |
 | `impl` | the implementation itself, on a process group of one rank (CP size 1) |
 | `sdpa` | PyTorch's SDPA over every document, in the dtype ([`packed_sdpa`][sim.tools.verify.baselines.packed_sdpa]) |
+| `eager` | attention as plain torch writes it, in the dtype ([`eager`][sim.tools.verify.baselines.eager]) |
 | `kernel` | cpref's fused kernel (`cpref.attention` on a `SingleRank`) |
 | `package.module:function` | your local attention: `fn(q, k, v, sharding, *, mode, causal, window, **options)` on the whole batch |
 
 An implementation whose local attention computes `q @ k^T` in bf16 (most written on plain
-torch) is as exact as CP can be and still 2-3 times farther from the truth than cpref's kernel,
-which computes scores in float32: against `kernel` its bf16 rows fail the `vs P=1` column with
-no CP fault at all, against `impl` they pass. Where the implementation cannot run on one rank
-(it raises there: a ring that sends to itself, say), its row falls back to `sdpa` and says so;
-one that would hang there is named with `--baseline sdpa` or your own function. The table's
-`baseline` column says what each row was held to.
+torch) is as exact as CP can be and still farther from the truth than cpref's kernel, which
+computes scores in float32: held to `kernel` its bf16 rows fail the `vs P=1` column with no CP
+fault at all (2.05 in the page's example), held to `impl` they pass.
+
+**The fallback.** Where the implementation cannot run on one rank (it raises there: a ring that
+sends to itself, say), its case falls back to `FALLBACK`, SDPA and eager attention both, and
+`sim.tools.verify.truth` holds each tensor of each rank, for each of its two ratios, to the one
+of the two farther from the truth; the `baseline` column reads `sdpa/eager` and CP rank 0's note
+gives the exception. Not knowing how the implementation rounds, the harness must not hold it to
+a local attention more precise than it may use: SDPA alone, which on the CPU computes more
+precisely than bf16 scores do, failed an exact implementation that computes them so (3 of 4
+ranks at P = 4), the issue this module solves. Eager attention rounds scores and probabilities in
+the dtype, so a CP fault must cost twice its rounding to fail: the bugs that change the result
+still fail every rank by more than 10x, a merge carried in bf16 fewer ranks than held to the
+implementation's own local attention. Name that (`package.module:function`) for the strict check;
+one that would hang at CP size 1 must be named too (the figures: the page "Verify your
+implementation", re-measured by the test suite).
 """
 
 from __future__ import annotations
@@ -30,16 +42,23 @@ import torch.nn.functional as F
 
 import cpref
 
-__all__ = ["BASELINES", "packed_sdpa", "resolve", "run_baseline"]
+__all__ = ["BASELINES", "EAGER", "FALLBACK", "eager", "label", "packed_sdpa", "resolve", "run_baseline"]
 
-BASELINES = ("auto", "impl", "sdpa", "kernel")  # or package.module:function
+BASELINES = ("auto", "impl", "sdpa", "eager", "kernel")  # or package.module:function
+EAGER = "sim.tools.verify.baselines:eager"  # `--baseline eager`: a local attention, named as the user's is
+FALLBACK = ("sdpa", EAGER)  # where the implementation raises at CP size 1: each tensor held to the looser of these
 
 
 def resolve(baseline: str, impl: str) -> str:
     """The baseline a row of `impl` uses: `auto` made concrete."""
     if baseline == "auto":
         return "kernel" if impl == "cpref" else "impl"
-    return baseline
+    return EAGER if baseline == "eager" else baseline
+
+
+def label(name: str | tuple[str, ...]) -> str:
+    """How the table names a baseline: `eager` for `EAGER`, `sdpa/eager` for the fallback, else `name`."""
+    return "/".join(label(n) for n in name) if isinstance(name, tuple) else "eager" if name == EAGER else name
 
 
 def _mask(s: cpref.Sharding, causal: bool, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +94,30 @@ def packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding: cpr
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed,
                                          scale=softmax_scale).transpose(0, 1)  # (T, Hq, Dv)  # fmt: skip
     return out * real[:, None, None]
+
+
+def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding: cpref.Sharding, *, causal: bool = True,
+          window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None, **options: Any) -> torch.Tensor:  # fmt: skip
+    """Attention as plain torch writes it (Hugging Face's eager attention), one document at a time, in the input dtype:
+    `(T, Hq, D)`, `(T, Hkv, D)`, `(T, Hkv, Dv)` -> `(T, Hq, Dv)`; masks as `packed_sdpa`'s. `mode` and options are ignored.
+
+    Scores `q @ k^T` and their scale in the input dtype, softmax in float32, the probabilities cast back
+    to the input dtype and multiplied with `v` there: the rounding of most local attentions written on torch.
+    """
+    allowed, real = (t.to(q.device) for t in _mask(sharding, causal, tuple(window)))
+    group, scale = q.shape[1] // k.shape[1], softmax_scale or q.shape[-1] ** -0.5
+    wide = torch.promote_types(q.dtype, torch.float32)  # the softmax's dtype
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # (T, Hq, X)
+    bounds = sharding.cu_seqlens_padded
+    outs = []
+    for a, b in zip(bounds, bounds[1:]):
+        qd, kd, vd = (x[a:b].transpose(0, 1) for x in (q, k, v))  # (Hq, n, X): one document
+        # S = Q K^T / sqrt(D), in the input dtype
+        s = (qd @ kd.transpose(1, 2)) * scale  # (Hq, n, n)
+        # P = softmax(S) in float32 (fp64 stays fp64), cast back: P V in the input dtype
+        p = torch.softmax(s.masked_fill(~allowed[a:b, a:b], float("-inf")), dim=-1, dtype=wide).to(q.dtype)
+        outs.append((p @ vd).transpose(0, 1))  # (n, Hq, Dv)
+    return torch.cat(outs) * real[:, None, None]
 
 
 def run_baseline(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, whole: cpref.Sharding, *,

@@ -59,7 +59,7 @@ class Setup:
         seed: CP group `d` (its DP index) draws its batch with seed `seed + 1000 d`.
         kernel: `"torch"` (`TorchKernel`) or `"npu"` (`NpuKernel`), for `cpref` cases.
         baseline: what the `vs P=1` column holds a row to (`sim.tools.verify.baselines`): `"auto"`,
-            `"impl"`, `"sdpa"`, `"kernel"` or `"package.module:function"`.
+            `"impl"`, `"sdpa"`, `"eager"`, `"kernel"` or `"package.module:function"`.
     """
 
     docs: tuple[int, ...] = (1000, 3000, 500)
@@ -76,8 +76,8 @@ class Setup:
             raise ValueError(f"heads (Hq, Hkv) = {self.heads} need Hkv >= 1 dividing Hq; e.g. --heads 8,4")
         if self.head_dim < 1 or self.kernel not in ("torch", "npu"):
             raise ValueError(f"head_dim must be >= 1 and kernel 'torch' or 'npu', got {self.head_dim}, {self.kernel!r}")
-        if self.baseline not in ("auto", "impl", "sdpa", "kernel") and ":" not in self.baseline:
-            raise ValueError(f"baseline must be auto, impl, sdpa, kernel or package.module:function, got {self.baseline!r}")
+        if self.baseline not in ("auto", "impl", "sdpa", "eager", "kernel") and ":" not in self.baseline:
+            raise ValueError(f"baseline must be auto, impl, sdpa, eager, kernel or package.module:function, got {self.baseline!r}")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Case:
 
     Attributes:
         mode: a key of `cpref.MODES`.
-        layout: `"zigzag"`, `"contiguous"` or `"stream"`.
+        layout: `"zigzag"`, `"contiguous"`, `"stream"` or `"balanced"`.
         dtype: `"fp64"`, `"fp32"`, `"fp16"` or `"bf16"`.
         cp: the CP size `P`; the world of `W` ranks holds `W / P` CP groups (DP).
         padded: real lengths that are not multiples of the granularity, with `cu_seqlens_padded`.

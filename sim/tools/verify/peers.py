@@ -23,12 +23,17 @@ The `vs P=1` column holds it to DeepSpeed's own attention on a process group of 
 
 ## yunchang (USP, ring): no adapter, and why
 
-yunchang 0.6.4 (`LongContextAttention`, `UlyssesAttention`, `ring_pytorch_attn_func`) does not run
-on the CPU: every one of its PyTorch backends (`AttnType.TORCH_MATH`, `TORCH_EFFICIENT`,
-`TORCH_FLASH`, and the ring's `basic_pytorch`) calls `aten::_scaled_dot_product_flash_attention`,
-which has no CPU kernel in PyTorch 2.13, and its packed (varlen) ring needs the `flash-attn`
-package. Its non-varlen functions also take no document boundaries: on a GPU they would verify
-batches of one document per row. A test keeps the first fact checked while yunchang is installed.
+yunchang 0.6.4 does not run forward and backward on the CPU (PyTorch 2.13), whatever its layer,
+ring or attention type: `LongContextAttention`'s `basic` and `zigzag` rings need `flash-attn`
+under `AttnType.FA` (the default), call `aten::_scaled_dot_product_flash_attention` or
+`_efficient_attention`, which have no CPU kernel, under `TORCH_FLASH` and `TORCH_EFFICIENT`, and
+under `TORCH_MATH` run the forward through SDPA's math backend with an lse of zeros (which a ring
+of more than one rank merges its blocks by) and raise in the backward; its `basic_pytorch` ring
+and `UlyssesAttention` call the flash op whatever the type (`UlyssesAttention` with `FA` refuses
+to be built); its packed (varlen) ring needs `flash-attn`. Its non-varlen layers also take no
+document boundaries: on a GPU they would verify batches of one document per row. The page
+"Verify your implementation" has the table; a test runs each of its lines while yunchang is
+installed, so the adapter is due the day one of them runs.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ starts on every process (or that torchrun's processes run). Per rank:
    ([`run_without_cp`][sim.tools.verify.rank.run_without_cp]: the row's baseline,
    [`sim.tools.verify.baselines`][sim.tools.verify.baselines], in the same dtype, on the same device,
    with the same mask and window: the implementation itself on a process group of this one rank,
-   SDPA, cpref's kernel or your local attention), the reference of the `vs P=1` column;
+   SDPA, eager attention, cpref's kernel or your local attention; where the implementation raises there,
+   SDPA and eager attention both), the reference of the `vs P=1` column;
 4. return both (under torchrun, gather every rank's results on rank 0, which compares).
 
 A case that raises is not caught and skipped: a rank that raised can no longer be trusted to
@@ -36,14 +37,14 @@ from cpref.backends import TorchComm
 from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
 from sim.tools.progress import Progress
-from sim.tools.verify.baselines import resolve, run_baseline
+from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
 from sim.tools.verify.cases import Case, Setup, cp_groups, make_batch, placement
 
 __all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
 
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
-Baseline = tuple[Result, str, str]  # the whole batch's result without CP, the baseline it is, and a note
+Baseline = tuple[tuple[Result, ...], str, str]  # the whole batch's results without CP (one per candidate), its label, a note
 Pair = tuple[Result, Baseline | None]  # (the rank's result, the run without CP on CP rank 0, else None)
 
 
@@ -144,30 +145,34 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
 
 def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kernel: Any, solo: Any = None) -> Baseline:
     """CP group `dp`'s whole batch on this one device at P = 1 through the case's baseline, in its dtype:
-    `((out, dq, dk, dv) over the whole stream on the CPU, the baseline's name, a note)`.
+    `((out, dq, dk, dv) over the whole stream on the CPU, one per candidate; the baseline's label; a note)`.
 
-    `solo` is a process group of this rank alone (for the implementation itself). Where the
-    implementation raises at CP size 1, SDPA is the baseline, and the note says why."""
+    `solo` is a process group of this rank alone (for the implementation itself). Where the implementation
+    raises at CP size 1, the baseline is the fallback (`baselines.FALLBACK`): SDPA and eager attention both,
+    each tensor of a row held to the one farther from the truth; the note says why."""
     batch = make_batch(setup, case, dp)
     whole = cpref.Sharding(batch.cu, cp_size=1, layout=case.layout, cu_seqlens_padded=batch.cu_padded)  # one rank
-    name, note = resolve(setup.baseline, case.impl), ""
+    name = resolve(setup.baseline, case.impl)
     sized = cpref.MODES[case.mode].example_options(1)  # the options chosen by the CP size take their values at P = 1
     options = {key: sized.get(key, value) if key in cpref.MODES[case.mode].example_options(case.cp) else value
                for key, value in case.options}  # fmt: skip
     call = dict(mode=case.mode, causal=case.causal, window=case.window, **options)
     impl = None if case.impl == "cpref" else load_impl(case.impl)
-    for attempt in (name, "sdpa"):
-        q, k, v = (t.to(device).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
-        try:
-            out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call)
-            out.backward(batch.dout.to(device))
-        except Exception as exc:
-            if attempt != "impl":
-                raise
-            note = f"the implementation raised at CP size 1 ({type(exc).__name__}: {exc}); baseline sdpa"
-            continue
-        return (out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()), attempt, note
-    raise AssertionError("unreachable")
+
+    def once(attempt: str) -> Result:
+        q, k, v = (t.to(device, copy=True).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
+        out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call)
+        out.backward(batch.dout.to(device))
+        return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
+
+    try:
+        return (once(name),), label(name), ""
+    except Exception as exc:
+        if name != "impl":
+            raise
+        note = (f"the implementation raised at CP size 1 ({type(exc).__name__}: {exc}); baseline {label(FALLBACK)}: "
+                "each tensor held to the looser of sdpa and eager")  # fmt: skip
+    return tuple(once(n) for n in FALLBACK), label(FALLBACK), note
 
 
 def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:

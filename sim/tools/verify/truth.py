@@ -39,24 +39,28 @@ largest error that merely storing the exact result in that dtype makes), the `vs
 shows the largest $\rho_r$ of the row's four tensors (`shard_ratio`) and whether it is
 $\le 2$; above 2 the row fails. Held to the run without CP on its own rows instead, a rank
 would fail by chance: the largest of a shard's few thousand errors moves by more than 2x
-between results rounded equally well (measured 2026-12-03: float32, P = 4, documents of 96,
-224 and 64 tokens, 6 seeds: the RFC's one call, whose rounding is the kernel's plus the
-reduce-scatter's, reached 2.1 on one shard of 48, and at most 1.35 against the batch). fp64
-rows show `-`: the FP64 truth is no more precise than an fp64 result, so the ratio would
-compare rounding with rounding.
+between results rounded equally well (on the simulated cluster, summing across ranks in the
+dtype in rank order, `reduction="native"`: float32, P = 4, zigzag, documents of 96, 224 and 64
+tokens, 6 seeds: the RFC's one call, whose rounding is the kernel's plus the reduce-scatter's,
+reached 2.62 on one shard of 24 against its own rows, and at most 1.31 against the batch; a
+test re-measures both). fp64 rows show `-`: the FP64 truth is no more precise than an fp64
+result, so the ratio would compare rounding with rounding.
 
 The largest error is one entry of thousands. A result that rounds more on **every** row (a
 ring that merges its partial outputs in bf16 across its steps) can keep its largest error near
 the baseline's while its root-mean-square error grows with the number of steps, so the
 column is the larger of `shard_ratio` and [`rms_ratio`][sim.tools.verify.truth.rms_ratio]: the
 rank's RMS error over the baseline's on the **same rows** (an average over thousands of
-entries is stable from shard to shard, so no batch-wide comparison is needed there). Measured
-2026-12-05 with `tests.backends.verify_impls`' plain-torch CP attention in bf16 (documents of
-100, 250 and 38 tokens, zigzag), over the whole batch: exact, its RMS ratio is 1.0-1.3 at
-P = 2, 4 and 8; carrying its merge in bf16, 1.4 at P = 2 (within 2: a CP fault that costs less
-than twice the rounding passes, by design), 1.7-1.9 at P = 4 and 2.1-2.4 at P = 8. Per rank, the
-table at P = 4 fails 3 of its 4 ranks (2.09-2.52; the test suite holds it to at least 3) and at
-P = 8 7 of 8, where the exact implementation's rows stay at or below 1.54.
+entries is stable from shard to shard, so no batch-wide comparison is needed there). With
+`tests.backends.verify_impls`' plain-torch CP attention in bf16 held to itself (the tables are
+on the page "Verify your implementation", and the test suite re-measures them), carrying its
+merge in bf16 passes at P = 2 (1.33 and 1.67: a CP fault that costs less than twice the
+rounding passes, by design) and fails 3 of 4 ranks at P = 4 (2.09-2.52), where the exact
+implementation's rows stay at or below 1.54.
+
+With several candidate baselines (the fallback of an implementation that cannot run on one
+rank, [`sim.tools.verify.baselines`][sim.tools.verify.baselines]), each ratio of each tensor
+takes the candidate farther from the truth: the smallest of its ratios.
 """
 
 from __future__ import annotations
@@ -184,9 +188,10 @@ KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = wh
   r = its rank inside that CP group. out, dq, dk, dv = the largest error of the output and the three gradients
   on this rank against the simulated cluster's FP64 run of the same inputs; pass if within tol (the dtype's
   tolerance). vs P=1 = this rank's error against the FP64 oracle over the error of the same attention without CP
-  (the baseline: the implementation itself at CP size 1 for --impl, cpref's kernel for cpref; the baseline column
-  shows it when it is not the kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the
-  dense FP64 oracle itself."""
+  (the baseline: the implementation itself at CP size 1 for --impl, or where it raises there sdpa/eager, each
+  tensor held to the looser of the two; cpref's kernel for cpref; the baseline column shows it when it is not the
+  kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the dense FP64 oracle itself.
+  A note in parentheses after the result: why a baseline fell back (CP rank 0), a missing gradient or a wrong shape."""
 
 
 def _ratio(x: float) -> str:
@@ -214,8 +219,8 @@ def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WIND
 
 
 def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_cp=None) -> tuple[list, list, list | None]:
-    """`(simulated, oracle, without CP)`: per CP rank, `(out, dq, dk, dv)`, for CP group `dp`; the
-    first two in float64, the third the shards of `without_cp` (the whole batch's results at P = 1), if given."""
+    """`(simulated, oracle, without CP)`: per CP rank, `(out, dq, dk, dv)`, for CP group `dp`; the first two in
+    float64, the third per candidate of `without_cp` (the whole batch's results at P = 1, if given) its shards."""
     batch = make_batch(setup, case, dp)
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))  # the same values, upcast
     sharding = batch.sharding  # the case's CP size, layout and padding
@@ -224,7 +229,7 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     key = (dp, case.dtype, case.causal, case.window, batch.real, batch.padded)  # the oracle: the batch and mask only
     if key not in oracle_cache:
         oracle_cache[key] = blocked_oracle(batch, case.causal, case.window)
-    shards = None if without_cp is None else [[sharding.shard(t, r) for t in without_cp] for r in range(case.cp)]
+    shards = None if without_cp is None else [[[sharding.shard(t, r) for t in one] for r in range(case.cp)] for one in without_cp]
     return simulated, [[sharding.shard(t, r) for t in oracle_cache[key]] for r in range(case.cp)], shards
 
 
@@ -244,12 +249,15 @@ def compare(got, want, tol: float) -> tuple[dict[str, float], bool, str]:
 
 def vs_without_cp(case: Case, got, rank: int, without_cp, oracle) -> float | None:
     """The largest `shard_ratio` and `rms_ratio` of rank `rank`'s four tensors `got`; None for fp64 or a missing
-    tensor. `without_cp`, `oracle`: per rank, its four shards of the batch without CP and of the oracle."""
+    tensor. `oracle`: per rank, its four shards of the oracle; `without_cp`: per candidate baseline, the same of
+    the batch without CP. With several candidates (the fallback) each ratio of each tensor takes the candidate
+    farther from the truth: the smallest ratio."""
     if case.dtype == "fp64" or without_cp is None or any(g is None or g.shape != w.shape for g, w in zip(got, oracle[rank])):
         return None
-    dtype = DTYPES[case.dtype]
-    return max(max(shard_ratio(g, oracle[rank][i], [p[i] for p in without_cp], [w[i] for w in oracle], dtype),
-                   rms_ratio(g, oracle[rank][i], without_cp[rank][i], dtype)) for i, g in enumerate(got))  # fmt: skip
+    dtype, truth = DTYPES[case.dtype], [[w[i] for w in oracle] for i in range(len(got))]  # per tensor, every rank's
+    return max(max(min(shard_ratio(g, oracle[rank][i], [p[i] for p in one], truth[i], dtype) for one in without_cp),
+                   min(rms_ratio(g, oracle[rank][i], one[rank][i], dtype) for one in without_cp))
+               for i, g in enumerate(got))  # fmt: skip
 
 
 def rms_ratio(got: torch.Tensor, truth: torch.Tensor, without_cp: torch.Tensor, dtype: torch.dtype) -> float:
@@ -306,7 +314,7 @@ def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) 
     """Compare every rank's results with its ground truth and with the run without CP.
 
     `per_rank[world rank][case]` is `(result, without_cp)`: the rank's `(out, dq, dk, dv)`, and
-    on CP rank 0 of each group the whole batch's at P = 1 (None elsewhere). Every CP group of a
+    on CP rank 0 of each group the whole batch's at P = 1 (`rank.run_without_cp`'s; None elsewhere). Every CP group of a
     case (each DP index) gets its own ground truth, from its own batch.
     """
     world, report, oracle_cache = len(per_rank), Report(), {}
@@ -314,7 +322,7 @@ def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) 
     for i, case in enumerate(cases):
         tol, rows = case.tol(setup), []
         for dp, ranks in enumerate(cp_groups(world, case.cp, case.strided)):
-            result, used, note_1 = per_rank[ranks[0]][i][1] or (None, "kernel", "")  # the run without CP, and its kind
+            result, used, note_1 = per_rank[ranks[0]][i][1] or (None, "kernel", "")  # the runs without CP, their label
             simulated, oracle, plain = ground_truth(setup, case, dp, oracle_cache, result)
             for r, g in enumerate(ranks):
                 got = per_rank[g][i][0]
