@@ -1,6 +1,7 @@
 """Train a Hugging Face model with cpref's context parallelism, on the batches transformers makes.
 
     .venv/bin/python examples/hf_model.py --cp 2              # launches itself: 4 processes, DP 2 x CP 2, gloo on CPU
+    .venv/bin/python examples/hf_model.py --nproc 2 --cp 2    # 2 processes: CP 2 alone
     .venv/bin/torchrun --standalone --nproc-per-node 4 examples/hf_model.py --cp 2    # the same, by hand
 
 Every process builds the same tiny Llama (scaled RoPE, as Llama 3.1+ checkpoints have it; a real
@@ -92,24 +93,41 @@ def without_cp(dp: int, steps: int) -> list[float]:
     return losses
 
 
-def launch_self(nproc: int) -> int:
-    """Run this script under torchrun with `nproc` processes (it was started without it); its exit status."""
-    import subprocess
-
-    args = ["--standalone", "--nproc-per-node", str(nproc), __file__, *sys.argv[1:]]
-    print("launching: torchrun " + " ".join(args), flush=True)
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *args])
-
-
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2, help="CP group size (the world size over it is DP)")
     parser.add_argument("--mode", default="p2p", choices=sorted(cpref.MODES))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=4, help="processes to launch when started without torchrun")
+    return parser
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """torchrun's command line that runs this script on `args.nproc` processes with the same options.
+
+    The script's options are written out by their full names and `--nproc` (this launcher's own) is left out:
+    torchrun reads every option of its command line, the script's too, and takes `--nproc` for an
+    abbreviation of its `--nproc-per-node` ("ambiguous option")."""
+    script = ["--cp", str(args.cp), "--mode", args.mode, "--steps", str(args.steps)]
+    return ["--standalone", "--nproc-per-node", str(args.nproc), __file__, *script]
+
+
+def launch_self(args: argparse.Namespace) -> int:
+    """Run this script under torchrun (it was started without it); its exit status."""
+    import subprocess
+
+    launch = torchrun_args(args)
+    print("launching: torchrun " + " ".join(launch), flush=True)
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *launch])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
-        return launch_self(args.nproc)
+        if args.nproc < 1 or args.cp < 1 or args.nproc % args.cp:
+            parser.error(f"--cp {args.cp} must divide --nproc {args.nproc} (both positive)")
+        return launch_self(args)
     torch.distributed.init_process_group("gloo")
     from cpref.backends import TorchComm
 

@@ -2,7 +2,8 @@
 
 The pieces, each a page of the docs:
 
-* `cpref.layout`: the THD data model, the contiguous and zigzag layouts, padding;
+* `cpref.layout`: the THD data model, the four layouts (contiguous, zigzag, stream, and balanced,
+  whose plan is `cpref.balanced`), padding;
 * `cpref.seqlens`: real and padded document boundaries, validated once per batch;
 * `cpref.sharding`: `Sharding`, the one description of how a batch is sharded (boundaries,
   CP size, layout), which shards, unshards and is what `cpref.attention` takes;

@@ -42,8 +42,9 @@ order above.
 
 Every layout is, per rank, a list of **pieces** `(doc, start, end)` in local order
 ([`local_chunks`][cpref.layout.local_chunks]): two per document and rank for zigzag, one for
-contiguous, and for stream one for each document that overlaps the rank's range. The data
-path (shard, unshard, positions) and the modes' plans for stream are written on the pieces;
+contiguous, for stream one for each document that overlaps the rank's range, and for balanced
+the pieces of its plan (whole documents, and pieces of the cut ones). The data
+path (shard, unshard, positions) and the modes' plans for stream and balanced are written on the pieces;
 the chunked layouts keep their direct chunk arithmetic (the MindSpeed RFC's indexing), which
 the tests check against the pieces.
 

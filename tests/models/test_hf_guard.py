@@ -12,6 +12,8 @@ naming the value and the others naming that rank, with nothing communicated but 
 from __future__ import annotations
 
 import copy
+import pickle
+import types
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ import torch
 import cpref
 import cpref.hf
 from cpref.errors import PeerInputError
-from cpref.hf.guard import LOSS_KEYS
+from cpref.hf.batch import BatchSharding
+from cpref.hf.guard import ROW
 from sim import SimCluster
 from tests.helpers import assert_close
 from tests.models.test_hf_attention import VOCAB, build, pack, reference
@@ -50,8 +53,8 @@ def run(name: str, P: int, layout: str, call, mode: str = "p2p"):
 
 
 def only_the_row(trace) -> bool:
-    """Nothing was communicated but the guard's one row of ints (`1 + len(LOSS_KEYS) + 1` of them)."""
-    return [(e.op, e.shape) for e in trace] == [("all_gather", (1, len(LOSS_KEYS) + 2))]
+    """Nothing was communicated but the guard's one row of ints (`1 + len(ROW)` of them)."""
+    return [(e.op, e.shape) for e in trace] == [("all_gather", (1, 1 + len(ROW)))]
 
 
 def refused(results, trace, fault: int, match: str) -> None:
@@ -125,6 +128,7 @@ def test_position_ids_offset_alike_on_every_rank_are_a_collators_start():
      "or omit them and cpref fills them in"),
     ("another layout's", "not this rank's positions in its documents; at shard token 0 got 8, expected 4"),
     ("float", "integer positions"),
+    ("two rows", "position_ids must be this rank's 22 integer positions (1, T_l), got (1, 2, 11) torch.int64"),
 ])  # fmt: skip
 def test_position_ids_that_are_not_this_ranks_are_refused_on_every_rank(how, match):
     cu, tokens, labels, mask = pack()
@@ -135,7 +139,7 @@ def test_position_ids_that_are_not_this_ranks_are_refused_on_every_rank(how, mat
             padded = b["sharding"].cu_seqlens_padded  # the same shards' lengths, cut contiguously
             other = cpref.Sharding(cu, cp_size=2, layout="contiguous", cu_seqlens_padded=padded).positions(1)
             pos = {"another rank's": b["sharding"].positions(0), "0 .. T_l - 1": torch.arange(pos.numel()),
-                   "another layout's": other, "float": pos.float()}[how]  # fmt: skip
+                   "another layout's": other, "float": pos.float(), "two rows": pos.view(2, -1)}[how]  # fmt: skip
         return logits(model, b, cp, comm, position_ids=pos[None])
 
     refused(*run("llama3", 2, "zigzag", go), fault=1, match=match)
@@ -210,6 +214,7 @@ def test_cpref_is_registered_for_masks_and_refuses_a_models_own_mask_function():
     (dict(cu_seq_lens_q=torch.tensor([0, 20, 40])), "are not the batch's document boundaries"),
     (dict(logits_to_keep=1), "logits_to_keep=1 keeps the last tokens"),
     (dict(pixel_values=torch.zeros(1, 3, 4, 4)), "pixel_values= is not supported under CP"),
+    (dict(input_ids=None), "input_ids (1, T_l) or inputs_embeds (1, T_l, hidden) are needed, got NoneType"),
     (dict(input_ids=torch.zeros(2, 22, dtype=torch.long)), "batch size 2"),
     (dict(input_ids=torch.zeros(1, 21, dtype=torch.long)), "was given 21 tokens but the sharding gives every rank 22"),
     (dict(labels=torch.zeros(1, 21, dtype=torch.long)), "labels must be this rank's 22 integer labels"),
@@ -262,7 +267,7 @@ def test_labels_are_shifted_over_the_unsharded_batch(name, P, mode, layout):
 
     results, trace = run(name, P, layout, go, mode)
     assert label_collectives(trace) == [("all_gather", (results[0][2],))]  # one all-gather of T_l label ids
-    rows = [e for e in trace if e.param == "host" and e.shape == (1, len(LOSS_KEYS) + 2)]
+    rows = [e for e in trace if e.param == "host" and e.shape == (1, 1 + len(ROW))]
     assert len(rows) == 1  # one row a forward: the base model inside the causal LM is not checked again
     assert_close(sum(r[0] for r in results), want, torch.float32, msg=f"{name} P={P} {mode} {layout}: loss")
     for n, g in grads.items():
@@ -311,3 +316,79 @@ def test_labels_of_a_head_that_is_not_a_causal_lm_are_refused():
     with pytest.raises(cpref.CPInputError, match="shifted for causal LMs only"):
         model(tokens, labels=tokens, cp=cp)
     assert model(tokens, cp=cp).logits.shape == (1, 8, VOCAB)  # without labels it runs
+
+
+# ---- shard_batch's labels: already the next tokens ---------------------------------------------------------------
+def sharded(comm, P: int = 2, layout: str = "zigzag") -> dict:
+    """`pack()` as DataCollatorWithFlattening makes it (position ids restart at every document), through shard_batch."""
+    cu, tokens, _, _ = pack()
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
+    return cpref.hf.shard_batch({"input_ids": tokens[None], "position_ids": positions[None]}, cp_size=P, rank=comm.rank,
+                                layout=layout)  # fmt: skip
+
+
+def on_sharded(name: str, P: int, layout: str, call):
+    """`(per-rank results of call(model, b, cp), trace)` with `b = sharded(...)`: a rank's CPInputError is its result."""
+    cpref.hf.register()
+    base = build(name, cpref.hf.NAME)
+
+    def rank(comm):
+        b = sharded(comm, P, layout)
+        try:
+            return call(copy.deepcopy(base), b, cpref.hf.CP(comm, b["sharding"]))
+        except cpref.CPInputError as err:
+            return err
+
+    cluster = SimCluster(P)
+    return cluster.run(rank), cluster.trace
+
+
+@pytest.mark.parametrize("form", ["labels", "shift_labels"])
+def test_shard_batchs_labels_passed_as_labels_are_refused_on_every_rank(form):
+    """On main the model shifted them a second time, silently: every token learnt the one after next."""
+
+    def go(model, b, cp):
+        y = b[form][None].clone()  # a copy, as on another device: told by its values
+        return model(b["tokens"][None], position_ids=b["position_ids"][None], labels=y, use_cache=False, cp=cp).loss
+
+    results, trace = on_sharded("llama3", 2, "zigzag", go)
+    for err in results:
+        assert isinstance(err, cpref.CPInputError) and not isinstance(err, PeerInputError), err
+        assert "shard_batch's labels, which are already the next tokens" in str(err)
+        assert "pass shift_labels=batch['shift_labels'][None] instead" in str(err)
+    assert only_the_row(trace)
+
+
+@pytest.mark.parametrize("name, P, layout", [("llama3", 2, "zigzag"), ("gpt2", 4, "balanced")])
+def test_shard_batchs_shift_labels_give_the_batchs_loss(name, P, layout):
+    """`shift_labels=b["shift_labels"]` alone (cpref hands them on as labels, so that transformers computes a loss):
+    the ranks' losses add up to the loss of the model without CP on each document, and so do their gradients; the
+    tokens' own ids as `labels=` are not refused (shifted over the batch, as transformers does on the stream)."""
+    _, want, grads = reference(name)
+    packed, _ = packed_reference(name)
+
+    def go(model, b, cp):
+        kw = dict(position_ids=b["position_ids"][None], use_cache=False, cp=cp)
+        loss = model(b["tokens"][None], shift_labels=b["shift_labels"][None], **kw).loss
+        loss.backward()
+        own = model(b["tokens"][None], labels=b["tokens"][None], **kw).loss.detach()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, own
+
+    results, _ = on_sharded(name, P, layout, go)
+    assert_close(sum(r[0] for r in results), want, torch.float32, msg=f"{name}: loss")
+    for n, g in grads.items():
+        assert_close(sum(r[1][n] for r in results), g, torch.float32, msg=f"{name}: gradient of {n}")
+    assert_close(sum(r[2] for r in results), packed, torch.float32, msg=f"{name}: labels=input_ids")
+
+
+def test_shard_batch_marks_its_sharding_and_its_shift_labels():
+    b = sharded(types.SimpleNamespace(rank=1))
+    s = b["sharding"]
+    assert isinstance(s, BatchSharding) and s == cpref.Sharding.eod_padded(pack()[0], cp_size=2) and s.rank == 1
+    assert torch.equal(b["shift_labels"], b["labels"].where(b["loss_mask"] == 1, -100))
+    assert type(pickle.loads(pickle.dumps(s))) is cpref.Sharding and type(copy.deepcopy(s)) is cpref.Sharding
+    assert s.made_labels(b["labels"].cuda() if torch.cuda.is_available() else b["labels"][None], None, 1)
+    assert not s.made_labels(b["tokens"], b["tokens"], 1) and not s.made_labels(b["labels"], None, 0)
+    with pytest.raises(cpref.CPInputError, match="shard_batch makes shift_labels itself"):
+        cpref.hf.shard_batch({"input_ids": torch.ones(1, 4, dtype=torch.long), "shift_labels": torch.ones(1, 4)},
+                             cp_size=1, rank=0)  # fmt: skip

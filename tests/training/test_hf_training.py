@@ -72,7 +72,8 @@ def test_the_example_launches_itself_and_trains_dp2_x_cp2_as_transformers_does_w
     """`python examples/hf_model.py` without torchrun (on main: a torch.distributed RANK traceback) launches itself
     on 4 gloo processes (DP 2 x CP 2, a2a+p2p over the balanced layout, transformers' DataCollatorWithFlattening
     batches through cpref.hf.shard_batch) and exits 0: its 20 losses within 1e-5 relative of transformers' own
-    attention and loss without CP, which it prints."""
+    attention and loss without CP, which it prints. Its own `--nproc=4` is not handed to torchrun (which refused
+    it: "ambiguous option: --nproc could match --nproc-per-node")."""
     import os
     import subprocess
     import sys
@@ -81,10 +82,27 @@ def test_the_example_launches_itself_and_trains_dp2_x_cp2_as_transformers_does_w
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
     env.pop("RANK", None)
-    out = subprocess.run([sys.executable, "examples/hf_model.py", "--cp", "2", "--mode", "a2a+p2p"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run([sys.executable, "examples/hf_model.py", "--nproc=4", "--cp", "2", "--mode", "a2a+p2p"], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.startswith("launching: torchrun --standalone --nproc-per-node 4 ")
     lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
     assert [line.split()[1] for line in lines] == [str(s) for s in range(STEPS)]
     assert "DP 2 x CP 2, mode a2a+p2p: largest relative difference" in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["--nproc", "2"], ["--nproc=2", "--cp", "1", "--mode", "a2a", "--steps", "3"],
+                                  ["--steps=5", "--nproc", "6", "--cp=3"]])  # fmt: skip
+def test_the_examples_own_options_reach_it_through_torchrun(argv):
+    """The launcher's command line, read by torchrun's own parser: `--nproc` becomes torchrun's process count and
+    not an option of the script (on main torchrun refused the whole line), and the script gets its other options."""
+    from torch.distributed.run import get_args_parser
+
+    from examples import hf_model
+
+    args = hf_model.make_parser().parse_args(argv)
+    launch = get_args_parser().parse_args(hf_model.torchrun_args(args))
+    assert launch.standalone and launch.nproc_per_node == str(args.nproc)
+    assert launch.training_script == hf_model.__file__ and "--nproc" not in " ".join(launch.training_script_args)
+    again = hf_model.make_parser().parse_args(launch.training_script_args)
+    assert vars(again) == vars(args) | {"nproc": again.nproc}  # every option but the launcher's own

@@ -48,7 +48,10 @@ code would get wrong on a shard, on every rank alike:
   [`shard_batch`][cpref.hf.batch.shard_batch] is how a padded batch becomes the sharding's;
 * **labels**: `labels=` keeps its meaning (the model shifts them), shifted over the unsharded
   batch (one all-gather of the label ids), and `num_items_in_batch` counts the whole batch's
-  loss tokens, so the model's `loss` on a rank is its share of the batch's mean.
+  loss tokens, so the model's `loss` on a rank is its share of the batch's mean. The labels of
+  `shard_batch` are already the next tokens: the model's loss takes them as
+  `shift_labels=b["shift_labels"][None]` (alone: cpref hands them on as `labels` too); as
+  `labels=` they are refused.
 
 **The gradients.** Every rank holds a replica of the parameters and its loss share reaches
 only its tokens' part of each gradient: the gradient of the batch's loss is the **sum** of the
@@ -62,12 +65,16 @@ in cpref's convention ([the kernel contract][cpref.kernels.contract]).
 
 ## Everything refused
 
-Each raises `cpref.CPInputError` naming the value and the fix, on every rank alike, before any
-communication; where only one rank's inputs are wrong (its positions, say), that rank raises
-its error and the others raise too, naming it.
+Each raises `cpref.CPInputError` naming the value and the fix (`register()`: an `ImportError`).
+The model-level checks and the layers raise on every rank alike, before any communication: where
+only one rank's inputs are wrong (its positions, say), that rank raises its error and the others
+raise a `cpref.errors.PeerInputError` naming it; where the ranks pass different arguments, every rank
+raises the same error naming them. `CP(...)`, `shard_batch` and `register()` raise on the rank
+that calls them. A test keeps this table complete: every refusal of `cpref.hf` has its row.
 
 | when | refused | why |
 | --- | --- | --- |
+| `register()` | a `transformers` without `PreTrainedModel._check_and_adjust_attn_implementation` (before 5) | that is where the models built with cpref's name are checked |
 | built | a class with `_supports_attention_backend = False` (StableLm) | its layers drop `cp=` |
 | built | a head that reads tokens by index (`...ForSequenceClassification`, `...ForQuestionAnswering`, multiple choice, next sentence, pre-training) | the index is the shard's |
 | built | a `layer_types` entry but `full_attention` and `sliding_attention` (Llama 4's `chunked_attention`, ...) | cpref runs causal, full and sliding-window layers |
@@ -75,20 +82,33 @@ its error and the others raise too, naming it.
 | built | `attn_temperature_tuning` with NoPE layers (Llama 4) | it scales a query by its index in the shard |
 | first forward | attention sinks (a `sinks` parameter: GPT-OSS) | not in the kernel contract |
 | first forward | a pooler of the first token (BERT's: build with `add_pooling_layer=False`) | the first token is the shard's |
-| forward | no `cp=cpref.hf.CP(...)`, or not a `CP` | the layers cannot know the CP group or the documents |
-| forward | batch size above 1, or not `T / P` tokens | cpref attends one packed sequence, sharded |
-| forward | `position_ids` that are not the sharding's (another rank's, another layout's, `0 .. T / P - 1`) | RoPE and learned positions would be wrong |
-| forward | an `attention_mask` that marks a real token as padding, or a 4-D mask | the padding is the sharding's |
+| forward | no `cp=cpref.hf.CP(...)`, or not a `CP` (at a layer too) | the layers cannot know the CP group or the documents |
+| forward | extra positional arguments, or arguments the forward does not take | the checks read the arguments by name |
+| forward | no `input_ids` (nor `inputs_embeds`), batch size above 1 (at a layer too), or not `T / P` tokens | cpref attends one packed sequence, sharded |
+| forward | a model whose forward has no `position_ids` parameter (nor `**kwargs`), called without them | it would number each shard from 0 |
+| forward | `position_ids` that are not `(1, T / P)` integers, or not the sharding's (another rank's, another layout's, `0 .. T / P - 1`) | RoPE and learned positions would be wrong |
+| forward | an `attention_mask` that is not a `(1, T / P)` padding mask (a 4-D mask), holds values other than 0 and 1, or marks a real token as padding | the padding is the sharding's |
 | forward | `cu_seq_lens_q`/`_k` that are not the sharding's boundaries | the documents are the sharding's |
 | forward | `logits_to_keep`, image or audio inputs | they read the shard's last tokens, or are not text |
+| forward | `softcap=` or `s_aux=` passed to the model | not in the kernel contract |
+| forward | `labels` or `shift_labels` that are not this rank's `T / P` integer labels | they label the shard's tokens |
 | forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
-| forward | ranks that pass different loss arguments or position starts | the ranks would compute different things |
+| forward | `labels=` that are `shard_batch`'s labels (already the next tokens; pass `shift_labels=batch["shift_labels"][None]`) | the model would shift them a second time |
+| forward | another rank's inputs that failed these checks (a `cpref.errors.PeerInputError` naming that rank) | that rank does not go on to the collectives |
+| forward | ranks that pass different loss arguments, `use_cache` or caches, training modes, activation checkpointing, autograd or position starts | the ranks would compute different things, or refuse at different layers |
+| layer | a layer reached without the model-level checks (called on its own, or the model's forward pre-hook removed) | its positions, masks and labels were not checked |
 | layer | a key/value cache (more keys than queries, `use_cache=True` in training) | a rank's keys are not its queries' keys |
 | layer | attention dropout in training | cpref's kernels have none; set `attention_dropout=0.0` |
 | layer | logit soft-capping (`softcap`), attention sinks (`s_aux`) passed to the layer | not in the kernel contract |
+| layer | an attention mask that reaches the layer (one the model makes of its own) | the padding is the sharding's |
 | layer | a sliding window without a causal mask | models differ in what it means |
 | layer | a mask function of the model's own (`or_mask_function`, e.g. image tokens) | cpref's masks are the sharding's |
-| `CP(...)` | `options` with `causal`, `softmax_scale` or `window` | every layer gives its own |
+| `CP(...)` | a communicator that is not a `cpref.comm.Collectives`, a sharding that is not a `cpref.Sharding`, or one over another CP size than the group's | every layer attends the batch's shards over the group |
+| `CP(...)` | a mode not in `cpref.MODES`, `options` that are not a dict, or with `causal`, `softmax_scale` or `window` | every layer gives its own causal mask, scale and window |
+| `shard_batch` | no `input_ids` tensor, ids that are not integers `(B, L)`, a per-token tensor of another shape, a float `attention_mask`, `position_ids` or `labels`, `shift_labels` in the batch | what the documents and labels are read from |
+| `shard_batch` | an `attention_mask` with values other than 0 and 1, or padding between a row's tokens; a batch of padding only | a row's tokens are one run |
+| `shard_batch` | `position_ids` that do not restart at 0 at every document and count up by 1 | they tell the documents of a pack |
+| `shard_batch` | the collator's `cu_seq_lens_q`/`_k` or `seq_idx` that are not the batch's documents | the documents are told once |
 """
 
 from __future__ import annotations

@@ -26,9 +26,16 @@ $$ \text{labels}'_i = \begin{cases} \text{labels}_{i+1} & i + 1 \text{ in the do
    \text{ and } \text{labels}_{i+1} \ne -100 \\ \text{(masked)} & \text{otherwise} \end{cases} $$
 
 The result is what `get_batch_on_this_cp_rank` returns: `tokens`, `labels` (already the next
-tokens: use them with `cpref.cp_loss`, or pass them as `shift_labels=`, never as `labels=`),
-`loss_mask`, `position_ids`, the batch's `sharding`, and any other per-token tensor of the batch
-(`token_type_ids`, ...) sliced alike.
+tokens, for `cpref.cp_loss`), `loss_mask`, `position_ids`, the batch's `sharding`, and any other
+per-token tensor of the batch (`token_type_ids`, ...) sliced alike; and `shift_labels`, the same
+labels with `-100` where no loss is taken, for the model's own loss:
+`model(..., shift_labels=b["shift_labels"][None], cp=cp).loss`.
+
+**Not `labels=`.** A `transformers` causal LM shifts its `labels=` itself, so these labels, already
+shifted, would be shifted a second time: one token off, silently. The batch's `sharding` (a
+[`BatchSharding`][cpref.hf.batch.BatchSharding], equal to the plain `Sharding`) remembers this
+rank's labels, and the model-level checks ([`cpref.hf.guard`][cpref.hf.guard]) refuse them as
+`labels=`, naming `shift_labels=` (on every rank alike, before any communication).
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ import torch
 
 from cpref.data import get_batch_on_this_cp_rank
 from cpref.errors import CPInputError
+from cpref.sharding import Sharding
 
-__all__ = ["shard_batch", "documents"]
+__all__ = ["shard_batch", "documents", "BatchSharding"]
 
 IGNORE = -100  # transformers' ignore_index
 _DERIVED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -60,12 +68,14 @@ def shard_batch(batch: Mapping[str, Any], *, cp_size: int, rank: int, layout: st
 
     Returns:
         `get_batch_on_this_cp_rank`'s dict: `tokens`, `labels` (the next tokens), `loss_mask`,
-        `position_ids`, `sharding` and the other per-token tensors, each `(T / P, ...)`.
+        `position_ids`, `sharding` (a `BatchSharding`) and the other per-token tensors, each
+        `(T / P, ...)`; and `shift_labels (T / P,)`, the labels with -100 where `loss_mask` is 0.
 
     Raises:
-        CPInputError: for a batch without `input_ids`, tensors of another shape, a mask that is not
-            0/1 or has holes inside a row's tokens, positions that do not restart at 0 and count up
-            by 1, boundaries of the collator's that are not the documents, or no token at all.
+        CPInputError: for a batch without `input_ids`, non-integer ids, tensors of another shape, a
+            float mask, positions or labels, a mask that is not 0/1 or has holes inside a row's
+            tokens, positions that do not restart at 0 and count up by 1, boundaries of the
+            collator's that are not the documents, `shift_labels` in the batch, or no token at all.
 
     Examples:
         >>> import torch
@@ -88,7 +98,41 @@ def shard_batch(batch: Mapping[str, Any], *, cp_size: int, rank: int, layout: st
     for name, x in tensors.items():
         if name not in ("input_ids", "attention_mask", "position_ids", "labels"):
             out[name] = x.reshape(-1, *x.shape[2:])[take]  # (T, ...)
-    return get_batch_on_this_cp_rank(out, cu, cp_size=cp_size, rank=rank, layout=layout, pad_token_id=pad_token_id)
+    b = get_batch_on_this_cp_rank(out, cu, cp_size=cp_size, rank=rank, layout=layout, pad_token_id=pad_token_id)
+    b["shift_labels"] = b["labels"].masked_fill(b["loss_mask"] == 0, IGNORE)  # (T / P,) for shift_labels=
+    b["sharding"] = BatchSharding.of(b["sharding"], rank, b["labels"], b["loss_mask"])
+    return b
+
+
+class BatchSharding(Sharding):
+    """The `Sharding` of a batch `shard_batch` made, which also holds this rank's `labels` and `loss_mask`.
+
+    It is the batch's `Sharding` (equal to it, the same plans; pickled or copied, a plain one); what it
+    adds is what tells its labels (already the next tokens) if a forward gets them as `labels=`.
+    """
+
+    __slots__ = ("rank", "labels", "loss_mask")
+
+    @classmethod
+    def of(cls, sharding: Sharding, rank: int, labels: torch.Tensor, loss_mask: torch.Tensor) -> BatchSharding:
+        """`sharding`, holding rank `rank`'s `labels` and `loss_mask` `(T / P,)` too."""
+        made = object.__new__(cls)
+        for name in Sharding.__slots__:
+            object.__setattr__(made, name, object.__getattribute__(sharding, name))
+        for name, value in (("rank", rank), ("labels", labels), ("loss_mask", loss_mask)):
+            object.__setattr__(made, name, value)
+        return made
+
+    def made_labels(self, labels: torch.Tensor, input_ids: torch.Tensor | None, rank: int) -> bool:
+        """Whether a forward's `labels` on rank `rank` are these labels (on the loss tokens), not the tokens' own ids."""
+        where = self.loss_mask != 0  # (T / P,)
+        if rank != self.rank or labels.numel() != where.numel() or not bool(where.any()):
+            return False
+        given = labels.reshape(-1).to(where.device)[where].long()  # (loss tokens,)
+        if not torch.equal(given, self.labels[where].long()):
+            return False
+        own = None if input_ids is None else input_ids.reshape(-1).to(where.device)[where].long()
+        return own is None or not torch.equal(given, own)  # ids equal to their next ones: labels the model may shift
 
 
 def _rows(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -100,6 +144,9 @@ def _rows(batch: Mapping[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tenso
     ids = ids[None] if ids.dim() == 1 else ids  # (B, L)
     if ids.dim() != 2 or ids.is_floating_point() or ids.numel() == 0:
         raise CPInputError(f"input_ids must be integer token ids (B, L), got {tuple(ids.shape)} {ids.dtype}")
+    if "shift_labels" in batch:
+        raise CPInputError("shard_batch makes shift_labels itself, from labels (shifted inside every document); "
+                           "pass labels (transformers' convention: each token's own id), or none for the input_ids")  # fmt: skip
     tensors = {}
     for name, given in batch.items():
         if name in _DERIVED or not isinstance(given, torch.Tensor):

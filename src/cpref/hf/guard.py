@@ -7,8 +7,11 @@ Under CP each rank holds a shard, so that work would be silently wrong. A forwar
 installed on every model built with cpref's name ([`cpref.hf.admit`][cpref.hf.admit]), makes
 it right or refuses, before the model runs:
 
-1. **Inputs.** One packed sequence (batch size 1) of exactly this rank's `T / P` tokens; no
-   `logits_to_keep` (it keeps the shard's last tokens) and no image or audio inputs.
+1. **Inputs.** The layers cpref does not run are refused at the first forward
+   ([`cpref.hf.admit`][cpref.hf.admit]); the call's arguments go by name (no extra positional
+   ones); one packed sequence (batch size 1) of exactly this rank's `T / P` tokens; no
+   `logits_to_keep` (it keeps the shard's last tokens), no image or audio inputs, no `softcap=`
+   or `s_aux=` for the layers.
 2. **Positions.** Missing `position_ids` are filled in from the sharding: every token's
    position in its document (from `padding_idx + 1` for the RoBERTa family, as their
    embeddings count). Given ones must be the sharding's positions of this rank's real tokens,
@@ -22,16 +25,24 @@ it right or refuses, before the model runs:
    boundaries, and are then dropped with `max_length_q`/`_k`.
 4. **Agreement.** The ranks exchange one row of ints (host side where the communicator can,
    as [`cpref.consistency`][cpref.consistency] does): whether each rank's inputs passed, which
-   loss arguments it passed and its positions' start. A rank whose inputs failed raises its own
-   error and every other rank raises too, naming it; ranks that disagree all raise, naming
-   what differs. Nothing else has been communicated.
+   loss arguments it passed, what the layers' own refusals read (`use_cache` as the model takes
+   it, training mode, activation checkpointing, autograd, the tokens a given key/value cache
+   holds) and its positions' start. A rank whose inputs failed raises its own error and every
+   other rank raises too, naming it; ranks that disagree all raise, naming what differs. Nothing
+   else has been communicated. So a layer that refuses (a cache, `use_cache=True` or dropout in
+   training) refuses on every rank alike, the same model on each, and no rank waits for
+   another in a collective.
 5. **Labels.** `labels=` keeps its meaning in `transformers` (the model shifts them): the
    ranks all-gather their label shards (`T / P` ints each) and shift them over the unsharded,
    unpadded stream, exactly as the model does without CP, so each rank gets `shift_labels` for
    its tokens; `num_items_in_batch` (when not given) is the number of loss tokens of the whole
    batch. The model's `loss` on a rank is then that rank's share: the shares add up to the
    mean over the batch. With `shift_labels` and no `num_items_in_batch`, the count is one
-   all-reduce. Only causal LMs shift; `labels=` of any other head is refused.
+   all-reduce, and `shift_labels` alone are handed on as `labels` too (`transformers` computes a
+   loss only where labels are given). Only causal LMs shift; `labels=` of any other head is
+   refused, and so are the labels of [`shard_batch`][cpref.hf.batch.shard_batch] passed as
+   `labels=` (they are already the next tokens: step 1 tells them by their values and refuses
+   them, naming `shift_labels=`).
 
 $$ \text{shift\_labels}_i = \text{labels}_{g(i) + 1}, \qquad \text{loss}_r = \frac{\sum_{i \in r}
    \ell_i}{\#\{j : \text{labels}_{j+1} \ne -100\}} $$
@@ -51,13 +62,17 @@ import torch
 from cpref.consistency import exchange
 from cpref.errors import CPInputError, PeerInputError
 from cpref.hf.admit import check_config, check_modules
+from cpref.hf.batch import BatchSharding
 from cpref.hf.layer import CP, NAMES, Checked
 from cpref.sharding import Sharding
 
-__all__ = ["guard", "LOSS_KEYS", "MULTIMODAL"]
+__all__ = ["guard", "LOSS_KEYS", "MULTIMODAL", "ROW"]
 
 LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")  # the loss arguments the ranks must pass alike
 MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_embeds", "input_features", "input_values")
+LAYER_ONLY = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}  # what a layer refuses, if passed
+# step 4's row after "inputs valid": what the ranks must pass alike (the layers' refusals read the middle ones)
+ROW = (*LOSS_KEYS, "use_cache", "training", "activation checkpointing", "autograd", "cached tokens", "the position_ids' start")
 
 
 def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -73,22 +88,21 @@ def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
                            "model(..., cp=cpref.hf.CP(comm, sharding, mode=...))")  # fmt: skip
     if not isinstance(cp, CP):
         raise CPInputError(f"{what}: cp= must be a cpref.hf.CP, got {type(cp).__name__}")
-    check_config(model.config, what)
-    start = _scan(model)
-    call, accepts_positions = _bind(model, args, kwargs)
-    device = _device(call)
-    problem, offset = None, -1
+    call, problem, offset = dict(kwargs), None, -1
     try:
-        # 1-3) this rank's own inputs
+        # 1-3) the model's layers (once a model), then this rank's own inputs
+        check_config(model.config, what)
+        start = _scan(model)
+        call, accepts_positions = _bind(model, args, kwargs)
         _check_inputs(model, call, cp.sharding, cp.comm.rank, what)
-        offset = _positions(call, cp.sharding, cp.comm.rank, start, accepts_positions, device, what)
+        offset = _positions(call, cp.sharding, cp.comm.rank, start, accepts_positions, _device(call), what)
         _check_mask(call, cp.sharding, cp.comm.rank, what)
     except CPInputError as err:
         problem = err
-    # 4) every rank's verdict, and the arguments that decide what is communicated next
-    _agree(cp, what, problem, [int(call.get(k) is not None) for k in LOSS_KEYS], offset, device)
+    # 4) every rank's verdict, the arguments that decide what is communicated next and what the layers refuse
+    _agree(cp, what, problem, _row(model, call, offset), _device(call))
     # 5) labels over the unsharded batch
-    _loss_arguments(call, cp)
+    _loss_arguments(model, call, cp)
     call["cp"] = Checked(cp.comm, cp.sharding, cp.mode, cp.options)
     return (), call
 
@@ -108,7 +122,10 @@ def _scan(model: torch.nn.Module) -> int:
 def _bind(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], bool]:
     """The forward's arguments by name, and whether it takes `position_ids`."""
     sig = inspect.signature(model.forward)
-    bound = sig.bind(*args, **kwargs)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as err:
+        raise CPInputError(f"{type(model).__name__}: the call does not match its forward: {err}") from None
     call: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
@@ -129,7 +146,7 @@ def _device(call: dict) -> torch.device:
 
 
 def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, what: str) -> None:
-    """Step 1, and the shapes of the loss arguments."""
+    """Step 1: the tokens, what the model or its layers would read wrongly, and the loss arguments."""
     x = call.get("input_ids") if call.get("input_ids") is not None else call.get("inputs_embeds")
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -143,6 +160,9 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
     for key in MULTIMODAL:
         if call.get(key) is not None:
             raise CPInputError(f"{what}: {key}= is not supported under CP: cpref.hf runs text models")
+    for key, what_it_is in LAYER_ONLY.items():
+        if call.get(key) is not None:
+            raise CPInputError(f"{what}: {what_it_is} ({key}=) is not supported by cpref; call the model without it")
     keep = call.get("logits_to_keep")
     if isinstance(keep, torch.Tensor) or (keep is not None and keep != 0):
         raise CPInputError(f"{what}: logits_to_keep={keep!r} keeps the last tokens of this rank's shard, not of the "
@@ -155,6 +175,11 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
                                f"{list(s.cu_seqlens)[:8]} (the sharding's); pass the batch through cpref.hf.shard_batch")  # fmt: skip
     for key in ("max_length_q", "max_length_k"):
         call.pop(key, None)  # derived from the boundaries
+    _check_labels(model, call, s, rank, what)
+
+
+def _check_labels(model: torch.nn.Module, call: dict, s: Sharding, rank: int, what: str) -> None:
+    """Step 1's loss arguments: this rank's integer labels, of a causal LM, not shifted already."""
     for key in ("labels", "shift_labels"):
         y = call.get(key)
         if y is None:
@@ -165,6 +190,11 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
         if key == "labels" and not _causal_lm(model):
             raise CPInputError(f"{what}: labels= under CP are shifted for causal LMs only; compute this head's loss "
                                "from its outputs with cpref.cp_loss (normalised over the whole batch)")  # fmt: skip
+        if key == "labels" and call.get("shift_labels") is None and isinstance(s, BatchSharding) and s.made_labels(
+                y, call.get("input_ids"), rank):  # fmt: skip
+            raise CPInputError(f"{what}: labels= are cpref.hf.shard_batch's labels, which are already the next tokens: "
+                               "the model would shift them a second time; pass shift_labels=batch['shift_labels'][None] "
+                               "instead (batch = cpref.hf.shard_batch(...))")  # fmt: skip
 
 
 def _causal_lm(model: torch.nn.Module) -> bool:
@@ -237,12 +267,33 @@ def _check_mask(call: dict, s: Sharding, rank: int, what: str) -> None:
     call["attention_mask"] = None  # its padding is the sharding's: kept out of attention already
 
 
-def _agree(cp: CP, what: str, problem: CPInputError | None, given: list[int], offset: int, device: torch.device) -> None:
+def _row(model: torch.nn.Module, call: dict, offset: int) -> list[int]:
+    """Step 4's row, in the order of `ROW`: what the ranks must pass alike."""
+    use_cache = call.get("use_cache")
+    use_cache = getattr(model.config, "use_cache", None) if use_cache is None else use_cache  # as the model takes it
+    cache = call.get("cache") if call.get("cache") is not None else call.get("past_key_values")  # the old name too
+    held = -1 if cache is None else int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else -2
+    flags = (model.training, getattr(model, "is_activation_checkpointing", False), torch.is_grad_enabled())
+    return [*(int(call.get(k) is not None) for k in LOSS_KEYS), -1 if use_cache is None else int(bool(use_cache)),
+            *(int(bool(f)) for f in flags), held, offset]  # fmt: skip
+
+
+def _show(name: str, code: int) -> str:
+    if name in LOSS_KEYS:
+        return "given" if code else "none"
+    if name == "use_cache":
+        return repr((None, False, True)[code + 1])
+    if name == "cached tokens":
+        return {-1: "no cache", -2: "a cache"}.get(code, str(code))
+    return str(code) if name == ROW[-1] else repr(bool(code))
+
+
+def _agree(cp: CP, what: str, problem: CPInputError | None, row: list[int], device: torch.device) -> None:
     """Step 4: every rank raises alike (see the module docstring)."""
     comm = cp.comm
     if comm.size > 1:
-        rows, who = exchange(comm, [int(problem is None), *given, offset], device)
-        failed = [label for label, row in zip(who, rows) if not row[0]]
+        rows, who = exchange(comm, [int(problem is None), *row], device)
+        failed = [label for label, r in zip(who, rows) if not r[0]]
         if failed and problem is None:
             named = "a rank" if who[0] == "lowest code" else ", ".join(failed)
             raise PeerInputError(f"{what}: the inputs of {named} of the CP group failed the model-level checks (that "
@@ -250,23 +301,24 @@ def _agree(cp: CP, what: str, problem: CPInputError | None, given: list[int], of
                                  "no rank waits in a collective")  # fmt: skip
         if problem is None:
             lines = []
-            for i, name in enumerate(LOSS_KEYS, start=1):
-                if len({row[i] for row in rows}) > 1:
-                    lines.append(f"{name}: " + "; ".join(f"{label}: {'given' if row[i] else 'none'}" for label, row in zip(who, rows)))
-            starts = {row[-1] for row in rows if row[-1] >= 0}
-            if len(starts) > 1:
-                lines.append("the position_ids' start: " + "; ".join(f"{label}: {row[-1]}" for label, row in zip(who, rows) if row[-1] >= 0))
+            for i, name in enumerate(ROW, start=1):
+                shown = [(label, r[i]) for label, r in zip(who, rows) if name != ROW[-1] or r[i] >= 0]  # -1: no real token
+                if len({code for _, code in shown}) > 1:
+                    lines.append(f"{name}: " + "; ".join(f"{label}: {_show(name, code)}" for label, code in shown))
             if lines:
                 raise CPInputError(f"{what}: the ranks of the CP group pass different arguments to the model, which "
                                    "would give wrong results or collectives that do not match:\n  " + "\n  ".join(lines)
-                                   + "\npass the same loss arguments and positions of the same numbering on every rank")  # fmt: skip
+                                   + "\npass the same loss arguments, use_cache and cache, training mode, activation "
+                                   "checkpointing and autograd, and positions of the same numbering on every rank")  # fmt: skip
     if problem is not None:
         raise problem
 
 
-def _loss_arguments(call: dict, cp: CP) -> None:
+def _loss_arguments(model: torch.nn.Module, call: dict, cp: CP) -> None:
     """Step 5: `shift_labels` over the unsharded stream, and the batch's loss tokens."""
     labels, shift = call.get("labels"), call.get("shift_labels")
+    if labels is None and shift is not None and _causal_lm(model):
+        labels = call["labels"] = shift  # transformers computes a loss only where labels are given
     if labels is None:
         return
     s, comm, ignore = cp.sharding, cp.comm, call.get("ignore_index", -100)
