@@ -25,7 +25,7 @@ from cpref.errors import PeerInputError
 from cpref.hf.guard import ROW, guard
 from sim import SimCluster
 from tests.models.test_hf_attention import pack
-from tests.models.test_hf_guard import only_the_row, refused, run
+from tests.models.test_hf_guard import logits, only_the_row, refused, run
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,6 +50,7 @@ ROWS = {
                  ("is not supported under CP: cpref.hf runs text", "`logits_to_keep`, image or audio inputs"),
                  ("logits_to_keep={keep!r}", "`logits_to_keep`, image or audio inputs"),
                  ("({key}=) is not supported by cpref", "`softcap=` or `s_aux=` passed to the model"),
+                 ("differs from its layers' own", "`is_causal=` passed to the model"),
                  ("are not the batch's document boundaries", "`cu_seq_lens_q`/`_k` that are not the sharding's"),
                  ("integer labels (1, T_l)", "`labels` or `shift_labels` that are not"),
                  ("shifted for causal LMs only", "`labels=` of a head that is not a causal LM"),
@@ -209,6 +210,7 @@ def test_a_layers_refusal_is_raised_on_every_rank_alike_before_its_collectives(h
     ("pooler", "its pooler (model.pooler) reads the first token"),
     ("sinks", "attention sinks (model.layers.0.self_attn.sinks"),
     ("softcap", "logit soft-capping (softcap=) is not supported"),
+    ("is_causal", "is_causal=False differs from its layers' own (is_causal [True])"),
     ("positional", "the call does not match its forward: too many positional arguments"),
 ])  # fmt: skip
 def test_a_first_forward_refusal_of_one_rank_is_raised_on_every_rank(how, match):
@@ -224,6 +226,8 @@ def test_a_first_forward_refusal_of_one_rank_is_raised_on_every_rank(how, match)
                 model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
             elif how == "softcap":
                 kw["softcap"] = 30.0
+            elif how == "is_causal":  # SDPA would attend bidirectionally; cpref's layers would not: never silently
+                kw["is_causal"] = False
             else:
                 args, kw = (b["tokens"][None], None, b["position_ids"][None], None, None, None, False, 0, "more"), {"cp": cp}
         return model(*args, **kw).logits
@@ -286,3 +290,14 @@ def test_cp_that_is_not_a_cp_is_refused_by_the_model():
         attn_implementation=cpref.hf.NAME))  # fmt: skip
     with pytest.raises(cpref.CPInputError, match="LlamaForCausalLM: cp= must be a cpref.hf.CP, got str"):
         model(torch.zeros(1, 4, dtype=torch.long), use_cache=False, cp="p2p")
+
+
+def test_is_causal_that_is_every_layers_own_is_taken():
+    """`is_causal=True` on a causal model changes nothing (the refusal above is of a value the layers do not have)."""
+
+    def go(model, b, cp, comm):
+        return logits(model, b, cp, comm, position_ids=b["position_ids"][None], is_causal=True), logits(
+            model, b, cp, comm, position_ids=b["position_ids"][None])  # fmt: skip
+
+    results, _ = run("llama3", 2, "zigzag", go)
+    assert all(torch.equal(given, plain) for given, plain in results), results

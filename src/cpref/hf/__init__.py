@@ -91,6 +91,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | `cu_seq_lens_q`/`_k` that are not the sharding's boundaries | the documents are the sharding's |
 | forward | `logits_to_keep`, image or audio inputs | they read the shard's last tokens, or are not text |
 | forward | `softcap=` or `s_aux=` passed to the model | not in the kernel contract |
+| forward | `is_causal=` passed to the model that is not every layer's own `is_causal` | the layers attend with their own |
 | forward | `labels` or `shift_labels` that are not this rank's `T / P` integer labels | they label the shard's tokens |
 | forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
 | forward | `labels=` that are `shard_batch`'s labels (already the next tokens; pass `shift_labels=batch["shift_labels"][None]`) | the model would shift them a second time |

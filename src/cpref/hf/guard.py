@@ -75,6 +75,17 @@ LAYER_ONLY = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}  # wh
 ROW = (*LOSS_KEYS, "use_cache", "training", "activation checkpointing", "autograd", "cached tokens", "the position_ids' start")
 
 
+def _check_is_causal(model: torch.nn.Module, given: Any, what: str) -> None:
+    """`is_causal=` passed to the model: `transformers`' SDPA lets it override each layer's own; cpref's layers read
+    their own `is_causal`, so a value that is not every layer's is refused rather than ignored."""
+    if given is None:
+        return
+    own = sorted({bool(m.is_causal) for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)})
+    if own != [bool(given)]:
+        raise CPInputError(f"{what}: is_causal={given!r} differs from its layers' own (is_causal {own}), which cpref "
+                           "attends with; call the model without is_causal=, or build it with the layers you mean")  # fmt: skip
+
+
 def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The forward pre-hook (`with_kwargs=True`): the module docstring's five steps; returns the call's arguments."""
     if model.config._attn_implementation not in NAMES:
@@ -163,6 +174,7 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
     for key, what_it_is in LAYER_ONLY.items():
         if call.get(key) is not None:
             raise CPInputError(f"{what}: {what_it_is} ({key}=) is not supported by cpref; call the model without it")
+    _check_is_causal(model, call.get("is_causal"), what)
     keep = call.get("logits_to_keep")
     if isinstance(keep, torch.Tensor) or (keep is not None and keep != 0):
         raise CPInputError(f"{what}: logits_to_keep={keep!r} keeps the last tokens of this rank's shard, not of the "
