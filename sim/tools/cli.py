@@ -4,9 +4,10 @@
   `prog: error: message`, exit status 2 (no usage block, no traceback), and whose `--help`
   shows every option's default;
 * [`positive`][sim.tools.cli.positive], [`positives`][sim.tools.cli.positives], [`nonnegative`][sim.tools.cli.nonnegative],
-  [`positive_float`][sim.tools.cli.positive_float], [`device_name`][sim.tools.cli.device_name]:
-  the `type=` of a whole number >= 1 (or a comma list of them) or >= 0, a finite number > 0, a torch
-  device this machine has;
+  [`positive_float`][sim.tools.cli.positive_float], [`seconds`][sim.tools.cli.seconds],
+  [`device_name`][sim.tools.cli.device_name]: the `type=` of a whole number >= 1 (or a comma list of
+  them) or >= 0 (at most `2**63 - 1`, the most torch takes), a finite number > 0, a timeout a
+  process group can hold, a torch device this machine has;
 * [`dtype_name`][sim.tools.cli.dtype_name]: a dtype by cpref's short name (`fp32`) or torch's
   (`float32`, `torch.float32`), as the tools name them;
 * [`fail`][sim.tools.cli.fail]: the same one-line error for what is refused after parsing.
@@ -19,7 +20,8 @@ import math
 import sys
 from typing import NoReturn
 
-__all__ = ["Parser", "positive", "positives", "nonnegative", "positive_float", "device_name", "dtype_name", "fail", "DTYPE_ALIASES"]
+__all__ = ["Parser", "positive", "positives", "nonnegative", "positive_float", "seconds", "device_name", "dtype_name", "fail",
+           "DTYPE_ALIASES"]  # fmt: skip
 
 # torch's names of the dtypes the tools take -> their short names
 DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "float16": "fp16",
@@ -38,6 +40,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
+INT64_MAX = 2**63 - 1  # the largest whole number torch takes (sizes, indices, seeds); beyond it, an overflow deep inside
+
+
 def _whole(value: str, lo: int) -> int:
     try:
         n = int(value)
@@ -45,11 +50,13 @@ def _whole(value: str, lo: int) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= {lo}, got {value!r}") from None
     if n < lo:
         raise argparse.ArgumentTypeError(f"expected a whole number >= {lo}, got {n}")
+    if n > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected a whole number <= 2**63 - 1 (the most torch takes), got {n}")
     return n
 
 
 def positive(value: str) -> int:
-    """A whole number >= 1 (argparse `type=`)."""
+    """A whole number >= 1 (argparse `type=`), at most `2**63 - 1` as every whole number here."""
     return _whole(value, 1)
 
 
@@ -74,6 +81,18 @@ def positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}") from None
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value!r}")
+    return x
+
+
+def seconds(value: str) -> float:
+    """A process-group timeout in seconds (argparse `type=`): a finite number > 0 and at most
+    `sim.tools.launch.MAX_TIMEOUT_S` (about 292 years; `1e300` overflows the process group's clock)."""
+    from sim.tools.launch import MAX_TIMEOUT_S
+
+    x = positive_float(value)
+    if x > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, {MAX_TIMEOUT_S:.3g}] (longer overflows the process "
+                                         f"group's clock), got {value!r}")  # fmt: skip
     return x
 
 

@@ -80,6 +80,7 @@ from sim.tools.launch_watch import arm_stack_dump, die_with_parent, dump_stacks,
 
 __all__ = ["launch", "under_torchrun", "LaunchFailure", "RankFailure"]
 
+MAX_TIMEOUT_S = (2**63 - 1) / 1e9  # the longest process-group timeout: int64 nanoseconds (gloo refuses 9.3e12 s)
 _GRACE_S = 2.0  # after the first failure, how long to collect the other ranks' reports
 
 
@@ -172,12 +173,13 @@ def launch(
 
     Raises:
         LaunchFailure: if a rank raised or died: which, why, and its traceback.
-        ValueError: if `nproc < 1` or `timeout <= 0`.
+        ValueError: if `nproc < 1`, or `timeout` is not in `(0, MAX_TIMEOUT_S]`.
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"launch: nproc must be an int >= 1, got {nproc!r}")
-    if not timeout > 0:
-        raise ValueError(f"launch: timeout must be > 0 seconds, got {timeout!r}")
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"launch: timeout must be > 0 and at most {MAX_TIMEOUT_S:.3g} seconds (about 292 years, int64 "
+                         f"nanoseconds: a longer one overflows the process group's clock), got {timeout!r}")  # fmt: skip
     setup = (backend, float(timeout), threads, check_calls, device)
     if under_torchrun():
         return [_run_in_torchrun(fn, tuple(args), setup)]

@@ -57,13 +57,19 @@ Everything that could go wrong with the checkpoints is refused **before the firs
 the path or setting, both values and the fix:
 
 - `--save` into a directory that is neither empty nor a cpref checkpoint, a checkpoint that holds
-  files of yours, next to a `DIR.tmp` or `DIR.old` that a save of cpref's did not leave (a copy of
-  yours named so is kept), inside a checkpoint, under a file, where nothing can be written, or onto
-  the current directory ([where checkpoints live](checkpoint-files.md));
+  files of yours or does not verify (damaged or edited: `--overwrite` replaces it), a link, next to
+  a `DIR.tmp` or `DIR.old` that a save of cpref's did not leave (a copy of yours named so is kept),
+  inside a checkpoint, under a file, where nothing can be written, or onto the current directory
+  ([where checkpoints live](checkpoint-files.md));
 - `--save` onto a checkpoint this run does not continue (it did not `--resume` from it), or at a
   later step than this run's first save (a step never moves back); `--overwrite` replaces it
   deliberately, and even then only cpref's own files go;
-- a value out of range: `--lr inf`, `--pack-tokens 1`, `--steps 0` (one line each, before anything runs);
+- a value out of range: `--lr inf`, or `1e39` (beyond what AdamW can step float32 parameters by),
+  `--pack-tokens 1`, `--steps 0`, an empty `--save ''`, `--a2a-size` with a mode that has no a2a group
+  (one line each, before anything runs);
+- a run the data cannot fill: it takes `--steps x --dp x --micro-batches` packs of `--pack-tokens`
+  tokens (the built-in data holds 522 packs of 512 tokens), and the line says how many steps, or how
+  large packs, the data holds;
 - `--resume` with `--steps` at or below the checkpoint's step (nothing to train);
 - `--resume` of another model, other packs per step (`dp x micro_batches`), or other settings
   (`--lr`, `--pack-tokens`, clipping, `--dtype`): `--override lr` (repeatable) trains on with this
@@ -92,7 +98,7 @@ from cpref.checks import as_int
 from cpref.errors import CPInputError
 from cpref.api import check_mode
 from cpref.kernels.contract import NO_WINDOW
-from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, train
+from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, check_packs, train
 from sim.tools.cli import Parser, dtype_name, fail, positive, positive_float
 
 __all__ = ["RunSpec", "PRESETS", "run_rank", "run_sim", "main"]
@@ -139,6 +145,11 @@ class RunSpec:
         for name, lo in (("cp", 1), ("dp", 1), ("steps", 1), ("seed", 0)):
             as_int(name, getattr(self, name), lo=lo)
         as_int("pack_tokens", self.pack_tokens, lo=2)  # a pack holds a token and its end-of-document token at least
+        for name in ("save", "resume"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or not path or "\0" in path):
+                raise CPInputError(f"{name}={path!r} names no directory; pass a directory such as ckpt")
+        check_lr(self.train.lr, torch.get_default_dtype())  # the dtype CausalLM's parameters are built in
 
     def model_config(self) -> ModelConfig:
         """The preset of `model`, over the byte-level vocabulary."""
@@ -155,6 +166,21 @@ class RunSpec:
         model = json.loads(json.dumps(c.__dict__))  # as meta.json holds it: tuples are lists there
         return CheckpointMeta(step, self.dp, self.cp, self.train.mode, self.train.layout, self.train.micro_batches,
                               model, self.settings())  # fmt: skip
+
+
+BETAS = (0.9, 0.999)  # AdamW's (torch's defaults), named here because the learning rate's bound derives from them
+
+
+def check_lr(lr: float, dtype: torch.dtype) -> None:
+    """Refuse a learning rate AdamW cannot step parameters of `dtype` by: step `t` moves a parameter by up to
+    `lr / (1 - beta1^t)` (the bias correction), from `lr / (1 - beta1)` at the first step down to `lr`, and every
+    such step must be a finite, normal number of `dtype` (1e39 overflows float32, 1e-50 is 0 there)."""
+    info = torch.finfo(dtype)
+    lo, hi = info.tiny, info.max * (1 - BETAS[0])
+    if not lo <= lr <= hi:
+        raise CPInputError(f"lr={lr:g} is outside [{lo:.3g}, {hi:.3g}], the learning rates AdamW can step {dtype} "
+                           f"parameters by (its first step is lr / (1 - beta1) = {1 / (1 - BETAS[0]):g} x lr, its "
+                           "last about lr); pass a learning rate such as 3e-3")  # fmt: skip
 
 
 def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
@@ -184,9 +210,8 @@ def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
     elif spec.override:
         raise CPInputError(f"--override {' '.join(spec.override)} without --resume: there is no checkpoint to differ from")
     if spec.save:
-        plan = Checkpointing(spec.save, spec.meta, spec.save_every)
-        saves = [d for d in range(start + 1, spec.steps + 1) if plan.due(d, spec.steps)]
-        check_save(spec.save, saves[0], overwrite=spec.overwrite, resumed=spec.resume)
+        first = Checkpointing(spec.save, spec.meta, spec.save_every).saves(start, spec.steps)[0]
+        check_save(spec.save, first, overwrite=spec.overwrite, resumed=spec.resume)
     return found, notes
 
 
@@ -205,7 +230,7 @@ def run_rank(world: Any, spec: RunSpec, payload: Any = None, on_step: Callable[[
     resume, _ = preflight(spec)  # before any communication: every rank refuses alike
     topo = topology(world, spec)
     model = CausalLM(spec.model_config(), seed=spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, betas=BETAS)
     start = 0
     if resume is not None:
         start = load_checkpoint(resume, model, optimizer, expect=spec.meta(0), payload=payload, override=spec.override).step
@@ -266,7 +291,11 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
     p.add_argument("--overwrite", action="store_true", help="let --save replace a checkpoint at a later step")
     a = p.parse_args(argv)
     options = cpref.MODES[a.mode].example_options(a.cp)  # what the mode runs with at this CP size
-    if a.a2a_size and "a2a_size" in options:
+    takes = [m for m in sorted(cpref.MODES) if any(o.name == "a2a_size" for o in cpref.MODES[m].options)]
+    if a.a2a_size is not None and a.mode not in takes:  # it would be ignored
+        p.error(f"--a2a-size {a.a2a_size} is an option of mode {', '.join(takes)}, not of {a.mode}; drop it, or pass "
+                f"--mode {takes[0]}")  # fmt: skip
+    if a.a2a_size is not None:
         options["a2a_size"] = a.a2a_size
     try:
         config = TrainConfig(mode=a.mode, layout=a.layout, options=options, micro_batches=a.micro_batches, lr=a.lr,
@@ -286,6 +315,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -
     """Run the training the arguments describe; rank 0 prints one line per step."""
     spec, backend = parse(argv, prog)
     try:
+        check_packs(PackSource(spec.documents, spec.pack_tokens), spec.steps, spec.dp, spec.train.micro_batches)
         _, notes = preflight(spec)  # refused here, before any process starts or step trains
     except CPInputError as exc:
         return fail(prog, str(exc))

@@ -108,7 +108,8 @@ def _source_key(source: Any) -> tuple:
     if source is None:
         return ("none",)
     try:
-        key = ("value", tuple(source))  # validated when the entry is built
+        values = tuple(source)  # validated when the entry is built; with their types, as 1.0 == 1 == True:
+        key = ("value", values, tuple(map(type, values)))  # [0.0, 8.0] must not reuse [0, 8]'s validated entry
         hash(key)
         return key
     except TypeError:

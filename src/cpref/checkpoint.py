@@ -135,7 +135,8 @@ def _load_weights(directory: Path, name: str) -> Any:
     try:
         return torch.load(directory / name, weights_only=True)
     except Exception as exc:  # a truncated or foreign file, or one that would run code
-        raise CPInputError(f"checkpoint {directory}: {name} cannot be read ({type(exc).__name__}: {exc})") from None
+        why = " ".join(str(exc).split())  # one line: torch's unpickling errors run over paragraphs
+        raise CPInputError(f"checkpoint {directory}: {name} cannot be read ({type(exc).__name__}: {why:.300})") from None
 
 
 FORMATS = {"torch": "torch.save, written on the simulated cluster or one process",
@@ -195,14 +196,24 @@ def check_save(directory: str | Path, first_step: int, *, overwrite: bool = Fals
 
     Besides [`check_target`][cpref.checkpoint_files.check_target]'s refusals: a checkpoint there (or
     beside it, left by an interrupted save) that this run does not continue (`resumed` names the
-    checkpoint it resumed from), or one at `first_step` or later; `overwrite` replaces either
-    deliberately, and even then only cpref's own files go. Pure reads, the same on every rank.
-    Returns the resolved directory (`pending`: see `check_target`).
+    checkpoint it resumed from), one there that does not verify (damaged or edited), or one at
+    `first_step` or later; `overwrite` replaces any of them deliberately, and even then only cpref's
+    own files go. Pure reads, the same on every rank. Returns the resolved directory (`pending`:
+    see `check_target`).
     """
     path = files.check_target(directory, pending=pending)
-    held = [p for p in (path, *files.siblings(path)) if _complete(p)]
+    problems = {p: _problem(p) for p in (path, *files.siblings(path))}
+    held = [p for p, problem in problems.items() if problem is None]
+    continued = resumed is not None and files.resolve(resumed) in problems
+    if overwrite:
+        return path
+    if files.is_checkpoint(path) and path not in held and not continued:  # damaged, or edited: still not the save's
+        raise CPInputError(
+            f"{path} holds a checkpoint that does not verify ({problems[path]}); a save would replace it. Move it "
+            "away, or replace it deliberately (--overwrite, overwrite=True)"
+        )
     newest = max((read_meta(p).step for p in held), default=None)
-    if newest is None or overwrite:
+    if newest is None:
         return path
     if newest >= first_step:
         raise CPInputError(
@@ -210,7 +221,6 @@ def check_save(directory: str | Path, first_step: int, *, overwrite: bool = Fals
             f"Resume from it (--resume {path}) and train past step {newest}, save elsewhere, or replace it "
             "deliberately (--overwrite, overwrite=True)"
         )
-    continued = resumed is not None and files.resolve(resumed) in (path, *files.siblings(path))
     if not continued:
         raise CPInputError(
             f"{path} holds a checkpoint at step {newest} that this run does not continue (it did not resume from it); "
@@ -220,12 +230,13 @@ def check_save(directory: str | Path, first_step: int, *, overwrite: bool = Fals
     return path
 
 
-def _complete(path: Path) -> bool:
+def _problem(path: Path) -> str | None:
+    """Why `path` holds no complete checkpoint, or None where it holds one."""
     try:
         read_meta(path)
-    except CPInputError:
-        return False
-    return True
+    except CPInputError as exc:
+        return str(exc)
+    return None
 
 
 def read_meta(directory: str | Path) -> CheckpointMeta:

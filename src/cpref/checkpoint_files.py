@@ -25,10 +25,13 @@ leftover. [`check_target`][cpref.checkpoint_files.check_target], which a trainin
 
 * a target that holds files cpref did not write, or beside a `DIR.tmp` / `DIR.old` that is
   not a save's own;
+* a target that is a link (to a folder, a file or nothing): a save would replace what it points to,
+  perhaps another checkpoint, so only the link's name is resolved, never the link;
 * a target **inside a checkpoint** (saving there would add files that checkpoint's sums do not
   list: it would no longer load), or named as another checkpoint's `.tmp` or `.old`;
-* a target that cannot be written: under a file, or in a directory this process may not write
-  to (checked by creating and removing an empty directory there);
+* a target that cannot be written: under a file, in a directory this process may not write
+  to (checked by creating and removing an empty directory there), or with a name (or a `DIR.tmp`
+  beside it) too long for the filesystem;
 * the current directory or one holding it, and the filesystem root.
 
 The same ownership is checked again at the moment of each deletion: a file that appeared in
@@ -47,8 +50,8 @@ from typing import Callable
 
 from cpref.errors import CPInputError
 
-__all__ = ["MARK", "OLD_MARK", "FORMAT_PREFIX", "resolve", "siblings", "foreign", "is_ours", "check_target", "claim",
-           "swap", "recover", "find"]  # fmt: skip
+__all__ = ["MARK", "OLD_MARK", "FORMAT_PREFIX", "resolve", "siblings", "foreign", "is_checkpoint", "is_ours",
+           "check_target", "claim", "swap", "recover", "find"]  # fmt: skip
 
 MARK = ".cpref-save"  # inside DIR.tmp while a save is writing it
 OLD_MARK = ".cpref-old"  # inside DIR.old, the previous checkpoint a save is replacing
@@ -57,8 +60,16 @@ NOT_SUMMED = ("meta.json", MARK, OLD_MARK)  # cpref's files that meta.json's sum
 
 
 def resolve(directory: str | Path) -> Path:
-    """The absolute path of a checkpoint directory; `.` and `..` resolved, the root refused."""
-    path = Path(directory).expanduser().resolve()
+    """The absolute path of a checkpoint directory; `.` and `..` and links above it resolved, the root refused.
+
+    A link named as the directory itself stays a link (a save refuses it): resolved, a save would
+    replace whatever it points to, e.g. another checkpoint.
+    """
+    try:
+        path = Path(directory).expanduser()
+        path = path.resolve() if path.name in ("", ".", "..") else path.parent.resolve() / path.name
+    except (RuntimeError, OSError) as exc:  # ~user of no such user, a loop of links
+        raise CPInputError(f"checkpoint directory {str(directory)!r} cannot be resolved ({exc}); name another") from None
     if not path.name:
         raise CPInputError(f"checkpoint directory {str(directory)!r} is the filesystem root; name a directory to save into")
     return path
@@ -81,7 +92,9 @@ def _summed(path: Path) -> set[str] | None:
     return set(sums) if isinstance(sums, dict) else None
 
 
-def _is_checkpoint(path: Path) -> bool:
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a directory (not a link) with a cpref `meta.json`, or a save's `DIR.tmp` being written
+    (complete or not: see `cpref.checkpoint.read_meta` for whether it verifies)."""
     return path.is_dir() and not path.is_symlink() and (_summed(path) is not None or (path / MARK).is_file())
 
 
@@ -111,7 +124,7 @@ def foreign(path: Path) -> list[str]:
 
 def is_ours(path: Path, mark: str | None = None) -> bool:
     """Whether `path` is a directory cpref wrote and holds nothing else (and, given `mark`, carries it)."""
-    if not _is_checkpoint(path) or (mark is not None and not (path / mark).is_file()):
+    if not is_checkpoint(path) or (mark is not None and not (path / mark).is_file()):
         return False
     return not foreign(path)
 
@@ -133,6 +146,14 @@ def check_target(directory: str | Path, *, pending: bool = False) -> Path:
         CPInputError: naming the path, what is wrong with it, and the fix (see the module docstring).
     """
     path = resolve(directory)
+    try:
+        return _check_target(path, directory, pending)
+    except OSError as exc:  # a name too long for the filesystem (DIR.tmp's too), a folder that cannot be read
+        raise CPInputError(f"cannot save a checkpoint to {path}: {type(exc).__name__}: {exc.strerror or exc} (for "
+                           f"{exc.filename or path}); name another directory") from None  # fmt: skip
+
+
+def _check_target(path: Path, directory: str | Path, pending: bool) -> Path:
     fix = "choose another directory to save into, or move it away"
     cwd = Path.cwd().resolve()
     if path == cwd or path in cwd.parents:
@@ -140,11 +161,14 @@ def check_target(directory: str | Path, *, pending: bool = False) -> Path:
                            "and a save replaces its directory as a whole; name a directory inside it, e.g. ckpt")  # fmt: skip
     _check_place(path)
     if path.exists() or path.is_symlink():
-        if not path.is_dir() or path.is_symlink():
+        if path.is_symlink():
+            raise CPInputError(f"cannot save a checkpoint to {path}: it is a link (to {os.readlink(path)}), and a save "
+                               "would replace what it points to; name the directory itself, or another")  # fmt: skip
+        if not path.is_dir():
             raise CPInputError(f"cannot save a checkpoint to {path}: it exists and is not a directory; {fix}")
         mine = foreign(path)
         if mine and not pending:
-            what = "is a checkpoint but" if _is_checkpoint(path) else "is not empty and not a cpref checkpoint:"
+            what = "is a checkpoint but" if is_checkpoint(path) else "is not empty and not a cpref checkpoint:"
             raise CPInputError(f"cannot save a checkpoint to {path}: it {what} it holds {_shown(mine)}, which cpref did "
                                "not write; a save replaces only an empty directory or a checkpoint of cpref's files "
                                f"alone, and never deletes yours; {fix}")  # fmt: skip
@@ -158,11 +182,11 @@ def check_target(directory: str | Path, *, pending: bool = False) -> Path:
 def _check_place(path: Path) -> None:
     """Refuse a target inside a checkpoint or named as a checkpoint's sibling, or where nothing can be written."""
     for parent in path.parents:
-        if _is_checkpoint(parent):
+        if is_checkpoint(parent):
             raise CPInputError(f"cannot save a checkpoint to {path}: it is inside the checkpoint {parent}, which would "
                                "then hold files its sums do not list and no longer load; save beside it, not in it")  # fmt: skip
     for suffix in (".tmp", ".old"):
-        if path.name.endswith(suffix) and _is_checkpoint(path.with_name(path.name.removesuffix(suffix))):
+        if path.name.endswith(suffix) and is_checkpoint(path.with_name(path.name.removesuffix(suffix))):
             raise CPInputError(f"cannot save a checkpoint to {path}: that is the name a save of the checkpoint "
                                f"{path.with_name(path.name.removesuffix(suffix))} uses beside it; name another directory")  # fmt: skip
     place = path.parent
@@ -194,7 +218,7 @@ def _steps(paths, complete) -> tuple[dict[Path, int], list[str]]:
             try:
                 found[p] = complete(p)
             except CPInputError as exc:
-                problems.append(f"  {p}: {exc}")
+                problems.append(f"{p}: {exc}")
     return found, problems
 
 
@@ -252,6 +276,13 @@ def swap(path: Path) -> None:
         _remove(old, OLD_MARK)
 
 
+def _marked(path: Path, mark: str) -> bool:
+    try:
+        return (path / mark).is_file()
+    except OSError:  # e.g. DIR.tmp of a DIR whose name is as long as the filesystem allows: it cannot exist
+        return False
+
+
 def find(directory: str | Path, complete: Callable[[Path], int]) -> tuple[Path, str | None]:
     """The checkpoint to resume from: `DIR` if complete, else the newest complete sibling a save left.
 
@@ -263,7 +294,11 @@ def find(directory: str | Path, complete: Callable[[Path], int]) -> tuple[Path, 
     """
     path = resolve(directory)
     tmp, old = siblings(path)
-    found, problems = _steps((path, *(p for p, mark in ((tmp, MARK), (old, OLD_MARK)) if (p / mark).is_file())), complete)
+    try:
+        found, problems = _steps((path, *(p for p, mark in ((tmp, MARK), (old, OLD_MARK)) if _marked(p, mark))), complete)
+    except OSError as exc:  # a name too long for the filesystem, a folder that cannot be read
+        raise CPInputError(f"cannot resume from {path}: {type(exc).__name__}: {exc.strerror or exc} (for "
+                           f"{exc.filename or path})") from None  # fmt: skip
     if path in found:
         return path, None
     if found:
@@ -273,4 +308,4 @@ def find(directory: str | Path, complete: Callable[[Path], int]) -> tuple[Path, 
     if not problems:
         raise CPInputError(f"no checkpoint to resume from at {path}: neither it nor a {tmp.name} or {old.name} that a "
                            "save left exists")  # fmt: skip
-    raise CPInputError(f"no complete checkpoint to resume from at {path}:\n" + "\n".join(problems))
+    raise CPInputError(f"no complete checkpoint to resume from at {path}: " + "; ".join(problems))

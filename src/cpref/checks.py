@@ -21,7 +21,7 @@ import torch
 
 from cpref.errors import CPInputError
 
-__all__ = ["as_int", "as_bool", "as_choice", "as_scale", "missing_members"]
+__all__ = ["as_int", "as_bool", "as_choice", "as_scale", "as_fill", "missing_members"]
 
 
 def _show(value: Any) -> str:
@@ -107,6 +107,42 @@ def as_scale(value: Any, compute: torch.dtype) -> float:
             f"[{info.tiny:.3g}, {info.max:.3g}], where the logits are computed; pass a scale such as D ** -0.5"
         )
     return scale
+
+
+def as_fill(name: str, value: Any, dtype: torch.dtype) -> int | float:
+    """`value` as a Python number, if a tensor of `dtype` holds it as it is: an int in the integer range of `dtype`
+    (a bool dtype: 0, 1, True or False), or a real number within the finite range of a floating
+    `dtype` (`inf` and `nan` pass). torch would wrap `-1` to 255 in `uint8`, and raise its own error for
+    300 in `uint8` or `1e6` in `float16`.
+
+    Examples:
+        >>> as_fill("value", -1, torch.uint8)
+        Traceback (most recent call last):
+        ...
+        cpref.errors.CPInputError: value=-1 does not fit torch.uint8, whose values are the integers in [0, 255]; pass a value in that range (or another dtype)
+    """
+    exact = dtype.is_floating_point or dtype.is_complex
+    if not isinstance(value, numbers.Real):
+        raise CPInputError(f"{name} must be a number that {dtype} holds, got {_show(value)}")
+    try:
+        number = operator.index(value) if isinstance(value, numbers.Integral) else float(value)
+    except OverflowError:  # a real beyond every float
+        number = None
+    if not exact and isinstance(number, float) and not number.is_integer():  # 2.5, inf, nan
+        raise CPInputError(f"{name} must be an integer for {dtype}, got {_show(value)}")
+    if dtype == torch.bool:
+        lo, hi, what = 0, 1, "0 and 1 (False and True)"
+    elif exact:
+        info = torch.finfo(dtype)
+        lo, hi, what = info.min, info.max, f"the numbers in [{info.min:.6g}, {info.max:.6g}], inf and nan"
+    else:
+        info = torch.iinfo(dtype)
+        lo, hi, what = info.min, info.max, f"the integers in [{info.min}, {info.max}]"
+    special = isinstance(number, float) and not math.isfinite(number)  # inf or nan, in a floating dtype
+    if number is None or (not special and not lo <= number <= hi):
+        raise CPInputError(f"{name}={value!r:.40} does not fit {dtype}, whose values are {what}; pass a value in that "
+                           "range (or another dtype)")  # fmt: skip
+    return float(number) if exact else int(number)
 
 
 def missing_members(obj: Any, protocol: type) -> list[str]:

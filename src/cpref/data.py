@@ -45,12 +45,13 @@ the loss is 0 with zero gradients, not NaN.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from typing import Any, Mapping
 
 import torch
 
-from cpref.checks import as_int
+from cpref.checks import as_fill, as_int
 from cpref.comm import Collectives, check_comm
 from cpref.consistency import exchange
 from cpref.errors import CPInputError, PeerInputError
@@ -105,6 +106,8 @@ def get_batch_on_this_cp_rank(
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise CPInputError(f"batch[{name!r}] is {got}, but cu_seqlens holds {sharding.cu_seqlens[-1]} tokens: every "
                                "value of the batch must be a (T, ...) tensor of the whole (unpadded) batch")  # fmt: skip
+    for name in ("tokens", "labels"):  # padded with pad_token_id: it must fit their dtype as it is
+        as_fill("pad_token_id", pad_token_id, batch[name].dtype)
     if "loss_mask" not in batch:
         batch["loss_mask"] = torch.ones_like(batch["tokens"], dtype=torch.float32)
     fill = {"tokens": pad_token_id, "labels": pad_token_id}
@@ -125,7 +128,8 @@ def cp_loss(
     Args:
         token_loss: `(T_l,)` per-token losses of this rank (floating).
         loss_mask: `(T_l,)` 1 for tokens that count, 0 for padding and ignored tokens; the
-            same shape as `token_loss` (no broadcasting).
+            same shape as `token_loss` (no broadcasting). A token whose mask is 0 takes no part, even
+            if its loss is NaN or inf.
         comm: the group the loss is normalised over (one all-reduce of a scalar count): the
             CP group, or the whole DP x CP group to make the loss the mean over every replica.
         count: the global number of loss tokens, if the caller has it already (e.g. over several
@@ -174,7 +178,9 @@ def cp_loss(
     if count is None:
         count = comm.all_reduce(mask.sum().detach().reshape(1))  # global number of loss tokens
     count = torch.as_tensor(count, dtype=token_loss.dtype, device=token_loss.device).reshape(())
-    return (token_loss * mask).sum() / count.clamp_min(1)
+    # a select, not a product: a masked token's loss of NaN or inf would survive `loss * 0`
+    kept = torch.where(mask != 0, token_loss * mask, torch.zeros_like(token_loss))  # (T_l,)
+    return kept.sum() / count.clamp_min(1)
 
 
 _COUNT_FIX = ("count is the loss tokens of every rank (and micro-batch) the loss is normalised over, the same on every "
@@ -217,7 +223,7 @@ def _loss_input_problem(token_loss: object, loss_mask: object, count: object = N
     if not token_loss.is_floating_point():
         return f"token_loss has dtype {token_loss.dtype}; it must be floating"
     if count is not None:
-        ok = isinstance(count, (int, float)) and not isinstance(count, bool) or (
+        ok = isinstance(count, numbers.Real) and not isinstance(count, bool) or (  # NumPy's numbers too
             isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool)  # fmt: skip
         if not ok:
             got = f"a tensor of shape {tuple(count.shape)}" if isinstance(count, torch.Tensor) else repr(count)

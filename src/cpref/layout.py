@@ -318,9 +318,9 @@ def _window_work(a: int, z: int, n: int, causal: bool, window: tuple[int, int], 
 
 def bshd_to_thd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A fixed-length batch `(B, S, ...)` as `B` packed documents: `((B S, ...), cu_seqlens)`."""
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] == 0:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or 0 in x.shape[:2]:  # B = 0: no document, no cu_seqlens
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise CPInputError(f"bshd_to_thd takes a batch (B, S, ...) of documents of S >= 1 tokens, got {got}")
+        raise CPInputError(f"bshd_to_thd takes a batch (B, S, ...) of B >= 1 documents of S >= 1 tokens, got {got}")
     b, s = x.shape[0], x.shape[1]
     return x.reshape(b * s, *x.shape[2:]), torch.arange(0, (b + 1) * s, s, dtype=torch.int64)
 

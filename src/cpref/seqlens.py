@@ -34,14 +34,15 @@ __all__ = ["Boundaries", "host_ints", "CuSeqlens", "LAYOUTS", "CHUNKED_LAYOUTS",
 CuSeqlens = torch.Tensor | Sequence[int]
 
 
-def host_ints(value: Any, name: str = "cu_seqlens") -> list[int]:
-    """Boundaries as a list of host ints, from a 1-D integer tensor or a flat sequence of ints.
+def host_ints(value: Any, name: str = "cu_seqlens", fix: str | None = None) -> list[int]:
+    """Boundaries as a list of host ints, from a 1-D integer tensor or a flat sequence of ints
+    (`fix`: what the error says to pass instead, default document boundaries).
 
     Raises:
         CPInputError: for None, strings, nested or non-integer entries, float/bool/complex
             tensors and tensors that are not 1-D, naming the offending entry.
     """
-    fix = "pass document boundaries like [0, 8, 20]: a list of ints or a 1-D integer tensor"
+    fix = fix or "pass document boundaries like [0, 8, 20]: a list of ints or a 1-D integer tensor"
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise CPInputError(f"{name} must be a 1-D integer tensor, got shape {tuple(value.shape)} dtype {value.dtype}; {fix}")
@@ -115,9 +116,28 @@ class Boundaries:
     real: tuple[int, ...]
     padded: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        """Validate both lists, whoever built the object (`Boundaries("x", "y")` is refused like `parse`'s input)."""
+        real = _check_cu(host_ints(self.real, "cu_seqlens"), "cu_seqlens")
+        padded = _check_cu(host_ints(self.padded, "cu_seqlens_padded"), "cu_seqlens_padded")
+        if len(real) != len(padded):
+            raise CPInputError(
+                f"cu_seqlens has {len(real) - 1} documents but cu_seqlens_padded {len(padded) - 1}; "
+                "they must describe the same documents"
+            )
+        for i in range(len(real) - 1):
+            if padded[i + 1] - padded[i] < real[i + 1] - real[i]:
+                raise CPInputError(
+                    f"document {i} has {real[i + 1] - real[i]} real tokens but only "
+                    f"{padded[i + 1] - padded[i]} padded ones; cu_seqlens_padded must pad every document at its end"
+                )
+        object.__setattr__(self, "real", real)  # host ints, as tuples: hashable, the batch cache's key
+        object.__setattr__(self, "padded", padded)
+
     @classmethod
     def parse(cls, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False) -> "Boundaries":
-        """Validate both lists; `ends_only_ok` also accepts MindSpeed's form without the leading 0.
+        """Validate both lists (`cu_seqlens_padded=None`: no padding); `ends_only_ok` also accepts MindSpeed's form
+        without the leading 0.
 
         Raises:
             CPInputError: naming the offending list and entry.
@@ -130,20 +150,8 @@ class Boundaries:
             cu = host_ints(src, name)
             if ends_only_ok and cu and cu[0] != 0:
                 cu = [0] + cu  # a first element other than 0 marks the ends-only form
-            lists.append(_check_cu(cu, name))
-        real, padded = lists
-        if len(real) != len(padded):
-            raise CPInputError(
-                f"cu_seqlens has {len(real) - 1} documents but cu_seqlens_padded {len(padded) - 1}; "
-                "they must describe the same documents"
-            )
-        for i in range(len(real) - 1):
-            if padded[i + 1] - padded[i] < real[i + 1] - real[i]:
-                raise CPInputError(
-                    f"document {i} has {real[i + 1] - real[i]} real tokens but only "
-                    f"{padded[i + 1] - padded[i]} padded ones; cu_seqlens_padded must pad every document at its end"
-                )
-        return cls(real, padded)
+            lists.append(cu)
+        return cls(*lists)
 
     @property
     def num_docs(self) -> int:

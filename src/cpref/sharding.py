@@ -40,7 +40,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 import torch
 
 from cpref.cache import CACHE, BatchEntry
-from cpref.checks import as_choice, as_int
+from cpref.checks import as_choice, as_fill, as_int
 from cpref.errors import CPInputError
 from cpref.layout import attention_work, global_index, local_chunks, positions
 from cpref.seqlens import LAYOUTS, Boundaries, CuSeqlens, layout_multiple
@@ -216,10 +216,7 @@ class Sharding:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.bounds.real[-1]:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise CPInputError(f"x has shape {got} but cu_seqlens ends at {self.bounds.real[-1]}: pad takes the real stream")
-        if not isinstance(value, (int, float)) or (isinstance(value, float) and not x.is_floating_point()
-                                                    and not value.is_integer()):  # fmt: skip
-            raise CPInputError(f"pad value must be a number that x's dtype {x.dtype} holds, got {value!r} "
-                               f"({type(value).__name__})")  # fmt: skip
+        value = as_fill("pad value", value, x.dtype)
         if not self.bounds.is_padded:
             return x
         b, pieces = self.bounds, []

@@ -53,7 +53,8 @@ from cpref.packing import Pack, labels_for, pack_documents
 
 Forward = Callable[[torch.nn.Module, dict, Any], torch.Tensor]  # (model, batch, ctx) -> logits (T_l, V)
 
-__all__ = ["Topology", "TrainConfig", "PackSource", "StepStats", "Checkpointing", "step_packs", "train_step", "train"]
+__all__ = ["Topology", "TrainConfig", "PackSource", "StepStats", "Checkpointing", "step_packs", "check_packs", "train_step",
+           "train"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -130,22 +131,58 @@ class PackSource:
     Args:
         documents: a function returning a fresh iterator of documents (called once).
         pack_tokens: tokens per pack.
+
+    Attributes:
+        tokens: the tokens of the documents read so far, end-of-document tokens included (all of
+            them once `available` has counted fewer packs than it was asked for).
     """
 
     def __init__(self, documents: Callable[[], Iterator[torch.Tensor]], pack_tokens: int) -> None:
         if not callable(documents):
             raise CPInputError(f"documents must be a function returning an iterator of documents, got {type(documents).__name__}")
         self.pack_tokens = as_int("pack_tokens", pack_tokens, lo=2)  # a token and its end-of-document token
-        self._packs = pack_documents(documents(), pack_tokens)
+        self.tokens = 0  # tokens of the documents read so far, end-of-document tokens included
+        self._packs = pack_documents(self._counted(documents()), pack_tokens)
         self._made: list[Pack] = []
 
-    def __getitem__(self, n: int) -> Pack:
-        while len(self._made) <= n:
+    def _counted(self, documents: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for doc in documents:
+            self.tokens += len(doc) + 1  # pack_documents appends one end-of-document token
+            yield doc
+
+    def available(self, most: int) -> int:
+        """How many packs the documents fill, counting no further than `most` (the packs are made, and kept)."""
+        while len(self._made) < most:
             try:
                 self._made.append(next(self._packs))
             except StopIteration:
-                raise CPInputError(f"the documents fill only {len(self._made)} packs; pack {n} was asked for") from None
+                break
+        return min(len(self._made), most)
+
+    def __getitem__(self, n: int) -> Pack:
+        if self.available(n + 1) <= n:
+            raise CPInputError(f"the documents fill only {len(self._made)} packs; pack {n} was asked for")
         return self._made[n]
+
+
+def check_packs(source: PackSource, steps: int, dp_size: int, micro_batches: int) -> None:
+    """Refuse a run of `steps` steps that the documents cannot fill, before its first step (the packs are made).
+
+    A step takes `dp_size x micro_batches` packs ([`step_packs`][cpref.training.step_packs]).
+
+    Raises:
+        CPInputError: naming the packs the run takes, those the documents fill, and the fix.
+    """
+    per_step = dp_size * micro_batches
+    need = steps * per_step
+    have = source.available(need)
+    if have < need:
+        fixes = [f"train at most {have // per_step} steps"] if have >= per_step else []
+        if source.tokens // need >= 2:
+            fixes.append(f"make packs of at most {source.tokens // need} tokens")
+        raise CPInputError(f"{steps} step{'s' * (steps != 1)} of {dp_size} x {micro_batches} packs (dp_size x "
+                           f"micro_batches) take {need} packs of {source.pack_tokens} tokens, but the documents "
+                           f"({source.tokens} tokens) fill only {have}: " + ", or ".join([*fixes, "give more documents"]))  # fmt: skip
 
 
 def step_packs(source: PackSource, step: int, topo: Topology, micro_batches: int) -> list[Pack]:
@@ -256,6 +293,11 @@ class Checkpointing:
         """Whether to save once `done` steps (of `steps`) are trained."""
         return done == steps or (self.every is not None and done % self.every == 0)
 
+    def saves(self, start: int, steps: int) -> list[int]:
+        """Every `done` in `start + 1 .. steps` that is `due`, in order (without walking every step)."""
+        every = () if self.every is None else range((start // self.every + 1) * self.every, steps, self.every)
+        return [*every, steps] if steps > start else []
+
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: PackSource, topo: Topology,
           config: TrainConfig, steps: int, *, start: int = 0, on_step: Callable[[StepStats], Any] | None = None,
@@ -266,9 +308,11 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
     see [`check_save`][cpref.checkpoint.check_save]) and a checkpoint is written whenever
     `checkpoint.due(done, steps)`.
     """
-    saves = [done for done in range(start + 1, steps + 1) if checkpoint is not None and checkpoint.due(done, steps)]
+    steps, start = as_int("steps", steps, lo=0), as_int("start", start, lo=0)
+    saves = [] if checkpoint is None else checkpoint.saves(start, steps)
     run = {"config": config, "steps": steps, "start": start, "saves": saves, "dp_size": topo.dp_size}
     check_same(topo.world, "cpref.training.train", run)  # before any step: a rank alone with other settings is named
+    check_packs(source, steps, topo.dp_size, config.micro_batches)  # not cut short at the last pack the data fills
     if saves:
         check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite, resumed=checkpoint.resumed)
     # what a save may replace: the checkpoint resumed from, then the run's own last save (overwrite: the first only)

@@ -29,7 +29,30 @@ CALLS = {
     "unshard of one tensor": (lambda: S.unshard(torch.zeros(2, 8)), "unshard got a tensor \\(2, 8\\)"),
     "unshard of a non-tensor": (lambda: S.unshard([torch.zeros(8), [0] * 8]), "shard of rank 1 is list"),
     "pad with None": (lambda: S.pad(torch.zeros(13), value=None), "pad value must be a number .* got None"),
-    "pad of ints with 0.5": (lambda: S.pad(LONG, value=0.5), "that x's dtype torch.int64 holds, got 0.5"),
+    "pad of ints with 0.5": (lambda: S.pad(LONG, value=0.5), "pad value must be an integer for torch.int64, got 0.5"),
+    # round 3: values the dtype cannot hold (on main a raw RuntimeError, or -1 silently 255)
+    "pad of uint8 with 300": (lambda: S.pad(LONG.to(torch.uint8), value=300), r"pad value=300 does not fit torch.uint8, "
+                              r"whose values are the integers in \[0, 255\]"),
+    "pad of uint8 with -1": (lambda: S.pad(LONG.to(torch.uint8), value=-1), "pad value=-1 does not fit torch.uint8"),
+    "pad of int64 with 2**63": (lambda: S.pad(LONG, value=2**63), "pad value=9223372036854775808 does not fit torch.int64"),
+    "pad of fp16 with 1e6": (lambda: S.pad(torch.zeros(13, dtype=torch.float16), value=1e6),
+                             r"pad value=1000000.0 does not fit torch.float16, whose values are the numbers in "
+                             r"\[-65504, 65504\], inf and nan"),
+    "pad of bools with 2": (lambda: S.pad(LONG > 0, value=2), "pad value=2 does not fit torch.bool"),
+    "pad of ints with nan": (lambda: S.pad(LONG, value=float("nan")), "pad value must be an integer for torch.int64"),
+    "a pad_token_id beyond int64": (lambda: cpref.get_batch_on_this_cp_rank({"tokens": LONG, "labels": LONG}, [0, 7, 13],
+                                    cp_size=2, rank=0, pad_token_id=2**70), "pad_token_id=1180591620717411303424 does "
+                                    "not fit torch.int64"),
+    "a pad_token_id beyond uint8 tokens": (lambda: cpref.get_batch_on_this_cp_rank(
+        {"tokens": LONG.to(torch.uint8), "labels": LONG}, [0, 7, 13], cp_size=2, rank=0, pad_token_id=256),
+        "pad_token_id=256 does not fit torch.uint8"),
+    "a Varlen of a string": (lambda: cpref.Varlen("abc"), "Varlen: cu_q is str 'abc'; pass cumulative lengths"),
+    "a Varlen of None": (lambda: cpref.Varlen(None), "Varlen: cu_q is NoneType None"),
+    "a Varlen of floats": (lambda: cpref.Varlen([0, 2.5]), r"Varlen: cu_q\[1\] is 2.5 \(float\), not an int"),
+    "Varlen shifts of a string": (lambda: cpref.Varlen([0, 2], shifts="1"), "Varlen: shifts is str '1'; pass one int"),
+    "Boundaries of strings": (lambda: _seqlens().Boundaries("x", "y"), "cu_seqlens is str 'x'"),
+    "Boundaries that pad nothing": (lambda: _seqlens().Boundaries((0, 5), (0, 4)), "document 0 has 5 real tokens but only 4"),
+    "Boundaries of one list": (lambda: _seqlens().Boundaries((0, 5), None), "cu_seqlens_padded is NoneType None"),
     "a string pad_token_id": (lambda: cpref.get_batch_on_this_cp_rank({"tokens": LONG, "labels": LONG}, [0, 7, 13],
                               cp_size=2, rank=0, pad_token_id="0"), "pad_token_id must be an int, got '0'"),
     "a list pad_token_id": (lambda: cpref.get_batch_on_this_cp_rank({"tokens": LONG, "labels": LONG}, [0, 7, 13],
@@ -66,6 +89,12 @@ CALLS = {
 }  # fmt: skip
 
 
+def _seqlens():
+    import cpref.seqlens
+
+    return cpref.seqlens
+
+
 def _training():
     import cpref.training
 
@@ -86,6 +115,23 @@ def test_the_checks_let_the_valid_calls_through():
     assert S.pad(LONG, value=2.0).dtype == torch.int64 and S.pad(x > 3, value=False).dtype == torch.bool
     assert cpref.cp_loss(torch.ones(3), torch.ones(3), cpref.SingleRank(), count=6).item() == 0.5
     assert cpref.cp_loss(torch.ones(3), torch.zeros(3), cpref.SingleRank(), count=0).item() == 0.0  # no loss token
+    assert S.pad(LONG.to(torch.uint8), value=255)[-1] == 255 and S.pad(LONG, value=2**63 - 1)[-1] == 2**63 - 1
+    assert S.pad(torch.zeros(13, dtype=torch.float16), value=float("-inf"))[-1] == float("-inf")
+    assert S.pad(torch.zeros(13, dtype=torch.float16), value=65504)[-1] == 65504
+    assert cpref.Varlen(torch.tensor([0, 2, 6])).cu_q == (0, 2, 6) and cpref.Varlen(range(3)).cu_kv == (0, 1, 2)
+    b = _seqlens().Boundaries([0, 5], [0, 8])  # lists become the tuples of host ints parse makes
+    assert b == _seqlens().Boundaries.parse([0, 5], [0, 8]) and b.real == (0, 5) and hash(b) == hash(b)
+
+
+def test_a_masked_token_s_nan_or_inf_loss_takes_no_part():
+    """On main `(loss * mask).sum()` made the loss NaN: NaN x 0 is NaN; a select keeps it out, gradients too."""
+    for bad in (float("nan"), float("inf")):
+        loss = torch.tensor([1.0, bad, 3.0], requires_grad=True)
+        share = cpref.cp_loss(loss, torch.tensor([1.0, 0.0, 1.0]), cpref.SingleRank())
+        share.backward()
+        assert share.item() == 2.0 and loss.grad.tolist() == [0.5, 0.0, 0.5]
+    weighted = cpref.cp_loss(torch.tensor([2.0, 4.0]), torch.tensor([0.5, 1.0]), cpref.SingleRank(), count=2)
+    assert weighted.item() == 2.5  # a fractional mask still weighs its token: (0.5 x 2 + 4) / 2
 
 
 def shares(counts, P=3):

@@ -17,10 +17,17 @@ import pytest
 BAD = {
     "sim verify": [["--nproc", "0"], ["--nproc", "3", "--mode", "a2a"], ["--dtype", "fp8"], ["--mode", "ring"],
                    ["--window", "3,2"], ["--docs", "1,5"], ["--heads", "8,3"], ["--nproc", "4", "--cp", "3"],
-                   ["--nproc", "4", "--mode", "a2a+p2p", "--a2a-size", "3"], ["--head-dim", "x"]],
+                   ["--nproc", "4", "--mode", "a2a+p2p", "--a2a-size", "3"], ["--head-dim", "x"],
+                   ["--timeout", "1e300", "--nproc", "1", "--mode", "p2p", "--layout", "zigzag"],  # an OverflowError
+                   ["--seed", str(2**63 - 1)], ["--seed", str(2**62 + 1)]],  # seed + 1000 d overflowed torch's generator
     "sim train": [["--cp", "0"], ["--cp", "3", "--mode", "a2a"], ["--mode", "ring"], ["--dtype", "fp16"],
                   ["--lr", "-1"], ["--save-every", "2"], ["--steps", "many"], ["--cp", "4", "--mode", "a2a+p2p",
-                  "--a2a-size", "3"], ["--override", "mode"], ["--pack-tokens", "1"], ["--lr", "inf"]],
+                  "--a2a-size", "3"], ["--override", "mode"], ["--pack-tokens", "1"], ["--lr", "inf"],
+                  # round 3, each on main a traceback after the banner (or training cut short, or a value ignored)
+                  ["--lr", "1e39"], ["--lr", "1e300"], ["--lr", "1e38"], ["--lr", "1e-50"], ["--pack-tokens", "100000000"],
+                  ["--steps", "20", "--pack-tokens", "16384"], ["--dp", "600", "--steps", "1"], ["--micro-batches",
+                  "300", "--steps", "2"], ["--steps", "100000000000000000000"], ["--save", ""], ["--resume", ""],
+                  ["--a2a-size", "2", "--mode", "p2p"], ["--save", "~no-such-user-of-cpref/ckpt"]],
     "bench layouts": [["--quick", "--frobnicate"]],
     "sim demo": [["--layout", "diagonal"]],
     "bench memory": [["--lengths", "7"], ["--heads", "8", "3", "64", "64"]],  # on main: a CPInputError traceback
@@ -116,8 +123,8 @@ def test_every_option_of_every_tool_has_a_checked_type(monkeypatch):
         a.type for t in TOOLS for a in parser_of(t, monkeypatch)._actions}  # fmt: skip
 
 
-BAD_VALUES = {"positive": ["0", "-2", "x"], "nonnegative": ["-1", "1.5"], "positive_float": ["0", "-1", "inf", "nan", "x"],
-              "positives": ["0,1", "4,x"], "device_name": ["gpu", "cuda:7"]}  # fmt: skip
+BAD_VALUES = {"positive": ["0", "-2", "x", str(2**63)], "nonnegative": ["-1", "1.5", "99999999999999999999999"], "positive_float": ["0", "-1", "inf", "nan", "x"],
+              "positives": ["0,1", "4,x"], "device_name": ["gpu", "cuda:7"], "seconds": ["0", "inf", "1e300"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -141,3 +148,36 @@ def test_a_bad_number_for_any_option_is_one_line_before_any_work(tool, monkeypat
                 status = exit.code
             err = capsys.readouterr().err
             assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (tool, action.dest, bad, err)
+
+
+def test_the_data_check_names_what_the_run_takes_and_the_fix(capsys):
+    """On main `--steps 20 --pack-tokens 16384` trained 16 steps, then crashed: the data holds 16 such packs."""
+    from sim.tools.train import main
+
+    assert main(["--steps", "20", "--pack-tokens", "16384"]) == 2
+    err = capsys.readouterr().err
+    assert "take 20 packs of 16384 tokens, but the documents" in err and "fill only 16: train at most 16 steps" in err
+
+
+def test_the_learning_rate_s_bounds_are_those_adamw_can_step_float32_by():
+    import torch
+
+    from cpref.errors import CPInputError
+    from sim.tools.train import check_lr
+
+    check_lr(3.4e37, torch.float32)  # its first step, 10 x lr, is still finite there
+    check_lr(torch.finfo(torch.float32).tiny, torch.float32)
+    for bad in (3.5e37, 1e-39):
+        with pytest.raises(CPInputError, match="the learning rates AdamW can step torch.float32 parameters by"):
+            check_lr(bad, torch.float32)
+    check_lr(1e39, torch.float64)  # the dtype's range, not float32's
+
+
+def test_seconds_is_a_timeout_a_process_group_holds():
+    import argparse
+
+    from sim.tools.cli import seconds
+
+    assert seconds("300") == 300.0 and seconds("9e9") == 9e9
+    with pytest.raises(argparse.ArgumentTypeError, match="longer overflows the process group's clock"):
+        seconds("1e13")

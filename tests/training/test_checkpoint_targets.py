@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpref.checkpoint_files as cf
-from cpref.checkpoint import CheckpointMeta, check_save, read_meta, save_checkpoint
+from cpref.checkpoint import CheckpointMeta, check_save, find_checkpoint, read_meta, save_checkpoint
 from cpref.comm import SingleRank
 from cpref.errors import CPInputError
 from sim.tools.train import main
@@ -112,14 +112,61 @@ def test_a_link_inside_a_checkpoint_is_the_users(tmp_path):
     assert cf.foreign(path) == ["state-link.pt"] and not cf.is_ours(path)
 
 
+def test_a_target_that_is_a_link_is_refused_not_followed(tmp_path):
+    """On main the link was resolved: a save onto a link to another checkpoint replaced that checkpoint."""
+    other = one_rank_save(tmp_path / "other", 1)
+    os.symlink(other, tmp_path / "c")
+    before = tree(tmp_path)
+    with pytest.raises(CPInputError, match=r"c: it is a link \(to .*other\), and a save would replace what it points to"):
+        check_save(tmp_path / "c", 2, overwrite=True)
+    assert tree(tmp_path) == before and read_meta(other).step == 1
+
+
+def test_a_checkpoint_that_does_not_verify_is_replaced_only_deliberately(tmp_path, capsys):
+    """On main an edited (or damaged) checkpoint counted as none at all: a fresh run's save replaced it unasked."""
+    path = one_rank_save(tmp_path / "c", 3)
+    data = bytearray((path / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "state.pt").write_bytes(bytes(data))
+    with pytest.raises(CPInputError, match=r"holds a checkpoint that does not verify \(.*state.pt \(SHA-256 differs\)\); "
+                                           r"a save would replace it"):  # fmt: skip
+        check_save(path, 9)
+    assert check_save(path, 9, overwrite=True) == path
+    argv = ["--model", "llama", "--steps", "2", "--pack-tokens", "64"]
+    for flag in ("--save", "--resume"):  # one line each, before training
+        assert main([*argv, flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "state.pt (SHA-256 differs)" in err, err
+
+
+def test_a_name_too_long_for_the_filesystem_is_refused_before_training(tmp_path, capsys):
+    """On main an OSError traceback: the name fits, the DIR.tmp beside it does not (or the name itself does not)."""
+    argv = ["--model", "llama", "--steps", "2", "--pack-tokens", "64"]
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    for name, flags in (("a" * (limit - 2), ["--save"]), ("b" * (limit + 1), ["--save", "--resume"])):
+        for flag in flags:
+            assert main([*argv, flag, str(tmp_path / name)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "File name too long" in err, err
+    assert main([*argv, "--resume", str(tmp_path / ("a" * (limit - 2)))]) == 2  # its DIR.tmp cannot exist: not looked for
+    assert "no checkpoint to resume from at" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- the fuzz over directory states -------------------------------------------------------------------------------
 KINDS = ["absent", "empty dir", "user file", "user dir", "checkpoint", "checkpoint + user file", "checkpoint + link",
-         "truncated checkpoint", "edited meta", "save leftover", "user copy"]  # fmt: skip
+         "truncated checkpoint", "edited state", "edited meta", "save leftover", "edited leftover", "user copy",
+         "dangling link", "link to a file", "link to a dir", "link to a checkpoint"]  # fmt: skip
+LINKS = {"dangling link": "nowhere", "link to a file": "outside.txt", "link to a dir": "elsewhere",
+         "link to a checkpoint": "elsewhere-ckpt"}  # fmt: skip
 
 
 def make(path: Path, kind: str, mark: str | None, step: int) -> None:
     """Put a directory state of `kind` at `path` (`mark`: the one a save's leftover there carries)."""
     if kind == "absent":
+        return
+    if kind in LINKS:
+        os.symlink(path.parent / LINKS[kind], path)
         return
     if kind == "user file":
         path.write_text("the user's")
@@ -140,10 +187,25 @@ def make(path: Path, kind: str, mark: str | None, step: int) -> None:
         os.symlink(path.parent / "outside.txt", path / "link")
     elif kind == "truncated checkpoint":
         (path / "state.pt").write_bytes((path / "state.pt").read_bytes()[:10])
+    elif kind in ("edited state", "edited leftover"):  # the same length, other bytes: only its SHA-256 tells
+        data = bytearray((path / "state.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (path / "state.pt").write_bytes(bytes(data))
     elif kind == "edited meta":
         (path / "meta.json").write_text("{not json")
-    elif kind == "save leftover" and mark:
+    if kind in ("save leftover", "edited leftover") and mark:
         (path / mark).write_text("")
+
+
+def snapshot(root: Path) -> dict[str, bytes | str | None]:
+    """Every path under `root`, links not followed: a file's bytes, None for a directory, `-> target` for a link."""
+    out: dict[str, bytes | str | None] = {}
+    for here, dirs, names in os.walk(root):
+        for name in dirs + names:
+            p = Path(here) / name
+            rel = p.relative_to(root).as_posix()
+            out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else None if p.is_dir() else p.read_bytes()
+    return out
 
 
 def owned(root: Path, state: dict) -> set[str]:
@@ -160,25 +222,40 @@ def owned(root: Path, state: dict) -> set[str]:
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def outside_state(root: Path) -> None:
+    """What lies beside the states, for their links to point at: a file, a folder of the user's, a checkpoint."""
+    (root / "outside.txt").write_text("the user's")
+    (root / "elsewhere").mkdir()
+    (root / "elsewhere" / "data.bin").write_bytes(b"\3\4")
+    make(root / "elsewhere-ckpt", "checkpoint", None, 7)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(target=st.sampled_from(KINDS), tmp=st.sampled_from(KINDS), old=st.sampled_from(KINDS),
        nested=st.booleans(), resume=st.booleans(), overwrite=st.booleans())  # fmt: skip
 def test_a_save_changes_nothing_but_cpref_s_own_files_or_is_refused_in_one_line(tmp_path_factory, target, tmp, old,
                                                                                  nested, resume, overwrite):  # fmt: skip
     root = tmp_path_factory.mktemp("state")
-    (root / "outside.txt").write_text("the user's")
+    outside_state(root)
     make(root / "c", target, None, 3)
     make(root / "c.tmp", tmp, cf.MARK, 5)
     make(root / "c.old", old, cf.OLD_MARK, 2)
     dest = root / "c" / "inner" if nested else root / "c"
-    before, mine = tree(root), owned(root, tree(root))  # mine: what cpref may replace or delete
+    before = snapshot(root)
+    mine = owned(root, before)  # what cpref may replace or delete
+    if resume:  # what a resume finds there: a checkpoint, or one line naming each candidate
+        try:
+            find_checkpoint(root / "c")
+        except CPInputError as err:
+            assert "\n" not in str(err)
+        assert snapshot(root) == before
     try:
         check_save(dest, 9, overwrite=overwrite, resumed=root / "c" if resume else None)
     except CPInputError as err:
-        assert "\n" not in str(err) and tree(root) == before  # refused in one line, nothing changed
+        assert "\n" not in str(err) and snapshot(root) == before  # refused in one line, nothing changed
         return
     one_rank_save(dest, 9, overwrite=overwrite, resumed=root / "c" if resume else None)
-    after = tree(root)
+    after = snapshot(root)
     for rel, data in before.items():
         if rel not in mine and not (data is None and rel in ("c", "c.tmp", "c.old")):
             assert after.get(rel, "gone") == data, f"{rel} ({target}, {tmp}, {old}) changed"

@@ -215,3 +215,17 @@ def test_a_topology_and_a_config_that_cannot_be_are_refused():
 def test_a_pack_source_makes_packs_of_the_size_asked():
     source = PackSource(lambda: iter([torch.arange(20)]), 8)  # 21 tokens with the EOD: packs 0..7, 8..15
     assert [source[n].tokens.tolist() for n in (0, 1)] == [list(range(8)), list(range(8, 16))]
+
+
+def test_a_run_the_documents_cannot_fill_is_refused_before_its_first_step():
+    """On main a run past the data's last pack trained every step it had packs for, then raised."""
+    source = PackSource(lambda: iter([torch.full((100,), 5)]), 8)  # 101 tokens: 12 packs
+    seen, model = [], BiasOnly()
+    with pytest.raises(CPInputError, match=r"7 steps of 1 x 2 packs \(dp_size x micro_batches\) take 14 packs of 8 "
+                                           r"tokens, but the documents \(101 tokens\) fill only 12: train at most 6 "
+                                           r"steps, or make packs of at most 7 tokens, or give more documents"):  # fmt: skip
+        train(model, torch.optim.SGD(model.parameters(), lr=0.1), source, Topology.single(), TrainConfig(micro_batches=2),
+              7, on_step=seen.append)  # fmt: skip
+    assert seen == [] and model.b.abs().sum() == 0
+    assert len(train(model, torch.optim.SGD(model.parameters(), lr=0.1), source, Topology.single(),
+                     TrainConfig(micro_batches=2), 6)) == 6  # fmt: skip

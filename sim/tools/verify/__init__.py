@@ -175,7 +175,7 @@ from typing import Any, Sequence
 import cpref
 from cpref.api import check_mode
 from cpref.kernels.contract import NO_WINDOW, check_window
-from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positive_float, positives
+from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positives, seconds
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
 from sim.tools.verify.baselines import BASELINES, EAGER, label
 from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths
@@ -338,7 +338,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                    "raises at CP size 1; kernel for cpref), impl (the implementation at CP size 1), sdpa (PyTorch's "
                    "SDPA in the dtype), eager (scores and probabilities in the dtype, softmax in float32), kernel "
                    "(cpref's) or package.module:function (your local attention)")  # fmt: skip
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="process-group timeout in seconds")
+    p.add_argument("--timeout", type=seconds, default=300.0, help="process-group timeout in seconds")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: if stderr is a tty")
     args = p.parse_args(_glued(sys.argv[1:] if argv is None else argv))
     try:

@@ -74,10 +74,16 @@ class Setup:
             raise ValueError(f"docs must be document lengths >= 2, got {self.docs!r}; e.g. --docs 1000,3000,500")
         if len(self.heads) != 2 or self.heads[1] < 1 or self.heads[0] % self.heads[1]:
             raise ValueError(f"heads (Hq, Hkv) = {self.heads} need Hkv >= 1 dividing Hq; e.g. --heads 8,4")
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be a whole number in [0, 2**62], got {self.seed!r} (CP group d draws seed + "
+                             "1000 d, which torch's generators take up to 2**63 - 1)")  # fmt: skip
         if self.head_dim < 1 or self.kernel not in ("torch", "npu"):
             raise ValueError(f"head_dim must be >= 1 and kernel 'torch' or 'npu', got {self.head_dim}, {self.kernel!r}")
         if self.baseline not in ("auto", "impl", "sdpa", "eager", "kernel") and ":" not in self.baseline:
             raise ValueError(f"baseline must be auto, impl, sdpa, eager, kernel or package.module:function, got {self.baseline!r}")
+
+
+MAX_SEED = 2**62  # seed + 1000 d stays within torch's generators for any number of CP groups a machine holds
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar, runtime
 import torch
 
 from cpref.errors import CPInputError
+from cpref.seqlens import host_ints
 
 __all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "NO_WINDOW", "compute_dtype", "check_heads", "check_window"]
 
@@ -148,7 +149,8 @@ class Varlen:
         cu_kv: cumulative key lengths, same length as `cu_q`; default `cu_q` (self-attention).
 
     Raises:
-        CPInputError: unless both start at 0, never decrease, and have the same length.
+        CPInputError: unless both are lists of ints (or 1-D integer tensors) that start at 0, never decrease,
+            and have the same length.
 
     Examples:
         >>> seqs = Varlen.from_lengths([2, 4], [2, 10])
@@ -159,9 +161,10 @@ class Varlen:
     __slots__ = ("cu_q", "cu_kv", "shifts", "_derived", "_lock")
 
     def __init__(self, cu_q: Sequence[int], cu_kv: Sequence[int] | None = None, shifts: Sequence[int] | None = None) -> None:
-        self.cu_q = tuple(int(x) for x in cu_q)
-        self.cu_kv = self.cu_q if cu_kv is None else tuple(int(x) for x in cu_kv)
-        self.shifts = None if shifts is None else tuple(int(x) for x in shifts)
+        fix = "pass cumulative lengths like [0, 2, 6]: a list of ints or a 1-D integer tensor"
+        self.cu_q = tuple(host_ints(cu_q, "Varlen: cu_q", fix))  # ints only: "abc", None or 2.5 are refused by name
+        self.cu_kv = self.cu_q if cu_kv is None else tuple(host_ints(cu_kv, "Varlen: cu_kv", fix))
+        self.shifts = None if shifts is None else tuple(host_ints(shifts, "Varlen: shifts", "pass one int per sequence"))
         for name, cu in (("cu_q", self.cu_q), ("cu_kv", self.cu_kv)):
             if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
                 raise CPInputError(f"Varlen: {name}={list(cu)[:8]} must start at 0 and never decrease")
