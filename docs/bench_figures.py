@@ -9,22 +9,13 @@ disagree; `tests/test_bench.py` draws each from made-up results and reads the nu
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from bench.all import load
+from docs import figures as base
 
 
-def _base():
-    spec = importlib.util.spec_from_file_location("cpref_docs_figures_base3", Path(__file__).with_name("figures.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-base = _base()
 LAYOUT_COLORS = {"contiguous": base.rank_color(0), "zigzag": base.rank_color(1), "stream": base.rank_color(2),
                  "balanced": base.rank_color(3)}  # fmt: skip
 

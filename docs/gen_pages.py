@@ -257,11 +257,8 @@ REFERENCE_PACKAGES = [(ROOT / "src" / "cpref", "cpref"), (ROOT / "sim", "sim")]
 
 
 def _load_docs_module(name: str):
-    """`docs/<name>.py`, loaded by path so its name cannot clash with an installed package."""
-    spec = importlib.util.spec_from_file_location(f"cpref_docs_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """`docs/<name>.py` as `docs.<name>` (the repository root is first on the path, so no installed `docs` shadows it)."""
+    return importlib.import_module(f"docs.{name}")
 
 
 SOURCES = _load_docs_module("source_pages")

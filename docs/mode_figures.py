@@ -11,8 +11,6 @@ the figure.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 from matplotlib.figure import Figure
@@ -23,16 +21,9 @@ from cpref.kernels.contract import NO_WINDOW
 from sim.cluster import SimCluster
 from sim.harness import mode_trace, run_attention
 from sim.oracle import visibility_mask
+from docs import figures as base
 
 
-def _load_figures():
-    spec = importlib.util.spec_from_file_location("cpref_docs_figures_base", Path(__file__).with_name("figures.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-base = _load_figures()
 plt, WIDTH, rank_color, sharding = base.plt, base.WIDTH, base.rank_color, base.sharding
 
 CU = [0, 16, 48]  # two documents of 16 and 32 tokens; multiples of 2P = 8 at P = 4

@@ -8,8 +8,6 @@ their relative difference, which the test suite bounds by 1e-5 over 10 steps.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 
@@ -20,16 +18,9 @@ import cpref.hf
 
 from cpref.training import TrainConfig
 from sim.tools.train import RunSpec, run_sim
+from docs import figures as base
 
 
-def _base():
-    spec = importlib.util.spec_from_file_location("cpref_docs_figures_base2", Path(__file__).with_name("figures.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-base = _base()
 STEPS, PACK = 30, 256
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"cpref_docs_{name}", ROOT / "docs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"docs.{name}")
 
 
 check_site = load("check_site")

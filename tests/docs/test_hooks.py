@@ -5,7 +5,6 @@ Skipped where the docs extra (latex2mathml, mkdocs) is not installed; `make docs
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,7 @@ pytest.importorskip("mkdocs")
 
 from mkdocs.exceptions import PluginError  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("cpref_docs_hooks", Path(__file__).resolve().parents[2] / "docs" / "hooks.py")
-hooks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(hooks)
+from docs import hooks  # noqa: E402
 
 
 def test_inline_and_display_math_become_mathml():

@@ -21,10 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def tables():
-    spec = importlib.util.spec_from_file_location("cpref_docs_tables", ROOT / "docs" / "tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("docs.tables")
 
 
 @pytest.mark.parametrize("mode", list(cpref.MODES))
