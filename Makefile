@@ -33,7 +33,7 @@ $(VENV)/.docs: $(VENV)/.base
 	touch $@
 
 demo: $(VENV)/.base
-	$(PY) -m sim.demo
+	$(PY) -m sim.tools.demo
 
 test: $(VENV)/.dev
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -30,11 +30,11 @@ import torch
 
 import cpref
 from cpref.api import check_mode
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.kernels import Varlen
 from cpref.modes.all_gather import all_gather_backward, all_gather_forward
 from cpref.modes.all_gather_plan import build_all_gather_plan
-from cpref.seqlens import CHUNKED_LAYOUTS
 from sim.tools.cli import Parser, nonnegative, positive
 
 

@@ -3,11 +3,11 @@
 `all_gather`, `reduce_scatter` and `all_to_all` of one `(T_l, 8, 64)` float32 block per rank
 (16 MiB at the default 8192 rows), and for scale one ring shift of the same block
 (`send_recv`), on `--nproc` gloo processes with one thread each; and the ranks' comparison of
-their arguments that every attention call makes (`agree`, `cpref.consistency`). Every call is timed after a
+their arguments that every attention call makes (`agree`, `cpref.modes.consistency`). Every call is timed after a
 barrier, `--repeats` times in alternation between the two exchanges, and the fastest kept;
 the slowest rank's time counts. Printed: milliseconds of each way and the ratio
 native / p2p. The default exchange of a gloo `TorchComm` is the pairwise one
-(`cpref.backends.torch_dist`): these figures are why.
+(`cpref.comm.torch_dist`): these figures are why.
 
 Run it with `python -m bench.collectives` (or `make bench`); `--help` lists the options.
 """
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from cpref.backends import TorchComm
-from cpref.consistency import FIELDS
-from sim.tools.launch import launch
+from cpref.comm import TorchComm
+from cpref.modes.consistency import FIELDS
 from sim.tools.cli import Parser, positive
+from sim.tools.launch import launch
 
 OPS = ("all_gather", "reduce_scatter", "all_to_all")
 

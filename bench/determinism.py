@@ -27,8 +27,8 @@ import torch
 
 import cpref
 from bench.kernel import fastest
-from sim.cluster import SimCluster
-from sim.harness import oracle_shards, run_attention
+from sim.cluster.harness import oracle_shards, run_attention
+from sim.cluster.simcluster import SimCluster
 from sim.oracle import TOL, TOL_BF16_GQA
 from sim.tools.cli import Parser, device_name, dtype_name, positive, positives
 
@@ -76,7 +76,7 @@ def row(mode: str, P: int, layout: str, args, device: torch.device, dtype: torch
 
 def row_sums(args, device: torch.device) -> dict:
     """Seconds of the all-gather backward's dK sum over rank 0's plan: one `index_add_` vs occurrence layers."""
-    from cpref.determinism import add_rows, occurrence_layers
+    from cpref.base.determinism import add_rows, occurrence_layers
     from cpref.modes.all_gather_plan import build_all_gather_plan
 
     P = max(args.cp)

@@ -30,7 +30,7 @@ step() {
   echo "== $name: exit $rc in $((SECONDS - start)) s"
   [ "$rc" -eq 0 ] || status=1
 }
-step demo "$PY" -m sim.demo --device cuda
+step demo "$PY" -m sim.tools.demo --device cuda
 step verify "$PY" -m sim verify --backend nccl --nproc 1 --mode all --layout all --dtype all --no-progress
 step kernel-fp32 "$PY" -m bench.kernel --device cuda --dtype fp32
 step kernel-bf16 "$PY" -m bench.kernel --device cuda --dtype bf16

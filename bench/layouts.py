@@ -4,7 +4,7 @@ Every layout of `cpref.LAYOUTS`, every mode of `cpref.MODES` (with `example_opti
 $P = 2, 4, 8$, on three packs:
 
 * **stdlib 32k** and **stdlib 128k**: the first pack of 32768 and of 131072 tokens of
-  `cpref.packing.pack_documents(cpref.packing.stdlib_documents(), T)`, the lengths of this
+  `cpref.train.packing.pack_documents(cpref.train.packing.stdlib_documents(), T)`, the lengths of this
   interpreter's standard library files as byte tokens (a few long documents);
 * **lognormal 64k**: many documents drawn from a long-tailed distribution. Document lengths in
   pretraining corpora are roughly lognormal with a heavy tail (many short pages, a few books),
@@ -45,10 +45,10 @@ import math
 import torch
 
 import cpref
-from cpref.balanced import TOLERANCE, piece_work
+from cpref.batch.balanced import TOLERANCE, piece_work
 from cpref.kernels.contract import compute_dtype
-from cpref.packing import pack_documents, stdlib_documents
-from sim.harness import mode_trace, run_attention
+from cpref.train.packing import pack_documents, stdlib_documents
+from sim.cluster.harness import mode_trace, run_attention
 from sim.tools.cli import Parser
 
 F = 2e11  # modelled compute: score entries per second
@@ -126,7 +126,7 @@ def shared_rows(sharding: cpref.Sharding) -> int:
 
 def shared_bound(cu: list[int], P: int) -> float:
     """A lower bound on `shared_rows` of `balanced`: the tokens of the documents heavier than a rank may be
-    (`cpref.balanced.TOLERANCE`), which no rank can hold whole, over `P`."""
+    (`cpref.batch.balanced.TOLERANCE`), which no rank can hold whole, over `P`."""
     works = [piece_work(0, b - a) for a, b in zip(cu, cu[1:])]
     cap = (1 + TOLERANCE) * sum(works) / P
     return sum(b - a for a, b, w in zip(cu, cu[1:], works) if w > cap) / P

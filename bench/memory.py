@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 import cpref
 from cpref.api import check_mode, mode_costs
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from sim import SimCluster
 from sim.tools.cli import Parser, positive
 

@@ -198,7 +198,7 @@ memory-efficient kernel, the fast column is [`CudaKernel`][cpref.kernels.cuda_ke
 column `TorchKernel`'s explicit path. Last, `bench/determinism.py` in bfloat16 and float16 runs
 every mode and layout on the simulated cluster at CP = 2 and 4 with flash per rank against the
 FP64 oracle, checks that two steps with `deterministic=True` are bitwise equal, and prints what
-the flag costs ([Deterministic backward][cpref.determinism]). After the GPU's steps, on a machine
+the flag costs ([Deterministic backward][cpref.base.determinism]). After the GPU's steps, on a machine
 with eight cores or more, it runs section 3's tables at CP = 4 on the CPU cores
 (`bench.scaling --cp 4 --heads 8 --tokens 8192`, full causal): the goals two cores cannot judge. On a 2-core CPU (an earlier run
 than this page's other figures, on another machine), where nothing in the backward races, it costs only the row sums in occurrence layers:
@@ -232,7 +232,7 @@ this table at the next run of the script.
 
 `TorchComm` can move the data of `all_gather`, `reduce_scatter` and `all_to_all` with the
 backend's collectives or with one batch of pairwise sends and receives (`exchange`, see
-[TorchComm][cpref.backends.torch_dist]). This benchmark times both on gloo, a 16 MiB block a
+[TorchComm][cpref.comm.torch_dist]). This benchmark times both on gloo, a 16 MiB block a
 rank, with one ring shift of the same block for scale. Pairwise is gloo's default because it
 wins here; NCCL and HCCL keep their collectives.
 
@@ -257,7 +257,7 @@ $13\times$) and the measured one. The dense mask takes about a minute at 32k; `p
 ## 9. The layouts on packed batches (`bench/layouts.py`)
 
 Every layout and every mode at $P = 2, 4, 8$ on three packs: the first 32768 and 131072 tokens
-of the standard library's source files (`cpref.packing.stdlib_documents`, a few long
+of the standard library's source files (`cpref.train.packing.stdlib_documents`, a few long
 documents) and 65536 tokens of 69 documents with lognormal lengths (median 512, $\sigma = 1$,
 the long tail of pretraining corpora). Per layout: the padding `Sharding.eod_padded` adds, the
 exact causal work of the busiest rank over the mean and its shared rows (its tokens of

@@ -79,12 +79,12 @@ import torch
 import cpref
 from bench.ring_timing import hidden, ring_shifts, ring_steps, shift_hidden
 from bench.timed import Clock, TimedComm, TimedKernel
-from cpref.backends import TorchComm
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
+from cpref.comm import TorchComm
 from cpref.kernels import Varlen
 from cpref.modes.ring_window import build_window_ring_plan
-from cpref.seqlens import CHUNKED_LAYOUTS
-from sim.tools.launch import launch
 from sim.tools.cli import Parser, positive
+from sim.tools.launch import launch
 
 TARGET = 0.95  # efficiency against the machine, for zigzag and balanced
 TARGET_LAYOUTS = ("zigzag", "balanced")

@@ -9,12 +9,10 @@ disagree; `tests/test_bench.py` draws each from made-up results and reads the nu
 
 from __future__ import annotations
 
-
 from matplotlib.figure import Figure
 
 from bench.all import load
 from docs import figures as base
-
 
 LAYOUT_COLORS = {"contiguous": base.rank_color(0), "zigzag": base.rank_color(1), "stream": base.rank_color(2),
                  "balanced": base.rank_color(3)}  # fmt: skip

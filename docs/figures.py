@@ -21,11 +21,10 @@ import matplotlib
 matplotlib.use("Agg")  # no display: figures are only ever saved
 
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
-
-import torch  # noqa: E402
 
 import cpref  # noqa: E402
 
@@ -109,7 +108,7 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     for r in range(cp_size):
         for doc, start, end in sharding(cu, cp_size, layout).local_chunks(r):
             c = end - start
-            label = str(r) if layout not in cpref.layout.CHUNKED_LAYOUTS else str((start - cu[doc]) // c)
+            label = str(r) if layout not in cpref.batch.layout.CHUNKED_LAYOUTS else str((start - cu[doc]) // c)
             ax.add_patch(Rectangle((start, 0), c, 1, fill=False, edgecolor="0.25", linewidth=0.8))
             ax.text((start + end) / 2, 0.5, label, ha="center", va="center", color="white", fontweight="bold")
     # Document boundaries and names.
@@ -122,7 +121,7 @@ def _draw_stream(ax, cu: list[int], cp_size: int, layout: str) -> None:
     elif layout == "balanced":
         ax.set_title("balanced: whole documents, the heaviest cut in symmetric pairs (number: rank)", loc="left")
     else:
-        mult = cpref.layout.layout_multiple(layout, cp_size)
+        mult = cpref.batch.layout.layout_multiple(layout, cp_size)
         ax.set_title(f"{layout}: every document in {mult} chunks (number: chunk j)", loc="left")
     ax.set_xlim(-0.5, cu[-1] + 0.5)
     ax.set_ylim(-0.1, 1.7)
@@ -327,8 +326,8 @@ def rank_major_index() -> Figure:
 
 def occurrence_layers() -> Figure:
     """`figures/occurrence_layers.png`: rank 0's `kv_index` of the rank-major figure, each entry coloured by its
-    occurrence layer (`cpref.determinism`): one `index_add_` per layer, no row twice in one."""
-    from cpref.determinism import occurrence_layers as layers_of
+    occurrence layer (`cpref.base.determinism`): one `index_add_` per layer, no row twice in one."""
+    from cpref.base.determinism import occurrence_layers as layers_of
 
     meta = cpref.get_thd_load_balanced_cp_metadata(INDEX_CU, INDEX_P, 0, layout="zigzag")
     index = meta["kv_index"]

@@ -33,18 +33,18 @@ from mkdocs.structure.files import InclusionLevel  # noqa: E402
 
 # The guide, in nav order: (page, nav title, module). Add a module with one line.
 GUIDE = [
-    ("layout.md", "Data model and layouts", "cpref.layout"),
-    ("balanced.md", "The balanced layout", "cpref.balanced"),
+    ("layout.md", "Data model and layouts", "cpref.batch.layout"),
+    ("balanced.md", "The balanced layout", "cpref.batch.balanced"),
     ("oracle.md", "The FP64 oracle", "sim.oracle"),
     ("kernel-contract.md", "The attention kernel contract", "cpref.kernels.contract"),
     ("torch-kernel.md", "TorchKernel", "cpref.kernels.torch_kernel"),
     ("cuda-kernel.md", "CudaKernel (flash on CUDA)", "cpref.kernels.cuda_kernel"),
     ("npu-kernel.md", "NpuKernel (Ascend NPU)", "cpref.kernels.npu_kernel"),
-    ("comm.md", "The collectives protocol", "cpref.comm"),
-    ("cluster.md", "The simulated cluster", "sim.cluster"),
-    ("seqlens.md", "Real and padded boundaries", "cpref.seqlens"),
-    ("cache.md", "The batch cache", "cpref.cache"),
-    ("sharding.md", "Sharding a batch", "cpref.sharding"),
+    ("comm.md", "The collectives protocol", "cpref.comm.protocol"),
+    ("cluster.md", "The simulated cluster", "sim.cluster.simcluster"),
+    ("seqlens.md", "Real and padded boundaries", "cpref.batch.seqlens"),
+    ("cache.md", "The batch cache", "cpref.batch.cache"),
+    ("sharding.md", "Sharding a batch", "cpref.batch.sharding"),
     ("metadata.md", "Load-balanced metadata", "cpref.modes.all_gather_plan"),
     ("all-gather-pieces.md", "All-gather over pieces", "cpref.modes.all_gather_pieces"),
     ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
@@ -58,23 +58,23 @@ GUIDE = [
     ("ulysses-pipeline.md", "Ulysses in head groups", "cpref.modes.ulysses_pipeline"),
     ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
     ("hierarchical-split.md", "a2a+p2p for stream and balanced", "cpref.modes.hierarchical_split"),
-    ("which-mode.md", "Which mode when", "cpref.costs"),
+    ("which-mode.md", "Which mode when", "cpref.modes.costs"),
     ("mode-spec.md", "Modes that declare themselves", "cpref.modes.spec"),
     ("api.md", "The attention API", "cpref.api"),
-    ("consistency.md", "Do the ranks agree?", "cpref.consistency"),
-    ("determinism.md", "Deterministic backward", "cpref.determinism"),
-    ("data.md", "The data path and loss", "cpref.data"),
+    ("consistency.md", "Do the ranks agree?", "cpref.modes.consistency"),
+    ("determinism.md", "Deterministic backward", "cpref.base.determinism"),
+    ("data.md", "The data path and loss", "cpref.train.data"),
     ("models.md", "Models with CP", "cpref.models"),
     ("hf.md", "Hugging Face models", "cpref.hf"),
     ("hf-batch.md", "Hugging Face batches", "cpref.hf.batch"),
     ("hf-guard.md", "What every Hugging Face forward checks", "cpref.hf.guard"),
     ("hf-admit.md", "Which Hugging Face models run", "cpref.hf.admit"),
-    ("training.md", "The training step", "cpref.training"),
+    ("training.md", "The training step", "cpref.train.training"),
     ("train.md", "Train a model with CP", "sim.tools.train"),
-    ("checkpoint.md", "Checkpoints", "cpref.checkpoint"),
-    ("checkpoint-files.md", "Where checkpoints live", "cpref.checkpoint_files"),
-    ("torch-dist.md", "Collectives over torch.distributed", "cpref.backends.torch_dist"),
-    ("backend-facts.md", "What each backend can do", "cpref.backends.capabilities"),
+    ("checkpoint.md", "Checkpoints", "cpref.train.checkpoint"),
+    ("checkpoint-files.md", "Where checkpoints live", "cpref.train.checkpoint_files"),
+    ("torch-dist.md", "Collectives over torch.distributed", "cpref.comm.torch_dist"),
+    ("backend-facts.md", "What each backend can do", "cpref.comm.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
     ("performance.md", "Performance", "bench.report"),
 ]
@@ -300,7 +300,7 @@ def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_
     if not lines[0].startswith("#"):
         lines[0] = "# " + lines[0].strip().rstrip(".")
     lines = fence_python_snippets(lines)
-    # An autorefs anchor, so that `[cpref.comm][]` in any docstring links to this page: the
+    # An autorefs anchor, so that `[cpref.comm.protocol][]` in any docstring links to this page: the
     # module's reference page lists its members only.
     lines.insert(1, f"\n[](){{#{module_name}}}")
     text = "\n".join(lines)
@@ -368,7 +368,7 @@ def quickstart_page() -> str:
     import contextlib
     import runpy
 
-    demo = importlib.import_module("sim.demo")
+    demo = importlib.import_module("sim.tools.demo")
     outputs = {}
     for name, run in (("quickstart_output", lambda: runpy.run_module("examples.quickstart", run_name="__main__")),
                       ("demo_output", lambda: (demo.part1_layouts(demo._cu(demo.LENGTHS)),
@@ -400,7 +400,7 @@ def main() -> None:
     guide = {module_name: (page, title) for page, title, module_name in GUIDE}
     reference = []  # (dotted name, doc path, file)
     for name, file in reference_modules():
-        # cpref.layout -> reference/cpref/layout.md; the package cpref -> reference/cpref/index.md
+        # cpref.batch.layout -> reference/cpref/layout.md; the package cpref -> reference/cpref/index.md
         stem = "/".join(name.split("."))
         doc_path = f"reference/{stem}/index.md" if file.name == "__init__.py" else f"reference/{stem}.md"
         with mkdocs_gen_files.open(doc_path, "w") as f:

@@ -11,18 +11,16 @@ the figure.
 
 from __future__ import annotations
 
-
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 import cpref
 from cpref.kernels.contract import NO_WINDOW
-from sim.cluster import SimCluster
-from sim.harness import mode_trace, run_attention
-from sim.oracle import visibility_mask
 from docs import figures as base
-
+from sim.cluster.harness import mode_trace, run_attention
+from sim.cluster.simcluster import SimCluster
+from sim.oracle import visibility_mask
 
 plt, WIDTH, rank_color, sharding = base.plt, base.WIDTH, base.rank_color, base.sharding
 
@@ -309,7 +307,7 @@ def split_balance() -> Figure:
     """`figures/split_balance.png`: each rank's work in the split Ulysses on the packed mix, the documents that span
     ranks alone against the balance's choice (`cpref.modes.ulysses_split.split_loads`, which the tests hold to the
     kernels' calls exactly)."""
-    from cpref.balanced import TOLERANCE
+    from cpref.batch.balanced import TOLERANCE
     from cpref.modes.ulysses_split import exchanged_docs, split_loads
 
     cu = [0, *torch.tensor([244, 2244, 5964, 7932]).cumsum(0).tolist()]

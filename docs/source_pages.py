@@ -17,7 +17,7 @@ SOURCE_DIRS = [ROOT / "src" / "cpref", ROOT / "sim", ROOT / "bench"]
 INDEX = "source/index.md"
 
 # A line pymdownx.snippets would expand even inside a code fence (it runs before fences are
-# parsed), e.g. a docstring's `--8<-- "src/cpref/layout.py:chunks"`. Its escape is a `;`.
+# parsed), e.g. a docstring's `--8<-- "src/cpref/batch/layout.py:chunks"`. Its escape is a `;`.
 SNIPPET_LINE = re.compile(r"^(\s*)(-+8<-+)")
 # Out of the search index; no table of contents, so the code gets the width.
 FRONT_MATTER = "---\nsearch:\n  exclude: true\nhide:\n  - toc\n---\n\n"
@@ -29,7 +29,7 @@ def source_files() -> list[Path]:
 
 
 def page_of(file: Path) -> str:
-    """The site page of a source file: `src/cpref/layout.py` -> `source/src/cpref/layout.py.md`."""
+    """The site page of a source file: `src/cpref/batch/layout.py` -> `source/src/cpref/layout.py.md`."""
     return f"source/{file.relative_to(ROOT).as_posix()}.md"
 
 

@@ -14,7 +14,8 @@ import torch
 import cpref
 from cpref.api import mode_costs
 from sim import summarize
-from sim.harness import mode_trace as without_comparison, run_attention, saved_bytes, trace_split
+from sim.cluster.harness import mode_trace as without_comparison
+from sim.cluster.harness import run_attention, saved_bytes, trace_split
 
 # The all-gather trace example: 2 documents of 16 and 48 tokens, P = 4, zigzag, GQA, float32.
 TRACE_CU = torch.tensor([0, 16, 64])
@@ -142,7 +143,7 @@ def _mode_header(mode: str) -> str:
 
 
 def which_mode() -> str:
-    """Per-rank traffic and memory of every mode at P = 2 .. 16 for two reference layers (from cpref.costs)."""
+    """Per-rank traffic and memory of every mode at P = 2 .. 16 for two reference layers (from cpref.modes.costs)."""
     out = []
     for title, heads in REFERENCE.items():
         out += [f"**{title}**, T = {REFERENCE_T:,} tokens, bf16; MiB per rank and layer, forward + backward "

@@ -8,18 +8,14 @@ their relative difference, which the test suite bounds by 1e-5 over 10 steps.
 
 from __future__ import annotations
 
-
 import torch
-
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 import cpref.hf
-
-from cpref.training import TrainConfig
-from sim.tools.train import RunSpec, run_sim
+from cpref.train.training import TrainConfig
 from docs import figures as base
-
+from sim.tools.train import RunSpec, run_sim
 
 STEPS, PACK = 30, 256
 

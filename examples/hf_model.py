@@ -28,7 +28,7 @@ import transformers
 # --8<-- [start:hf]
 import cpref
 import cpref.hf
-from cpref.packing import BYTE_VOCAB, stdlib_documents
+from cpref.train.packing import BYTE_VOCAB, stdlib_documents
 
 cpref.hf.register()  # attn_implementation="cpref": every attention layer runs cpref.attention
 collate = transformers.DataCollatorWithFlattening()  # input_ids, labels, position_ids: (1, T) each
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--cp {args.cp} must divide --nproc {args.nproc} (both positive)")
         return launch_self(args)
     torch.distributed.init_process_group("gloo")
-    from cpref.backends import TorchComm
+    from cpref.comm import TorchComm
 
     world = TorchComm()
     if world.size % args.cp:

@@ -71,7 +71,7 @@ def train(comm, steps: int = 5) -> list[float]:
 
 def main() -> int:
     torch.distributed.init_process_group("gloo")
-    from cpref.backends import TorchComm
+    from cpref.comm import TorchComm
 
     comm = TorchComm()  # the CP group: here every process
     losses = train(comm)

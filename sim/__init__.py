@@ -2,12 +2,12 @@
 
 A mini-guide:
 
-* [`SimCluster`][sim.cluster.SimCluster]`(P).run(fn)` runs `fn(comm)` on `P` rank threads
-  and returns the per-rank results; `comm` is a [`SimComm`][sim.cluster.SimComm], which
-  implements [`cpref.comm.Collectives`][cpref.comm.Collectives] deterministically (rank-order
+* [`SimCluster`][sim.cluster.simcluster.SimCluster]`(P).run(fn)` runs `fn(comm)` on `P` rank threads
+  and returns the per-rank results; `comm` is a [`SimComm`][sim.cluster.simcluster.SimComm], which
+  implements [`cpref.comm.protocol.Collectives`][cpref.comm.protocol.Collectives] deterministically (rank-order
   reductions) and records every collective in `SimCluster.trace`
-  ([`sim.trace`][sim.trace]: events and the bytes they move).
-* Faults never hang ([`sim.rendezvous`][sim.rendezvous]): `CollectiveMismatch`,
+  ([`sim.cluster.trace`][sim.cluster.trace]: events and the bytes they move).
+* Faults never hang ([`sim.cluster.rendezvous`][sim.cluster.rendezvous]): `CollectiveMismatch`,
   `PeerFailure` and `CollectiveTimeout` inside a rank; `ClusterFailure` out of `run`.
 * The FP64 single-device reference lives in `sim.oracle` (import it explicitly).
 * The tools that run on real process groups live in [`sim.tools`][sim.tools]: the launcher,
@@ -24,9 +24,9 @@ Example:
 `sim` may import `cpref`; `cpref` never imports `sim`.
 """
 
-from sim.cluster import SimCluster, SimComm
-from sim.rendezvous import ClusterFailure, CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerFailure
-from sim.trace import CollectiveEvent, TraceSummary, summarize, traffic
+from sim.cluster.rendezvous import ClusterFailure, CollectiveError, CollectiveMismatch, CollectiveTimeout, PeerFailure
+from sim.cluster.simcluster import SimCluster, SimComm
+from sim.cluster.trace import CollectiveEvent, TraceSummary, summarize, traffic
 
 __all__ = [
     "ClusterFailure",

@@ -59,49 +59,23 @@ def cu_from_lengths(lengths: list[int]) -> torch.Tensor:
 
 def only_the_comparison(trace) -> bool:
     """Whether a simulated cluster's trace holds nothing but the ranks' comparison of their arguments
-    (`cpref.consistency`: one all-gather of `(1, F)` int64, or its two all-reduces): an error came
+    (`cpref.modes.consistency`: one all-gather of `(1, F)` int64, or its two all-reduces): an error came
     before any of the mode's communication."""
-    from cpref.consistency import FIELDS
+    from cpref.modes.consistency import FIELDS
 
     row = (torch.int64, (1, len(FIELDS)))
     events = [(e.op, e.dtype, e.shape) for e in trace]
     return events in ([], [("all_gather", *row)], [("all_reduce", *row)] * 2)
 
 
-def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1)):
-    """`mode_costs` of one call as the mode runs it: under a window, or with a layout whose plans send only what
-    is read (stream, balanced), the ring level's shift sizes come from its plan (over P, or the P / a groups of
-    a2a+p2p), and all_gather's, a2a's and a2a+p2p's gathered rows from their plans."""
+def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1), rank: int = 0):
+    """`mode_costs` of one call as the mode states it for rank `rank` (its formulas over the amounts of the plan it
+    runs), with the options the tools run it with at this CP size."""
     import cpref
     from cpref.api import mode_costs
-    from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
-    from cpref.modes.ring_window import build_window_ring_plan
-    from cpref.seqlens import CHUNKED_LAYOUTS
 
-    options, cpu, window = cpref.MODES[mode].example_options(sharding.cp_size), torch.device("cpu"), tuple(window)
-    sizes = gathered = None
-    by_pieces = sharding.layout not in CHUNKED_LAYOUTS and sharding.cp_size > 1
-    if mode == "a2a+p2p" and by_pieces:  # the split plan: the shared rows' exchange and ring
-        from cpref.modes.hierarchical_split import build_split_hierarchical_plan
-
-        plan = build_split_hierarchical_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, options["a2a_size"],
-                                             heads[0], heads[1], causal, window, cpu)  # fmt: skip
-        gathered, sizes = plan.rows, plan.ring.halo.sizes if plan.ring.halo is not None else None  # None: one call
-    elif mode in ("p2p", "a2a+p2p") and (window != (-1, -1) or by_pieces):
-        a = options.get("a2a_size", 1)
-        if sharding.cp_size > a:  # a ring of P / a members, each a groups of a ranks
-            sizes = build_window_ring_plan(sharding.bounds, sharding.cp_size // a, 0, sharding.layout, causal, window,
-                                           cpu, a).halo.sizes  # fmt: skip
-    if mode == "all_gather" and by_pieces:
-        plan = build_piece_all_gather_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, causal, cpu, window)
-        gathered = plan.gathered_rows
-    if mode == "a2a" and by_pieces:
-        from cpref.modes.ulysses_split import build_split_plan
-
-        gathered = build_split_plan(sharding.bounds, sharding.cp_size, 0, sharding.layout, heads[0], heads[1], causal,
-                                    window, cpu).rows  # fmt: skip
-    return mode_costs(mode, P=sharding.cp_size, local_tokens=sharding.local_tokens, heads=heads, dtype=dtype,
-                      halo_sizes=sizes, gathered_rows=gathered, window=window, **options)  # fmt: skip
+    options = cpref.MODES[mode].example_options(sharding.cp_size)
+    return mode_costs(mode, sharding, heads=heads, dtype=dtype, causal=causal, window=window, rank=rank, **options)
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 300.0):

@@ -3,8 +3,8 @@
 import torch
 
 import cpref
-from cpref.seqlens import CHUNKED_LAYOUTS
-from sim import demo
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
+from sim.tools import demo
 from tests.helpers import expected_costs
 
 

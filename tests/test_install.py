@@ -1,5 +1,5 @@
 """What a user's script sees after installing cpref (issue 19, part 3): `sim` and
-`cpref.backends` import from any directory, and the base install brings numpy."""
+`cpref.comm` import from any directory, and the base install brings numpy."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import sys
 import cpref
-assert "cpref.backends" not in sys.modules, "import cpref imported the backends"
+assert "cpref.comm.torch_dist" not in sys.modules, "import cpref imported the backend"
 import sim
 from sim import SimCluster
 from sim.oracle import attention as oracle_attention
-comm_class = cpref.backends.TorchComm
-assert comm_class.__module__ == "cpref.backends.torch_dist"
+comm_class = cpref.comm.TorchComm
+assert comm_class.__module__ == "cpref.comm.torch_dist"
 print("ok")
 """
 

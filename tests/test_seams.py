@@ -1,4 +1,5 @@
-"""The seams hold: cpref never imports sim or torch_npu; only cpref.backends imports torch.distributed."""
+"""The seams hold: cpref never imports sim or torch_npu; only its two backends import torch.distributed;
+and no import runs against the package's layers."""
 
 import ast
 import subprocess
@@ -6,7 +7,13 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "cpref"
-BACKENDS = SRC / "backends"  # the one package that may import torch.distributed
+# the modules that may import torch.distributed: the collectives over it, and DCP checkpoint payloads
+BACKENDS = {"cpref.comm.torch_dist", "cpref.comm.capabilities", "cpref.train.dcp"}
+
+
+def module_name(file: Path) -> str:
+    parts = ["cpref", *file.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imported_modules(file: Path) -> set[str]:
@@ -27,9 +34,10 @@ def test_no_cpref_module_imports_sim_torch_distributed_or_torch_npu():
             root = name.split(".")[0]
             assert root != "sim", f"{file} imports {name}"
             assert root != "torch_npu", f"{file} imports {name} (import it lazily, by name)"
-            if BACKENDS not in file.parents:
-                assert not name.startswith("torch.distributed"), f"{file} imports {name} (only cpref.backends may)"
-                assert not name.startswith("cpref.backends"), f"{file} imports {name} (pass the comm in instead)"
+            if module_name(file) not in BACKENDS:
+                assert not name.startswith("torch.distributed"), f"{file} imports {name} (only {sorted(BACKENDS)} may)"
+            if module_name(file) not in BACKENDS | {"cpref.comm"}:
+                assert name not in BACKENDS, f"{file} imports {name} (pass the comm in instead)"
 
 
 def test_importing_cpref_loads_neither_sim_nor_torch_npu():
@@ -38,15 +46,64 @@ def test_importing_cpref_loads_neither_sim_nor_torch_npu():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_torch_distributed_allowance_is_used_by_the_backend():
-    """The allowance above is used where meant: the torch.distributed backend imports it."""
-    assert any(n.startswith("torch.distributed") for n in imported_modules(BACKENDS / "torch_dist.py"))
+def test_the_torch_distributed_allowance_is_used_by_the_backends():
+    """The allowance above is used where meant: each backend module imports torch.distributed."""
+    for name in BACKENDS:
+        file = SRC.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        assert any(n.startswith("torch.distributed") for n in imported_modules(file)), name
 
 
 def test_importing_cpref_leaves_the_backends_unloaded():
-    code = "import sys, cpref; print(sorted(m for m in sys.modules if m.startswith('cpref.backends')))"
+    code = f"import sys, cpref; print(sorted(m for m in sys.modules if m in {sorted(BACKENDS)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "[]"
+
+
+def test_the_backend_loads_on_first_use():
+    code = "import cpref.comm as c; print(c.TorchComm.__module__, c.unsupported_ops.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.split() == ["cpref.comm.torch_dist", "cpref.comm.capabilities"]
+
+
+# The layers, bottom up: a module imports only modules of its own part or of a lower layer. Parts on one
+# layer are independent of each other (the three seams: the batch description, the kernels, the collectives).
+LAYERS = [{"cpref.base"}, {"cpref.batch", "cpref.kernels", "cpref.comm"}, {"cpref.modes"}, {"cpref.api"},
+          {"cpref.models"}, {"cpref.train"}, {"cpref.hf"}]  # fmt: skip
+
+
+def part_of(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layer_of(module: str) -> int:
+    return next(i for i, parts in enumerate(LAYERS) if part_of(module) in parts)
+
+
+def test_the_top_level_is_one_entry_a_concept():
+    """Issue 43: the tree tells the story. Every entry of src/cpref is a part of a layer (or the package's
+    __init__), so a new top-level module must be given a place here first."""
+    entries = {p.stem for p in SRC.iterdir() if p.name != "__pycache__" and not p.name.endswith(".egg-info")}
+    assert entries - {"__init__"} == {part.split(".")[1] for layer in LAYERS for part in layer}
+    assert len(entries) <= 10
+
+
+def test_no_import_runs_against_the_layers():
+    """Every import, function-level ones too, goes to the module's own part or down. Before issue 43,
+    cpref.costs reached up into cpref.modes, and the modes imported cpref.costs."""
+    up = []
+    for file in SRC.rglob("*.py"):
+        name = module_name(file)
+        if name == "cpref":
+            continue
+        for target in imported_modules(file):
+            if target.startswith("cpref.") and part_of(target) != part_of(name) and layer_of(target) >= layer_of(name):
+                up.append(f"{name} -> {target}")
+    assert up == []
+
+
+def test_the_layer_check_sees_an_import_upwards():
+    assert layer_of("cpref.batch.sharding") < layer_of("cpref.modes.ring") < layer_of("cpref.train.data")
+    assert layer_of("cpref.kernels.merge") == layer_of("cpref.comm.protocol")  # same layer: independent seams
 
 
 FORBIDDEN_ROOTS = ("torch.distributed", "torch_npu", "sim")
@@ -143,9 +200,10 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circles_in_cpref():
     """Issue 19: layout <-> seqlens, models.config <-> models.hf_config, models.hf_weights <-> models.model
     were circles held together by lazy imports. The package's __init__ importing its modules, and a
-    module importing a sibling through the package (`from cpref.backends import capabilities`), are not."""
+    module importing a sibling through the package (`from cpref.comm import capabilities`), are not."""
     graph = _module_graph(SRC, "cpref")
-    assert len(graph) > 30 and "cpref.sharding" in graph["cpref.data"] and "cpref.layout" in graph["cpref.sharding"]
+    assert len(graph) > 30 and "cpref.batch.sharding" in graph["cpref.train.data"]
+    assert "cpref.batch.layout" in graph["cpref.batch.sharding"]
     packages = {name for name, deps in graph.items() if (SRC / Path(*name.split(".")[1:]) / "__init__.py").is_file()}
     for name in graph:  # a package's own __init__ re-exporting its modules is not a circle
         graph[name] -= {p for p in packages if p != name and name.startswith(p + ".")}
@@ -155,3 +213,21 @@ def test_no_import_circles_in_cpref():
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_readmes_changelog_names_where_every_moved_module_went():
+    """Issue 43: a moved module's old path is listed in README's changelog with its new one; each new one imports,
+    and no old one does (an old path that still imported would need no line)."""
+    import importlib.util
+    import re
+
+    readme = (SRC.parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `((?:cpref|sim)[\w.]*)` \| `((?:cpref|sim)[\w.]*)` \|$", readme.split("## Changelog")[1], re.M)
+    assert len(rows) >= 20
+    for old, new in rows:
+        assert importlib.util.find_spec(new) is not None, new
+        try:
+            found = importlib.util.find_spec(old)
+        except ModuleNotFoundError:  # its parent package is gone too
+            found = None
+        assert found is None, f"{old} still imports: it needs no changelog line"

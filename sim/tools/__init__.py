@@ -1,8 +1,8 @@
 """`sim.tools`: what runs cpref on real process groups, checked against the reference in `sim`.
 
 `sim` itself is the reference: the FP64 oracle (`sim.oracle`), the simulated cluster
-(`sim.cluster`, `sim.rendezvous`, `sim.trace`) and the harness the tests and docs run modes with
-(`sim.harness`). The tools here start real processes and compare them with it:
+(`sim.cluster.simcluster`, `sim.cluster.rendezvous`, `sim.cluster.trace`) and the harness the tests and docs run modes with
+(`sim.cluster.harness`). The tools here start real processes and compare them with it:
 
 * [`sim.tools.launch`][sim.tools.launch]: run a function on N local processes joined in a
   `torch.distributed` world (with [`sim.tools.launch_watch`][sim.tools.launch_watch]: ranks
@@ -12,5 +12,5 @@
 * [`sim.tools.train`][sim.tools.train] (`python -m sim train`): train a small model with CP;
 * [`sim.tools.npu_check`][sim.tools.npu_check] (`make test-npu`): the Ascend NPU checks.
 
-`make demo` (`sim.demo`) shows both: every mode on the simulated cluster, then `sim verify`.
+`make demo` (`sim.tools.demo`) shows both: every mode on the simulated cluster, then `sim verify`.
 """

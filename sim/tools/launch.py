@@ -1,6 +1,6 @@
 r"""`launch`: run one function on N local processes joined in a `torch.distributed` world.
 
-The simulated cluster (`sim.cluster`) runs ranks as threads; the hardware path needs real
+The simulated cluster (`sim.cluster.simcluster`) runs ranks as threads; the hardware path needs real
 processes, each with its own process group. `launch(fn, nproc)` starts `nproc` processes
 (`multiprocessing`, spawn start method), joins them in one world over the backend (gloo by
 default), runs `fn(*args)` on each, and returns the results, indexed by rank:
@@ -11,7 +11,7 @@ results = launch(my_module.check_rank, 4, timeout=30.0)   # fn: a module-level f
 ```
 
 `fn` must be picklable, i.e. a module-level function of an importable module (spawned
-processes import it by name); inside it, `cpref.backends.TorchComm()` is the world group.
+processes import it by name); inside it, `cpref.comm.TorchComm()` is the world group.
 Each process runs one thread (`torch.set_num_threads(1)`, so that N ranks share N cores as
 on a cluster), binds the device of its rank when given one (`device="cuda"` or `"npu"`, for
 NCCL or HCCL), and meets the others through a `FileStore`: a file in a temporary folder that
@@ -157,7 +157,7 @@ def launch(
 
     Args:
         fn: a module-level (picklable) function; it runs with the world process group
-            initialized, e.g. `comm = cpref.backends.TorchComm()`.
+            initialized, e.g. `comm = cpref.comm.TorchComm()`.
         nproc: number of processes (ranks) `>= 1`; ignored under torchrun.
         backend: the `torch.distributed` backend.
         timeout: seconds a rank may wait in a collective (the process-group timeout).

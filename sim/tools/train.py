@@ -1,9 +1,9 @@
 """Train a model with CP: `python -m sim train`, GPT-2, LLaMA or Qwen3 style, on packed documents.
 
-This page runs the training loop of [`cpref.training`](training.md) with the models of
+This page runs the training loop of [`cpref.train.training`](training.md) with the models of
 [`cpref.models`](models.md) on real text: the source files of the Python standard library this
 interpreter runs, byte-level tokens, packed into fixed-size packs with an end-of-document token
-(`cpref.packing`). Everything is deterministic: the same command prints the same losses.
+(`cpref.train.packing`). Everything is deterministic: the same command prints the same losses.
 
 ## On the simulated cluster
 
@@ -29,12 +29,12 @@ torchrun --nproc-per-node 4 -m sim train --backend gloo --cp 2 --dp 2   # the sa
 ```
 
 starts `dp x cp` gloo processes (`sim.tools.launch`; under torchrun, torchrun's), each a replica of the
-model, and runs the same loop over `cpref.backends.TorchComm`.
+model, and runs the same loop over `cpref.comm.TorchComm`.
 
 ## The run does not depend on the CP size
 
 The loss of a step is the mean over every loss token of the step on every rank
-(`cpref.training`), and attention is exact at any CP size, so a run at CP = 4 is the run at
+(`cpref.train.training`), and attention is exact at any CP size, so a run at CP = 4 is the run at
 CP = 1, up to rounding. The figure below shows two real runs, and the test suite checks the
 loss and gradient norm of 10 steps of every family in every mode and layout, at CP = 2, CP = 4
 and DP 2 x CP 2, against CP = 1: within 1e-5 (fp32), and 1e-2 under bf16 autocast.
@@ -91,14 +91,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 import cpref
-from cpref.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
-from cpref.models import CausalLM, ModelConfig
-from cpref.packing import BYTE_VOCAB, stdlib_documents
-from cpref.checks import as_int
-from cpref.errors import CPInputError
 from cpref.api import check_mode
+from cpref.base.checks import as_int
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW
-from cpref.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, check_packs, train
+from cpref.models import CausalLM, ModelConfig
+from cpref.train.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
+from cpref.train.packing import BYTE_VOCAB, stdlib_documents
+from cpref.train.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, check_packs, train
 from sim.tools.cli import Parser, dtype_name, fail, positive, positive_float
 
 __all__ = ["RunSpec", "PRESETS", "run_rank", "run_sim", "main"]
@@ -242,7 +242,7 @@ def run_rank(world: Any, spec: RunSpec, payload: Any = None, on_step: Callable[[
 
 def run_sim(spec: RunSpec, on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:
     """The run on the simulated cluster (one process); rank 0's stats."""
-    from cpref.backends.checkpoint import LocalPayload
+    from cpref.train.dcp import LocalPayload
     from sim import SimCluster
 
     payload = LocalPayload()  # writes state.pt once, reads a gloo run's dcp/ too
@@ -250,8 +250,8 @@ def run_sim(spec: RunSpec, on_step: Callable[[StepStats], Any] | None = None) ->
 
 
 def _gloo_rank(spec: RunSpec) -> list[StepStats]:
-    from cpref.backends import TorchComm
-    from cpref.backends.checkpoint import DcpPayload
+    from cpref.comm import TorchComm
+    from cpref.train.dcp import DcpPayload
 
     return run_rank(TorchComm(), spec, DcpPayload(), on_step=_print_step)
 
@@ -260,7 +260,7 @@ def _print_step(s: StepStats) -> None:
     print(f"step {s.step} loss {s.loss:.7f} grad_norm {s.grad_norm:.4f} tokens_per_s {s.tokens_per_s:.0f}", flush=True)
 
 
-DATA = ("byte-level tokens of this interpreter's standard-library source files (cpref.packing.stdlib_documents), "
+DATA = ("byte-level tokens of this interpreter's standard-library source files (cpref.train.packing.stdlib_documents), "
         "cut to a spread of lengths and packed end to end with an end-of-document token")
 
 

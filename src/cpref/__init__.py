@@ -1,26 +1,28 @@
 """cpref: reference-first context-parallel (CP) attention.
 
-The pieces, each a page of the docs:
+The package, from the bottom up (each part imports only the parts above it in this list):
 
-* `cpref.layout`: the THD data model, the four layouts (contiguous, zigzag, stream, and balanced,
-  whose plan is `cpref.balanced`), padding;
-* `cpref.seqlens`: real and padded document boundaries, validated once per batch;
-* `cpref.sharding`: `Sharding`, the one description of how a batch is sharded (boundaries,
-  CP size, layout), which shards, unshards and is what `cpref.attention` takes;
-* `cpref.comm`: the collectives protocol every algorithm is written against;
-* `cpref.kernels`: the attention kernel contract, the portable `TorchKernel` and `CudaKernel` (flash on CUDA);
-* `cpref.cache`: the batch cache (everything derived from `cu_seqlens`, once per step);
-* `cpref.metadata`: the MindSpeed RFC's metadata API (load-balanced THD metadata for KV
-  all-gather CP);
-* `cpref.modes`: the CP algorithms, each one file that declares itself (`cpref.modes.spec`):
-  `all_gather` (KV all-gather), `p2p` (the ring), `a2a` (Ulysses) and `a2a+p2p`
-  (hierarchical), with their plans and what they share;
-* `cpref.api`: the public entry point `cpref.attention`;
-* `cpref.consistency`: the ranks' comparison of their arguments on every call;
-* `cpref.data`: the EOD-padding data path and the CP-invariant loss;
-* `cpref.models`, `cpref.training`, `cpref.checkpoint`: models with CP, the DP x CP training
-  step, checkpoints;
-* `cpref.backends` (imported on first use): `TorchComm` over `torch.distributed`, DCP payloads.
+* [`cpref.base`][cpref.base]: the error type, argument checks, determinism;
+* [`cpref.batch`][cpref.batch]: the batch description: document boundaries, the four layouts
+  (contiguous, zigzag, stream, balanced), `Sharding` (the one object saying how a batch is
+  split, which shards, unshards and is what `cpref.attention` takes) and the batch cache;
+* [`cpref.kernels`][cpref.kernels]: the attention kernel contract (varlen, bottom-right causal,
+  out + lse), the portable `TorchKernel`, `CudaKernel` (flash on CUDA), `NpuKernel` (Ascend);
+* [`cpref.comm`][cpref.comm]: the collectives protocol every algorithm is written against, and
+  `TorchComm` over `torch.distributed` (loaded on first use);
+* [`cpref.modes`][cpref.modes]: the CP algorithms, each one file that declares itself:
+  `all_gather` (KV all-gather, with the MindSpeed RFC's metadata API), `p2p` (the ring), `a2a`
+  (Ulysses) and `a2a+p2p` (hierarchical), the validated call they receive, the ranks'
+  agreement check and their costs;
+* [`cpref.api`][cpref.api]: `cpref.attention`, the one entry point;
+* [`cpref.models`][cpref.models]: GPT-2, LLaMA and Qwen3 style models with CP;
+* [`cpref.train`][cpref.train]: the data path and loss, the DP x CP training step, checkpoints;
+* [`cpref.hf`][cpref.hf]: Hugging Face `transformers` models with CP.
+
+One call of `cpref.attention`, file by file: `batch/sharding.py` (the `Sharding` the tensors were
+cut with) -> `api.py` (every argument checked, before any communication) -> `modes/call.py` (the
+validated `CPCall`) -> `modes/consistency.py` (the ranks agree) -> `modes/<mode>.py` (its plan
+from the batch cache, its collectives through `comm/`, its kernel calls through `kernels/`).
 
 Example (on the simulated cluster of the `sim` package, installed with cpref):
 
@@ -34,16 +36,16 @@ out = sim.SimCluster(4).run(
 """
 
 from cpref.api import MODES, attention
-from cpref.cache import cache_info, clear_cache
-from cpref.comm import Collectives, SingleRank
-from cpref.data import cp_loss, get_batch_on_this_cp_rank
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
+from cpref.batch.cache import cache_info, clear_cache
+from cpref.batch.layout import LAYOUTS, bshd_to_thd, thd_to_bshd
+from cpref.batch.seqlens import Boundaries
+from cpref.batch.sharding import Sharding
+from cpref.comm.protocol import Collectives, SingleRank
 from cpref.kernels import AttentionKernel, CudaKernel, TorchKernel, Varlen
-from cpref.layout import LAYOUTS, bshd_to_thd, thd_to_bshd
-from cpref.metadata import clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
 from cpref.modes.all_gather import AllGatherKVFunc, AttnFuncWithCPAndKVAllGatherForTHDLoadBalanced
-from cpref.seqlens import Boundaries
-from cpref.sharding import Sharding
+from cpref.modes.metadata import clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
+from cpref.train.data import cp_loss, get_batch_on_this_cp_rank
 
 __all__ = [
     "attention",
@@ -69,13 +71,3 @@ __all__ = [
     "get_batch_on_this_cp_rank",
     "cp_loss",
 ]
-
-
-def __getattr__(name: str):
-    """`cpref.backends` on first use (`cpref.backends.TorchComm(...)` works after `import cpref`),
-    so that `import cpref` does not import `torch.distributed.checkpoint` and the backends."""
-    if name == "backends":
-        import importlib
-
-        return importlib.import_module("cpref.backends")
-    raise AttributeError(f"module 'cpref' has no attribute {name!r}")

@@ -6,9 +6,9 @@ out = cpref.attention(sharding.shard(q, comm.rank), sharding.shard(k, comm.rank)
                       sharding, comm=comm, mode="all_gather")
 ```
 
-`q, k, v` are this rank's shards, `sharding` the [`Sharding`][cpref.sharding.Sharding] that
+`q, k, v` are this rank's shards, `sharding` the [`Sharding`][cpref.batch.sharding.Sharding] that
 cut them (the document boundaries, real and padded, the CP size and the layout, given once),
-and `comm` the CP group's collectives ([`cpref.comm.Collectives`][cpref.comm.Collectives]). The result is this rank's
+and `comm` the CP group's collectives ([`cpref.comm.protocol.Collectives`][cpref.comm.protocol.Collectives]). The result is this rank's
 output shard, differentiable (once) in `q`, `k` and `v` through an `autograd.Function` with an
 explicit backward: autograd never runs through a collective.
 
@@ -26,7 +26,7 @@ the communicator and the sharding (its CP size must be the group's), the mode an
 the flags (`causal`, the window), the kernel, the tensors (dims, dtypes, heads, head dims), the scale, the shard size
 (the boundaries were validated when the sharding was built, once per batch), the mode's own constraints, and the
 backend's known limits. Then, on every call, the ranks compare their arguments with one
-tiny host exchange ([`cpref.consistency`][cpref.consistency]). A rank whose own inputs fail
+tiny host exchange ([`cpref.modes.consistency`][cpref.modes.consistency]). A rank whose own inputs fail
 (its shard's length, say, which only it sees) still meets the others in that comparison,
 marked invalid, before raising: they raise too, naming it, instead of waiting for it.
 
@@ -55,17 +55,17 @@ from typing import Any, Mapping
 import torch
 
 import cpref.modes
-from cpref.call import CPCall
-from cpref.checks import as_bool, as_choice, as_int, as_scale, missing_members
-from cpref.comm import Collectives, check_comm
-from cpref.consistency import check_ranks_agree, report_invalid_inputs
-from cpref.costs import ModeCosts
-from cpref.errors import CPInputError
+from cpref.base.checks import as_bool, as_choice, as_int, as_scale, missing_members
+from cpref.base.errors import CPInputError
+from cpref.batch.layout import LAYOUTS
+from cpref.batch.sharding import Sharding
+from cpref.comm.protocol import Collectives, check_comm
 from cpref.kernels import AttentionKernel, check_heads, default_kernel
 from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, check_window, compute_dtype
+from cpref.modes.call import CPCall
+from cpref.modes.consistency import check_ranks_agree, report_invalid_inputs
+from cpref.modes.costs import ModeCosts
 from cpref.modes.spec import ModeSpec
-from cpref.layout import LAYOUTS
-from cpref.sharding import Sharding
 
 __all__ = ["attention", "MODES", "CPAttentionOutput", "collect_modes", "mode_costs", "prepare", "check_mode", "check_sharding"]
 
@@ -104,17 +104,49 @@ def _check_options(mode: str, given: dict[str, Any]) -> dict[str, Any]:
     return spec.parse_options(given)
 
 
-def mode_costs(mode: str, **arguments: Any) -> ModeCosts:
-    """The per-rank costs of one layer of `mode`, from its own declaration (see `cpref.costs`).
+def mode_costs(mode: str, sharding: Sharding | None = None, **arguments: Any) -> ModeCosts:
+    """The per-rank costs of one layer of `mode`, from its own declaration (see `cpref.modes.costs`).
+
+    Two ways: for a batch, `mode_costs(mode, sharding, heads=, dtype=, rank=0, causal=True, window=, **options)`
+    asks the mode what it does on `rank` for that call: the formulas with the amounts read from the plan it
+    runs ([`ModeSpec.call_costs`][cpref.modes.spec.ModeSpec.call_costs]); or, without a batch, the formulas
+    themselves, with every amount given.
 
     Args:
         mode: a name in `MODES`.
-        **arguments: `P`, `local_tokens`, `heads`, `dtype`, `selected_kv_rows` (the all-gather
-            plan's `sum(kv_len)`, for `save_gathered_kv`), `halo_sizes` (the ring plan's `halo.sizes`, under a
-            window or with the stream and balanced layouts), `gathered_rows` (the all-gather plan's, with
-            those layouts), `window` (the call's sliding window, default none) and the mode's options.
+        sharding: the batch, or None for the formulas alone.
+        **arguments: with a `sharding`: `heads` `(Hq, Hkv, D, Dv)`, `dtype`, `rank`, `causal`, `window` and the
+            mode's options, validated as `cpref.attention` validates them. Without: `P`, `local_tokens`,
+            `heads`, `dtype`, `selected_kv_rows` (the all-gather plan's `sum(kv_len)`, for `save_gathered_kv`),
+            `halo_sizes` (the ring plan's `halo.sizes`, under a window or with the stream and balanced layouts),
+            `gathered_rows` (the all-gather plan's, with those layouts), `window` (the call's sliding window,
+            default none) and the mode's options.
+
+    Raises:
+        ValueError: (`CPInputError`) as `cpref.attention` would refuse the call, naming the value.
     """
-    return MODES[as_choice("mode", mode, list(MODES))].mode_costs(**arguments)
+    mode = as_choice("mode", mode, list(MODES))
+    if sharding is None:
+        return MODES[mode].mode_costs(**arguments)
+    return MODES[mode].call_costs(_costed_call(mode, sharding, **arguments))
+
+
+def _costed_call(mode: str, sharding: Any, *, heads: Any, dtype: Any, rank: int = 0, causal: bool = True,
+                 window: Any = NO_WINDOW, **options: Any) -> CPCall:  # fmt: skip
+    """The `CPCall` of rank `rank` that `mode_costs` costs (no tensors: their heads and dtype are given)."""
+    if not isinstance(sharding, Sharding):
+        sharding = check_sharding(sharding, 1)  # refused with its message
+    rank = as_int("rank", rank, lo=0, hi=sharding.cp_size)
+    if not (isinstance(heads, (tuple, list)) and len(heads) == 4):
+        raise CPInputError(f"heads must be (Hq, Hkv, D, Dv), got {heads!r}")
+    heads = tuple(as_int(name, h, lo=1) for name, h in zip(("Hq", "Hkv", "D", "Dv"), heads))
+    if dtype not in FLOAT_DTYPES:
+        raise CPInputError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+    causal = as_bool("causal", causal)
+    call = CPCall(sharding, rank, causal, check_window(window, causal), 1.0, None, heads, dtype, torch.device("cpu"),
+                  MappingProxyType(_check_options(mode, options)))  # fmt: skip
+    _check_mode_constraints(call, mode)
+    return call
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -261,7 +293,7 @@ def attention(
         k: `(T / P, Hkv, D)` this rank's key shard, `Hq % Hkv == 0`.
         v: `(T / P, Hkv, Dv)` this rank's value shard, `Dv <= D`.
         sharding: how the batch is sharded (boundaries, real and padded, CP size, layout): the
-            [`Sharding`][cpref.sharding.Sharding] that sharded `q, k, v`. Padding, where the
+            [`Sharding`][cpref.batch.sharding.Sharding] that sharded `q, k, v`. Padding, where the
             sharding has it, is seen by no query, padding queries give 0 and padding rows get
             zero gradients.
         comm: the CP group's collectives, of `sharding.cp_size` ranks.
@@ -279,10 +311,10 @@ def attention(
             [`TorchKernel`][cpref.kernels.TorchKernel] otherwise (`cpref.kernels.default_kernel`).
         deterministic: make the backward bit for bit repeatable where it is not by default (CUDA's atomics):
             the backward's row sums in occurrence layers and the kernel's own backward in its deterministic
-            algorithm ([`cpref.determinism`][cpref.determinism]); the kernel must declare `deterministic = True`
+            algorithm ([`cpref.base.determinism`][cpref.base.determinism]); the kernel must declare `deterministic = True`
             (without a kernel, the default kernel is built so). Default False.
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
-            call (see `cpref.consistency`); if every rank passes `False` on the first call of a
+            call (see `cpref.modes.consistency`); if every rank passes `False` on the first call of a
             communicator, its later calls skip it.
         **options: the mode's own options, as the mode declares them (`MODES[mode].options`,
             each with its default, parser and a line of documentation; the

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cpref
-from cpref.backends import TorchComm, TorchPending, unsupported_ops
-from cpref.backends.capabilities import NEW_GROUP_PARAMS
-from cpref.errors import CPInputError
-from sim.cluster import _reduce_scatter
+from cpref.base.errors import CPInputError
+from cpref.comm import TorchComm, TorchPending, unsupported_ops
+from cpref.comm.capabilities import NEW_GROUP_PARAMS
+from sim.cluster.simcluster import _reduce_scatter
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # a fraction each dtype holds exactly next to integers up to ~40, and that a narrower one loses

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpref.backends import TorchComm, default_exchange, unsupported_ops
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
+from cpref.comm import TorchComm, default_exchange, unsupported_ops
 from sim.tools.launch import launch
 from tests.backends import gloo_cases
 
@@ -52,7 +52,7 @@ def test_hccl_limits_are_known_up_front(size):
 
 def test_only_a_gloo_older_than_bfloat16_support_widens_a_dtype(monkeypatch):
     """gloo gained bfloat16 around torch 2.2: before 2.3 it travels as float32, from then on nothing is widened."""
-    from cpref.backends.capabilities import widened_dtypes
+    from cpref.comm.capabilities import widened_dtypes
 
     assert widened_dtypes("gloo") == widened_dtypes("nccl") == {}  # the pinned torch
     monkeypatch.setattr(torch, "__version__", "2.2.1+cpu")
@@ -70,8 +70,8 @@ def test_torch_comm_needs_an_initialized_process_group():
 def test_control_tensors_live_where_the_backend_carries_them(monkeypatch):
     """NCCL and HCCL carry no CPU tensors: the split digest must travel on the accelerator
     (seen on CUDA: "No backend type associated with device type cpu")."""
-    from cpref.backends.capabilities import control_device
-    from cpref.backends.torch_dist import TorchComm
+    from cpref.comm.capabilities import control_device
+    from cpref.comm.torch_dist import TorchComm
 
     assert control_device("gloo") == torch.device("cpu")
     assert control_device("cpu:gloo,cuda:nccl") == torch.device("cpu")
@@ -91,7 +91,7 @@ def test_control_tensors_live_where_the_backend_carries_them(monkeypatch):
 def test_new_group_keeps_the_listed_order_or_refuses():
     """torch 2.11's new_group has no sort_ranks (seen on the GPU machine): ascending parts still
     work there, a part that sorting would renumber is refused instead of silently reordered."""
-    from cpref.backends.capabilities import NEW_GROUP_PARAMS, new_group_options
+    from cpref.comm.capabilities import NEW_GROUP_PARAMS, new_group_options
 
     assert "sort_ranks" in NEW_GROUP_PARAMS  # the pinned torch keeps any order
     with_sort = {"ranks", "use_local_synchronization", "sort_ranks"}
@@ -105,8 +105,8 @@ def test_new_group_keeps_the_listed_order_or_refuses():
 def test_a_part_this_torch_cannot_make_fails_on_every_rank(monkeypatch):
     """Without sort_ranks, a split whose *other* part is out of order must still fail on this
     rank too: a rank that went on to its own group would later wait for peers that raised."""
-    import cpref.backends.capabilities as caps
-    import cpref.backends.torch_dist as td
+    import cpref.comm.capabilities as caps
+    import cpref.comm.torch_dist as td
 
     monkeypatch.setattr(caps, "NEW_GROUP_PARAMS", frozenset({"ranks", "use_local_synchronization"}))
     monkeypatch.setattr(td.dist, "new_group", lambda *a, **k: pytest.fail("a group was made before the check"))

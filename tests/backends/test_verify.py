@@ -25,14 +25,13 @@ import pytest
 import torch
 
 import cpref
+from sim.cluster.harness import run_attention
+from sim.cluster.simcluster import SimCluster
 from sim.tools import verify
-from sim.cluster import SimCluster
-from sim.harness import run_attention
 from sim.tools.progress import Progress
-from sim.tools.verify import cases_from_args, parse_args
+from sim.tools.verify import cases_from_args, parse_args, truth
 from sim.tools.verify.cases import Case, Setup, build_cases, cp_groups, lengths, make_batch, placement
 from sim.tools.verify.rank import run_without_cp
-from sim.tools.verify import truth
 from sim.tools.verify.truth import Report, check, compare, ground_truth
 from tests.backends.verify_impls import WITHIN_TOLERANCE
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import cpref
 import examples.stream_ulysses
-from cpref.backends import TorchComm
+from cpref.comm import TorchComm
 
 _COMMS: dict[int, TorchComm] = {}
 

@@ -1,4 +1,4 @@
-"""Shared fixtures for CP-mode tests on the simulated cluster (the harness lives in `sim.harness`)."""
+"""Shared fixtures for CP-mode tests on the simulated cluster (the harness lives in `sim.cluster.harness`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import cpref
-from sim.cluster import SimCluster
-from sim.harness import CountingKernel, oracle_shards, run_attention
+from sim.cluster.harness import CountingKernel, oracle_shards, run_attention
+from sim.cluster.simcluster import SimCluster
 from tests.helpers import TOL, cu_from_lengths, random_qkv
 
 __all__ = ["CountingKernel", "run_cp", "oracle_shards", "largest_bf16_error_over_logit_scales"]

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpref
-from cpref.errors import CPInputError, PeerInputError
-from sim.cluster import SimCluster
+from cpref.base.errors import CPInputError, PeerInputError
+from sim.cluster.simcluster import SimCluster
 from tests.cp.conftest import BF16_FLAT, CountingKernel, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
 from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison, random_qkv
 

@@ -13,7 +13,7 @@ import torch
 
 import cpref
 from sim import oracle
-from sim.cluster import SimCluster
+from sim.cluster.simcluster import SimCluster
 from tests.helpers import cu_from_lengths
 
 VOCAB, E, HQ, HKV, D = 13, 8, 4, 2, 6

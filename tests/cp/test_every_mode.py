@@ -16,7 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cpref
-from cpref.consistency import FIELDS
+from cpref.modes.consistency import FIELDS
 from sim import SimCluster
 from tests.cp.conftest import oracle_shards, run_cp
 from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison, random_qkv

@@ -12,7 +12,14 @@ import cpref
 from cpref.api import mode_costs
 from sim import SimCluster
 from tests.cp.conftest import BF16_FLAT, largest_bf16_error_over_logit_scales, oracle_shards, run_cp
-from tests.cp.test_ulysses_pipeline import HEAD_GROUP_BATCHES, LAYOUTS, HeadsKernel, LoggingKernel, logged_a2a, padded_batch
+from tests.cp.test_ulysses_pipeline import (
+    HEAD_GROUP_BATCHES,
+    LAYOUTS,
+    HeadsKernel,
+    LoggingKernel,
+    logged_a2a,
+    padded_batch,
+)
 from tests.helpers import assert_close, only_the_comparison
 
 MODE = "a2a+p2p"

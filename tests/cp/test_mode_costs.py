@@ -1,5 +1,5 @@
 """Counted, not timed: every mode's bytes, collectives, kernel calls and saved memory per rank equal
-the analytic figures its page states (`cpref.costs`), for every layout and head configuration."""
+the analytic figures its page states (`cpref.modes.costs`), for every layout and head configuration."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import cpref
 from cpref.api import mode_costs
 from cpref.modes.shared import head_split
-from sim.harness import saved_bytes, trace_split
+from sim.cluster.harness import saved_bytes, trace_split
 from tests.cp.conftest import CountingKernel, run_cp
 from tests.helpers import HEADS, attention_inputs, cu_from_lengths, random_qkv
 
@@ -71,10 +71,8 @@ def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, opt
     kernels = [CountingKernel() for _ in range(P)]
     _, cluster = run_cp(q, k, v, dout, sharding, mode=mode, causal=causal, kernels=kernels, check_ranks=False,
                         between=lambda comm: comm.barrier(), **options)  # fmt: skip
-    t_l, cu = sharding.local_tokens, sharding.cu_seqlens
     for r in range(P):
-        rows = cpref.get_thd_load_balanced_cp_metadata(cu, P, r, layout=layout, causal=causal)["actual_seq_kvlen"][-1]
-        want = mode_costs(mode, P=P, local_tokens=t_l, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows, **options)
+        want = mode_costs(mode, sharding, heads=HEADS[heads], dtype=dtype, rank=r, causal=causal, **options)
         (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
         assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), f"rank {r}"
         assert (fwd_ops, bwd_ops) == (dict(want.forward_ops), dict(want.backward_ops)), f"rank {r}"
@@ -91,9 +89,7 @@ def test_saved_bytes_for_backward_equal_the_formula(mode, options, P, heads, dty
     q, k, v, _ = attention_inputs(sharding.total, HEADS[heads], dtype=dtype)
     measured = saved_bytes(q, k, v, sharding, mode=mode, check_ranks=False, **options)
     for r in range(P):
-        rows = cpref.get_thd_load_balanced_cp_metadata(sharding.cu_seqlens, P, r)["actual_seq_kvlen"][-1]
-        want = mode_costs(mode, P=P, local_tokens=sharding.local_tokens, heads=HEADS[heads], dtype=dtype, selected_kv_rows=rows,
-                          **options)  # fmt: skip
+        want = mode_costs(mode, sharding, heads=HEADS[heads], dtype=dtype, rank=r, **options)
         assert measured[r] == want.saved_bytes, f"rank {r}"
 
 

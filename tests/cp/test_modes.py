@@ -333,7 +333,7 @@ def ring_events(monkeypatch, P, mode, extra):
     """Run forward and backward on P ranks; per rank, the (forward, backward) event logs: "kernel"
     for a kernel call, ("post", i) for the i-th `send_recv_async` of the pass, ("wait", i) when its
     handle is waited on."""
-    from sim.cluster import SimComm
+    from sim.cluster.simcluster import SimComm
 
     logs = [[] for _ in range(P)]
     posted = [0] * P  # send_recv_async calls of the current pass, per rank

@@ -54,8 +54,8 @@ import torch
 
 import cpref
 from cpref.kernels import TorchKernel, Varlen
-from sim.cluster import SimCluster
-from sim.harness import oracle_padded
+from sim.cluster.harness import oracle_padded
+from sim.cluster.simcluster import SimCluster
 from sim.tools.verify.truth import RATIO_LIMIT, precision_ratio
 from tests.cp.conftest import run_cp
 from tests.helpers import cu_from_lengths, random_qkv

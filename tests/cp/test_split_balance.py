@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpref
-from cpref.balanced import TOLERANCE
+from cpref.batch.balanced import TOLERANCE
+from cpref.batch.layout import local_chunks
 from cpref.kernels.contract import NO_WINDOW
-from cpref.layout import local_chunks
 from cpref.modes.ulysses_split import _best_move, _holdings, exchanged_docs, split_loads, split_rows
 from tests.cp.conftest import CountingKernel, run_cp
 from tests.helpers import attention_inputs, cu_from_lengths
@@ -94,7 +94,7 @@ def test_a2a_balances_the_packed_mix(layout, P):
 
 def test_even_ranks_exchange_only_what_spans_them():
     """Documents each whole on one rank, equal work per rank: nothing is exchanged, no byte moves."""
-    from sim.harness import trace_split
+    from sim.cluster.harness import trace_split
 
     sharding = cpref.Sharding.eod_padded(cu_from_lengths([40, 24] * 4), cp_size=4, layout="stream")
     assert _spanning(sharding) == set() and exchanged_docs(sharding.bounds, 4, "stream", 4, True, NO_WINDOW) == set()
@@ -189,7 +189,7 @@ def test_balance_false_exchanges_only_the_documents_that_span_ranks(mode, a):
     """`balance=False`: the split of the spanning documents alone, in the plan and in the kernels' work (uneven on
     the mix, as without the balance), the outputs still the oracle's; the option reaches the plan's cache key, so
     both runs on one batch keep their own plans."""
-    from sim.harness import oracle_shards
+    from sim.cluster.harness import oracle_shards
 
     P = 2
     sharding = cpref.Sharding.eod_padded(cu_from_lengths(MIX), cp_size=P, layout="balanced")

@@ -11,9 +11,16 @@ import torch
 import cpref
 from cpref.kernels import TorchKernel, Varlen
 from sim import oracle
-from sim.cluster import SimCluster
+from sim.cluster.simcluster import SimCluster
 from tests.cp.conftest import CountingKernel, oracle_shards, run_cp
-from tests.helpers import assert_close, attention_inputs, cu_from_lengths, expected_costs, only_the_comparison, random_qkv
+from tests.helpers import (
+    assert_close,
+    attention_inputs,
+    cu_from_lengths,
+    expected_costs,
+    only_the_comparison,
+    random_qkv,
+)
 
 WINDOWED = [name for name, spec in cpref.MODES.items() if spec.windows]
 HEADS = {"gqa": (8, 2, 8, 8), "mla": (8, 2, 12, 8)}  # (Hq, Hkv, D, Dv): a2a splits them at P = 2, 4, 8
@@ -248,7 +255,7 @@ def test_the_ring_moves_what_the_halo_formula_says(mode, layout, window, causal)
     """Per rank, forward and backward: the bytes and collectives of the trace are `halo_costs` of the plan's
     sizes exactly, and the ring runs only the distances the window reaches."""
     from cpref.modes.ring_window import window_distances
-    from sim.harness import trace_split
+    from sim.cluster.harness import trace_split
 
     P = 4
     sharding = cpref.Sharding.eod_padded(cu_from_lengths([64, 40, 96]), cp_size=P, layout=layout)
@@ -269,7 +276,7 @@ def test_zigzag_under_a_window_within_a_chunk_exchanges_halos_with_both_neighbou
     """Zigzag, a causal window of w <= c keys back: the front chunk reads the rank before, the back chunk the
     rank after, so exactly two shifts (distances 1 and P - 1) of w rows per document each, not a relay round
     the ring through every rank between."""
-    from sim.harness import trace_split
+    from sim.cluster.harness import trace_split
 
     P, w, docs = 4, 3, [64, 32, 96]  # zigzag chunks of 8, 4, 12 rows: w fits in each
     sharding = cpref.Sharding(cu_from_lengths(docs), cp_size=P, layout="zigzag")
@@ -333,7 +340,7 @@ def test_all_gather_saves_for_backward_only_what_the_window_selects(save):
     only (the plan's `sum(kv_len)`), and the saved bytes are the formula's with that count, rank by rank."""
     from cpref.api import mode_costs
     from cpref.modes.all_gather_plan import build_all_gather_plan
-    from sim.harness import saved_bytes
+    from sim.cluster.harness import saved_bytes
 
     P, window = 4, (5, 0)
     sharding = cpref.Sharding(cu_from_lengths([64, 32, 96]), cp_size=P)
@@ -343,6 +350,6 @@ def test_all_gather_saves_for_backward_only_what_the_window_selects(save):
         plan = build_all_gather_plan(sharding.bounds, P, r, "zigzag", True, torch.device("cpu"), window)
         rows = plan.seqs.total_kv
         assert rows <= sharding.local_tokens * (window[0] + 1)  # at most w + 1 keys for each query
-        want = mode_costs("all_gather", P=P, local_tokens=sharding.local_tokens, heads=(4, 2, 8, 8),
-                          dtype=torch.float64, selected_kv_rows=rows, save_gathered_kv=save)  # fmt: skip
+        want = mode_costs("all_gather", sharding, heads=(4, 2, 8, 8), dtype=torch.float64, rank=r, window=window,
+                          save_gathered_kv=save)  # fmt: skip
         assert measured[r] == want.saved_bytes, r

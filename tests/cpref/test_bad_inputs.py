@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import cpref
-from cpref.balanced import balanced_pieces
-from cpref.errors import CPInputError
-from cpref.seqlens import Boundaries
-from examples import stream_ulysses
+from cpref.base.errors import CPInputError
+from cpref.batch.balanced import balanced_pieces
+from cpref.batch.seqlens import Boundaries
 from cpref.kernels import TorchKernel, Varlen
+from examples import stream_ulysses
 from sim import SimCluster
-from sim.cluster import SimComm
+from sim.cluster.simcluster import SimComm
 from tests.helpers import only_the_comparison, random_qkv
 
 P = 2
@@ -48,7 +48,7 @@ def attention_call(**change):
         cluster.run(rank_fn)
     finally:
         # an error comes before any of the mode's communication: at most the ranks' comparison, in
-        # which a rank that failed tells the others (cpref.consistency), ran
+        # which a rank that failed tells the others (cpref.modes.consistency), ran
         assert only_the_comparison(cluster.trace), cluster.trace
 
 
@@ -193,9 +193,9 @@ OTHER_CASES = [
     ("metadata rank bool", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, True), r"rank must be an int, got True \(bool\)"),
     ("metadata cp_size string", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], "2", 0), r"cp_size must be an int, got '2' \(str\)"),
     ("metadata device", lambda: cpref.get_thd_load_balanced_cp_metadata([0, 8], 2, 0, "gpu0"), r"device 'gpu0' is not a torch device"),
-    ("group not dividing", lambda: cpref.layout.group_chunks([0, 8], cp_size=4, group=3, g=0, layout="stream"),
+    ("group not dividing", lambda: cpref.batch.layout.group_chunks([0, 8], cp_size=4, group=3, g=0, layout="stream"),
      r"group=3 does not divide cp_size=4"),
-    ("group index out of range", lambda: cpref.layout.group_chunks([0, 8], cp_size=4, group=2, g=2, layout="stream"),
+    ("group index out of range", lambda: cpref.batch.layout.group_chunks([0, 8], cp_size=4, group=2, g=2, layout="stream"),
      r"g=2 is outside \[0, 2\)"),
     ("balanced plan of a batch P does not divide", lambda: balanced_pieces(Boundaries.parse([0, 9]), 2),
      r"the batch has 9 tokens, not a multiple of cp_size=2: the balanced layout"),
@@ -210,7 +210,7 @@ OTHER_CASES = [
      r"x has shape \(7,\) but the sharded stream has 8 tokens: .*; pad it first with sharding.pad\(x\)"),
     ("shard rank float", lambda: cpref.Sharding([0, 8], cp_size=2).shard(torch.zeros(8), 0.5), r"rank must be an int, got 0.5"),
     ("shard not a tensor", lambda: cpref.Sharding([0, 8], cp_size=2).shard([0.0] * 8, 0), r"x has shape list"),
-    ("pad multiple zero", lambda: cpref.layout.pad_to_multiple(torch.zeros(8), [0, 8], 0), r"multiple=0 is outside \[1, inf\)"),
+    ("pad multiple zero", lambda: cpref.batch.layout.pad_to_multiple(torch.zeros(8), [0, 8], 0), r"multiple=0 is outside \[1, inf\)"),
     ("eod_padded cp_size zero", lambda: cpref.Sharding.eod_padded([0, 8], cp_size=0), r"cp_size=0 is outside \[1, inf\)"),
     ("batch without labels", lambda: cpref.get_batch_on_this_cp_rank({"tokens": torch.zeros(8)}, [0, 8], cp_size=2, rank=0), r"batch needs 'tokens' and 'labels'"),
     ("kernel block_size zero", lambda: TorchKernel(block_size=0), r"block_size=0 must be a positive int, or None"),
@@ -255,8 +255,8 @@ class _Forwarding:
 def test_forwarding_wrappers_conform_on_every_python():
     """`isinstance` against a runtime-checkable protocol looks members up statically from
     Python 3.12 on and would refuse these wrappers there; cpref checks with `hasattr`."""
-    from cpref.checks import missing_members
-    from cpref.comm import Collectives, SingleRank
+    from cpref.base.checks import missing_members
+    from cpref.comm.protocol import Collectives, SingleRank
     from cpref.kernels import AttentionKernel
 
     assert missing_members(_Forwarding(SingleRank()), Collectives) == []
@@ -317,7 +317,7 @@ def test_three_kv_heads_run_under_ulysses_where_the_group_size_is_a_multiple_of_
     """The Ulysses docstring allows Hkv < P when P % Hkv == 0, replicating each key/value head
     P / Hkv times (P = 6: twice; P = 3 splits them one per rank): the heads refused at P = 2 and 4
     run at P = 3 and 6 and match the FP64 oracle, gradients of the replicas summed back."""
-    from sim.harness import oracle_shards, run_attention
+    from sim.cluster.harness import oracle_shards, run_attention
     from tests.helpers import assert_close
 
     sharding = cpref.Sharding(torch.tensor([0, 12, 48]), cp_size=P, layout="zigzag")  # documents of multiples of 2P = 12

@@ -1,4 +1,4 @@
-"""The balanced layout's plan: what `cpref.balanced` guarantees, on random and built packs.
+"""The balanced layout's plan: what `cpref.batch.balanced` guarantees, on random and built packs.
 
 Exactness in every mode is in the suites parametrised over `cpref.LAYOUTS`; the traffic that
 follows the plan (a whole document costs the ring nothing) is at the end.
@@ -12,9 +12,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cpref
-from cpref.balanced import TOLERANCE, balanced_pieces, piece_work
-from cpref.seqlens import Boundaries
-from sim.harness import trace_split
+from cpref.batch.balanced import TOLERANCE, balanced_pieces, piece_work
+from cpref.batch.seqlens import Boundaries
+from sim.cluster.harness import trace_split
 from tests.cp.conftest import run_cp
 from tests.helpers import attention_inputs, cu_from_lengths
 

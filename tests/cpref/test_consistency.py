@@ -1,4 +1,4 @@
-"""The ranks' comparison (`cpref.consistency`): a rank whose own inputs fail validation, the
+"""The ranks' comparison (`cpref.modes.consistency`): a rank whose own inputs fail validation, the
 two-all-reduce path of a backend without tensor all-gather, `check_ranks`, what each column
 names, and (issue 18) every way ranks can differ between the layers of one batch.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError, PeerInputError
+from cpref.base.errors import CPInputError, PeerInputError
 from sim import ClusterFailure, SimCluster
 from tests.cp.test_every_mode import LimitedComm
 from tests.helpers import cu_from_lengths, only_the_comparison, random_qkv
@@ -67,7 +67,7 @@ def test_a_group_that_agreed_on_check_ranks_off_sends_nothing_for_a_failing_rank
     assert len(host) == 1 and cluster.trace[-1].op == "barrier"  # the first call's comparison, then nothing
 
 
-# --- what the comparison compares and how it names it (mutation run over cpref.consistency) ---
+# --- what the comparison compares and how it names it (mutation run over cpref.modes.consistency) ---
 
 P2_SHARDING = cpref.Sharding(cu_from_lengths([8, 24]), cp_size=2, layout="zigzag")
 P2_QKV = random_qkv(32, 4, 2, 8)

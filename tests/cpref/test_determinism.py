@@ -1,4 +1,4 @@
-"""`deterministic=True` (`cpref.determinism`): the backward's row sums race-free, the kernels' backward under
+"""`deterministic=True` (`cpref.base.determinism`): the backward's row sums race-free, the kernels' backward under
 PyTorch's deterministic switch, the flag refused with a kernel that cannot honour it.
 
 On the CPU `index_add_` is sequential, so repeatability itself cannot be observed here; what is checked is
@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpref
-from cpref.determinism import add_rows, occurrence_layers, torch_deterministic
-from cpref.errors import CPInputError
+from cpref.base.determinism import add_rows, occurrence_layers, torch_deterministic
+from cpref.base.errors import CPInputError
 from cpref.kernels import CudaKernel, NpuKernel, TorchKernel, default_kernel
 from cpref.models import CPContext
-from sim.cluster import SimCluster
-from sim.harness import oracle_shards, run_attention
+from sim.cluster.harness import oracle_shards, run_attention
+from sim.cluster.simcluster import SimCluster
 from tests.helpers import (
     assert_close,
     attention_inputs,
@@ -81,7 +81,7 @@ class CountingLayers:
     """`occurrence_layers` counted (the sort and the host read `add_rows` keeps per index tensor)."""
 
     def __init__(self, monkeypatch) -> None:
-        import cpref.determinism as det
+        import cpref.base.determinism as det
 
         self.calls, original = 0, det.occurrence_layers
 
@@ -115,7 +115,7 @@ def test_add_rows_sorts_an_index_once_and_again_only_after_it_changes(monkeypatc
 def test_add_rows_forgets_an_index_with_the_tensor():
     import gc
 
-    import cpref.determinism as det
+    import cpref.base.determinism as det
 
     before = len(det._LAYERS)
     index = torch.tensor([0, 0, 1])

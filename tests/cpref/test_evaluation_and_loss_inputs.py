@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError, PeerInputError
+from cpref.base.errors import CPInputError, PeerInputError
 from sim import ClusterFailure, SimCluster
 from tests.cp.test_every_mode import LimitedComm
 from tests.helpers import cu_from_lengths, random_qkv
@@ -40,7 +40,7 @@ def test_cu_seqlens_made_under_inference_mode_work_in_every_mode(mode, inside):
 def test_an_inference_cu_seqlens_edited_in_place_is_read_again():
     """Without a version counter the cache keys an inference tensor by identity; the contents
     snapshot of a CPU tensor sees an in-place edit."""
-    from cpref.cache import CACHE
+    from cpref.batch.cache import CACHE
 
     with torch.inference_mode():
         cu = cu_from_lengths([8, 24])

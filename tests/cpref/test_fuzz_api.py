@@ -31,8 +31,16 @@ from hypothesis import strategies as st
 
 import cpref
 from sim import SimCluster, oracle
-from tests.cpref.by_hand import (dense_reference, eod_bounds, expected_index, fits, outcome, pad_by_hand,
-                                 positions_by_hand, same)  # fmt: skip
+from tests.cpref.by_hand import (
+    dense_reference,
+    eod_bounds,
+    expected_index,
+    fits,
+    outcome,
+    pad_by_hand,
+    positions_by_hand,  # fmt: skip
+    same,
+)
 from tests.helpers import TOL
 
 MODES = sorted(cpref.MODES)
@@ -91,7 +99,7 @@ def test_every_call_gives_the_oracles_result_or_a_cpinputerror_on_every_rank(c):
     event("refused" if any(raised) else "computed")
     if any(raised):
         assert all(raised), f"some ranks raised, others returned: {results}"
-        own = [r for r in results if not isinstance(r, cpref.errors.PeerInputError)]
+        own = [r for r in results if not isinstance(r, cpref.base.errors.PeerInputError)]
         assert own, "every rank blames another"
         return
     assert c["fault"] is None, f"rank {c['P'] - 1}'s {c['fault']} shard was accepted"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from sim import SimCluster
 from tests.cp.test_every_mode import HostSyncCounter
 from tests.helpers import cu_from_lengths, only_the_comparison, random_qkv

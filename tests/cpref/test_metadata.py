@@ -1,20 +1,19 @@
 """Load-balanced THD metadata and its LRU cache (MindSpeed RFC, section 4 unit tests)."""
 
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 import dataclasses
 import threading
 import time
 
 import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cpref
-import cpref.metadata
-from cpref.cache import CACHE
-from cpref.metadata import CACHE_CAPACITY, cache_info, clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
+import cpref.modes.metadata
+from cpref.batch.cache import CACHE
+from cpref.modes.metadata import CACHE_CAPACITY, cache_info, clear_cp_metadata_cache, get_thd_load_balanced_cp_metadata
 from tests.helpers import cu_from_lengths
 
 
@@ -52,7 +51,7 @@ def test_kv_index_selects_each_chunks_prefix_from_the_rank_major_buffer(P, units
     mult = 2 * P if layout == "zigzag" else P
     cu = cu_from_lengths([u * mult for u in units])
     # what an all-gather of every rank's global token ids produces: the rank-major buffer
-    rank_major = torch.cat([cpref.layout.global_index(cu, cp_size=P, rank=r, layout=layout) for r in range(P)])
+    rank_major = torch.cat([cpref.batch.layout.global_index(cu, cp_size=P, rank=r, layout=layout) for r in range(P)])
     for r in range(P):
         meta = get_thd_load_balanced_cp_metadata(cu, P, r, "cpu", layout=layout, causal=causal)
         seqs = expected_prefixes(cu, P, r, layout, causal)
@@ -66,7 +65,7 @@ def test_kv_index_selects_each_chunks_prefix_from_the_rank_major_buffer(P, units
         assert meta["cu_seqlens_kv"].tolist() == [0] + meta["actual_seq_kvlen"]
         assert meta["local_tokens"] == int(cu[-1]) // P and meta["global_tokens"] == int(cu[-1])
         assert meta["work"] == sum(q * kv for q, kv in zip(q_lens, kv_lens))
-        assert meta["work"] == cpref.layout.attention_work(cu, cp_size=P, rank=r, layout=layout, causal=causal)
+        assert meta["work"] == cpref.batch.layout.attention_work(cu, cp_size=P, rank=r, layout=layout, causal=causal)
 
 
 @pytest.mark.parametrize("P", [1, 2, 4, 8])
@@ -201,14 +200,14 @@ def test_the_cache_key_includes_the_device_and_kv_index_lives_there():
 def test_racing_ranks_build_each_plan_once(monkeypatch):
     """Force the race: a slow build, eight threads asking for the same plan at once."""
     builds = []
-    real = cpref.metadata.build_all_gather_plan
+    real = cpref.modes.metadata.build_all_gather_plan
 
     def slow(*args):
         builds.append(args[2])
         time.sleep(0.05)
         return real(*args)
 
-    monkeypatch.setattr(cpref.metadata, "build_all_gather_plan", slow)
+    monkeypatch.setattr(cpref.modes.metadata, "build_all_gather_plan", slow)
     cu = torch.tensor([0, 16, 48])
     got, start = [], threading.Barrier(8)
 
@@ -279,7 +278,7 @@ def test_clear_resets_the_one_cache():
     get_thd_load_balanced_cp_metadata([0, 8], 2, 0)
     clear_cp_metadata_cache()
     assert tuple(cache_info()) == (0, 0, 0, 8)
-    assert cpref.clear_cache is cpref.cache.clear_cache and cpref.cache_info is cpref.cache.cache_info
+    assert cpref.clear_cache is cpref.batch.cache.clear_cache and cpref.cache_info is cpref.batch.cache.cache_info
 
 
 def test_cache_is_safe_under_concurrent_ranks():
@@ -311,7 +310,7 @@ def test_cache_is_safe_under_concurrent_ranks():
 def visible_keys_from_metadata(cu_real, cu_pad, P, rank, layout, causal):
     """For every local query token, the global ids of the keys the metadata lets it see."""
     meta = get_thd_load_balanced_cp_metadata(cu_real, P, rank, layout=layout, causal=causal, cu_seqlens_padded=cu_pad)
-    rank_major = torch.cat([cpref.layout.global_index(cu_pad, cp_size=P, rank=r, layout=layout) for r in range(P)])
+    rank_major = torch.cat([cpref.batch.layout.global_index(cu_pad, cp_size=P, rank=r, layout=layout) for r in range(P)])
     keys = rank_major[meta["kv_index"]].tolist()
     seen = []
     for q0, q1, k0, k1 in meta["seqs"].pairs():
@@ -326,7 +325,7 @@ def visible_keys_expected(cu_real, cu_pad, P, rank, layout, causal):
     """Independent construction: a real query at position p of a document of n real tokens sees
     positions [0, p] (causal) or [0, n); a padding query sees nothing; nobody sees padding."""
     out = []
-    for g in cpref.layout.global_index(cu_pad, cp_size=P, rank=rank, layout=layout).tolist():
+    for g in cpref.batch.layout.global_index(cu_pad, cp_size=P, rank=rank, layout=layout).tolist():
         d = max(i for i in range(len(cu_pad) - 1) if cu_pad[i] <= g)
         p, n = g - cu_pad[d], cu_real[d + 1] - cu_real[d]
         out.append([] if p >= n else list(range(cu_pad[d], cu_pad[d] + (p + 1 if causal else n))))
@@ -352,7 +351,7 @@ def test_every_query_sees_exactly_its_real_keys_with_padding(P, lengths, layout,
 def test_the_ends_only_reading_of_a_list_is_cached_apart_from_the_strict_one():
     """[8, 24] is MindSpeed's ends-only form to the metadata API (documents of 8 and 16 tokens), but
     an invalid list (no leading 0) to cpref.attention: a cached ends-only entry must not let it through."""
-    from cpref.comm import SingleRank
+    from cpref.comm.protocol import SingleRank
 
     assert get_thd_load_balanced_cp_metadata([8, 24], 2, 1)["global_tokens"] == 24
     q = torch.randn(24, 2, 4)
@@ -363,7 +362,7 @@ def test_the_ends_only_reading_of_a_list_is_cached_apart_from_the_strict_one():
 def test_without_a_host_snapshot_the_version_alone_invalidates_an_edited_tensor(monkeypatch):
     """A device tensor gets no snapshot (comparing one would copy it to the host): an in-place edit
     must still miss, through `_version` in the key. CPU tensors stand in for device ones here."""
-    monkeypatch.setattr(cpref.cache, "_is_host_tensor", lambda x: False)
+    monkeypatch.setattr(cpref.batch.cache, "_is_host_tensor", lambda x: False)
     cu = torch.tensor([0, 8, 16])
     get_thd_load_balanced_cp_metadata(cu, 2, 0)
     cu[2] = 24

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from sim import ClusterFailure, SimCluster
 
 S = cpref.Sharding.eod_padded([0, 7, 13], cp_size=2)  # padded to (0, 8, 16): 8 tokens a rank
@@ -90,15 +90,15 @@ CALLS = {
 
 
 def _seqlens():
-    import cpref.seqlens
+    import cpref.batch.seqlens
 
-    return cpref.seqlens
+    return cpref.batch.seqlens
 
 
 def _training():
-    import cpref.training
+    import cpref.train.training
 
-    return cpref.training
+    return cpref.train.training
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
@@ -208,7 +208,7 @@ def test_an_in_place_edit_of_the_output_is_refused_alike_in_every_mode_and_a_clo
 
 def test_ranks_that_train_with_other_settings_are_refused_alike_before_any_step():
     """On main a rank alone with other micro-batches waited in another collective than its peers."""
-    from cpref.training import PackSource, Topology, TrainConfig, train
+    from cpref.train.training import PackSource, Topology, TrainConfig, train
 
     def rank(comm):
         model = torch.nn.Linear(2, 2)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import cpref
 from cpref.models import CPContext
-from sim.cluster import SimCluster
+from sim.cluster.simcluster import SimCluster
 from tests.helpers import cu_from_lengths, only_the_comparison, random_qkv
 
 LAYOUTS = cpref.LAYOUTS

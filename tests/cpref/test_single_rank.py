@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import cpref
-from cpref.comm import Collectives
-from sim.harness import oracle_shards
+from cpref.comm.protocol import Collectives
+from sim.cluster.harness import oracle_shards
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 
 
@@ -66,7 +66,7 @@ def test_without_cp_the_data_path_pads_nothing_and_with_cp_odd_lengths_still_nee
     batch = {"tokens": torch.arange(12), "labels": torch.arange(12)}
     part = cpref.get_batch_on_this_cp_rank(batch, cu, cp_size=1, rank=0)
     assert part["sharding"].cu_seqlens_padded == (0, 7, 12) and torch.equal(part["tokens"], batch["tokens"])
-    assert cpref.layout.layout_multiple("zigzag", 1) == 1 and cpref.layout.layout_multiple("zigzag", 2) == 4
+    assert cpref.batch.layout.layout_multiple("zigzag", 1) == 1 and cpref.batch.layout.layout_multiple("zigzag", 2) == 4
     with pytest.raises(ValueError, match=r"document 0 has length 7, not a multiple of 4 \(the zigzag layout over cp_size=2\)"):
         cpref.Sharding(cu, cp_size=2, layout="zigzag")
 
@@ -89,7 +89,7 @@ class CountingRank(cpref.SingleRank):
 @pytest.mark.parametrize("mode", ["all_gather", "p2p"])
 def test_all_gather_and_ring_at_cp1_call_no_collective_and_select_no_rows(monkeypatch, mode):
     """At P = 1 the all-gather plan sends the kernel straight to the local K/V (no gather, no
-    `index_select`, no `index_add_`, no reduce-scatter; see `cpref.metadata`) and a ring of one
+    `index_select`, no `index_add_`, no reduce-scatter; see `cpref.modes.metadata`) and a ring of one
     rank is one kernel call: neither calls its group."""
     selected = []
     for name in ("index_select", "index_add_", "index_copy_"):
@@ -104,7 +104,7 @@ def test_all_gather_and_ring_at_cp1_call_no_collective_and_select_no_rows(monkey
 
 
 def test_a_bad_call_at_cp1_raises_without_calling_its_group():
-    """A group of one has no peer to tell (`cpref.consistency`): the error comes with no collective."""
+    """A group of one has no peer to tell (`cpref.modes.consistency`): the error comes with no collective."""
     comm = CountingRank()
     q = torch.randn(8, 2, 4)
     with pytest.raises(ValueError, match="q/k/v hold 7/8/8 tokens"):

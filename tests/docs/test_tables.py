@@ -14,7 +14,7 @@ import torch
 
 import cpref
 from cpref.api import mode_costs
-from sim.harness import mode_trace, trace_split
+from sim.cluster.harness import mode_trace, trace_split
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import cpref
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.kernels import AttentionKernel, CudaKernel, TorchKernel, Varlen, default_kernel
-from sim.harness import oracle_shards, run_attention
+from sim.cluster.harness import oracle_shards, run_attention
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
-from tests.kernels.flash_double import FlashOpsDouble
 from tests.kernels.double_helpers import check_global_lse_share, one_thread, run  # noqa: F401 (one_thread: autouse)
+from tests.kernels.flash_double import FlashOpsDouble
 from tests.kernels.test_torch_kernel import HEADS, check_owned_results, reference
 
 EXPLICIT = TorchKernel(fast=False)

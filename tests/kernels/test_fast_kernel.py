@@ -18,7 +18,14 @@ from cpref.kernels.merge import merge_partial
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 from tests.kernels.test_torch_kernel import (
-    DTYPES, HEADS, bf16_gradient_error, check, check_large_logits, check_owned_results, largest_allocation, reference,
+    DTYPES,
+    HEADS,
+    bf16_gradient_error,
+    check,
+    check_large_logits,
+    check_owned_results,
+    largest_allocation,
+    reference,
 )
 
 FAST, EXPLICIT = TorchKernel(), TorchKernel(fast=False)

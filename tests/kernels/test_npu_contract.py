@@ -21,14 +21,14 @@ import torch
 
 import cpref
 import sim.tools.npu_check
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.kernels import AttentionKernel, NpuKernel, TorchKernel, Varlen
 from cpref.kernels.npu_plan import UNBOUNDED
 from sim import oracle
-from sim.harness import oracle_shards, run_attention
+from sim.cluster.harness import oracle_shards, run_attention
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
-from tests.kernels.npu_double import NpuOpsDouble
 from tests.kernels.double_helpers import check_global_lse_share, one_thread, run  # noqa: F401 (one_thread: autouse)
+from tests.kernels.npu_double import NpuOpsDouble
 from tests.kernels.test_torch_kernel import HEADS, check_owned_results, reference
 
 LAYOUTS = ["", "TND"]

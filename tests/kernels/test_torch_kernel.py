@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.kernels import AttentionKernel, TorchKernel, Varlen
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv

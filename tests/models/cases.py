@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import cpref
+from cpref.batch.seqlens import CuSeqlens
 from cpref.models import CausalLM, CPContext, ModelConfig
-from cpref.seqlens import CuSeqlens
 from sim import SimCluster
 
 FAMILIES = ("gpt2", "llama", "qwen3")

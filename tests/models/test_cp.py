@@ -23,8 +23,18 @@ import cpref
 from cpref.models import CPContext
 from sim import SimCluster
 from tests.helpers import assert_close
-from tests.models.cases import (FAMILIES, WINDOW_MODES, WINDOWED, forward_on_rank, options,
-                                packed, run_cp, tiny_model, whole, windowed_model)  # fmt: skip
+from tests.models.cases import (
+    FAMILIES,
+    WINDOW_MODES,
+    WINDOWED,
+    forward_on_rank,
+    options,
+    packed,  # fmt: skip
+    run_cp,
+    tiny_model,
+    whole,
+    windowed_model,
+)
 
 LENGTHS = [13, 7, 20]  # none a multiple of 2P: every document is padded
 

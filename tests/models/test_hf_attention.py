@@ -25,7 +25,7 @@ import cpref
 import cpref.hf
 from cpref.hf.layer import Checked
 from sim import SimCluster
-from sim.harness import CountingKernel
+from sim.cluster.harness import CountingKernel
 from tests.helpers import assert_close
 from tests.models.test_hf_parity import random_hf_model
 
@@ -131,7 +131,7 @@ class _Layer(torch.nn.Module):
 
 def _call(**kw):
     """`cpref.hf.attention` on a tiny shard of one simulated rank (no communication happens before a refusal)."""
-    from sim.cluster import SimCluster as Cluster
+    from sim.cluster.simcluster import SimCluster as Cluster
 
     def rank(comm):
         sharding = cpref.Sharding([0, 4], cp_size=1, layout="contiguous")

@@ -20,7 +20,7 @@ import torch
 
 import cpref
 import cpref.hf
-from cpref.errors import PeerInputError
+from cpref.base.errors import PeerInputError
 from cpref.hf.batch import BatchSharding
 from cpref.hf.guard import ROW
 from sim import SimCluster

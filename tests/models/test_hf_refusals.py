@@ -21,7 +21,7 @@ import torch
 
 import cpref
 import cpref.hf
-from cpref.errors import PeerInputError
+from cpref.base.errors import PeerInputError
 from cpref.hf.guard import ROW, guard
 from sim import SimCluster
 from tests.models.test_hf_attention import pack
@@ -63,9 +63,9 @@ ROWS = {
                  ("real tokens of rank {rank}'s shard as", "an `attention_mask` that is not a `(1, T / P)`"),
                  ("failed the model-level checks", "another rank's inputs that failed these checks"),
                  ("pass different arguments to the model", "ranks that pass different loss arguments")],
-    "layer.py": [("check_comm(", "a communicator that is not a `cpref.comm.Collectives`"),
-                 ("sharding must be the batch's cpref.Sharding", "a communicator that is not a `cpref.comm.Collectives`"),
-                 ("the sharding is over cp_size=", "a communicator that is not a `cpref.comm.Collectives`"),
+    "layer.py": [("check_comm(", "a communicator that is not a `cpref.comm.protocol.Collectives`"),
+                 ("sharding must be the batch's cpref.Sharding", "a communicator that is not a `cpref.comm.protocol.Collectives`"),
+                 ("the sharding is over cp_size=", "a communicator that is not a `cpref.comm.protocol.Collectives`"),
                  ("as_choice(", "a mode not in `cpref.MODES`"),
                  ("options must be a dict", "a mode not in `cpref.MODES`"),
                  ("options may not set", "a mode not in `cpref.MODES`"),

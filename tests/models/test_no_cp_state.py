@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import cpref
-from cpref.comm import Collectives
+from cpref.comm.protocol import Collectives
 from cpref.models import CPContext
 from sim import SimCluster
 from tests.helpers import assert_close

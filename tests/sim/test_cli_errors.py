@@ -33,7 +33,7 @@ BAD = {
     "bench memory": [["--lengths", "7"], ["--heads", "8", "3", "64", "64"]],  # on main: a CPInputError traceback
     "bench all_gather": [["--cu", "0", "10", "5"], ["--heads", "8", "--kv-heads", "3"]],
 }  # fmt: skip
-MODULES = {"sim verify": "sim.tools.verify", "sim train": "sim.tools.train", "sim demo": "sim.demo"}
+MODULES = {"sim verify": "sim.tools.verify", "sim train": "sim.tools.train", "sim demo": "sim.tools.demo"}
 
 
 def _main(tool: str):
@@ -81,7 +81,7 @@ def test_train_help_shows_defaults_the_data_and_the_model_sizes(capsys):
 
 
 # ---- every value of every tool: checked by its type before any work --------------------------------------------------
-TOOLS = ["sim.tools.train", "sim.tools.verify", "sim.demo", "sim.tools.npu_check", "bench.all", "bench.all_gather",
+TOOLS = ["sim.tools.train", "sim.tools.verify", "sim.tools.demo", "sim.tools.npu_check", "bench.all", "bench.all_gather",
          "bench.collectives", "bench.determinism", "bench.kernel", "bench.layouts", "bench.memory", "bench.overhead",
          "bench.scaling", "bench.window"]  # fmt: skip
 
@@ -162,7 +162,7 @@ def test_the_data_check_names_what_the_run_takes_and_the_fix(capsys):
 def test_the_learning_rate_s_bounds_are_those_adamw_can_step_float32_by():
     import torch
 
-    from cpref.errors import CPInputError
+    from cpref.base.errors import CPInputError
     from sim.tools.train import check_lr
 
     check_lr(3.4e37, torch.float32)  # its first step, 10 x lr, is still finite there

@@ -1,7 +1,7 @@
-"""Semantics of the simulated cluster's collectives against the table in `cpref.comm`.
+"""Semantics of the simulated cluster's collectives against the table in `cpref.comm.protocol`.
 
 Every expected tensor is built element by element (or slice by slice) from the per-rank
-inputs, independently of how `sim.cluster` computes it.
+inputs, independently of how `sim.cluster.simcluster` computes it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import sim
-import sim.cluster
-import sim.rendezvous
-import sim.trace
-from cpref.comm import Collectives
+import sim.cluster.rendezvous
+import sim.cluster.simcluster
+import sim.cluster.trace
+from cpref.comm.protocol import Collectives
 from sim import ClusterFailure, CollectiveMismatch, SimCluster
 
 SIZES = list(range(1, 9))
@@ -326,7 +326,7 @@ def test_send_recv_async_returns_what_send_recv_would(P):
 
 
 def test_a_handle_never_waited_on_fails_the_rank():
-    from sim.cluster import Unwaited
+    from sim.cluster.simcluster import Unwaited
 
     def fn(comm):
         comm.send_recv_async(torch.ones(2))  # dropped: a real ring would lose this message
@@ -348,11 +348,11 @@ def test_a_handle_waited_on_twice_raises():
 # --- the documentation's examples run ------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [sim, sim.cluster, sim.trace, sim.rendezvous])
+@pytest.mark.parametrize("module", [sim, sim.cluster.simcluster, sim.cluster.trace, sim.cluster.rendezvous])
 def test_docstring_examples(module):
     result = doctest.testmod(module)
     assert result.failed == 0
-    if module is not sim.rendezvous:
+    if module is not sim.cluster.rendezvous:
         assert result.attempted > 0
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-import sim.cluster
+import sim.cluster.simcluster
 from sim import ClusterFailure, CollectiveMismatch, CollectiveTimeout, PeerFailure, SimCluster
 
 
@@ -120,7 +120,7 @@ def test_an_error_inside_the_computation_does_not_hang(monkeypatch):
     def broken(xs):
         raise ZeroDivisionError("bug in the gather")
 
-    monkeypatch.setattr(sim.cluster, "_all_gather", broken)
+    monkeypatch.setattr(sim.cluster.simcluster, "_all_gather", broken)
     failure, elapsed = run_failing(3, lambda comm: comm.all_gather(torch.ones(1)), timeout=30.0)
     assert elapsed < 15.0
     root = failure.errors[failure.root_rank]
@@ -180,7 +180,7 @@ def test_timeout_report_shows_running_and_finished_ranks():
 
 def test_a_rank_stuck_outside_any_collective_is_reported_not_waited_for():
     """An endless loop cannot be interrupted; run() names the rank and where it is, after timeout + margin."""
-    from sim.cluster import RankStuck
+    from sim.cluster.simcluster import RankStuck
 
     stop = threading.Event()
 
@@ -250,7 +250,7 @@ def test_the_rank_whose_input_failed_is_the_root_cause_not_the_one_that_raised_f
     """Rank 1's q has the wrong number of tokens; every other rank raises a follow-on PeerInputError after the
     ranks' comparison, and rank 0's follow-on is made to come first: the root cause is still rank 1."""
     import cpref
-    from cpref.errors import PeerInputError
+    from cpref.base.errors import PeerInputError
 
     sharding = cpref.Sharding([0, 16], cp_size=2, layout="contiguous")
 

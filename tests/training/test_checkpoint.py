@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import cpref
-from cpref.checkpoint import load_checkpoint, read_meta
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.models import CausalLM
-from cpref.training import TrainConfig
+from cpref.train.checkpoint import load_checkpoint, read_meta
+from cpref.train.training import TrainConfig
 from sim.tools.train import RunSpec, run_sim
 
 TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2),
@@ -106,12 +106,12 @@ def test_other_packs_per_step_are_refused(tmp_path):
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     path = saved(tmp_path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
-    import cpref.checkpoint
+    import cpref.train.checkpoint
 
     def broken(self, directory, model, optimizer, world):
         raise OSError("disk full")
 
-    monkeypatch.setattr(cpref.checkpoint.TorchPayload, "save", broken)
+    monkeypatch.setattr(cpref.train.checkpoint.TorchPayload, "save", broken)
     with pytest.raises(OSError, match="disk full"):
         run_sim(spec(2, 3, save=str(path), resume=str(path)))
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
@@ -136,8 +136,8 @@ def meta_of(step=1, dp=1, micro=2, **model_changes):
 
 
 def save_one_rank(directory, step=1, dp=1, micro=2, **kw):
-    from cpref.checkpoint import save_checkpoint
-    from cpref.comm import SingleRank
+    from cpref.comm.protocol import SingleRank
+    from cpref.train.checkpoint import save_checkpoint
 
     model, opt, _ = fresh()
     return save_checkpoint(directory, model, opt, meta_of(step, dp, micro), SingleRank(), **kw)
@@ -191,8 +191,8 @@ def test_packs_per_step_is_dp_times_micro_batches_whatever_the_split(tmp_path):
 
 
 def test_loading_restores_the_random_number_generator_state_saved(tmp_path):
-    from cpref.checkpoint import save_checkpoint
-    from cpref.comm import SingleRank
+    from cpref.comm.protocol import SingleRank
+    from cpref.train.checkpoint import save_checkpoint
 
     model, opt, _ = fresh()
     torch.manual_seed(7)
@@ -204,7 +204,7 @@ def test_loading_restores_the_random_number_generator_state_saved(tmp_path):
 
 
 def test_a_parameter_of_another_shape_is_refused_before_anything_is_loaded(tmp_path):
-    from cpref.checkpoint import TorchPayload
+    from cpref.train.checkpoint import TorchPayload
 
     model, opt, before = fresh()
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -228,7 +228,7 @@ class _Trap:
 
 
 def test_loading_state_pt_runs_no_code_from_the_file(tmp_path):
-    from cpref.checkpoint import TorchPayload
+    from cpref.train.checkpoint import TorchPayload
 
     model, opt, before = fresh()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "extra": _Trap()}, tmp_path / "state.pt")
@@ -247,7 +247,7 @@ def test_saving_again_replaces_the_checkpoint_and_leaves_nothing_beside_it(tmp_p
 
 
 def test_a_save_after_an_interrupted_one_clears_its_leftovers(tmp_path):
-    from cpref.checkpoint_files import MARK
+    from cpref.train.checkpoint_files import MARK
 
     (tmp_path / "ckpt.tmp").mkdir()
     (tmp_path / "ckpt.tmp" / MARK).write_text("")  # what a killed save leaves: its mark,

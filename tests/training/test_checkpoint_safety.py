@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import cpref
-import cpref.checkpoint as ck
-import cpref.checkpoint_files as cf
-from cpref.comm import SingleRank
-from cpref.errors import CPInputError
+import cpref.train.checkpoint as ck
+import cpref.train.checkpoint_files as cf
+from cpref.base.errors import CPInputError
+from cpref.comm.protocol import SingleRank
 from cpref.models import CausalLM
-from cpref.training import TrainConfig
+from cpref.train.training import TrainConfig
 from sim.tools.train import RunSpec, main, run_sim
 
 TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)}
@@ -213,7 +213,7 @@ def test_a_crash_at_a_random_step_loses_at_most_save_every_steps_and_resumes_bit
 def test_save_every_saves_after_every_n_steps_and_after_the_last(tmp_path, monkeypatch):
     written = []
     real = ck.save_checkpoint
-    monkeypatch.setattr("cpref.training.save_checkpoint", lambda d, m, o, meta, *a, **k: written.append(meta.step) or real(d, m, o, meta, *a, **k))
+    monkeypatch.setattr("cpref.train.training.save_checkpoint", lambda d, m, o, meta, *a, **k: written.append(meta.step) or real(d, m, o, meta, *a, **k))
     run_sim(spec(5, cp=1, save=str(tmp_path / "ckpt"), save_every=2))
     assert written == [2, 4, 5]
     run_sim(spec(9, cp=1, resume=str(tmp_path / "ckpt"), save=str(tmp_path / "ckpt"), save_every=3))
@@ -347,14 +347,14 @@ def one_rank_checkpoint(path: Path, payload) -> tuple[CausalLM, torch.optim.Opti
 
 
 def dcp_payload():
-    from cpref.backends.checkpoint import DcpPayload
+    from cpref.train.dcp import DcpPayload
 
     return DcpPayload(local=True)
 
 
 def plant_in_distcp(path: Path) -> None:
     """Point a non-tensor item of the DCP checkpoint (the learning rate) at a trap appended to its file."""
-    from cpref.backends.checkpoint import MetadataUnpickler
+    from cpref.train.dcp import MetadataUnpickler
 
     meta_file = path / "dcp" / ".metadata"
     metadata = MetadataUnpickler(io.BytesIO(meta_file.read_bytes())).load()
@@ -394,7 +394,7 @@ def test_a_trap_in_any_file_of_either_format_runs_no_code_on_resume(tmp_path, fm
 
 
 def test_the_metadata_reader_names_the_refused_class(tmp_path):
-    from cpref.backends.checkpoint import MetadataUnpickler
+    from cpref.train.dcp import MetadataUnpickler
 
     with pytest.raises(pickle.UnpicklingError, match=r"builtins.getattr is not part of a checkpoint's metadata"):
         MetadataUnpickler(io.BytesIO(pickle.dumps(Trap()))).load()
@@ -433,7 +433,7 @@ def test_the_command_refuses_before_it_starts_anything(tmp_path, capsys, monkeyp
     assert started == [] and (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
-# --- the directory protocol's own steps (a mutation run over cpref.checkpoint_files) ---
+# --- the directory protocol's own steps (a mutation run over cpref.train.checkpoint_files) ---
 
 
 def test_a_sibling_with_another_programs_meta_json_is_not_taken_for_cpref_s(tmp_path):

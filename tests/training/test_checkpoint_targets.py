@@ -20,13 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cpref.checkpoint_files as cf
-from cpref.checkpoint import CheckpointMeta, check_save, find_checkpoint, read_meta, save_checkpoint
-from cpref.comm import SingleRank
-from cpref.errors import CPInputError
-from sim.tools.train import main
+import cpref.train.checkpoint_files as cf
+from cpref.base.errors import CPInputError
+from cpref.comm.protocol import SingleRank
+from cpref.train.checkpoint import CheckpointMeta, check_save, find_checkpoint, read_meta, save_checkpoint
+from sim.tools.train import main, run_sim
 from tests.training.test_checkpoint_safety import Steps, spec, tiny_presets, tree  # noqa: F401 (the fixture)
-from sim.tools.train import run_sim
 
 
 def one_rank_save(directory, step, **kw) -> Path:

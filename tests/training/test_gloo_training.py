@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpref.training import TrainConfig
+from cpref.train.training import TrainConfig
 from sim.tools.launch import launch
 from sim.tools.train import RunSpec, _gloo_rank, run_sim
 
@@ -63,7 +63,7 @@ def test_every_replica_stays_identical(monkeypatch):
 
     import sim.tools.train
     from cpref.models import CausalLM
-    from cpref.training import PackSource, train
+    from cpref.train.training import PackSource, train
     from sim import SimCluster
 
     monkeypatch.setattr(sim.tools.train, "PRESETS", TINY)
@@ -98,7 +98,7 @@ def adamw_after_one_step(lr):
 def test_a_dcp_payload_restores_the_weights_the_optimizer_state_and_its_hyperparameters(tmp_path):
     import torch
 
-    from cpref.backends.checkpoint import DcpPayload
+    from cpref.train.dcp import DcpPayload
 
     model, opt = adamw_after_one_step(lr=1e-3)
     DcpPayload().save(tmp_path, model, opt, None)
@@ -113,7 +113,7 @@ def test_a_dcp_payload_restores_the_weights_the_optimizer_state_and_its_hyperpar
 
 
 def test_a_dcp_payload_passes_its_process_group_and_directory_to_dcp(tmp_path, monkeypatch):
-    import cpref.backends.checkpoint as backend
+    import cpref.train.dcp as backend
 
     calls = []
     monkeypatch.setattr(backend.dcp, "save", lambda state, **kw: calls.append(("save", kw)))

@@ -1,10 +1,10 @@
-"""A Hugging Face model trains with CP as on one device: `cpref.training` with `forward=cpref.hf.forward`.
+"""A Hugging Face model trains with CP as on one device: `cpref.train.training` with `forward=cpref.hf.forward`.
 
 A tiny Llama with scaled RoPE (`tests.models.test_hf_attention`'s, random weights), 20 AdamW steps on packs
 of 64 tokens of standard-library text (many documents a pack), at CP = 2 and CP = 4 and DP 2 x CP 2 on the
 simulated cluster, each with its mode and layout: every step's loss and gradient norm within 1e-5 relative
 of the run at CP = 1 that sees the same packs (fp32). The gradients are summed over the DP x CP group, one
-flattened all-reduce (`cpref.training`'s step 3), so every replica stays the same model.
+flattened all-reduce (`cpref.train.training`'s step 3), so every replica stays the same model.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import cpref
 import cpref.hf
-from cpref.training import PackSource, Topology, TrainConfig, train
+from cpref.train.training import PackSource, Topology, TrainConfig, train
 from sim import SimCluster
 from sim.tools.train import short_documents
 

@@ -5,8 +5,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpref.errors import CPInputError
-from cpref.packing import BYTE_VOCAB, EOD, Pack, documents_from_tokens, labels_for, pack_documents, stdlib_documents
+from cpref.base.errors import CPInputError
+from cpref.train.packing import (
+    BYTE_VOCAB,
+    EOD,
+    Pack,
+    documents_from_tokens,
+    labels_for,
+    pack_documents,
+    stdlib_documents,
+)
 
 
 def test_stdlib_documents_are_real_deterministic_byte_text():
@@ -62,7 +70,7 @@ def test_packs_end_each_document_with_the_eod_id_given():
 
 
 def test_stdlib_documents_are_the_non_empty_standard_library_files_in_sorted_path_order():
-    from cpref.packing import _stdlib_files
+    from cpref.train.packing import _stdlib_files
 
     files = _stdlib_files()
     assert list(files) == sorted(files)

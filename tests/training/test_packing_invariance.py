@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import cpref
 from cpref.models import CausalLM, CPContext, ModelConfig
-from cpref.packing import EOD, Pack, labels_for
+from cpref.train.packing import EOD, Pack, labels_for
 from sim import SimCluster
 
 P = 2

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import cpref
-from cpref.comm import SingleRank
-from cpref.errors import CPInputError
-from cpref.training import PackSource, StepStats, Topology, TrainConfig, step_packs, train
+from cpref.base.errors import CPInputError
+from cpref.comm.protocol import SingleRank
+from cpref.train.training import PackSource, StepStats, Topology, TrainConfig, step_packs, train
 from sim import SimCluster
 from sim.tools.train import RunSpec, run_sim
 

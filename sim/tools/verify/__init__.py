@@ -1,6 +1,6 @@
 r"""Rank-by-rank verification: `python -m sim verify`.
 
-The production path (`cpref.attention` over [`TorchComm`][cpref.backends.torch_dist.TorchComm]
+The production path (`cpref.attention` over [`TorchComm`][cpref.comm.torch_dist.TorchComm]
 on real processes, gloo on CPUs, NCCL on GPUs, HCCL on Ascend NPUs) is checked **rank by
 rank** against the simulated cluster's FP64 ground truth:
 
@@ -36,7 +36,7 @@ results travel back. The ground truth is computed once, by the process that prin
 path: it rebuilds each batch, upcasts it to float64 and computes, per rank
 ([`sim.tools.verify.truth`][sim.tools.verify.truth]):
 
-1. the **simulated cluster** (`sim.harness.run_attention` in float64): the same mode, layout,
+1. the **simulated cluster** (`sim.cluster.harness.run_attention` in float64): the same mode, layout,
    padding and options, on `SimCluster(P)`: each rank's `out, dq, dk, dv`;
 2. the **oracle** (dense FP64 attention), cut into the same shards.
 
@@ -138,7 +138,7 @@ def attention(q, k, v, sharding, *, process_group, mode, causal, window, **optio
 ```
 
 It gets this rank's shards (`sharding.shard(x, rank)`) on the rank's device, requiring grad,
-and the batch's [`cpref.Sharding`][cpref.sharding.Sharding] (the real and padded boundaries,
+and the batch's [`cpref.Sharding`][cpref.batch.sharding.Sharding] (the real and padded boundaries,
 `sharding.cp_size` and `sharding.layout`), and returns this rank's output shard; the harness
 backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` without
 `--window`), `options` holds the mode options (`a2a_size`); `--kernel` applies to cpref only.

@@ -10,7 +10,7 @@ global tensors from the seed with [`make_batch`][sim.tools.verify.cases.make_bat
 `g` (`P` contiguous, `2P` zigzag). Without padding each `--docs` length is rounded up to a
 multiple of `g`. With padding every document must end in padding: a length that is already
 a multiple of `g` loses one token, and the padded boundaries round each real length up to `g`
-(the batch's [`cpref.Sharding`][cpref.sharding.Sharding] is then `Sharding.eod_padded`).
+(the batch's [`cpref.Sharding`][cpref.batch.sharding.Sharding] is then `Sharding.eod_padded`).
 The stream layout needs only the batch to be a multiple of `P`: the last document is rounded
 up (without padding) or padded up to it (with padding, after losing a token if the batch
 already is one), the others are used as given.
@@ -35,9 +35,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from cpref.batch.layout import layout_multiple
+from cpref.batch.sharding import Sharding
 from cpref.kernels.contract import NO_WINDOW, check_window
-from cpref.layout import layout_multiple
-from cpref.sharding import Sharding
 from sim import oracle
 
 __all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "make_batch", "placement",

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import cpref
-from cpref.backends import TorchComm
+from cpref.comm import TorchComm
 from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
 from sim.tools.progress import Progress

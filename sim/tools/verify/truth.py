@@ -4,9 +4,9 @@ For every case and CP group, the process that prints the table (the parent of th
 launch, or rank 0 under torchrun) rebuilds the group's batch from the seed, upcasts it to
 float64 (the same rounded values the ranks used) and computes, per CP rank:
 
-* **the simulated cluster's result**: `sim.harness.run_attention` in float64, the same mode,
+* **the simulated cluster's result**: `sim.cluster.harness.run_attention` in float64, the same mode,
   layout, padding, mask, window and options, on `SimCluster(P)`: every rank's `out, dq, dk, dv`;
-* **the oracle's result**: dense FP64 attention (`sim.harness.oracle_padded`), cut into the
+* **the oracle's result**: dense FP64 attention (`sim.cluster.harness.oracle_padded`), cut into the
   same shards. The dense oracle holds a $T \times T$ score matrix per head; since attention
   never crosses a document or a KV head group, it is computed one document and one KV head
   at a time, which is the same definition at a fraction of the memory (a sliding window is
@@ -72,7 +72,7 @@ import torch
 
 import cpref
 from cpref.kernels.contract import NO_WINDOW
-from sim.harness import oracle_padded, run_attention
+from sim.cluster.harness import oracle_padded, run_attention
 from sim.tools.progress import Progress
 from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, cp_groups, make_batch
 

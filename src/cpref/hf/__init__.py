@@ -33,7 +33,7 @@ convolutions, logit soft-capping). Other models get a check of every forward.
 
 **The CP arguments travel with the call.** `model(..., cp=cpref.hf.CP(...))`: `transformers`
 hands the model's extra keyword arguments down to every attention call, so each layer finds the
-communicator, the batch's [`Sharding`][cpref.sharding] and the mode there, and gradient
+communicator, the batch's [`Sharding`][cpref.batch.sharding] and the mode there, and gradient
 checkpointing, which runs a layer's forward again in the backward with the same arguments,
 finds them too. Nothing is global: two models, or two steps with two batches, share no state.
 
@@ -56,7 +56,7 @@ code would get wrong on a shard, on every rank alike:
 **The gradients.** Every rank holds a replica of the parameters and its loss share reaches
 only its tokens' part of each gradient: the gradient of the batch's loss is the **sum** of the
 ranks' gradients over the CP group (over DP x CP with data parallelism too), one all-reduce with a
-sum, as [`cpref.training`][cpref.training] does. A mean would make it `P` times too small.
+sum, as [`cpref.train.training`][cpref.train.training] does. A mean would make it `P` times too small.
 
 **Each layer's own settings** come from the layer: its `scaling` (`softmax_scale`), its heads
 (GQA: fewer key/value heads than query heads), `is_causal`, and `sliding_window`, which
@@ -68,7 +68,7 @@ in cpref's convention ([the kernel contract][cpref.kernels.contract]).
 Each raises `cpref.CPInputError` naming the value and the fix (`register()`: an `ImportError`).
 The model-level checks and the layers raise on every rank alike, before any communication: where
 only one rank's inputs are wrong (its positions, say), that rank raises its error and the others
-raise a `cpref.errors.PeerInputError` naming it; where the ranks pass different arguments, every rank
+raise a `cpref.base.errors.PeerInputError` naming it; where the ranks pass different arguments, every rank
 raises the same error naming them. `CP(...)`, `shard_batch` and `register()` raise on the rank
 that calls them. A test keeps this table complete: every refusal of `cpref.hf` has its row.
 
@@ -95,7 +95,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | `labels` or `shift_labels` that are not this rank's `T / P` integer labels | they label the shard's tokens |
 | forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
 | forward | `labels=` that are `shard_batch`'s labels (already the next tokens; pass `shift_labels=batch["shift_labels"][None]`) | the model would shift them a second time |
-| forward | another rank's inputs that failed these checks (a `cpref.errors.PeerInputError` naming that rank) | that rank does not go on to the collectives |
+| forward | another rank's inputs that failed these checks (a `cpref.base.errors.PeerInputError` naming that rank) | that rank does not go on to the collectives |
 | forward | ranks that pass different loss arguments, `use_cache` or caches, training modes, activation checkpointing, autograd or position starts | the ranks would compute different things, or refuse at different layers |
 | layer | a layer reached without the model-level checks (called on its own, or the model's forward pre-hook removed) | its positions, masks and labels were not checked |
 | layer | a key/value cache (more keys than queries, `use_cache=True` in training) | a rank's keys are not its queries' keys |
@@ -104,7 +104,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | layer | an attention mask that reaches the layer (one the model makes of its own) | the padding is the sharding's |
 | layer | a sliding window without a causal mask | models differ in what it means |
 | layer | a mask function of the model's own (`or_mask_function`, e.g. image tokens) | cpref's masks are the sharding's |
-| `CP(...)` | a communicator that is not a `cpref.comm.Collectives`, a sharding that is not a `cpref.Sharding`, or one over another CP size than the group's | every layer attends the batch's shards over the group |
+| `CP(...)` | a communicator that is not a `cpref.comm.protocol.Collectives`, a sharding that is not a `cpref.Sharding`, or one over another CP size than the group's | every layer attends the batch's shards over the group |
 | `CP(...)` | a mode not in `cpref.MODES`, `options` that are not a dict, or with `causal`, `softmax_scale` or `window` | every layer gives its own causal mask, scale and window |
 | `shard_batch` | no `input_ids` tensor, ids that are not integers `(B, L)`, a per-token tensor of another shape, a float `attention_mask`, `position_ids` or `labels`, `shift_labels` in the batch | what the documents and labels are read from |
 | `shard_batch` | an `attention_mask` with values other than 0 and 1, or padding between a row's tokens; a batch of padding only | a row's tokens are one run |
@@ -145,7 +145,7 @@ def register(name: str = NAME) -> str:
 
 
 def forward(model: torch.nn.Module, batch: dict, ctx: Any) -> torch.Tensor:
-    """`cpref.training`'s `forward` for a Hugging Face causal LM: logits `(T_l, V)` of this rank's shard.
+    """`cpref.train.training`'s `forward` for a Hugging Face causal LM: logits `(T_l, V)` of this rank's shard.
 
     `batch` is `get_batch_on_this_cp_rank`'s (`tokens`, `position_ids`); `ctx` a `cpref.models.CPContext`
     (`comm`, `sharding`, `mode`, `options`)."""

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.hf.layer import NAMES
 
 __all__ = ["install", "admit", "check_config", "check_modules", "RUNS", "INDEXED_HEADS"]

@@ -19,7 +19,7 @@ documents of every row, in row order, become one packed sequence, and then:
    `DataCollatorWithFlattening`'s `-100` at every document's first label gives over a pack (with
    padding on the left, the model's own shift also has the pad before a row's first token
    predict it, unless that label is `-100`: a document's first token has no token before it here);
-2. [`cpref.get_batch_on_this_cp_rank`][cpref.data.get_batch_on_this_cp_rank] pads every
+2. [`cpref.get_batch_on_this_cp_rank`][cpref.train.data.get_batch_on_this_cp_rank] pads every
    document for the layout and keeps this rank's shard of everything.
 
 $$ \text{labels}'_i = \begin{cases} \text{labels}_{i+1} & i + 1 \text{ in the document of } i
@@ -44,9 +44,9 @@ from typing import Any, Mapping
 
 import torch
 
-from cpref.data import get_batch_on_this_cp_rank
-from cpref.errors import CPInputError
-from cpref.sharding import Sharding
+from cpref.base.errors import CPInputError
+from cpref.batch.sharding import Sharding
+from cpref.train.data import get_batch_on_this_cp_rank
 
 __all__ = ["shard_batch", "documents", "BatchSharding"]
 

@@ -24,7 +24,7 @@ it right or refuses, before the model runs:
    `transformers`' own packed-sequence signals, `cu_seq_lens_q`/`_k`, must be the sharding's
    boundaries, and are then dropped with `max_length_q`/`_k`.
 4. **Agreement.** The ranks exchange one row of ints (host side where the communicator can,
-   as [`cpref.consistency`][cpref.consistency] does): whether each rank's inputs passed, which
+   as [`cpref.modes.consistency`][cpref.modes.consistency] does): whether each rank's inputs passed, which
    loss arguments it passed, what the layers' own refusals read (`use_cache` as the model takes
    it, training mode, activation checkpointing, autograd, the tokens a given key/value cache
    holds) and its positions' start. A rank whose inputs failed raises its own error and every
@@ -49,7 +49,7 @@ $$ \text{shift\_labels}_i = \text{labels}_{g(i) + 1}, \qquad \text{loss}_r = \fr
 
 where $g(i)$ is token $i$'s index in the unpadded stream. The gradient of the batch's loss is
 the **sum** of the ranks' gradients (every rank holds a replica of the parameters):
-all-reduce them over the CP group with a sum, as [`cpref.training`][cpref.training] does.
+all-reduce them over the CP group with a sum, as [`cpref.train.training`][cpref.train.training] does.
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ from typing import Any
 
 import torch
 
-from cpref.consistency import exchange
-from cpref.errors import CPInputError, PeerInputError
+from cpref.base.errors import CPInputError, PeerInputError
+from cpref.batch.sharding import Sharding
 from cpref.hf.admit import check_config, check_modules
 from cpref.hf.batch import BatchSharding
 from cpref.hf.layer import CP, NAMES, Checked
-from cpref.sharding import Sharding
+from cpref.modes.consistency import exchange
 
 __all__ = ["guard", "LOSS_KEYS", "MULTIMODAL", "ROW"]
 

@@ -17,11 +17,11 @@ import torch
 
 from cpref.api import MODES
 from cpref.api import attention as cp_attention
-from cpref.checks import as_choice
-from cpref.comm import Collectives, check_comm
-from cpref.errors import CPInputError
+from cpref.base.checks import as_choice
+from cpref.base.errors import CPInputError
+from cpref.batch.sharding import Sharding
+from cpref.comm.protocol import Collectives, check_comm
 from cpref.kernels.contract import NO_WINDOW
-from cpref.sharding import Sharding
 
 __all__ = ["CP", "attention", "mask", "NAMES", "LAYER_OWN"]
 
@@ -36,7 +36,7 @@ class CP:
     """What every attention call of one forward needs: pass it as `model(..., cp=CP(...))`.
 
     Attributes:
-        comm: this rank's CP group (`cpref.comm.Collectives`: gloo, NCCL, HCCL or the simulated cluster).
+        comm: this rank's CP group (`cpref.comm.protocol.Collectives`: gloo, NCCL, HCCL or the simulated cluster).
         sharding: the batch's `cpref.Sharding` (from `cpref.hf.shard_batch` or `cpref.get_batch_on_this_cp_rank`).
         mode: a name of `cpref.MODES`.
         options: the mode's options (e.g. `{"a2a_size": 2}`), `kernel`, `deterministic`, as `cpref.attention`

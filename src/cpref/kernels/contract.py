@@ -66,7 +66,7 @@ rounds it.
 
 **Determinism.** A kernel whose backward gives the same bits on every run, for the same
 inputs on the same device, says so with an attribute `deterministic = True`; without it,
-`cpref.attention(..., deterministic=True)` refuses the kernel ([`cpref.determinism`][cpref.determinism]).
+`cpref.attention(..., deterministic=True)` refuses the kernel ([`cpref.base.determinism`][cpref.base.determinism]).
 `TorchKernel` is (its sums run in program order); `CudaKernel` and `NpuKernel` are when
 built with `deterministic=True`.
 """
@@ -80,8 +80,8 @@ from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar, runtime
 
 import torch
 
-from cpref.errors import CPInputError
-from cpref.seqlens import host_ints
+from cpref.base.checks import host_ints
+from cpref.base.errors import CPInputError
 
 __all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "NO_WINDOW", "compute_dtype", "check_heads", "check_window"]
 

@@ -59,7 +59,7 @@ that runs on a GPU), with the same contract; `CudaKernel.calls` counts both.
 **Deterministic backward.** Flash's backward sums dQ over key blocks with atomics; with
 `CudaKernel(deterministic=True)` (the default kernel of `cpref.attention(..., deterministic=True)`)
 its op runs under PyTorch's deterministic switch, which is how `_flash_attention_backward`
-is asked for its deterministic algorithm ([`cpref.determinism`][cpref.determinism]).
+is asked for its deterministic algorithm ([`cpref.base.determinism`][cpref.base.determinism]).
 
 **Unverified** (this code was written on a machine without a GPU and is checked on the CPU
 against a double of the two ops, `tests/kernels/flash_double.py`, written from their
@@ -77,9 +77,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from cpref.checks import as_bool
-from cpref.determinism import torch_deterministic
-from cpref.errors import CPInputError
+from cpref.base.checks import as_bool
+from cpref.base.determinism import torch_deterministic
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, Varlen, check_window, compute_dtype
 from cpref.kernels.npu_plan import CAUSAL, UNBOUNDED, Call, plan_calls
 from cpref.kernels.torch_checks import check_inputs
@@ -102,7 +102,7 @@ class CudaKernel:
         devices: the device types flash runs on (default `("cuda",)`).
         flash_dtypes: the dtypes flash takes (default float16, bfloat16).
         deterministic: run flash's backward in its deterministic algorithm (inside
-            `cpref.determinism.torch_deterministic`: the op reads PyTorch's global switch); the fallback must
+            `cpref.base.determinism.torch_deterministic`: the op reads PyTorch's global switch); the fallback must
             declare `deterministic = True` too.
 
     Raises:

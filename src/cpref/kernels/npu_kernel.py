@@ -81,7 +81,7 @@ every device op is a slice, gather, fill or concatenation of known size.
 PyTorch's deterministic switch, which `torch_npu` maps onto the NPU's deterministic computing
 (`aclnnFlashAttentionUnpaddingScoreGrad` is on CANN's list of ops it covers); HCCL's
 reductions need `HCCL_DETERMINISTIC=true` in the environment as well
-([`cpref.determinism`][cpref.determinism]).
+([`cpref.base.determinism`][cpref.base.determinism]).
 
 **Unverified** (no NPU was available): the head-major stat storage, zero-length sequences
 inside a list (also a `kv_len = 0` one under `sparse_mode=3` or `4`), the 2048 sequences per call,
@@ -100,9 +100,9 @@ from typing import Any
 
 import torch
 
-from cpref.checks import as_bool
-from cpref.determinism import torch_deterministic
-from cpref.errors import CPInputError
+from cpref.base.checks import as_bool
+from cpref.base.determinism import torch_deterministic
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW, Varlen, check_heads, check_window, compute_dtype
 from cpref.kernels.npu_plan import CAUSAL, FULL, Call, plan_calls
 
@@ -136,7 +136,7 @@ class NpuKernel:
         softmax_layout: `""` for the op's default head-major TND stat storage, or `"TND"`
             (torch_npu >= 7.2.0) for truly token-major stats.
         max_seqs_per_call: at most this many sequences per op call; longer lists are split.
-        deterministic: run the grad op inside `cpref.determinism.torch_deterministic` (torch_npu's deterministic
+        deterministic: run the grad op inside `cpref.base.determinism.torch_deterministic` (torch_npu's deterministic
             computing, which covers the fused attention's grad); the collectives' reductions need
             `HCCL_DETERMINISTIC=true` as well.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import Varlen, check_heads
 
 __all__ = ["check_inputs"]

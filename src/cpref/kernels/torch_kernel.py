@@ -69,7 +69,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import Varlen, check_window, compute_dtype
 from cpref.kernels.torch_checks import check_inputs
 from cpref.kernels.torch_fused import fused_available, fused_backward, fused_forward
@@ -202,7 +202,7 @@ class TorchKernel:
         (torch.Size([6, 2, 4]), torch.Size([6, 2]))
     """
 
-    deterministic = True  # no atomics: every sum is in program order, on every device (cpref.determinism)
+    deterministic = True  # no atomics: every sum is in program order, on every device (cpref.base.determinism)
 
     def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24, fast: bool = True) -> None:
         for name, value in (("block_size", block_size), ("max_block_elements", max_block_elements)):

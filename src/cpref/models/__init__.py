@@ -67,8 +67,8 @@ exactly as it was.
 Positions are an **input**, not something the model derives from a token's index: under CP
 a rank's tokens are pieces of every document, in the layout's order, so index and position
 part ways. The caller passes each token's position inside its document, restarting at 0 at
-every document, from the same sharding that cut the tokens: [`Sharding.positions`][cpref.sharding.Sharding.positions]
-or the `position_ids` of [`cpref.get_batch_on_this_cp_rank`][cpref.data.get_batch_on_this_cp_rank].
+every document, from the same sharding that cut the tokens: [`Sharding.positions`][cpref.batch.sharding.Sharding.positions]
+or the `position_ids` of [`cpref.get_batch_on_this_cp_rank`][cpref.train.data.get_batch_on_this_cp_rank].
 With zigzag over two ranks, a document of 8 tokens is cut in four chunks, and rank 0 holds the
 first and the last:
 
@@ -89,7 +89,7 @@ or packed with others.
 
 The CP group, the batch's sharding (boundaries, layout) and the mode are passed to every forward as
 one frozen [`CPContext`][cpref.models.context.CPContext]; the model stores none of it, and
-nothing else does either (the batch cache of [`cpref.cache`][cpref.cache] is keyed by the
+nothing else does either (the batch cache of [`cpref.batch.cache`][cpref.batch.cache] is keyed by the
 batch and by every CP argument). Users of other CP systems have hit a process-wide global
 (the head counts, the group) set by one model silently corrupting a second model in the same
 process, e.g. an evaluation model beside the training one. Without state, two models with

@@ -23,8 +23,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from cpref.checks import as_bool, as_choice, as_int
-from cpref.errors import CPInputError
+from cpref.base.checks import as_bool, as_choice, as_int
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW
 from cpref.models.hf_config import hf_fields
 
@@ -114,7 +114,7 @@ class ModelConfig:
         >>> ModelConfig(family="llama", vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=3)
         Traceback (most recent call last):
         ...
-        cpref.errors.CPInputError: num_heads=4 is not a multiple of num_kv_heads=3: ...
+        cpref.base.errors.CPInputError: num_heads=4 is not a multiple of num_kv_heads=3: ...
 
         A causal window of 4096 keys in the second layer only:
 

@@ -27,13 +27,13 @@ from typing import Any, Mapping
 import torch
 
 from cpref.api import MODES, attention, check_sharding
-from cpref.checks import as_bool, as_choice
-from cpref.comm import Collectives, SingleRank, check_comm
-from cpref.errors import CPInputError
+from cpref.base.checks import as_bool, as_choice
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import CuSeqlens
+from cpref.batch.sharding import Sharding
+from cpref.comm.protocol import Collectives, SingleRank, check_comm
 from cpref.kernels import AttentionKernel
 from cpref.kernels.contract import NO_WINDOW
-from cpref.seqlens import CuSeqlens
-from cpref.sharding import Sharding
 
 __all__ = ["CPContext", "OPTIONS"]
 
@@ -48,7 +48,7 @@ class CPContext:
     Attributes:
         comm: the CP group's collectives (`sim.SimCluster(P).run(fn)` hands one to `fn`;
             `cpref.SingleRank()` for CP = 1).
-        sharding: how the batch is sharded ([`cpref.Sharding`][cpref.sharding.Sharding]: its
+        sharding: how the batch is sharded ([`cpref.Sharding`][cpref.batch.sharding.Sharding]: its
             boundaries, real and padded, its CP size, which must be `comm.size`, and layout).
         mode: the CP algorithm, a key of `cpref.MODES`.
         causal: causal attention inside each document (what a decoder-only model needs).

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from cpref.checks import as_int
-from cpref.errors import CPInputError
+from cpref.base.checks import as_int
+from cpref.base.errors import CPInputError
 
 __all__ = ["hf_fields", "HF_MODEL_TYPES"]
 

@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.models.config import ModelConfig
 
 __all__ = ["read_hf_weights", "convert_hf_state_dict", "hf_rules"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpref.api import MODES
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
 from cpref.models.attention import SelfAttention
 from cpref.models.config import ModelConfig
 from cpref.models.context import CPContext

@@ -13,8 +13,8 @@ $$ \omega_i = \theta^{-2i/D}, \qquad
 A rotation by $p_q$ of the query and by $p_k$ of the key leaves their dot product a
 function of $p_q - p_k$ alone, so attention sees relative positions. Under CP that is what
 makes sharding harmless: a rank needs nothing but **each of its tokens' true position inside
-its document** (`position_ids`, from [`Sharding.positions`][cpref.sharding.Sharding.positions] or
-[`cpref.get_batch_on_this_cp_rank`][cpref.data.get_batch_on_this_cp_rank]); whichever rank
+its document** (`position_ids`, from [`Sharding.positions`][cpref.batch.sharding.Sharding.positions] or
+[`cpref.get_batch_on_this_cp_rank`][cpref.train.data.get_batch_on_this_cp_rank]); whichever rank
 computes a score, the two rotations it multiplies are those of the unsharded model.
 
 The angles are computed in float32 (float64 for a float64 model) and the cosines and sines

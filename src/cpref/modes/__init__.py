@@ -1,4 +1,4 @@
-"""CP algorithms, one a file, each written against `cpref.comm` and `cpref.kernels`.
+"""CP algorithms, one a file, each written against `cpref.comm.protocol` and `cpref.kernels`.
 
 Each mode's file ends with its declaration, a [`ModeSpec`][cpref.modes.spec.ModeSpec] named
 `MODE`; `cpref.api` collects every module's `MODE` into `cpref.MODES`. Beside the modes: their

@@ -6,7 +6,7 @@ every key its queries may see is now local. This is the Llama 3 scheme; the Mind
 makes it efficient on packed (THD) batches with three ideas.
 
 1. **Symmetric per-document chunks.** Every document is split into `2P` chunks and rank `r`
-   holds chunks `r` and `2P - 1 - r` (the zigzag layout, `cpref.layout`), so every rank does
+   holds chunks `r` and `2P - 1 - r` (the zigzag layout, `cpref.batch.layout`), so every rank does
    the same causal work, $(2P + 1) \sum_i c_i^2$.
 2. **Rank-major direct indexing.** The gathered K/V stay in rank-major order; one
    `index_select` with the precomputed `kv_index` (`cpref.modes.all_gather_plan`) picks, for each local
@@ -132,19 +132,19 @@ from typing import Any
 
 import torch
 
-from cpref.call import CPCall
-from cpref.checks import as_bool
-from cpref.comm import Collectives
-from cpref.costs import ModeCosts, element_bytes, kept_output_bytes, shard_bytes
-from cpref.errors import CPInputError
-from cpref.determinism import add_rows
+from cpref.base.checks import as_bool
+from cpref.base.determinism import add_rows
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
 from cpref.modes.all_gather_overlap import OverlapPlan, build_overlap_plan, overlap_backward, overlap_forward
 from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
 from cpref.modes.all_gather_plan import AllGatherPlan, build_all_gather_plan
+from cpref.modes.call import CPCall
+from cpref.modes.costs import ModeCosts, element_bytes, kept_output_bytes, shard_bytes
 from cpref.modes.shared import no_double_backward, padded_rows, whole_documents
 from cpref.modes.spec import ModeSpec, Option
-from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = [
     "AllGatherKVFunc",
@@ -195,7 +195,7 @@ def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: 
 def all_gather_backward(dout, q, k_sel, v_sel, out, lse, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal, scale,
                         deterministic: bool = False):  # fmt: skip
     """Backward of KV all-gather CP. Returns `(dq, dk, dv)` for the local shards (`deterministic`: the row sums in
-    occurrence layers, `cpref.determinism`)."""
+    occurrence layers, `cpref.base.determinism`)."""
     if plan.kv_index is None:  # P = 1: nothing was selected, the kernel's gradients are the local ones
         return kernel.backward(dout, q, k_sel, v_sel, out, lse, plan.seqs, causal=causal, window=plan.window, scale=scale,
                                full_rows=True)  # fmt: skip
@@ -332,7 +332,7 @@ def check_all_gather(call: CPCall) -> None:
 
 def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window,
                      save_gathered_kv, overlap) -> ModeCosts:  # fmt: skip
-    """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.costs`); with
+    """Per-rank traffic, collectives and saved bytes of one layer (the table of `cpref.modes.costs`); with
     `gathered_rows` (stream, balanced: `cpref.modes.all_gather_pieces`) only those rows of each rank travel;
     overlapped (`overlaps`), the same traffic, the output kept unrounded."""
     hq, hkv, d, dv = heads
@@ -350,6 +350,13 @@ def all_gather_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_si
     return ModeCosts(fwd, bwd, Counter(all_gather=2), bwd_ops, saved + kept)
 
 
+def all_gather_sizes(call: CPCall) -> dict:
+    """The K/V rows its one call reads (kept with `save_gathered_kv`) and, where it gathers only what other ranks
+    read (stream, balanced), the rows each rank contributes."""
+    plan = all_gather_plan(call)
+    return {"selected_kv_rows": plan.seqs.cu_kv[-1], "gathered_rows": None if plan.shared is None else plan.gathered_rows}
+
+
 MODE = ModeSpec(
     name="all_gather",
     order=0,
@@ -357,6 +364,7 @@ MODE = ModeSpec(
     plan=all_gather_plan,
     collectives=frozenset({"all_gather", "reduce_scatter"}),
     costs=all_gather_costs,
+    sizes=all_gather_sizes,
     windows=True,
     check=check_all_gather,
     options=(

@@ -59,8 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cpref.comm import Collectives
-from cpref.determinism import add_rows
+from cpref.base.determinism import add_rows
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
 from cpref.modes.all_gather_plan import AllGatherPlan
@@ -197,7 +197,7 @@ def overlap_backward(dout, q, k, v, out, lse, plan: AllGatherPlan, ov: OverlapPl
                      deterministic: bool = False):  # fmt: skip
     """Backward with the gathers and reduce-scatters overlapped; `selected`: the forward's `(k_loc, v_loc, k_rem,
     v_rem)` if kept (`save_gathered_kv`), else K and V are gathered again; `deterministic`: the row sums in occurrence
-    layers (`cpref.determinism`). Returns `(dq, dk, dv)` for the local shards."""
+    layers (`cpref.base.determinism`). Returns `(dq, dk, dv)` for the local shards."""
     acc, t_l = compute_dtype(q.dtype), q.shape[0]
     grads = []  # (dq, dk_loc, dv_loc) of each call, float32 (the remote call's without dk_loc, dv_loc)
 

@@ -3,7 +3,7 @@ r"""The all-gather plan for the stream and balanced layouts: gather only the row
 The chunked layouts cut every document over every rank, so every rank needs keys of every
 other rank and the all-gather moves whole shards ([the RFC's plan][cpref.modes.all_gather_plan]).
 With the layouts that keep documents whole or cut them only across some ranks
-([`cpref.layout`][cpref.layout]: `stream`, `balanced`), most of a rank's keys are read by its
+([`cpref.batch.layout`][cpref.batch.layout]: `stream`, `balanced`), most of a rank's keys are read by its
 own queries only. This plan, written on the layout's pieces (`(doc, start, end)` per rank):
 
 1. **Reads.** Each local piece's real queries $[a, z)$ see the keys $[lo, hi)$ of their document
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from cpref.batch.layout import local_chunks
+from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import NO_WINDOW, Varlen
-from cpref.layout import local_chunks
 from cpref.modes.all_gather_plan import AllGatherPlan
-from cpref.seqlens import Boundaries
 
 __all__ = ["build_piece_all_gather_plan"]
 

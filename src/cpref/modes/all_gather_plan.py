@@ -34,7 +34,7 @@ document.
 
 ## Padding
 
-With `cu_seqlens_padded` (see [`cpref.seqlens`][cpref.seqlens]), a document of `n` real
+With `cu_seqlens_padded` (see [`cpref.batch.seqlens`][cpref.batch.seqlens]), a document of `n` real
 tokens is sharded by its padded length, and its padding (positions `n` and later) must stay
 out of attention. Padding is a suffix of the document, so the real queries of a query chunk
 are a prefix of it, and so are the real queries of a rank's chunks of a document in local
@@ -48,7 +48,7 @@ padding queries, as a sequence with **no keys**, which the kernel contract answe
 
 [`AllGatherPlan`][cpref.modes.all_gather_plan.AllGatherPlan] is immutable (the ranks of the
 simulated cluster share it); the MindSpeed facade
-[`get_thd_load_balanced_cp_metadata`][cpref.metadata.get_thd_load_balanced_cp_metadata] returns a
+[`get_thd_load_balanced_cp_metadata`][cpref.modes.metadata.get_thd_load_balanced_cp_metadata] returns a
 read-only view of it with the RFC's keys:
 
 | key | meaning |
@@ -70,7 +70,7 @@ The facade's RFC keys are those of the selecting plan at every `P`.
 ## The cache
 
 Transformer layers call attention with the same batch many times per step, so the plan, like
-the ring's, lives in the batch cache ([`cpref.cache`][cpref.cache]): an LRU of capacity 8
+the ring's, lives in the batch cache ([`cpref.batch.cache`][cpref.batch.cache]): an LRU of capacity 8
 batches keyed by each boundary tensor's **identity and version** (an in-place edit of
 `cu_seqlens` invalidates it; lists of ints are keyed by value), holding per batch the plan of
 every (`cp_size`, rank, layout, causality, device) asked for. It holds only lengths and
@@ -85,9 +85,9 @@ from typing import Any, Mapping
 
 import torch
 
+from cpref.batch.layout import chunk_ids, chunk_owner
+from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import NO_WINDOW, Varlen
-from cpref.layout import chunk_ids, chunk_owner
-from cpref.seqlens import Boundaries
 
 __all__ = ["AllGatherPlan", "build_all_gather_plan"]
 

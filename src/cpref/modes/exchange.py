@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cpref.call import CPCall
-from cpref.comm import Collectives
+from cpref.batch.layout import global_index, group_chunks
+from cpref.batch.seqlens import Boundaries
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import NO_WINDOW, Varlen, compute_dtype
-from cpref.layout import global_index, group_chunks
+from cpref.modes.call import CPCall
 from cpref.modes.shared import head_split, whole_documents
-from cpref.seqlens import Boundaries
 
 __all__ = ["A2APlan", "a2a_permutation", "a2a_plan", "a2a_gather", "a2a_scatter", "replicate", "kv_grad_dtype",
            "unreplicate", "scatter_grads"]
@@ -43,7 +43,7 @@ class A2APlan:
 
 def a2a_permutation(b: Boundaries, P: int, a: int, g: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
     """`(perm, inv_perm)`: gathered tokens of a2a group `g` (ranks `g a .. g a + a - 1`) into the stream order
-    of the group's pieces (`cpref.layout.group_chunks`: the layout over `P / a` ranks at rank `g` for the
+    of the group's pieces (`cpref.batch.layout.group_chunks`: the layout over `P / a` ranks at rank `g` for the
     chunked layouts and stream; natural order when `a == P`)."""
     received = torch.cat([global_index(b, cp_size=P, rank=g * a + j, layout=layout) for j in range(a)])  # (a T_l,)
     wanted = torch.cat([torch.arange(s, e) for _, s, e in group_chunks(b, cp_size=P, group=a, g=g, layout=layout)])

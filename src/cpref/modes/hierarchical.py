@@ -89,21 +89,26 @@ from typing import Any
 
 import torch
 
-from cpref.call import CPCall
-from cpref.checks import as_bool, as_int
-from cpref.comm import Collectives
-from cpref.errors import CPInputError
-from cpref.costs import ModeCosts, combine, exchange_costs, kept_output_bytes, halo_costs, ring_costs
+from cpref.base.checks import as_bool, as_int
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
+from cpref.comm.protocol import Collectives
+from cpref.modes.call import CPCall
+from cpref.modes.costs import ModeCosts, combine, exchange_costs, halo_costs, kept_output_bytes, ring_costs
+from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.hierarchical_split import (
+    SplitHierarchicalFunc,
+    SplitHierarchicalPlan,
+    ring_attend,
+    split_hierarchical_plan,
+)
 from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_dtype
 from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
-from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
-from cpref.modes.ulysses_split import BALANCE_DOC
-from cpref.modes.hierarchical_split import SplitHierarchicalFunc, SplitHierarchicalPlan, ring_attend, split_hierarchical_plan
 from cpref.modes.ulysses import check_a2a_heads, check_head_groups, pipelines
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
-from cpref.seqlens import CHUNKED_LAYOUTS
+from cpref.modes.ulysses_split import BALANCE_DOC
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size",
            "hierarchical_plan", "hierarchical_costs", "MODE"]
@@ -255,6 +260,18 @@ def _a2a_size(value: Any) -> int:
 
 
 # --8<-- [start:declaration]
+def hierarchical_sizes(call: CPCall) -> dict:
+    """For stream and balanced, the shared rows each rank exchanges (the split plan's); the rows the ring across the
+    `P / a` groups shifts, where it sends only what is read."""
+    plan = hierarchical_plan(call)
+    if isinstance(plan, SplitHierarchicalPlan):
+        halo = plan.ring.halo
+        return {"gathered_rows": plan.rows, "halo_sizes": None if halo is None else halo.sizes}
+    _, ring = plan
+    halo = ring.halo if call.P > call.options["a2a_size"] else None  # a ring of one member sends nothing
+    return {"halo_sizes": None if halo is None else halo.sizes}
+
+
 MODE = ModeSpec(
     name="a2a+p2p",
     order=3,
@@ -262,6 +279,7 @@ MODE = ModeSpec(
     plan=hierarchical_plan,
     collectives=frozenset({"all_to_all", "send_recv"}),
     costs=hierarchical_costs,
+    sizes=hierarchical_sizes,
     options=(
         Option("a2a_size", None, _a2a_size, "the all-to-all group size `a` dividing P (Ulysses inside groups of `a` "
                "consecutive ranks, the ring across the P / a groups); required", example=example_a2a_size),

@@ -2,7 +2,7 @@ r"""The hierarchical mode for the stream and balanced layouts: only the document
 
 The hierarchical mode ([`cpref.modes.hierarchical`][cpref.modes.hierarchical]) exchanges every
 token of an a2a group, then rings the group's tokens across the groups. With the layouts that
-keep documents whole ([`cpref.layout`][cpref.layout]: `balanced`, and every document of
+keep documents whole ([`cpref.batch.layout`][cpref.batch.layout]: `balanced`, and every document of
 `stream` that does not straddle a rank boundary) most of that traffic is for nothing: a rank
 already holds those documents whole, for all heads. As [the split Ulysses][cpref.modes.ulysses_split]
 does, this variant splits each rank's rows in two:
@@ -21,7 +21,7 @@ does, this variant splits each rank's rows in two:
 
 The two outputs are written into their rows; the backward mirrors it (dK/dV of replicated
 key/value heads in float32, as in Ulysses). Per rank the exchange moves Ulysses' traffic over
-`a` ranks on $m$ rows instead of $T_l$ (`cpref.costs.exchange_costs` with `gathered_rows`
+`a` ranks on $m$ rows instead of $T_l$ (`cpref.modes.costs.exchange_costs` with `gathered_rows`
 $= m$), and the ring the halo of the shared documents only (`halo_sizes` of this plan's ring);
 a batch whose documents all sit on one rank each moves nothing, unless the ranks of an a2a
 group would work unevenly: then a few documents held whole take the group's exchange too, as
@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from cpref.call import CPCall
-from cpref.comm import Collectives
+from cpref.batch.layout import local_chunks
+from cpref.batch.seqlens import Boundaries
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import Varlen
-from cpref.layout import local_chunks
+from cpref.modes.call import CPCall
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.modes.ring import ring_backward, ring_forward, saved_out_dtype
 from cpref.modes.ring_plan import RingPlan
@@ -46,7 +47,6 @@ from cpref.modes.ring_window import build_piece_ring_plan
 from cpref.modes.shared import head_split, no_double_backward, padded_rows
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.modes.ulysses_split import gathered_order, split_rows
-from cpref.seqlens import Boundaries
 
 __all__ = ["SplitHierarchicalPlan", "SplitHierarchicalFunc", "ring_attend", "build_split_hierarchical_plan", "split_hierarchical_plan"]
 

@@ -101,17 +101,17 @@ from typing import Any
 
 import torch
 
-from cpref.call import CPCall
-from cpref.comm import Collectives
-from cpref.determinism import add_rows
+from cpref.base.determinism import add_rows
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
-from cpref.costs import ModeCosts, kept_output_bytes, halo_costs, ring_costs, shard_bytes
 from cpref.kernels.merge import merge_partial
+from cpref.modes.call import CPCall
+from cpref.modes.costs import ModeCosts, halo_costs, kept_output_bytes, ring_costs, shard_bytes
 from cpref.modes.ring_plan import RingCall, RingPlan, build_ring_plan
 from cpref.modes.ring_window import build_window_ring_plan, halo_backward, halo_forward
 from cpref.modes.shared import no_double_backward
 from cpref.modes.spec import ModeSpec
-from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = ["RingFunc", "ring_forward", "ring_backward", "ring_plan", "run_ring", "saved_out_dtype", "p2p_plan",
            "p2p_costs", "MODE"]
@@ -163,7 +163,7 @@ def ring_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, ke
                   kv_grad_dtype=None, deterministic: bool = False):  # fmt: skip
     """Backward of ring attention. Returns `(dq, dk, dv)` for the local shards, dK/dV in `kv_grad_dtype`
     (default: the input dtypes; the compute dtype gives them unrounded, for a caller that sums them);
-    `deterministic`: duplicated rows summed in occurrence layers (`cpref.determinism`)."""
+    `deterministic`: duplicated rows summed in occurrence layers (`cpref.base.determinism`)."""
     if plan.halo is not None:  # a sliding window (cpref.modes.ring_window)
         return halo_backward(dout, q, k, v, out, lse, plan, comm, kernel, scale=scale, kv_grad_dtype=kv_grad_dtype,
                              deterministic=deterministic)  # fmt: skip
@@ -246,7 +246,7 @@ def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
 
 def ring_plan(call: CPCall, P: int, rank: int, layout: str, group: int = 1) -> RingPlan:
     """The cached ring plan of member `rank` in a ring of `P` over the call's batch (under the call's window, if any);
-    each member a group of `group` consecutive ranks (the ring of `a2a+p2p`) holding `cpref.layout.group_chunks`."""
+    each member a group of `group` consecutive ranks (the ring of `a2a+p2p`) holding `cpref.batch.layout.group_chunks`."""
     if P == 1:  # one member holds the batch in natural order, one sequence a document, whatever the layout
         layout, group = "contiguous", 1
     key = ("ring", P, rank, layout, call.causal, str(call.device))
@@ -279,6 +279,12 @@ def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, ga
     return ModeCosts(ring.forward_bytes, ring.backward_bytes, ring.forward_ops, ring.backward_ops, saved)
 
 
+def p2p_sizes(call: CPCall) -> dict:
+    """The rows its shifts carry, where the plan sends only what is read (a window, stream, balanced)."""
+    halo = p2p_plan(call).halo
+    return {"halo_sizes": None if halo is None else halo.sizes}
+
+
 MODE = ModeSpec(
     name="p2p",
     order=1,
@@ -286,5 +292,6 @@ MODE = ModeSpec(
     plan=p2p_plan,
     collectives=frozenset({"send_recv"}),
     costs=p2p_costs,
+    sizes=p2p_sizes,
     windows=True,
 )

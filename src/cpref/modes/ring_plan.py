@@ -2,7 +2,7 @@ r"""Per-step metadata of ring attention on packed documents: which queries see w
 
 At ring step `t` rank `r` holds its own queries and the K/V block that started on rank
 $r' = (r - t) \bmod P$. Both buffers hold, document by document, the rank's chunks of that
-document (`cpref.layout.chunk_ids`), so a document occupies the same rows in every rank's
+document (`cpref.batch.layout.chunk_ids`), so a document occupies the same rows in every rank's
 buffer. For every document, query chunk $j$ and key chunk $j'$ relate in one of three ways:
 
 * **full**: every query sees every key (without a causal mask, or when $j' < j$);
@@ -48,9 +48,9 @@ from itertools import accumulate
 
 import torch
 
+from cpref.batch.layout import chunk_ids
+from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import NO_WINDOW, Varlen
-from cpref.layout import chunk_ids
-from cpref.seqlens import Boundaries
 
 __all__ = ["RingCall", "RingStep", "RingPlan", "Halo", "build_ring_plan"]
 

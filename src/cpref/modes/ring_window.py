@@ -5,7 +5,7 @@ document. The ring of [`cpref.modes.ring`][cpref.modes.ring] then wastes most of
 a block far from a rank's queries holds no key they see, and a block passes every rank on its
 way round. This variant plans from what each rank reads and sends it, directly, only that.
 
-The same plan serves the `stream` layout ([`cpref.layout`][cpref.layout]), with or without a
+The same plan serves the `stream` layout ([`cpref.batch.layout`][cpref.batch.layout]), with or without a
 window: there a rank's pieces are cut from one stream, so a document reaches only the ranks it
 straddles, and a rank reads the blocks of the ranks before it only as far back as its first
 document began. The classic ring would send every block everywhere; this one sends nothing to
@@ -13,7 +13,7 @@ a rank whose documents start on it, and for a document that straddles ranks only
 that document.
 
 The plan is written on the layout's **pieces** (`(doc, start, end)` per rank, in local order,
-`cpref.layout.local_chunks`): a chunk of the chunked layouts, or a document's part of a rank's
+`cpref.batch.layout.local_chunks`): a chunk of the chunked layouts, or a document's part of a rank's
 range of the stream.
 
 **Calls.** Rank $r$ attends to the block of rank $s = (r - d) \bmod P$, at *distance* $d$. For
@@ -52,7 +52,7 @@ at $R_d$. A shift moves one shape on every rank, so the one at distance $d$ carr
 $m_d = \max_s |R_d(s)|$ rows of $H_{kv} (D + D_v)$ elements (zeros past a block's own $R_d$).
 Per rank: forward $\sum_{d \in \mathcal{D}} m_d$ rows in $b$ bytes, backward the same plus
 $\sum_{d \in \mathcal{D}} m_d$ rows in $f$ bytes, and $|\mathcal{D}|$ shifts forward, $2 |\mathcal{D}|$
-backward ([`halo_costs`][cpref.costs.halo_costs], asserted from the trace).
+backward ([`halo_costs`][cpref.modes.costs.halo_costs], asserted from the trace).
 
 A shift by $d$ is a point-to-point pair (`batch_isend_irecv` on `torch.distributed`) as the
 ring's shift by one is, only with a partner $d$ ranks away: on a switched network (NVLink,
@@ -67,14 +67,14 @@ from collections.abc import Callable
 
 import torch
 
-from cpref.comm import Collectives
-from cpref.determinism import add_rows
+from cpref.base.determinism import add_rows
+from cpref.batch.layout import group_chunks, local_chunks
+from cpref.batch.seqlens import Boundaries
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
-from cpref.layout import group_chunks, local_chunks
 from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.modes.shared import padded_rows
-from cpref.seqlens import Boundaries
 
 __all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "halo_forward", "halo_backward"]
 
@@ -84,8 +84,8 @@ Real = Callable[[int, int, int], int]  # real(doc, a, z): the real tokens of pos
 def _pieces(b: Boundaries, P: int, rank: int, layout: str, group: int = 1) -> list[tuple[int, int, int, int]]:
     """`(doc, a, z, row)` of every piece ring member `rank` holds, in local order: positions `[a, z)` of document
     `doc` (padding included), at row `row` of its buffer. A member is a rank (`group = 1`,
-    `cpref.layout.local_chunks`) or, in the ring of `a2a+p2p`, a group of `group` ranks of a layout over
-    `P group` ranks (`cpref.layout.group_chunks`)."""
+    `cpref.batch.layout.local_chunks`) or, in the ring of `a2a+p2p`, a group of `group` ranks of a layout over
+    `P group` ranks (`cpref.batch.layout.group_chunks`)."""
     if group == 1:
         chunks = local_chunks(b, cp_size=P, rank=rank, layout=layout)
     else:
@@ -265,7 +265,7 @@ def halo_forward(q, k, v, plan: RingPlan, comm: Collectives, kernel: AttentionKe
 def halo_backward(dout, q, k, v, out, lse, plan: RingPlan, comm: Collectives, kernel: AttentionKernel, *, scale: float,
                   kv_grad_dtype=None, deterministic: bool = False):  # fmt: skip
     """Backward of the windowed ring: `(dq, dk, dv)`, dK/dV in `kv_grad_dtype` (default: their dtypes);
-    `deterministic`: duplicated rows summed in occurrence layers (`cpref.determinism`)."""
+    `deterministic`: duplicated rows summed in occurrence layers (`cpref.base.determinism`)."""
     acc, d, halo = compute_dtype(q.dtype), k.shape[-1], plan.halo
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (T_l, Hq, D), stays home
     own = kv = torch.cat([k, v], dim=-1)  # (T_l, Hkv, D + Dv)

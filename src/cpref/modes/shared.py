@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import Varlen
-from cpref.seqlens import Boundaries
 
 __all__ = ["no_double_backward", "whole_documents", "document_sequences", "padded_rows", "head_split"]
 

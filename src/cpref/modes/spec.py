@@ -31,9 +31,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from cpref.call import CPCall
-from cpref.costs import ModeCosts
-from cpref.errors import CPInputError
+from cpref.base.errors import CPInputError
+from cpref.modes.call import CPCall
+from cpref.modes.costs import ModeCosts
 
 __all__ = ["Option", "ModeSpec"]
 
@@ -58,6 +58,11 @@ class Option:
     example: Callable[[int], Any] | None = None
 
 
+def no_sizes(call: CPCall) -> Mapping[str, Any]:
+    """The `sizes` of a mode whose costs depend on no amount of its plan: none."""
+    return {}
+
+
 @dataclass(frozen=True)
 class ModeSpec:
     """One CP mode, as it declares itself.
@@ -70,10 +75,13 @@ class ModeSpec:
         collectives: the collectives it calls (checked against the backend's limits).
         costs: `costs(P=, local_tokens=, heads=, dtype=, selected_kv_rows=, halo_sizes=, gathered_rows=,
             window=, **options) -> ModeCosts`: the per-rank traffic, collectives and saved bytes of one layer
-            (`cpref.costs`); `halo_sizes`: a ring's rows per step when it sends only what is read (its plan's
+            (`cpref.modes.costs`); `halo_sizes`: a ring's rows per step when it sends only what is read (its plan's
             `halo.sizes`); `gathered_rows`: the rows each rank all-gathers when it gathers only what others
             read (the all-gather plan's `gathered_rows`; None: the whole shard); `window`: the call's
             `(left, right)` sliding window (`(-1, -1)`: none).
+        sizes: `sizes(call) -> {name: value}`: the amounts of `costs` that depend on the batch
+            (`selected_kv_rows`, `halo_sizes`, `gathered_rows`), read from the plan this rank runs for
+            the call, so that [`call_costs`][cpref.modes.spec.ModeSpec.call_costs] states what the mode does.
         options: its keyword options.
         check: its own validation of a `CPCall` (e.g. head counts), before any communication.
         windows: whether it takes a sliding window (`cpref.attention(..., window=)`); one that
@@ -86,6 +94,7 @@ class ModeSpec:
     plan: Callable[[CPCall], Any]
     collectives: frozenset[str]
     costs: Callable[..., ModeCosts]
+    sizes: Callable[[CPCall], Mapping[str, Any]] = no_sizes
     options: tuple[Option, ...] = ()
     check: Callable[[CPCall], None] | None = None
     windows: bool = False
@@ -117,3 +126,10 @@ class ModeSpec:
         return self.costs(P=P, local_tokens=local_tokens, heads=heads, dtype=dtype, selected_kv_rows=selected_kv_rows,
                           halo_sizes=halo_sizes, gathered_rows=gathered_rows, window=tuple(window),
                           **self.parse_options(options))  # fmt: skip
+
+    def call_costs(self, call: CPCall) -> ModeCosts:
+        """Its costs on `call.rank` for one validated call: the formulas of `costs`, with the batch's amounts
+        read from the plan the mode runs (`sizes`), not computed a second time."""
+        sizes = {"selected_kv_rows": None, "halo_sizes": None, "gathered_rows": None, **self.sizes(call)}
+        return self.costs(P=call.P, local_tokens=call.local_tokens, heads=call.heads, dtype=call.dtype,
+                          window=call.window, **sizes, **call.options)  # fmt: skip

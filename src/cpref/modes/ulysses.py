@@ -68,17 +68,17 @@ from typing import Any
 
 import torch
 
-from cpref.call import CPCall
-from cpref.checks import as_bool, as_int
-from cpref.comm import Collectives
-from cpref.costs import ModeCosts, exchange_costs
-from cpref.errors import CPInputError
+from cpref.base.checks import as_bool, as_int
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import CHUNKED_LAYOUTS
+from cpref.comm.protocol import Collectives
+from cpref.modes.call import CPCall
+from cpref.modes.costs import ModeCosts, exchange_costs
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
 from cpref.modes.ulysses_pipeline import head_groups_that_work, pipelined_backward, pipelined_forward
 from cpref.modes.ulysses_split import BALANCE_DOC, SplitUlyssesFunc, split_plan
-from cpref.seqlens import CHUNKED_LAYOUTS
 
 __all__ = ["UlyssesFunc", "check_a2a_heads", "check_head_groups", "pipelines", "run_ulysses", "ulysses_plan",
            "ulysses_costs", "MODE"]
@@ -206,6 +206,12 @@ def _grouped(costs: ModeCosts, groups: int, P: int) -> ModeCosts:
     return ModeCosts(costs.forward_bytes, costs.backward_bytes, ops, Counter(ops), costs.saved_bytes)
 
 
+def ulysses_sizes(call: CPCall) -> dict:
+    """For stream and balanced, the rows of the documents that span ranks each rank exchanges (the split plan's)."""
+    plan = ulysses_plan(call)
+    return {"gathered_rows": None if isinstance(plan, A2APlan) else plan.rows}
+
+
 MODE = ModeSpec(
     name="a2a",
     order=2,
@@ -213,6 +219,7 @@ MODE = ModeSpec(
     plan=ulysses_plan,
     collectives=frozenset({"all_to_all"}),
     costs=ulysses_costs,
+    sizes=ulysses_sizes,
     options=(
         Option("head_groups", 1, lambda value: as_int("head_groups", value, lo=1),
                "the exchange in that many head groups, each group's attention while the next travels "

@@ -54,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from cpref.comm import Collectives, Pending
+from cpref.comm.protocol import Collectives, Pending
 from cpref.kernels.contract import AttentionKernel
 from cpref.modes.exchange import A2APlan
 

@@ -1,7 +1,7 @@
 r"""Ulysses for the stream and balanced layouts: exchange only the documents that span ranks.
 
 [Ulysses][cpref.modes.ulysses] trades the sequence split for a head split so that every rank
-sees whole documents. With the layouts that keep documents whole ([`cpref.layout`][cpref.layout]:
+sees whole documents. With the layouts that keep documents whole ([`cpref.batch.layout`][cpref.batch.layout]:
 `balanced`, and every document of `stream` that does not straddle a rank boundary), a rank
 already holds whole documents for all heads: exchanging them moves bytes for nothing. This
 variant splits each rank's rows in two:
@@ -18,13 +18,13 @@ Every local row is one or the other (a document's padding goes with it), so the 
 written into their rows, fill the result: nothing is zeroed first. The backward mirrors it: the own rows' gradients
 come from one backward call, the shared rows' through the same exchanges (dK/dV of replicated
 key/value heads in float32, as in Ulysses). Per rank the traffic is Ulysses' on $m$ rows
-instead of $T_l$ (`cpref.costs.exchange_costs` with `gathered_rows` $= m$); a batch whose
+instead of $T_l$ (`cpref.modes.costs.exchange_costs` with `gathered_rows` $= m$); a batch whose
 documents all sit on one rank each, with work as even as the balance below asks, moves nothing.
 
 ## Balance
 
 A layout balances work as the sequence modes see it: a document's share of causal work goes
-with its tokens ([`cpref.balanced`][cpref.balanced]). Ulysses does not: every rank attends
+with its tokens ([`cpref.batch.balanced`][cpref.batch.balanced]). Ulysses does not: every rank attends
 $1 / P$ of the heads of **every** shared document, whatever share of its tokens it holds. Per
 rank, in score entries per head,
 
@@ -40,7 +40,7 @@ $w / P$ to every other rank, so the split trades a few more exchanged rows for b
 (`exchanged_docs`, from the boundaries alone, so every rank agrees):
 
 1. Exchange the documents whose real tokens sit on more than one rank.
-2. While the most loaded rank is above the mean by more than `cpref.balanced.TOLERANCE` (2%),
+2. While the most loaded rank is above the mean by more than `cpref.batch.balanced.TOLERANCE` (2%),
    exchange the document it keeps that lowers the loads' sum of squares most. Over the $k$
    ranks that share the exchange, the change is $\Delta(w) = w\,(k (k - 1) w - 2E)$ in units
    of $1 / k$, with $E = (k - 1) L_r - \sum_{t \ne r} L_t$: a parabola, least at
@@ -63,15 +63,15 @@ from typing import Any
 
 import torch
 
-from cpref.call import CPCall
-from cpref.comm import Collectives
+from cpref.batch.balanced import TOLERANCE
+from cpref.batch.layout import chunk_work, local_chunks
+from cpref.batch.seqlens import Boundaries
+from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import Varlen
-from cpref.balanced import TOLERANCE
-from cpref.layout import chunk_work, local_chunks
-from cpref.modes.shared import document_sequences, head_split, no_double_backward, padded_rows
+from cpref.modes.call import CPCall
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.shared import document_sequences, head_split, no_double_backward, padded_rows
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
-from cpref.seqlens import Boundaries
 
 BALANCE_DOC = (f"over stream and balanced, also exchange documents held whole while a rank's work is above the mean "
                f"by more than {TOLERANCE:.0%} (`cpref.modes.ulysses_split`, Balance); False: only the documents that "

@@ -1,0 +1,266 @@
+"""`Sharding`: one description of how a packed batch is split over a CP group.
+
+A batch is sharded once and attended many times (every layer, forward and backward). What
+the sharding needs (the document boundaries, real and padded, the CP size `P` and the layout)
+is what attention needs to undo it, so cpref asks for it **once**, as one immutable object:
+
+```python
+sharding = cpref.Sharding(cu_seqlens, cp_size=4, layout="zigzag")
+q_r = sharding.shard(q, rank)                                # (T, Hq, D) -> (T / P, Hq, D)
+out_r = cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="p2p")
+out = sharding.unshard([out_0, out_1, out_2, out_3])         # every rank's -> (T, Hq, Dv)
+```
+
+Sharding with one layout and attending with another, or over a group of another size, cannot
+be written: `cpref.attention` takes the layout and `P` from the object that sharded the
+tensors, and raises if the communicator's size is not `sharding.cp_size`.
+
+Documents whose lengths are not multiples of the layout's granularity (`P` contiguous, `2P`
+zigzag, see [`cpref.batch.layout`][cpref.batch.layout]), or a batch whose length is not a multiple of `P`
+(stream), are padded at their end (for stream: only the last document, at the batch's end):
+[`Sharding.eod_padded`][cpref.batch.sharding.Sharding.eod_padded] computes the padded boundaries,
+[`pad`][cpref.batch.sharding.Sharding.pad] pads a tensor of the real stream and
+[`unpad`][cpref.batch.sharding.Sharding.unpad] drops the padding again;
+[`cpref.get_batch_on_this_cp_rank`][cpref.train.data.get_batch_on_this_cp_rank] does all of it for a
+training batch and returns the `Sharding` with this rank's slice.
+
+## Built once, cached, immutable
+
+Building a `Sharding` validates the boundaries (on the host: a tensor is read back once) and
+takes the batch's entry in the batch cache ([`cpref.batch.cache`][cpref.batch.cache]), where every mode's
+per-rank plan is kept: a second `Sharding` of the same tensor (or of equal lists) shares it.
+The object never changes afterwards (an in-place edit of the source tensor is a new batch:
+build a new `Sharding`), and two of them are equal when their boundaries, `P` and layout are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Sequence, TypeVar
+
+import torch
+
+from cpref.base.checks import as_choice, as_fill, as_int
+from cpref.base.errors import CPInputError
+from cpref.batch.cache import CACHE, BatchEntry
+from cpref.batch.layout import attention_work, global_index, local_chunks, positions
+from cpref.batch.seqlens import LAYOUTS, Boundaries, CuSeqlens, layout_multiple
+
+__all__ = ["Sharding"]
+
+V = TypeVar("V")
+
+
+class Sharding:
+    """How one packed batch is sharded: boundaries (real and padded), CP size, layout.
+
+    Args:
+        cu_seqlens: global real document boundaries, leading 0 (a 1-D integer tensor or a list).
+        cp_size: the CP group size `P`.
+        layout: `"zigzag"` (default), `"contiguous"`, `"stream"` or `"balanced"` (see [`cpref.batch.layout`][cpref.batch.layout]).
+        cu_seqlens_padded: the padded boundaries that define the shards (each document padded
+            at its end to a multiple of the layout's granularity; for stream, the batch padded at its
+            end to a multiple of `P`), or None without padding.
+
+    Raises:
+        CPInputError: for invalid boundaries, CP size or layout, or a document (for stream: a batch)
+            whose (padded) length is not a multiple of the layout's granularity, naming it and the fix.
+
+    Examples:
+        >>> s = Sharding([0, 8, 20], cp_size=2, layout="contiguous")
+        >>> s.local_tokens, s.local_chunks(1)
+        (10, [(0, 4, 8), (1, 14, 20)])
+        >>> Sharding.eod_padded([0, 7, 20], cp_size=2).cu_seqlens_padded
+        (0, 8, 24)
+    """
+
+    __slots__ = ("_entry", "_cp_size", "_layout")
+
+    def __init__(self, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag",
+                 cu_seqlens_padded: CuSeqlens | None = None) -> None:  # fmt: skip
+        P = as_int("cp_size", cp_size, lo=1)
+        layout = as_choice("layout", layout, LAYOUTS)
+        entry = CACHE.entry(cu_seqlens, cu_seqlens_padded)
+        entry.bounds.check_divisible(layout, P)
+        object.__setattr__(self, "_entry", entry)
+        object.__setattr__(self, "_cp_size", P)
+        object.__setattr__(self, "_layout", layout)
+
+    @classmethod
+    def eod_padded(cls, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag") -> "Sharding":
+        """The sharding of `cu_seqlens` with every document padded at its end to the layout's granularity
+        (for `stream`: the last document padded, so that the batch is a multiple of `cp_size`).
+
+        Examples:
+            >>> Sharding.eod_padded([0, 5, 8], cp_size=2, layout="contiguous").cu_seqlens_padded
+            (0, 6, 10)
+            >>> Sharding.eod_padded([0, 5, 8], cp_size=4, layout="stream").cu_seqlens_padded
+            (0, 5, 8)
+            >>> Sharding.eod_padded([0, 5, 9], cp_size=4, layout="stream").cu_seqlens_padded
+            (0, 5, 12)
+        """
+        mult = layout_multiple(layout, cp_size)
+        real = CACHE.entry(cu_seqlens).bounds.real
+        padded = [0]
+        for start, end in zip(real, real[1:]):
+            padded.append(padded[-1] + -(-(end - start) // mult) * mult)  # ceil to a multiple
+        if layout in ("stream", "balanced"):  # only the batch's end: the last document takes the padding
+            padded[-1] = -(-padded[-1] // as_int("cp_size", cp_size, lo=1)) * cp_size
+        return cls(cu_seqlens, cp_size=cp_size, layout=layout, cu_seqlens_padded=padded)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a Sharding is immutable (cannot set {name!r}); build a new one for another batch or setting")
+
+    # ---- what it is -----------------------------------------------------------------------
+    @property
+    def bounds(self) -> Boundaries:
+        """The validated real and padded boundaries (host ints)."""
+        return self._entry.bounds
+
+    @property
+    def cp_size(self) -> int:
+        """`P`, the CP group size the batch is sharded over."""
+        return self._cp_size
+
+    @property
+    def layout(self) -> str:
+        """`"zigzag"`, `"contiguous"`, `"stream"` or `"balanced"`."""
+        return self._layout
+
+    @property
+    def cu_seqlens(self) -> tuple[int, ...]:
+        """The real document boundaries."""
+        return self.bounds.real
+
+    @property
+    def cu_seqlens_padded(self) -> tuple[int, ...]:
+        """The padded boundaries the shards follow (equal to `cu_seqlens` without padding)."""
+        return self.bounds.padded
+
+    @property
+    def total(self) -> int:
+        """`T`, tokens of the padded stream (what is sharded)."""
+        return self.bounds.total
+
+    @property
+    def local_tokens(self) -> int:
+        """`T / P`, tokens of every rank's shard."""
+        return self.bounds.total // self._cp_size
+
+    def _key(self) -> tuple:
+        return (self.bounds, self._cp_size, self._layout)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sharding) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        padded = f", cu_seqlens_padded={list(self.cu_seqlens_padded)}" if self.bounds.is_padded else ""
+        return f"Sharding({list(self.cu_seqlens)}, cp_size={self._cp_size}, layout={self._layout!r}{padded})"
+
+    def __reduce__(self):
+        padded = self.cu_seqlens_padded if self.bounds.is_padded else None
+        return (_rebuild, (self.cu_seqlens, self._cp_size, self._layout, padded))
+
+    # ---- what it does ---------------------------------------------------------------------
+    def local_chunks(self, rank: int) -> list[tuple[int, int, int]]:
+        """`(doc, start, end)` of every chunk rank `rank` holds, in local order (padded stream)."""
+        return local_chunks(self.bounds, cp_size=self._cp_size, rank=rank, layout=self._layout)
+
+    def global_index(self, rank: int) -> torch.Tensor:
+        """Each of rank `rank`'s tokens' index in the padded stream: LongTensor `(T / P,)`."""
+        rank = self._rank(rank)
+        return self.plan(("global_index", rank), lambda: global_index(self.bounds, cp_size=self._cp_size,
+                                                                      rank=rank, layout=self._layout))  # fmt: skip
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Each of rank `rank`'s tokens' position inside its document (for RoPE): LongTensor `(T / P,)`."""
+        return positions(self.bounds, cp_size=self._cp_size, rank=self._rank(rank), layout=self._layout)
+
+    def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s shard of a tensor of the padded stream: `(T, ...) -> (T / P, ...)` along dim 0."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.total:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            real = isinstance(x, torch.Tensor) and _is_real(x, self)
+            fix = "; pad it first with sharding.pad(x)" if self.bounds.is_padded and real else ""
+            raise CPInputError(f"x has shape {got} but the sharded stream has {self.total} tokens: dim 0 must "
+                               f"hold the whole (padded) stream{fix}")  # fmt: skip
+        return x.index_select(0, self.global_index(rank).to(x.device))  # (T/P, ...)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Inverse of [`shard`][cpref.batch.sharding.Sharding.shard]: every rank's shard, in rank order -> `(T, ...)`."""
+        if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or len(shards) != self._cp_size:
+            got = f"a tensor {tuple(shards.shape)}" if isinstance(shards, torch.Tensor) else (
+                f"{len(shards)} shards" if isinstance(shards, Sequence) else type(shards).__name__)  # fmt: skip
+            raise CPInputError(f"unshard got {got} but the batch is sharded over cp_size={self._cp_size}; pass a list of "
+                               "every rank's shard, in rank order")  # fmt: skip
+        first = shards[0]
+        for rank, part in enumerate(shards):
+            if not isinstance(part, torch.Tensor) or part.dim() < 1:
+                got = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+                raise CPInputError(f"shard of rank {rank} is {got}, not a tensor of shape (T / P, ...)")
+            if (part.dtype, part.device, part.shape[1:]) != (first.dtype, first.device, first.shape[1:]):
+                raise CPInputError(f"shard of rank {rank} is {part.dtype} {tuple(part.shape)} on {part.device}, rank 0's "
+                                   f"{first.dtype} {tuple(first.shape)} on {first.device}: every rank's shard must have "
+                                   "the same dtype, device and trailing dims")  # fmt: skip
+        out = first.new_empty((self.total, *first.shape[1:]))  # (T, ...)
+        for rank, part in enumerate(shards):
+            if part.shape[0] != self.local_tokens:
+                raise CPInputError(f"shard of rank {rank} has {part.shape[0]} tokens, expected {self.local_tokens}")
+            out.index_copy_(0, self.global_index(rank).to(part.device), part)
+        return out
+
+    def pad(self, x: torch.Tensor, *, value: float | int = 0) -> torch.Tensor:
+        """A tensor of the real stream, each document padded at its end with `value`: `(T_real, ...) -> (T, ...)`."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.bounds.real[-1]:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise CPInputError(f"x has shape {got} but cu_seqlens ends at {self.bounds.real[-1]}: pad takes the real stream")
+        value = as_fill("pad value", value, x.dtype)
+        if not self.bounds.is_padded:
+            return x
+        b, pieces = self.bounds, []
+        for i in range(b.num_docs):
+            pieces.append(x[b.real[i] : b.real[i + 1]])  # (n_i, ...) the document
+            pieces.append(x.new_full((b.padded_len(i) - b.real_len(i), *x.shape[1:]), value))  # its tail padding
+        return torch.cat(pieces)  # (T, ...)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of [`pad`][cpref.batch.sharding.Sharding.pad]: drop each document's tail padding, `(T, ...) -> (T_real, ...)`."""
+        b = self.bounds
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.total:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            hint = ("; it is one rank's shard: unshard every rank's first" if isinstance(x, torch.Tensor) and x.dim() >= 1
+                    and x.shape[0] == self.local_tokens and self._cp_size > 1 else
+                    "; it is already the real stream" if isinstance(x, torch.Tensor) and x.dim() >= 1
+                    and x.shape[0] == b.real[-1] else "")  # fmt: skip
+            raise CPInputError(f"x has shape {got} but the padded stream has {self.total} tokens: unpad takes the whole "
+                               f"padded stream (sharding.unshard of every rank's shard){hint}")  # fmt: skip
+        return torch.cat([x[b.padded[i] : b.padded[i] + b.real_len(i)] for i in range(b.num_docs)])
+
+    def attention_work(self, rank: int, *, causal: bool = True, exact: bool = False,
+                       window: tuple[int, int] = (-1, -1)) -> int:  # fmt: skip
+        """Rank `rank`'s attention work in score entries per head (see [`cpref.batch.layout`][cpref.batch.layout])."""
+        return attention_work(self.bounds, cp_size=self._cp_size, rank=self._rank(rank), layout=self._layout,
+                              causal=causal, exact=exact, window=window)  # fmt: skip
+
+    @property
+    def entry(self) -> BatchEntry:
+        """The batch's entry in the batch cache, where the modes keep their per-rank plans."""
+        return self._entry
+
+    def plan(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The cached plan `key` of this batch at this CP size and layout (built once by `build()`)."""
+        return self._entry.plan((self._cp_size, self._layout, *key), build)
+
+    def _rank(self, rank: int) -> int:
+        return as_int("rank", rank, lo=0, hi=self._cp_size)
+
+
+def _is_real(x: torch.Tensor, sharding: Sharding) -> bool:
+    return x.dim() >= 1 and x.shape[0] == sharding.bounds.real[-1]
+
+
+def _rebuild(cu_seqlens, cp_size, layout, cu_seqlens_padded) -> Sharding:
+    return Sharding(list(cu_seqlens), cp_size=cp_size, layout=layout, cu_seqlens_padded=cu_seqlens_padded)
+

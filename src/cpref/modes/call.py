@@ -1,0 +1,82 @@
+"""One validated `cpref.attention` call: what every CP mode receives besides q, k, v and comm.
+
+`cpref.api` checks every argument before any communication and packs the result into a
+frozen [`CPCall`][cpref.modes.call.CPCall]; a mode reads its fields and asks the batch cache for
+its per-rank plan (`call.plan(key, build)`), so no mode re-validates or re-parses anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping, TypeVar
+
+import torch
+
+from cpref.batch.cache import BatchEntry
+from cpref.batch.seqlens import Boundaries
+from cpref.batch.sharding import Sharding
+from cpref.kernels.contract import AttentionKernel
+
+__all__ = ["CPCall"]
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class CPCall:
+    """Everything validated about one call (see `cpref.api.attention` for the meaning).
+
+    Attributes:
+        sharding: how the batch is sharded (boundaries, `P`, layout; see `cpref.Sharding`).
+        rank: this rank.
+        causal: causal attention inside each document.
+        window: `(left, right)` sliding window, validated (`right = 0` under causal; `(-1, -1)`: none).
+        scale: the softmax scale.
+        kernel: the attention kernel.
+        heads: `(Hq, Hkv, D, Dv)` of this rank's shards.
+        dtype: the dtype of q, k and v.
+        device: their device.
+        options: the mode's own options (e.g. `a2a_size`), validated.
+        deterministic: the backward bit for bit repeatable (`cpref.base.determinism`); the kernel declares it can.
+    """
+
+    sharding: Sharding
+    rank: int
+    causal: bool
+    window: tuple[int, int]
+    scale: float
+    kernel: AttentionKernel
+    heads: tuple[int, int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    options: Mapping[str, Any] = field(default_factory=dict)
+    deterministic: bool = False
+
+    @property
+    def P(self) -> int:
+        """CP size."""
+        return self.sharding.cp_size
+
+    @property
+    def layout(self) -> str:
+        """`"zigzag"`, `"contiguous"`, `"stream"` or `"balanced"`."""
+        return self.sharding.layout
+
+    @property
+    def entry(self) -> BatchEntry:
+        """The batch's entry in the cache (boundaries and plans)."""
+        return self.sharding.entry
+
+    @property
+    def bounds(self) -> Boundaries:
+        """The batch's real and padded boundaries."""
+        return self.entry.bounds
+
+    @property
+    def local_tokens(self) -> int:
+        """`T / P`: tokens of every rank's shard."""
+        return self.sharding.local_tokens
+
+    def plan(self, key: Hashable, build: Callable[[], V]) -> V:
+        """The cached plan `key` of this batch (built once by `build()`)."""
+        return self.entry.plan(key, build)
