@@ -21,7 +21,9 @@ A local launch opens no socket reachable from outside the machine: the rendezvou
 and the sockets that gloo and NCCL open between the ranks are bound to the loopback interface,
 since each rank sets `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` to it (`lo`) unless the
 environment sets them already. The ranks die with the launcher: killed, even by SIGKILL, it
-takes them with it (`sim.tools.launch_watch`), leaving only its temporary folder behind.
+takes them with it (`sim.tools.launch_watch`), leaving only its temporary folder behind, which the
+next launch removes: the folder carries the launcher's pid (`cpref-launch-<pid>-...`), and a launch first
+removes the folders of launchers that no longer run ([`sweep`][sim.tools.launch.sweep]).
 
 ## Faults never hang
 
@@ -64,6 +66,7 @@ import datetime
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
 import tempfile
@@ -71,6 +74,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -78,7 +82,7 @@ import torch.distributed as dist
 
 from sim.tools.launch_watch import arm_stack_dump, die_with_parent, dump_stacks, in_collective, is_timeout
 
-__all__ = ["launch", "under_torchrun", "LaunchFailure", "RankFailure"]
+__all__ = ["launch", "under_torchrun", "sweep", "LaunchFailure", "RankFailure"]
 
 MAX_TIMEOUT_S = (2**63 - 1) / 1e9  # the longest process-group timeout: int64 nanoseconds (gloo refuses 9.3e12 s)
 _GRACE_S = 2.0  # after the first failure, how long to collect the other ranks' reports
@@ -245,6 +249,36 @@ def _loopback_only() -> None:
         os.environ.setdefault(variable, loopback)
 
 
+PREFIX = "cpref-launch-"  # a launch's temporary folder: PREFIX, the launcher's pid, "-", a random part
+
+
+def sweep(directory: str | os.PathLike | None = None) -> list[Path]:
+    """Remove the temporary folders that launchers killed before their cleanup left in `directory` (default: the
+    temporary directory): those named for a pid that no longer runs. Returns what it removed.
+
+    A folder of a live launcher, one whose name carries no pid, or one that cannot be removed is left as it is.
+    """
+    removed = []
+    for folder in Path(directory or tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = folder.name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and folder.is_dir() and not folder.is_symlink() and not _runs(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                removed.append(folder)
+    return removed
+
+
+def _runs(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts: it cannot be signalled, but it runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _stack_path(folder: str, rank: int) -> str:
     return os.path.join(folder, f"stack-{rank}.txt")
 
@@ -258,7 +292,8 @@ def _launch_local(fn: Callable[..., Any], args: tuple, nproc: int, setup: tuple)
     results: dict[int, Any] = {}
     failures: dict[int, RankFailure] = {}
     finished = False
-    with tempfile.TemporaryDirectory(prefix="cpref-launch-") as folder:
+    sweep()
+    with tempfile.TemporaryDirectory(prefix=f"{PREFIX}{os.getpid()}-") as folder:
         try:
             # 2) one process per rank, each with a pipe back to us
             for rank in range(nproc):

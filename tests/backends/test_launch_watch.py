@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from sim.tools.launch import PREFIX, sweep
 from sim.tools.launch_watch import in_collective, is_timeout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,6 +58,13 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         launcher.kill()  # SIGKILL
         launcher.wait()
         assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 5.0), f"ranks {pids} outlived the launcher"
+        # its folder is left behind, named for its pid; the next launch's sweep removes it, and keeps a live one's
+        left = list((tmp_path / "tmp").glob(f"{PREFIX}{launcher.pid}-*"))
+        assert len(left) == 1, list((tmp_path / "tmp").iterdir())
+        live = tmp_path / "tmp" / f"{PREFIX}{os.getpid()}-alive"
+        other = tmp_path / "tmp" / f"{PREFIX}x-notapid"
+        live.mkdir(), other.mkdir()
+        assert sweep(tmp_path / "tmp") == left and not left[0].exists() and live.is_dir() and other.is_dir()
     finally:
         launcher.kill()
         launcher.wait()
