@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -n auto
 # chromium is on PATH (sudo unless root).
 SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: demo test test-sim test-npu lint docs docs-check bench clean
+.PHONY: demo test test-all test-sim test-npu lint docs docs-check bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -35,8 +35,13 @@ $(VENV)/.docs: $(VENV)/.base
 demo: $(VENV)/.base
 	$(PY) -m sim.tools.demo
 
+# make test: everything but what is marked `full` (tests/conftest.py): each sweep's pairwise cover, no slow
+# multi-process run. make test-all: exactly what make test leaves out; the two together are the whole suite.
 test: $(VENV)/.dev
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not full"
+
+test-all: $(VENV)/.dev
+	$(PY) -m pytest $(PYTEST_ARGS) -m full
 
 # ruff (in the docs extra, pinned there), with the rules pyproject.toml's [tool.ruff] selects: bugs and dead code
 lint: $(VENV)/.docs

@@ -1,6 +1,9 @@
-"""Shared test helpers: the tolerances every issue states, and random packed batches."""
+"""Shared test helpers: the tolerances every issue states, random packed batches, and the sweeps' two tiers."""
 
 from __future__ import annotations
+
+import itertools
+from typing import Sequence
 
 import torch
 
@@ -91,3 +94,30 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 300.0):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
     return subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", str(nproc), script, *args],
                           capture_output=True, text=True, cwd=root, env=env, timeout=timeout)  # fmt: skip
+
+
+# ---- the two tiers of a sweep ---------------------------------------------------------------------------------------
+def _pairs(case: tuple, strength: int = 2) -> set[tuple]:
+    """Every (field, value) of `case` and, for strength 2, every pair of them: what a cover must hold."""
+    pairs = {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(case)), 2)} if strength > 1 else set()
+    return {(i, case[i]) for i in range(len(case))} | pairs
+
+
+def pairwise(cases: Sequence[tuple], strength: int = 2) -> list[tuple]:
+    """A subset of `cases` in which every value of a field, and (strength 2) every pair of values two of their
+    fields take together somewhere in `cases`, occurs too (a covering array), chosen greedily (the case covering
+    most of what is not yet covered, the first of equals), in the sweep's order; deterministic.
+
+    Examples:
+        >>> len(pairwise(list(itertools.product("ab", "xyz", (1, 2, 3)))))  # 18 cases, 9 cover every pair
+        9
+        >>> len(pairwise(list(itertools.product("ab", "xyz", (1, 2, 3))), strength=1))  # every value once
+        3
+    """
+    todo = set().union(*(_pairs(c, strength) for c in cases)) if cases else set()
+    chosen: list[tuple] = []
+    while todo:
+        best = max(cases, key=lambda c: len(_pairs(c, strength) & todo))
+        chosen.append(best)
+        todo -= _pairs(best, strength)
+    return [c for c in cases if c in chosen]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import cpref
@@ -252,6 +253,7 @@ def test_the_determinism_check_runs_and_reports_what_it_checked():
     assert all(result["row sums"][key] > 0 for key in ("index_add_", "layers", "sort"))
 
 
+@pytest.mark.full
 def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch():
     """A tiny run end to end (two gloo processes per batch), in rounds of CP = 1 alone on rank 0, the pair, then every
     mode and overlapped path in both timed layouts, each kept with both ranks' split; what a broken launch or round

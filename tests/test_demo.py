@@ -1,5 +1,6 @@
 """`make demo` runs, checks itself against the oracle, and prints what the theory predicts."""
 
+import pytest
 import torch
 
 import cpref
@@ -8,6 +9,7 @@ from sim.tools import demo
 from tests.helpers import expected_costs
 
 
+@pytest.mark.full
 def test_demo_runs_and_reports(capsys):
     assert demo.main([]) == 0
     out, verified = capsys.readouterr().out.split("Part 3:")

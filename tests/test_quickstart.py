@@ -3,6 +3,8 @@
 import re
 import runpy
 
+import pytest
+
 
 def test_quickstart_runs_and_matches_the_oracle(capsys):
     runpy.run_module("examples.quickstart", run_name="__main__")
@@ -11,6 +13,7 @@ def test_quickstart_runs_and_matches_the_oracle(capsys):
     assert len(errors) == 2 and all(e < 1e-5 for e in errors), out  # float32 inputs: the fp32 tolerance
 
 
+@pytest.mark.full
 def test_the_own_module_example_trains_over_torchrun_as_on_one_device():
     """`examples/own_module.py` under torchrun on 2 gloo processes: exit 0 (its losses within 1e-5 relative of
     the run without CP), one line per step and the difference printed."""

@@ -67,6 +67,7 @@ def test_mismatched_pairwise_exchange_aborts_instead_of_hanging():
     assert elapsed < 60.0
 
 
+@pytest.mark.full
 def test_a_silent_peer_is_named_with_its_stack():
     """Rank 1 sleeps outside any collective; rank 0 times out in the barrier (gloo's own timeout,
     unchecked). The root cause is rank 1, where it was, not rank 0."""
@@ -81,6 +82,7 @@ def test_a_silent_peer_is_named_with_its_stack():
     assert elapsed < 60.0  # the silent rank sleeps for 120 s
 
 
+@pytest.mark.full
 def test_a_rank_waiting_in_a_collective_is_not_the_one_that_hung():
     """3 ranks (`launch_cases.one_never_arrives`): rank 2 hangs, rank 0 times out in the checked
     barrier, rank 1 is still waiting for rank 2 in a receive when the launcher stops it."""
@@ -95,6 +97,7 @@ def test_a_rank_waiting_in_a_collective_is_not_the_one_that_hung():
     assert elapsed < 60.0
 
 
+@pytest.mark.full
 def test_after_a_real_error_a_rank_still_running_is_terminated_not_hung():
     failure, elapsed = failing_launch(launch_cases.raise_while_peer_sleeps)
     assert (failure.root.rank, failure.root.kind, failure.root.exc_type) == (0, "raised", "ValueError")
@@ -102,6 +105,7 @@ def test_after_a_real_error_a_rank_still_running_is_terminated_not_hung():
     assert elapsed < 60.0
 
 
+@pytest.mark.full
 def test_a_local_launch_listens_on_loopback_only():
     """Every listening socket of the launcher and its ranks is bound to 127.0.0.1 or ::1 (gloo's
     own at least, so that the check can fail); the rendezvous file is gone after the launch."""
@@ -125,6 +129,7 @@ def test_bad_arguments_fail_before_any_process_starts():
         launch(lambda: None, 2)
 
 
+@pytest.mark.full
 def test_runs_in_process_under_torchrun(tmp_path):
     """`torchrun` sets RANK/WORLD_SIZE/LOCAL_RANK: launch runs fn in that process only."""
     assert not under_torchrun()

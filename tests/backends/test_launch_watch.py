@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from sim.tools.launch import PREFIX, sweep
 from sim.tools.launch_watch import in_collective, is_timeout
 
@@ -40,6 +42,7 @@ def _wait_for(condition, seconds: float) -> bool:
     return True
 
 
+@pytest.mark.full
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     """SIGKILL runs no cleanup in the launcher: its ranks, mid-`fn`, must end by themselves."""
     (tmp_path / "tmp").mkdir()  # where the killed launcher leaves its temporary folder

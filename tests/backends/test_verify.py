@@ -60,6 +60,7 @@ def failing_rows(report) -> str:
     return "\n".join(f"{r.case.label} rank {r.rank}: {r.status} {r.errors} {r.note}" for r in report.rows if not r.ok)
 
 
+@pytest.mark.full
 def test_every_mode_layout_dtype_and_placement_rank_by_rank():
     cases = sweep_cases()
     report = verify.run(cases, SETUP, nproc=4, timeout=60.0)
@@ -79,6 +80,7 @@ def test_every_mode_layout_dtype_and_placement_rank_by_rank():
     assert "rank rows pass" in report.format().splitlines()[-1]
 
 
+@pytest.mark.full
 def test_impl_right_and_wrong_through_the_command_line(capsys):
     argv = ["--nproc", "2", "--layout", "zigzag", "--dtype", "fp32,bf16", *SMALL, "--impl", f"{IMPLS}:cpref_over_group",
             "--impl", f"{IMPLS}:biased_on_rank_1", "--impl", f"{IMPLS}:off_within_tolerance_on_rank_1"]  # fmt: skip
@@ -102,6 +104,7 @@ def test_impl_right_and_wrong_through_the_command_line(capsys):
     assert "verification FAILED" in out
 
 
+@pytest.mark.full
 def test_a_window_reaches_every_rank_the_run_without_cp_and_the_truth(capsys):
     """`--window 5,0` on 2 gloo ranks: cpref passes against the windowed truth in every mode that takes a
     window, and an `--impl` that drops the window fails on every rank (the truth is windowed, the ranks get it)."""
@@ -122,6 +125,7 @@ def test_a_window_reaches_every_rank_the_run_without_cp_and_the_truth(capsys):
     assert all(row[-1] == ("pass" if row[0] == "cpref" else "FAIL") for row in rows), out
 
 
+@pytest.mark.full
 def test_a_stream_sharded_peer_is_verified_rank_by_rank_on_a_packed_batch(capsys):
     """A DeepSpeed-style Ulysses over contiguous shards of the whole stream (`examples.stream_ulysses`) passes on
     a padded batch of several documents in fp32 and bf16, on every rank; the same peer without EOD reset (one
@@ -155,6 +159,7 @@ def p2p_without_windows(monkeypatch):
     monkeypatch.setattr(cpref, "MODES", modes)
 
 
+@pytest.mark.full
 def test_mode_all_skips_the_modes_without_windows_and_naming_one_is_refused(p2p_without_windows, capsys):
     args = parse_args(["--window", "3,0"])
     assert "p2p" not in args.modes and args.skipped == ["p2p"] and args.modes
@@ -199,6 +204,7 @@ def test_mismatched_inputs_fail_on_every_rank_alike(capsys):
     assert "rank 0 raised CaseFailed" in err and "rank 1 raised CaseFailed" in err  # the same error everywhere
 
 
+@pytest.mark.full
 def test_runs_unchanged_under_torchrun():
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}

@@ -33,6 +33,8 @@ from sim.tools.verify.rank import Plan, rank_main, run_without_cp
 from sim.tools.verify.truth import blocked_oracle, check, ground_truth, vs_without_cp
 from tests.backends.verify_impls import BUGS
 
+pytestmark = pytest.mark.full  # launches of 2 and 4 gloo processes: make test-all
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "verify-your-implementation.md"
 IMPLS = "tests.backends.verify_impls"

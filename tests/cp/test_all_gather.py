@@ -36,6 +36,7 @@ def check_against_oracle(results, refs, dtype):
             assert_close(a, b, dtype, msg=f"rank {r} {name}")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -46,6 +47,7 @@ def test_fp64_every_rank_matches_oracle(P, layout, causal, heads):
     check_against_oracle(results, oracle_shards(q, k, v, dout, sharding, causal=causal), torch.float64)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("heads", ["mha", "gqa", "mla"])
 @pytest.mark.parametrize("P", [2, 4, 8])

@@ -72,6 +72,7 @@ def with_cp(lengths, P, layout, causal=True):
     return SimCluster(P, timeout=30.0).run(rank_fn)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("P", [2, 4])

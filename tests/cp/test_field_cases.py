@@ -62,6 +62,7 @@ FIELD_HEADS = {  # (Hq, Hkv, D, Dv)
 }
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", sorted(FIELD_HEADS))
 @pytest.mark.parametrize("mode", sorted(MODES))

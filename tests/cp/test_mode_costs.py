@@ -59,6 +59,7 @@ def steps_with_work(mode, options, P, rank, layout, causal):
     return groups * calls, groups * calls
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
@@ -80,6 +81,7 @@ def test_bytes_collectives_and_kernel_calls_equal_the_documented_costs(mode, opt
         assert (kernels[r].forward_calls, kernels[r].backward_calls) == calls, f"rank {r}"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("mode, options, P", CONFIGS, ids=IDS)

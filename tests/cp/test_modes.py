@@ -45,6 +45,7 @@ def check(config, P, layout, causal, lengths, heads, dtype=torch.float64, seed=0
                 assert_close(a, b, dtype, msg=f"{config} P={P} {layout} causal={causal} {heads} rank {r} {name}")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -76,6 +77,7 @@ def test_28_documents_at_cp8(config):
     check(config, 8, "zigzag", True, lengths, "gqa")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
 @pytest.mark.parametrize("P", [4, 8])

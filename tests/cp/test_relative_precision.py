@@ -93,6 +93,7 @@ def references(scale: int, dtype: str, seed: int) -> tuple[tuple[torch.Tensor, .
     return truth, without_cp
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("scale", SCALES, ids=[f"x{s}" for s in SCALES])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)

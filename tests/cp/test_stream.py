@@ -188,6 +188,7 @@ def test_the_piece_plan_selects_what_the_rfc_indexing_selects(layout, P, units, 
         assert _visible_tokens(pieces[r], causal, torch.cat([index[r], gathered])) == want, r
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
 @pytest.mark.parametrize("window", [NO_WINDOW, (6, 0)], ids=["causal", "window"])
 @pytest.mark.parametrize("layout", ["stream", "balanced"])

@@ -35,6 +35,7 @@ def windows(chunk: int, doc: int, causal: bool) -> list[tuple[int, int]]:
     return [(w, w) for w in lefts[:3]] + [(chunk, 1), (0, chunk + 1), (-1, 2), (3, -1)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
@@ -248,6 +249,7 @@ def test_the_window_work_formula_counts_the_oracle_mask(layout, causal):
 RING_MODES = ["p2p", "a2a+p2p"]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("mode", RING_MODES)
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("window, causal", [((3, 0), True), ((12, 0), True), ((40, 0), True), ((5, 5), False), ((0, 0), False)])
@@ -292,6 +294,7 @@ def test_zigzag_under_a_window_within_a_chunk_exchanges_halos_with_both_neighbou
     assert fwd_shifts == ["shift=1", f"shift={P - 1}"]  # straight to the neighbour on each side
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("window, causal", [((3, 0), True), ((12, 0), True), ((40, 0), True), ((5, 5), False),
                                             ((2, 30), False), ((-1, 4), False)])  # fmt: skip

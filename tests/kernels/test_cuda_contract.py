@@ -131,6 +131,7 @@ WINDOWS = [(True, (0, 0)), (True, (1, 0)), (True, (3, 0)), (True, (40, 0)), (Fal
            (False, (1, 4)), (False, (4, 1)), (False, (-1, 2)), (False, (3, -1))]  # fmt: skip
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mla"]], ids=["gqa", "mla"])
 @pytest.mark.parametrize("causal, window", WINDOWS, ids=[f"{'causal' if c else 'full'}{w}" for c, w in WINDOWS])
 def test_windows_match_the_contract(causal, window, heads):

@@ -58,6 +58,7 @@ def test_the_fast_path_runs_on_the_cpu_unless_asked_not_to_or_the_budget_is_belo
         TorchKernel(fast=1)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -65,6 +66,7 @@ def test_packed_documents_match_oracle_and_explicit_path(dtype, heads, causal):
     check_both(LENGTHS, LENGTHS, heads, dtype, causal=causal)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("lengths", [[24], [8] * 4], ids=["one-document", "equal-documents"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
@@ -75,6 +77,7 @@ def test_one_call_over_the_whole_stream_matches_oracle_and_explicit_path(dtype, 
     check_both(lengths, lengths, heads, dtype, causal=causal)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mla"]], ids=["gqa", "mla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

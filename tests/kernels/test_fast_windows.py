@@ -55,6 +55,7 @@ def windows(causal: bool) -> list[tuple[int, int]]:
     return [w for w in WINDOWS if not (causal and w[1] > 0)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mqa"], HEADS["mla"]], ids=["gqa", "mqa", "mla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -67,6 +68,7 @@ def test_windows_match_the_oracle_and_the_explicit_path(dtype, heads, causal):
             assert_close(g, w, dtype, f"fast vs oracle: {name} window={window} causal={causal}")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_a_long_document_in_runs_of_equal_tiles_matches_the_oracle(dtype, causal):
@@ -88,6 +90,7 @@ def empty_rows(seqs: Varlen, causal: bool, window: tuple[int, int]) -> list[int]
             if (lambda lo, hi: hi <= lo)(*seqs.visible(i, x, causal, window))]  # fmt: skip
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mla"]], ids=["gqa", "mla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

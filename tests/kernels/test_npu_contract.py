@@ -62,6 +62,7 @@ def test_satisfies_the_contract():
     assert isinstance(NpuKernel(ops=NpuOpsDouble()), AttentionKernel)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "dtype, layout", [(torch.float64, ""), (torch.float64, "TND"), (torch.float32, "")], ids=["f64", "f64-TND", "f32"]
 )
@@ -300,6 +301,7 @@ def check_banded(q_lens, kv_lens, shifts=None, heads=HEADS["gqa"], *, causal, wi
     return seqs, got, double
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["head-major", "TND"])
 @pytest.mark.parametrize("heads", [HEADS["gqa"], HEADS["mla"]], ids=["gqa", "mla"])
 @pytest.mark.parametrize("causal, window", WINDOWS, ids=WINDOW_IDS)
@@ -311,6 +313,7 @@ def test_windows_match_the_contract(causal, window, heads, layout):
     assert modes == ({0} if window == (-1, -1) else {3} if causal and window[0] < 0 else {4}), modes
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("max_seqs", [2048, 1, 2], ids=lambda n: f"max_seqs={n}")
 @pytest.mark.parametrize("causal, window", WINDOWS, ids=WINDOW_IDS)
 def test_shifts_match_the_contract_and_rows_that_see_no_key_give_zero(causal, window, max_seqs):
@@ -371,6 +374,7 @@ def test_a_window_that_bounds_nothing_is_the_call_without_one():
         assert {c["sparse_mode"] for c in base_calls} == ({3} if causal else {0})
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("causal, window", [(True, (3, 0)), (False, (2, 5))], ids=["causal(3,0)", "full(2,5)"])
 @pytest.mark.parametrize("mode", ["all_gather", "p2p"])

@@ -43,6 +43,7 @@ def per_document(q, k, v, cu, *, causal, scale):
     return torch.cat(outs), torch.cat(lses)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("lengths", LENGTHS)

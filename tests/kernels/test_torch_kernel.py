@@ -89,6 +89,7 @@ def test_satisfies_the_contract():
     assert isinstance(TorchKernel(), AttentionKernel)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -124,6 +125,7 @@ def test_no_tokens_at_all():
     check(TorchKernel(fast=False), [0], [0], HEADS["gqa"], torch.float64, causal=True)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(
     "kernel",
     [TorchKernel(block_size=1, fast=False), TorchKernel(block_size=7, fast=False), TorchKernel(max_block_elements=1000)],

@@ -56,6 +56,7 @@ CASES = [("qwen3", P, mode, layout) for P, layout in GRID for mode in MODES] + [
 ] + [(name, P, mode, layout) for name in WINDOWED for P, layout in GRID for mode in WINDOW_MODES]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("family, P, mode, layout", CASES)
 def test_each_rank_gets_its_shard_of_the_cp1_logits(models, family, layout, mode, P):
     model = models[family]

@@ -110,6 +110,7 @@ def run_cp(name: str, P: int, mode: str, layout: str, checkpointing: bool = Fals
     return SimCluster(P).run(rank)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name, P, mode, layout", CASES)
 def test_logits_loss_and_gradients_equal_hugging_faces(references, name, P, mode, layout):
     if name not in references:

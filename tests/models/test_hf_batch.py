@@ -80,6 +80,7 @@ def references():
     return {}
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name, P, mode, layout, path", CASES)
 def test_the_batch_users_have_trains_as_without_cp(references, name, P, mode, layout, path):
     if (name, path) not in references:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.full  # runs killed and resumed on gloo processes: make test-all
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [sys.executable, "-m", "sim", "train", "--model", "llama", "--cp", "2", "--mode", "p2p", "--steps", "6",
          "--pack-tokens", "64"]  # fmt: skip

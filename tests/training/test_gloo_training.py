@@ -9,6 +9,8 @@ from cpref.train.training import TrainConfig
 from sim.tools.launch import launch
 from sim.tools.train import RunSpec, _gloo_rank, run_sim
 
+pytestmark = pytest.mark.full  # training on gloo processes: make test-all
+
 TINY = {"llama": dict(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)}
 
 

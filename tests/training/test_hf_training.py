@@ -58,6 +58,7 @@ def reference() -> list[tuple[float, float]]:
     return run(1, 1, "p2p", "zigzag")
 
 
+@pytest.mark.sweep(strength=1)  # every size, mode and layout once; every run in test-all
 @pytest.mark.parametrize("cp, dp, mode, layout", RUNS)
 def test_twenty_steps_match_the_run_without_cp(cp, dp, mode, layout):
     got, want = run(cp, dp, mode, layout), reference()
@@ -68,6 +69,7 @@ def test_twenty_steps_match_the_run_without_cp(cp, dp, mode, layout):
     assert want[-1][0] < want[0][0]  # it learns: the loss falls over the 20 steps
 
 
+@pytest.mark.full
 def test_the_example_launches_itself_and_trains_dp2_x_cp2_as_transformers_does_without_cp():
     """`python examples/hf_model.py` without torchrun (on main: a torch.distributed RANK traceback) launches itself
     on 4 gloo processes (DP 2 x CP 2, a2a+p2p over the balanced layout, transformers' DataCollatorWithFlattening

@@ -80,6 +80,7 @@ CASES += [("llama", m, "zigzag", "dp2xcp2-strided") for m in MODES]
 CASES += [("sliding", m, lay, t) for m in MODES for lay in cpref.LAYOUTS for t in ("cp2", "cp4")]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("family, mode, layout, topology", CASES, ids=["-".join(c) for c in CASES])
 def test_fp32_loss_and_grad_norm_match_cp1_for_10_steps(family, mode, layout, topology):
     cp, dp, strided = TOPOLOGIES[topology]
@@ -92,6 +93,7 @@ BF16_CASES = [(f, m, "cp4") for f in FAMILIES for m in MODES] + [(f, "p2p", t) f
 BF16_CASES += [("sliding", m, "cp4") for m in MODES]
 
 
+@pytest.mark.sweep(strength=1)  # every family and mode in bf16 once (each case is slow); the rest in test-all
 @pytest.mark.parametrize("family, mode, topology", BF16_CASES, ids=["-".join(c) for c in BF16_CASES])
 def test_bf16_loss_and_grad_norm_match_cp1_within_1e_2(family, mode, topology):
     cp, dp, _ = TOPOLOGIES[topology]

@@ -250,20 +250,13 @@ def pad_to_multiple(
     multiple = as_int("multiple", multiple, lo=1)
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != b.total:
         raise CPInputError(f"x has {x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else '?'} tokens but cu_seqlens ends at {b.total}")
-    pieces, cu_pad = [], [0]
-    for i in range(b.num_docs):
-        n = b.padded_len(i)
-        padded = -(-n // multiple) * multiple  # ceil to a multiple
-        pieces.append(x[b.padded[i] : b.padded[i + 1]])
-        pieces.append(x.new_full((padded - n, *x.shape[1:]), value))
-        cu_pad.append(cu_pad[-1] + padded)
-    return torch.cat(pieces), torch.tensor(cu_pad, dtype=torch.int64)
+    padded = b.eod_padded(multiple)
+    return padded.pad(x, value), torch.tensor(padded.padded, dtype=torch.int64)
 
 
 def unpad(x_padded: torch.Tensor, cu_seqlens_padded: CuSeqlens, cu_seqlens: CuSeqlens) -> torch.Tensor:
     """Inverse of [`pad_to_multiple`][cpref.batch.layout.pad_to_multiple]: drop each document's tail padding."""
-    b = Boundaries.parse(cu_seqlens, cu_seqlens_padded)
-    return torch.cat([x_padded[b.padded[i] : b.padded[i] + b.real_len(i)] for i in range(b.num_docs)])
+    return Boundaries.parse(cu_seqlens, cu_seqlens_padded).unpad(x_padded)
 
 
 def attention_work(

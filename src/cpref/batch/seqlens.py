@@ -150,6 +150,38 @@ class Boundaries:
         """Real tokens among positions `[start, end)` of document `i` (its padding is a suffix: `[n_i, L_i)`)."""
         return max(0, min(end, self.real_len(i)) - start)
 
+    def eod_padded(self, multiple: int, *, batch_multiple: int = 1) -> "Boundaries":
+        """The real documents, each padded at its end to a multiple of `multiple` tokens, the last one further so
+        that the batch is a multiple of `batch_multiple` (EOD padding: padding never precedes a real token).
+
+        Examples:
+            >>> Boundaries.parse([0, 5, 8]).eod_padded(2).padded
+            (0, 6, 10)
+            >>> Boundaries.parse([0, 5, 9]).eod_padded(1, batch_multiple=4).padded
+            (0, 5, 12)
+        """
+        padded = [0]
+        for i in range(self.num_docs):
+            padded.append(padded[-1] + -(-self.real_len(i) // multiple) * multiple)  # ceil to a multiple
+        padded[-1] = -(-padded[-1] // batch_multiple) * batch_multiple  # the last document takes the batch's padding
+        return Boundaries(self.real, tuple(padded))
+
+    def pad(self, x: torch.Tensor, value: float | int = 0) -> torch.Tensor:
+        """A tensor of the real stream with each document's padding after it, filled with `value`:
+        `(T_real, ...) -> (T, ...)` along dim 0 (its length is the caller's to check)."""
+        if not self.is_padded:
+            return x
+        pieces = []
+        for i in range(self.num_docs):
+            pieces.append(x[self.real[i] : self.real[i + 1]])  # (n_i, ...) the document
+            pieces.append(x.new_full((self.padded_len(i) - self.real_len(i), *x.shape[1:]), value))  # its tail padding
+        return torch.cat(pieces)  # (T, ...)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of [`pad`][cpref.batch.seqlens.Boundaries.pad]: each document's real tokens of a tensor of the padded
+        stream, `(T, ...) -> (T_real, ...)`."""
+        return torch.cat([x[self.padded[i] : self.padded[i] + self.real_len(i)] for i in range(self.num_docs)])
+
     def check_divisible(self, layout: str, cp_size: int) -> int:
         """Raise unless every padded length is a multiple of the layout's granularity (for `stream` and `balanced`:
         unless the batch's length is a multiple of `cp_size`); return the granularity."""

@@ -17,7 +17,8 @@ tensors, and raises if the communicator's size is not `sharding.cp_size`.
 
 Documents whose lengths are not multiples of the layout's granularity (`P` contiguous, `2P`
 zigzag, see [`cpref.batch.layout`][cpref.batch.layout]), or a batch whose length is not a multiple of `P`
-(stream), are padded at their end (for stream: only the last document, at the batch's end):
+(stream and balanced), are padded at their end (for stream and balanced: only the last document, at the batch's
+end; the arithmetic is [`Boundaries.eod_padded`][cpref.batch.seqlens.Boundaries.eod_padded]):
 [`Sharding.eod_padded`][cpref.batch.sharding.Sharding.eod_padded] computes the padded boundaries,
 [`pad`][cpref.batch.sharding.Sharding.pad] pads a tensor of the real stream and
 [`unpad`][cpref.batch.sharding.Sharding.unpad] drops the padding again;
@@ -43,7 +44,7 @@ from cpref.base.checks import as_choice, as_fill, as_int
 from cpref.base.errors import CPInputError
 from cpref.batch.cache import CACHE, BatchEntry
 from cpref.batch.layout import attention_work, global_index, local_chunks, positions
-from cpref.batch.seqlens import LAYOUTS, Boundaries, CuSeqlens, layout_multiple
+from cpref.batch.seqlens import CHUNKED_LAYOUTS, LAYOUTS, Boundaries, CuSeqlens, layout_multiple
 
 __all__ = ["Sharding"]
 
@@ -88,7 +89,7 @@ class Sharding:
     @classmethod
     def eod_padded(cls, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag") -> "Sharding":
         """The sharding of `cu_seqlens` with every document padded at its end to the layout's granularity
-        (for `stream`: the last document padded, so that the batch is a multiple of `cp_size`).
+        (for `stream` and `balanced`: the last document padded, so that the batch is a multiple of `cp_size`).
 
         Examples:
             >>> Sharding.eod_padded([0, 5, 8], cp_size=2, layout="contiguous").cu_seqlens_padded
@@ -98,14 +99,11 @@ class Sharding:
             >>> Sharding.eod_padded([0, 5, 9], cp_size=4, layout="stream").cu_seqlens_padded
             (0, 5, 12)
         """
-        mult = layout_multiple(layout, cp_size)
-        real = CACHE.entry(cu_seqlens).bounds.real
-        padded = [0]
-        for start, end in zip(real, real[1:]):
-            padded.append(padded[-1] + -(-(end - start) // mult) * mult)  # ceil to a multiple
-        if layout in ("stream", "balanced"):  # only the batch's end: the last document takes the padding
-            padded[-1] = -(-padded[-1] // as_int("cp_size", cp_size, lo=1)) * cp_size
-        return cls(cu_seqlens, cp_size=cp_size, layout=layout, cu_seqlens_padded=padded)
+        P, layout = as_int("cp_size", cp_size, lo=1), as_choice("layout", layout, LAYOUTS)
+        # chunked: every document to the layout's granularity; stream, balanced: the batch to a multiple of P
+        whole = 1 if layout in CHUNKED_LAYOUTS else P
+        bounds = CACHE.entry(cu_seqlens).bounds.eod_padded(layout_multiple(layout, P), batch_multiple=whole)
+        return cls(cu_seqlens, cp_size=P, layout=layout, cu_seqlens_padded=bounds.padded)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a Sharding is immutable (cannot set {name!r}); build a new one for another batch or setting")
@@ -216,14 +214,7 @@ class Sharding:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != self.bounds.real[-1]:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise CPInputError(f"x has shape {got} but cu_seqlens ends at {self.bounds.real[-1]}: pad takes the real stream")
-        value = as_fill("pad value", value, x.dtype)
-        if not self.bounds.is_padded:
-            return x
-        b, pieces = self.bounds, []
-        for i in range(b.num_docs):
-            pieces.append(x[b.real[i] : b.real[i + 1]])  # (n_i, ...) the document
-            pieces.append(x.new_full((b.padded_len(i) - b.real_len(i), *x.shape[1:]), value))  # its tail padding
-        return torch.cat(pieces)  # (T, ...)
+        return self.bounds.pad(x, as_fill("pad value", value, x.dtype))  # (T, ...)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of [`pad`][cpref.batch.sharding.Sharding.pad]: drop each document's tail padding, `(T, ...) -> (T_real, ...)`."""
@@ -236,7 +227,7 @@ class Sharding:
                     and x.shape[0] == b.real[-1] else "")  # fmt: skip
             raise CPInputError(f"x has shape {got} but the padded stream has {self.total} tokens: unpad takes the whole "
                                f"padded stream (sharding.unshard of every rank's shard){hint}")  # fmt: skip
-        return torch.cat([x[b.padded[i] : b.padded[i] + b.real_len(i)] for i in range(b.num_docs)])
+        return b.unpad(x)  # (T_real, ...)
 
     def attention_work(self, rank: int, *, causal: bool = True, exact: bool = False,
                        window: tuple[int, int] = (-1, -1)) -> int:  # fmt: skip
