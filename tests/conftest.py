@@ -6,15 +6,24 @@ runs in `make test`, and every other case is marked `full`; `@pytest.mark.sweep(
 for each value of each parameter, for a sweep whose every case is slow. A test marked `full` itself (a slow multi-process
 run) runs in `make test-all` alone. `make test` deselects `full` (`-m "not full"`), `make test-all` selects it
 (`-m full`): nothing is dropped, the two together are the suite.
+
+Under `pytest -n auto` each worker computes on one thread: two workers of two torch threads each on two cores
+spent a third of `make test`'s time waiting on each other (190 s, 122 s with one thread each; 2 cores, 2026-12-06).
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import pytest
+import torch
 
 from tests.helpers import pairwise
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n auto`: as many workers as cores, so one thread each, as a rank runs
+    os.environ["OMP_NUM_THREADS"] = "1"  # and the processes a test starts (its ranks, a tool) the same
+    torch.set_num_threads(1)
 
 
 def _value(item: pytest.Item, name: str):
