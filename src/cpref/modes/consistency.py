@@ -24,7 +24,7 @@ check exists to prevent. The only decision every rank makes alike is one that de
 nothing a rank can change on its own, so cpref compares on every call.
 
 The exchange is **host-side**: a communicator that has `agree(row)` (the simulated cluster;
-[`TorchComm`][cpref.comm.TorchComm], over gloo on the CPU, on its own group where gloo
+[`TorchComm`][cpref.comm.torch_dist.TorchComm], over gloo on the CPU, on its own group where gloo
 serves it and on a gloo group of the same ranks under NCCL or HCCL) moves Python ints, so the
 comparison never waits for the accelerator's stream: no host-device synchronisation, on any
 layer (the hardening test counts them). Its cost is one round trip between the CP group's
