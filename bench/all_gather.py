@@ -15,8 +15,8 @@ layout and CP size:
   times): the fraction of perfect scaling that the slowest rank allows, at most 1 (the
   communication is not timed here; see the trace for its bytes). One kernel call over the
   whole batch is printed beside it, `one call`, but not used: its tiles and cache footprint
-  differ from the shares', so its time per score is another kernel's (it made the old
-  figure, `one call / (P * slowest)`, exceed 1 at `P = 4`).
+  differ from the shares', so its time per score is another kernel's (as a baseline it makes
+  `one call / (P * slowest)` exceed 1 at `P = 4`).
 
 Run it with `python -m bench.all_gather` (or `make bench`); `--help` lists the options.
 """

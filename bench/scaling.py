@@ -46,10 +46,10 @@ of a rank's shifts together, $1 - \sum \min(\text{wait}, n\,t_s) / (n\, t_s)$ pe
 Each configuration first runs one untimed step on a small document (groups, connections, first
 calls), then `--repeats` timed steps, in rounds: each round runs the CP = 1 step alone, the two
 processes' step and every CP = 2 configuration, one after the other, so a slow spell of the machine
-hits the baseline and the split alike, not one of them; the fastest of each is kept. (Until
-2026-12-04 the CP = 1 steps all ran before the first CP = 2 round: on this page's virtual machine a
-slow minute during the CP = 2 rounds then read as 10-29% compute inflation in every mode, gone in
-the next run.) The load average is printed with the results: on a shared machine the figures move
+hits the baseline and the split alike, not one of them; the fastest of each is kept. (Run all
+the CP = 1 steps before the first CP = 2 round instead, and on this page's virtual machine a slow
+minute during the CP = 2 rounds reads as 10-29% compute inflation in every mode, gone in the next
+run.) The load average is printed with the results: on a shared machine the figures move
 with it.
 
 **Other CP sizes.** `--cp P` scales to `P` processes instead of two (it needs `P` free cores;

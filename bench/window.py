@@ -7,7 +7,7 @@ backward, every query seeing itself and the `--window` keys before it (default 1
 * **window**: `TorchKernel()` with the window, the fused path's band tiles
   (`cpref.kernels.torch_fused_plan`), masked at their edges;
 * **explicit window**: `TorchKernel(fast=False)` with the window, the explicit path's blocks
-  over the band (what a windowed call took before the fused path had windows);
+  over the band (the path a windowed call takes with `fast=False`);
 * **full causal**: `TorchKernel()` without a window, the work the window saves;
 * **SDPA band mask**: `F.scaled_dot_product_attention` with the dense `(T, T)` band as an
   additive mask (made before timing) and an autograd backward: PyTorch's fused CPU attention,

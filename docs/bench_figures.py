@@ -58,10 +58,11 @@ def draw_scaling(results: dict) -> Figure:
     the machine's P-process factor and the target (a fraction of it: the efficiency against the machine)."""
     batches = results["batches"]
     cols = 2
-    rows = -(-len(batches) // cols)
-    fig, axes = base.plt.subplots(rows, cols, figsize=(base.WIDTH, 3.1 * rows), sharey=True, constrained_layout=True,
-                                  squeeze=False)  # fmt: skip
-    for ax, batch in zip(axes.flat, batches):
+    fig = base.plt.figure(figsize=(base.WIDTH, 3.1 * -(-len(batches) // cols)), constrained_layout=True)
+    axes = base.panel_grid(fig, len(batches), cols)  # an odd last batch centred: no empty panel
+    for ax in axes[1:]:
+        ax.sharey(axes[0])
+    for ax, batch in zip(axes, batches):
         rows = [r for r in batch["rows"] if not r.get("path")]  # each mode's default path
         modes = list(dict.fromkeys(r["mode"] for r in rows))
         layouts = list(dict.fromkeys(r["layout"] for r in rows))
@@ -79,11 +80,9 @@ def draw_scaling(results: dict) -> Figure:
         ax.grid(axis="y", color="0.9")
         ax.set_axisbelow(True)
         ax.tick_params(axis="x", labelrotation=20)
-    for ax in axes.flat[len(batches):]:
-        ax.set_visible(False)
-    for ax in axes[:, 0]:
+    for ax in axes[::cols]:  # the first of each row
         ax.set_ylabel(f"speedup T(CP=1) / T(CP={P})")
-    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
     return fig
 
 

@@ -43,6 +43,9 @@ PARALLEL = 4  # pages open at once: loading and screenshots mostly wait on the b
 # Pages only a web server shows (for a missing URL); mkdocs writes their links root-absolute.
 SERVER_ONLY = {"404.html"}
 SOURCE_PAGES = "source/"  # the generated code listings (docs/source_pages.py): long and alike
+LEARN_PAGES = "learn/"  # the Learn path (docs/learn/): screenshots listed in the report for review
+MIN_IMAGE = 16  # px: an image with a smaller natural width or height shows nothing a reader can use
+FIRST_FIGURE = VIEWPORT["height"]  # px of the content column above a page's first figure, at most
 
 # Runs in the page once it has loaded; returns everything the checks need.
 PROBE = r"""() => {
@@ -87,7 +90,82 @@ PROBE = r"""() => {
     const box = m.getBoundingClientRect(), mark = range.getBoundingClientRect();
     if (mark.top >= box.bottom - 1) lone.push(m.textContent.slice(0, 40) + " " + next.textContent.slice(0, 1));
   }
+  // formulas: a formula and its parts inside the visible box of every ancestor that clips or scrolls (a
+  // display formula's box, a table's scroll wrapper), a display formula inside the column, every part inside
+  // the box of the element it belongs to (else it is drawn over its neighbours), no TeX left in its text
+  const label = (m) => m.textContent.trim().replace(/\s+/g, " ").slice(0, 60);
+  const cutMath = [], strayMath = [], texInMath = [];
+  for (const m of maths) {
+    const r = m.getBoundingClientRect();
+    if (!r.width && !r.height) continue;  // not shown (a closed <details>, another tab)
+    const e = {l: r.left, t: r.top, r: r.right, b: r.bottom};
+    let stray = 0;
+    for (const d of m.querySelectorAll("*")) {
+      const q = d.getBoundingClientRect();
+      if (!q.width && !q.height) continue;  // an empty space
+      e.l = Math.min(e.l, q.left); e.t = Math.min(e.t, q.top); e.r = Math.max(e.r, q.right); e.b = Math.max(e.b, q.bottom);
+      const p = d.parentElement.getBoundingClientRect();  // (the <math> box itself: the clipping checks below)
+      if (d.parentElement !== m && p.width && q.width) stray = Math.max(stray, p.left - q.left, q.right - p.right);
+    }
+    if (stray > 2) strayMath.push(`${label(m)} (${Math.round(stray)} px)`);
+    let why = "";
+    for (let a = m.parentElement; a && !why; a = a === column ? null : a.parentElement) {
+      const cs = getComputedStyle(a);
+      if (cs.overflowX === "visible" && cs.overflowY === "visible") continue;
+      const box = a.getBoundingClientRect();
+      const l = box.left + a.clientLeft, t = box.top + a.clientTop;
+      if (e.l < l - 1 || e.r > l + a.clientWidth + 1)
+        why = `${Math.round(e.r - e.l)} px wide in a box of ${a.clientWidth} px that ${cs.overflowX === "hidden" ? "clips" : "scrolls"}`;
+      else if (e.t < t - 1 || e.b > t + a.clientHeight + 1)
+        why = `${Math.round(e.b - e.t)} px tall in a box of ${a.clientHeight} px that ${cs.overflowY === "hidden" ? "clips" : "scrolls"}`;
+    }
+    const edge = column.getBoundingClientRect();
+    if (!why && m.getAttribute("display") === "block" && (e.r > edge.right + 1 || e.l < edge.left - 1))
+      why = `${Math.round(e.r - e.l)} px wide, past the ${Math.round(edge.width)} px column`;
+    if (why) cutMath.push(`${label(m)} (${why})`);
+    for (const t of m.querySelectorAll("mi, mn, mo, mtext, ms"))
+      if (/\\([a-zA-Z]+|[{}_^$%&#])/.test(t.textContent)) texInMath.push(t.textContent.trim().slice(0, 60));
+  }
+  // wrapped code lines: every visual line after a code line's first must start at or right of the line's
+  // first character (its indentation), else the continuation reads as a line of its own, mis-indented
+  const lostIndent = [];
+  let wrappedLines = 0;
+  for (const code of column.querySelectorAll("pre > code")) {
+    const nodes = [];
+    let text = "";
+    const walk = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    for (let n = walk.nextNode(); n; n = walk.nextNode()) { nodes.push([n, text.length]); text += n.textContent; }
+    const at = (i) => {  // the text node and offset of character i
+      let lo = 0, hi = nodes.length - 1;
+      while (lo < hi) { const mid = (lo + hi + 1) >> 1; if (nodes[mid][1] <= i) lo = mid; else hi = mid - 1; }
+      return [nodes[lo][0], i - nodes[lo][1]];
+    };
+    const range = (a, b) => { const g = document.createRange(); g.setStart(...at(a)); g.setEnd(...at(b)); return g; };
+    const lineHeight = parseFloat(getComputedStyle(code).lineHeight) || 20;
+    let start = 0;
+    for (const line of text.split("\n")) {
+      const first = start + line.length - line.trimStart().length, end = start + line.length;
+      start = end + 1;
+      if (first === end || range(first, end).getBoundingClientRect().height < 1.5 * lineHeight) continue;
+      wrappedLines++;
+      const head = range(first, first + 1).getBoundingClientRect();
+      const rows = [...range(first, end).getClientRects()].filter((q) => q.width > 0 && q.top >= head.bottom - 1);
+      if (rows.some((q) => q.left < head.left - 1)) lostIndent.push(line.trim().slice(0, 60));
+    }
+  }
+  // the first figure (an image) of the content column: how far down the column it starts
+  const figure = [...column.querySelectorAll("figure, img")].find((f) => f.getBoundingClientRect().height > 0);
+  const firstFigure = figure ? Math.round(figure.getBoundingClientRect().top - column.getBoundingClientRect().top) : null;
   return {
+    math_cut: cutMath.slice(0, 5),
+    math_cut_count: cutMath.length,
+    math_stray: strayMath.slice(0, 5),
+    math_tex: [...new Set(texInMath)].slice(0, 5),
+    katex_errors: [...document.querySelectorAll(".katex-error")].map((e) => e.textContent.slice(0, 80)),
+    code_lines_wrapped: wrappedLines,
+    code_indent_lost: lostIndent.slice(0, 3),
+    code_indent_lost_count: lostIndent.length,
+    first_figure: firstFigure,
     scrolling: [...new Set(scrolling)].slice(0, 5),
     scrolling_count: scrolling.length,
     wide_tables: tables.slice(0, 5),
@@ -99,7 +177,8 @@ PROBE = r"""() => {
     not_math: maths.filter((m) => !getComputedStyle(m).display.includes("math")).length,
     bare_arithmatex: [...document.querySelectorAll(".arithmatex")].filter((e) => !e.querySelector("math"))
       .map((e) => e.textContent.slice(0, 80)),
-    images: [...document.images].map((i) => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0})),
+    images: [...document.images].map((i) => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0,
+                                              width: i.naturalWidth, height: i.naturalHeight})),
     links: [...document.querySelectorAll("a[href]")].map((a) => a.href),
     ids: [...document.querySelectorAll("[id]")].map((e) => e.id)
       .concat([...document.querySelectorAll("a[name]")].map((a) => a.name)),
@@ -120,6 +199,8 @@ class PageResult:
     images: int = 0
     links: list[str] = field(default_factory=list)  # absolute hrefs
     ids: set[str] = field(default_factory=set)
+    shot: Path | None = None  # its screenshot
+    wrapped_code: int = 0  # code lines that wrap at VIEWPORT's width
 
 
 def find_browser(explicit: str | None) -> str:
@@ -139,7 +220,16 @@ def problems_from_probe(found: dict) -> list[str]:
         out.append(f"{found['merror']} MathML <merror> element(s)")
     if found["not_math"]:
         out.append(f"{found['not_math']} <math> element(s) not laid out as math (no MathML support?)")
-    out += [f"image does not load: {img['src']}" for img in found["images"] if not img["ok"]]
+    out += [f"{n} formula(s) cut off or scrolling in their box at {VIEWPORT['width']} px: " + "; ".join(found["math_cut"])
+            for n in [found.get("math_cut_count", 0)] if n]
+    out += [f"formula drawn over its neighbours (a part outside its box): {t!r}" for t in found.get("math_stray", [])]
+    out += [f"TeX left in a formula's MathML (the converter lost it): {t!r}" for t in found.get("math_tex", [])]
+    out += [f"KaTeX error: {t!r}" for t in found.get("katex_errors", [])]
+    for img in found["images"]:
+        if not img["ok"]:
+            out.append(f"image does not load: {img['src']}")
+        elif "width" in img and min(img["width"], img["height"]) < MIN_IMAGE:
+            out.append(f"image of {img['width']} x {img['height']} px (under {MIN_IMAGE} px): {img['src']}")
     if found["page_overflow"] > 0 or found["column_overflow"] > 0:
         out.append(f"horizontal scrollbar at {VIEWPORT['width']} px: page {found['page_overflow']} px, "
                    f"content column {found['column_overflow']} px too wide; past its edge: {', '.join(found['wide']) or '?'}")
@@ -151,6 +241,12 @@ def problems_from_probe(found: dict) -> list[str]:
         out.append(f"{found['wide_table_count']} table(s) wider than the column at {VIEWPORT['width']} px: "
                    + "; ".join(f"[{t}]" for t in found["wide_tables"]))  # fmt: skip
     out += [f"punctuation alone on a line after a formula: {t!r}" for t in found.get("lone_punctuation", [])]
+    if found.get("code_indent_lost_count"):
+        out.append(f"{found['code_indent_lost_count']} wrapped code line(s) continue left of their indentation "
+                   "(they read as mis-indented lines): " + "; ".join(repr(t) for t in found["code_indent_lost"]))
+    if (found.get("first_figure") or 0) > FIRST_FIGURE:
+        out.append(f"first figure {found['first_figure']} px down the content column: more than a screen "
+                   f"({FIRST_FIGURE} px) of text before it")
     return out
 
 
@@ -199,10 +295,11 @@ async def check_page(context, site: Path, path: Path, shots: Path | None) -> Pag
     found = await page.evaluate(PROBE)
     result.problems += problems_from_probe(found)
     result.math, result.images = found["math_count"], len(found["images"])
+    result.wrapped_code = found["code_lines_wrapped"]
     result.links, result.ids = found["links"], set(found["ids"])
-    if shots:  # the whole page; a source page's first screen shows how its code renders
-        name = result.path.replace("/", "__").removesuffix(".html") + ".png"
-        await page.screenshot(path=shots / name, full_page=not result.path.startswith(SOURCE_PAGES))
+    if shots:  # the whole page (a Learn page always); a source page's first screen shows how its code renders
+        result.shot = shots / (result.path.replace("/", "__").removesuffix(".html") + ".png")
+        await page.screenshot(path=result.shot, full_page=not result.path.startswith(SOURCE_PAGES))
     await page.close()
     return result
 
@@ -271,6 +368,13 @@ def report(results: list[PageResult], search_problem: str | None, seconds: float
             print(f"       - {problem}")
     for path in sorted(SERVER_ONLY):
         print(f"skip {path}  (shown only by a web server)")
+    learn = [r for r in results if r.path.startswith(LEARN_PAGES)]
+    if not learn:
+        print(f"note no Learn pages ({LEARN_PAGES}*.html) in this site")
+    elif learn[0].shot:
+        print(f"\nScreenshots of the {plural(len(learn), 'Learn page')} (whole pages), for review:")
+        for r in learn:
+            print(f"  {r.shot}")
     print(f"{'FAIL' if search_problem else 'ok  '} offline search" + (f": {search_problem}" if search_problem else ""))
     failed = sum(bool(r.problems) for r in results) + bool(search_problem)
     print(f"\n{len(results)} pages checked in {seconds:.0f} s: {failed} failed")

@@ -9,7 +9,8 @@ Readable at the column width: the site's content column is about `COLUMN_PX` CSS
 at a 1280 px window (`make docs-check` screenshots it), and a figure wider than that is scaled
 down to fit. Every figure is `WIDTH` inches wide, so one point of font size in the figure is
 about one point on screen; `check_readable` fails the build if any text would show below
-`MIN_PT`.
+`MIN_PT`, or if any panel has no data drawn (`check_drawn`: an empty or hidden panel of a grid
+leaves a blank hole on the page; `panel_grid` centres an odd last panel instead).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def display_pt(fig: Figure, fontsize: float) -> float:
 
 
 def check_readable(fig: Figure, name: str) -> None:
-    """Raise if any visible text of `fig` would show below MIN_PT at the column width."""
+    """Raise if any visible text of `fig` would show below MIN_PT at the column width, or if a panel is empty
+    (`check_drawn`): what `docs/gen_pages.py` checks of every figure before it saves it."""
+    check_drawn(fig, name)
     fig.canvas.draw()  # tick labels exist only once drawn
     small = {
         t.get_text(): round(display_pt(fig, t.get_fontsize()), 1)
@@ -80,6 +83,28 @@ def check_readable(fig: Figure, name: str) -> None:
     }
     if small:
         raise RuntimeError(f"{name}: text below {MIN_PT} pt at the column width (shown size in pt): {small}")
+
+
+def check_drawn(fig: Figure, name: str) -> None:
+    """Raise if any axes of `fig` has no data drawn (no line, patch, image, collection or table) or is hidden:
+    either shows as a blank panel, a hole in the figure."""
+    empty = [f"axes {i} ({ax.get_title(loc='left') or ax.get_title() or 'untitled'!r})"
+             for i, ax in enumerate(fig.axes)
+             if not ax.get_visible() or not (ax.lines or ax.patches or ax.images or ax.collections or ax.tables)]
+    if empty:
+        raise RuntimeError(f"{name}: {len(empty)} panel(s) with no data drawn (empty or hidden): {', '.join(empty)}; "
+                           "make only as many panels as there is data for (panel_grid centres an odd last one)")
+
+
+def panel_grid(fig: Figure, n: int, cols: int = 2, **gridspec) -> list:
+    """`n` axes on `fig`, `cols` a row, the last row's fewer panels centred: no empty panel fills the row."""
+    grid = fig.add_gridspec(-(-n // cols), 2 * cols, **gridspec)  # each panel two half-columns wide
+    axes = []
+    for i in range(n):
+        row, col = divmod(i, cols)
+        offset = cols - min(cols, n - row * cols)  # half-columns left free on each side of a short last row
+        axes.append(fig.add_subplot(grid[row, offset + 2 * col : offset + 2 * col + 2]))
+    return axes
 
 
 def owner_of_tokens(cu: list[int], cp_size: int, layout: str) -> list[int]:
@@ -257,11 +282,11 @@ def _mask_panel(ax, cu: list[int], cp_size: int, layout: str) -> None:
 def attention_mask() -> Figure:
     """`figures/attention_mask.png`: who computes which score, contiguous vs zigzag vs striped."""
     layouts_drawn = [*cpref.LAYOUTS, "striped"]
-    rows = -(-len(layouts_drawn) // 2)  # two panels a row: each with its work table below
-    fig, axes = plt.subplots(rows, 2, figsize=(WIDTH, 5.0 * rows), constrained_layout=True, squeeze=False)
-    for ax, layout in zip(axes.flat, layouts_drawn):
+    rows = -(-len(layouts_drawn) // 2)  # two panels a row, each with its work table below; an odd last one centred
+    fig = plt.figure(figsize=(WIDTH, 5.0 * rows), constrained_layout=True)
+    axes = panel_grid(fig, len(layouts_drawn))
+    for ax, layout in zip(axes, layouts_drawn):
         _mask_panel(ax, LAYOUT_CU, LAYOUT_P, layout)
-    for ax in axes[:, 0]:
         ax.set_ylabel("query token")
     _rank_legend(fig, LAYOUT_P)
     fig.suptitle(f"causal mask with EOD reset, cu_seqlens = {LAYOUT_CU}, P = {LAYOUT_P}:\n"

@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import posixpath
 import re
 import sys
 from pathlib import Path
@@ -79,9 +80,9 @@ GUIDE = [
     ("performance.md", "Performance", "bench.report"),
 ]
 
-# Figures of a guide page: page -> [(figure path, caption)], each placed where its marker `{{ figure PATH }}` stands
-# in the docstring, else appended to the bottom. Each figure
-# appears once. A caption is inline Markdown (it renders in <figcaption>); its alt text is the
+# Figures of a guide page: page -> [(figure path, caption)], each placed where its marker line `{{ figure PATH }}`
+# stands in the docstring, beside the paragraph that explains it; a figure without its marker fails the build. Each
+# figure appears once. A caption is inline Markdown (it renders in <figcaption>); its alt text is the
 # caption without backticks.
 PAGE_FIGURES = {
     "layout.md": [
@@ -120,6 +121,18 @@ PAGE_FIGURES = {
          "reduce-scatters under its second."),
     ],
     "ring.md": [
+        ("figures/ring_forward.png",
+         "A real forward of `p2p` on the simulated cluster, step by step: each rank's queries (Q, in its colour) and "
+         "the K/V block its kernel call computed on (in its owner's colour, identified from the call's keys); below, "
+         "the running output and lse, a slot per rank filled once that rank's block is merged in. The arrows are the "
+         "shifts between steps, identified from what each carried: every block moves one rank on, the last rank's "
+         "back to rank 0."),
+        ("figures/ring_backward.png",
+         "The backward of the same run: the K/V blocks go round again, and each block's dK/dV accumulator travels "
+         "with it, a slot per rank filled once that rank's share is in it (identified from the payload: the sum of "
+         "exactly those ranks' shares). After the last step one more shift brings every accumulator home, holding "
+         "all four shares. The inputs are float64 here, so an accumulator has its block's bytes; with bf16 inputs "
+         "it is float32, twice as many."),
         ("figures/ring_schedule.png",
          "What each rank's kernel computed at each ring step of a real run on the simulated cluster: whose K/V "
          "block it held and how many scores it computed (identified from the kernel's inputs). Zigzag does the "
@@ -207,30 +220,124 @@ PAGE_FIGURES = {
 # Hand-written pages (in docs/) placed around the generated guide pages.
 GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart"),
                ("your-model.md", "Use cpref with your model")]
-GUIDE_LAST = [("verify-your-implementation.md", "Verify your implementation"), ("field-bugs.md", "The bugs CP users hit"),
+GUIDE_LAST = [("variants.md", "Attention variants: sinks, soft-capping, chunks"),
+              ("verify-your-implementation.md", "Verify your implementation"), ("field-bugs.md", "The bugs CP users hit"),
               ("glossary.md", "Glossary"), ("references.md", "References")]
+# The Learn CP path (hand-written, docs/learn/): the order a learner needs, each page short, a figure at its top,
+# runnable code, and links into the reference pages below for the precise story.
+LEARN = [
+    ("learn/problem.md", "1. Why a split sequence needs communication"),
+    ("learn/collectives.md", "2. Collectives in one page"),
+    ("learn/merge.md", "3. Merging partial attention: the lse"),
+    ("learn/all-gather.md", "4. All-gather: every rank gets every key"),
+    ("learn/ring.md", "5. The ring, forward and backward"),
+    ("learn/layouts.md", "6. Zigzag and packed documents"),
+    ("learn/ulysses.md", "7. Ulysses: trade tokens for heads"),
+    ("learn/hierarchy.md", "8. The hierarchy: Ulysses inside, ring across"),
+    ("learn/which-mode.md", "9. Which mode?"),
+]
+
+# Figures of the hand-written pages (`docs/learn_figures.py`, drawn from real runs): page -> [(figure path, caption)],
+# each placed where its marker `{{ figure PATH }}` stands. A Learn page opens with its figure: its marker stands
+# before the page's first section and after at most `TOP_WORDS` words.
+HAND_FIGURES = {
+    "variants.md": [
+        ("figures/chunked_ring.png",
+         "A real forward of `p2p` with `chunk=10` on the simulated cluster. Above, the scores the chunks leave, in "
+         "the colour of the rank that computes them (grey: scores of the causal mask the chunks drop); the counts are "
+         "the run's kernel calls'. Below, the keys each shift carried, in their owner's colour, read from the "
+         "payloads; grey: the whole blocks the ring without the chunks sends. A shift is as long on every rank as its "
+         "longest payload; a row is 128 B (float64, `Hkv = 2`, `D = Dv = 4`)."),
+    ],
+    "index.md": [
+        ("figures/learn/movement.png",
+         "One forward + backward of every mode on 4 simulated ranks (bf16), read from the cluster's trace: an arrow "
+         "from rank i to rank j is as wide as the bytes of i's data that reached j (an all-gather's input reaches every "
+         "rank, a reduce-scatter's or all-to-all's chunk j reaches rank j, a shift the next rank)."),
+    ],
+    "learn/problem.md": [
+        ("figures/learn/problem.png",
+         "Left: the causal mask of one document split over 4 ranks; each visible score in the colour of the rank "
+         "holding its key, faint where that is the query's own rank. Right: each rank's output against the FP64 "
+         "oracle, attending alone and with CP (the page's example, run when this site was built)."),
+    ],
+    "learn/collectives.md": [
+        ("figures/learn/collectives.png",
+         "The page's example, run on 4 simulated ranks: each rank's input and what the collective returned to it, "
+         "coloured by the rank the data came from; the bytes are the trace's."),
+    ],
+    "learn/merge.md": [
+        ("figures/learn/merge.png",
+         "Query 0 of the page's example. Above: the softmax each half of the keys gets from its own kernel call. "
+         "Below: the same weights, each block's times exp(lse of the block - merged lse), and (dots) "
+         "the weights of one call over all 16 keys."),
+    ],
+    "learn/all-gather.md": [
+        ("figures/learn/all_gather.png",
+         "A forward + backward of `all_gather` on 4 simulated ranks: the keys each rank holds, the keys it holds after "
+         "the all-gathers, and (full colour) those its kernel call read, identified from the call's inputs."),
+    ],
+    "learn/ring.md": [
+        ("figures/learn/ring_frames.png",
+         "Every rank at every step of one forward + backward of `p2p` on 4 simulated ranks: the block it held "
+         "(identified from its kernel calls and from the payloads it sent) and, in the backward, how many ranks' "
+         "shares the block's dK/dV accumulator held when it moved on (identified by matching it against every "
+         "partial sum of the ranks' shares)."),
+        ("figures/learn/ring.gif",
+         "The same run, step by step: the block each rank holds, and the scores computed at this step (full colour, "
+         "in the colour of the key's rank) and before (faint)."),
+    ],
+    "learn/layouts.md": [
+        ("figures/learn/layouts.png",
+         "A packed batch of two documents over 4 ranks. Above: the causal mask with attention reset at the document "
+         "boundary, each score in the colour of the rank that computes it. Below: each rank's scores, counted from "
+         "its kernel calls in a real ring forward."),
+    ],
+    "learn/ulysses.md": [
+        ("figures/learn/ulysses.png",
+         "A real `a2a` forward on 4 simulated ranks: which rank holds each (token, head) of `q` before the "
+         "all-to-all (its shard) and after it (read from what its kernel call was given)."),
+    ],
+    "learn/hierarchy.md": [
+        ("figures/learn/hierarchy.png",
+         "A real `a2a+p2p` forward on 4 simulated ranks: the keys and heads each rank's kernel saw at each ring "
+         "step, in the colour of the rank that held each key before the exchange."),
+    ],
+    "learn/which-mode.md": [
+        ("figures/learn/which_mode.png",
+         "Forward + backward bytes per rank and layer for the reference layers of [Which mode when](../which-mode.md): "
+         "lines from cpref's cost model, dots measured on the simulated cluster at a small size and scaled (the "
+         "figure's build checks that they are equal)."),
+    ],
+}
+TOP_WORDS = 60
 
 
-# The navigation: sections a reader walks in order, each a list of the pages above (every page in exactly one).
+# The navigation: sections a reader walks in order, each a list of the pages above (every page in exactly one):
+# first the Learn path, then the reference (how to use cpref, each mode's precise story, what makes it
+# trustworthy, backends, models), and the internals last, in a section of their own.
 SECTIONS = [
-    ("Start", ["index.md", "quickstart.md", "your-model.md", "api.md"]),
-    ("Concepts", ["layout.md", "sharding.md", "seqlens.md", "balanced.md", "data.md", "which-mode.md", "mode-spec.md",
-                  "cache.md"]),
-    ("Modes", ["all-gather.md", "metadata.md", "all-gather-pieces.md", "all-gather-overlap.md", "ring.md", "ring-plan.md", "ring-window.md",
-               "merge.md", "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
+    ("Start", ["index.md", "quickstart.md"]),
+    ("Learn CP", [page for page, _ in LEARN]),
+    ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "data.md",
+                   "which-mode.md"]),
+    ("The modes", ["merge.md", "all-gather.md", "metadata.md", "all-gather-overlap.md", "ring.md", "ring-window.md",
+                   "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
     ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "verify-your-implementation.md", "consistency.md",
                           "determinism.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
                               "cuda-kernel.md", "npu-kernel.md"]),
-    ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-admit.md", "training.md", "train.md", "checkpoint.md", "checkpoint-files.md"]),
+    ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-admit.md", "training.md", "train.md",
+                             "checkpoint.md"]),
     ("Performance", ["performance.md"]),
+    ("Internals", ["seqlens.md", "cache.md", "mode-spec.md", "ring-plan.md", "all-gather-pieces.md", "checkpoint-files.md"]),
     ("Reference", ["glossary.md", "references.md"]),
 ]  # fmt: skip
 
 
 def sections_nav() -> list[str]:
     """The guide's part of SUMMARY.md, by `SECTIONS`; raises unless every guide page is in exactly one section."""
-    titles = {page: title for page, title in written(GUIDE_FIRST) + written(GUIDE_LAST)}
+    titles = {page: title for page, title in written(GUIDE_FIRST) + written(LEARN) + written(GUIDE_LAST)}
     titles |= {page: title for page, title, _ in GUIDE}
     placed = [page for _, pages in SECTIONS for page in pages]
     if sorted(placed) != sorted(titles):
@@ -292,7 +399,7 @@ def figure_html(path: str, caption: str) -> str:
 
 
 def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_path: str = "") -> str:
-    """A module's docstring as a page: summary line as `# title`, tables, figures, source footer."""
+    """A module's docstring as a page: summary line as `# title`, figures at their markers, tables, source footer."""
     module = importlib.import_module(module_name)  # an import error fails the build
     if not module.__doc__:
         raise RuntimeError(f"{module_name} has no module docstring, but the guide's page is its docstring")
@@ -303,20 +410,23 @@ def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_
     # An autorefs anchor, so that `[cpref.comm.protocol][]` in any docstring links to this page: the
     # module's reference page lists its members only.
     lines.insert(1, f"\n[](){{#{module_name}}}")
+    # Every figure goes where its marker `{{ figure PATH }}` stands, alone on a line of the docstring (indented inside
+    # a block), beside the paragraph that explains it: a figure without its marker, or with two, fails the build.
+    for path, caption in figures:
+        marker = f"{{{{ figure {path} }}}}"
+        at = [i for i, line in enumerate(lines) if line.strip() == marker]
+        if len(at) != 1:
+            raise RuntimeError(f"{module_name} (page {doc_path}): figure {path} needs its marker line `{marker}` "
+                               f"exactly once in the docstring, beside the paragraph that explains it; found {len(at)}")
+        indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
+        lines[at[0]] = "\n".join(indent + line for line in figure_html(path, caption).splitlines())
     text = "\n".join(lines)
-    # A figure whose marker `{{ figure PATH }}` stands on its own line of the docstring goes there; the rest to the end.
-    placed = [(path, caption) for path, caption in figures if f"{{{{ figure {path} }}}}" in text]
-    for path, caption in placed:
-        text = text.replace(f"{{{{ figure {path} }}}}", figure_html(path, caption))
     if "{{ figure" in text:
-        raise RuntimeError(f"{module_name}: a figure marker names no figure of the page: {text[text.index('{{ figure'):][:80]}")
+        raise RuntimeError(f"{module_name} (page {doc_path}): a figure marker names no figure of the page (PAGE_FIGURES): "
+                           f"{text[text.index('{{ figure'):][:80]}")  # fmt: skip
     parts = [text]
     for title, table in tables:
         parts += [f"## {title}", table()]
-    rest = [entry for entry in figures if entry not in placed]
-    if rest:
-        parts.append("## Figures")
-        parts += [figure_html(path, caption) for path, caption in rest]
     parts.append(f"---\n\nSource: {SOURCES.link_from(doc_path, Path(module.__file__).resolve())}")
     return "\n\n".join(parts) + "\n"
 
@@ -385,10 +495,75 @@ def quickstart_page() -> str:
     return page
 
 
+PLACEHOLDER = re.compile(r"\{\{ (?:output (?P<output>[\w/.-]+\.py)|figure (?P<figure>[\w/.-]+)|(?P<name>\w+)) \}\}")
+
+
+def hand_page(page: str) -> str:
+    """A hand-written page with its placeholders filled: `{{ figure PATH }}` (a figure of `HAND_FIGURES`, linked
+    relative to the page), `{{ output examples/learn/x.py }}` (what the example prints, run now) and `{{ name }}`
+    (`docs/learn_text.py`'s `TEXT[name]()`). A Learn page must open with its first figure (`TOP_WORDS`)."""
+    text, figures = (ROOT / "docs" / page).read_text(), dict(HAND_FIGURES.get(page, []))
+    learn_text = _load_docs_module("learn_text")
+    placed = []
+
+    def fill(match: re.Match) -> str:
+        if match["output"]:
+            return learn_text.output(match["output"])
+        if match["figure"]:
+            if match["figure"] not in figures:
+                raise RuntimeError(f"{page}: the marker {match[0]} names no figure of HAND_FIGURES[{page!r}]")
+            placed.append(match["figure"])
+            return figure_html(posixpath.relpath(match["figure"], posixpath.dirname(page) or "."), figures[match["figure"]])
+        if match["name"] not in learn_text.TEXT:
+            raise RuntimeError(f"{page}: {match[0]} names nothing in docs/learn_text.py's TEXT")
+        return learn_text.TEXT[match["name"]]()
+
+    if page.startswith("learn/"):
+        first = text.find("{{ figure ")
+        before = text[: max(first, 0)].split("\n", 1)[-1]  # after the title line
+        if first < 0 or "\n## " in before or len(before.split()) > TOP_WORDS:
+            raise RuntimeError(f"{page}: a Learn page opens with its figure, within {TOP_WORDS} words of its title")
+    filled = PLACEHOLDER.sub(fill, text)
+    if sorted(placed) != sorted(figures):
+        raise RuntimeError(f"{page}: every figure of HAND_FIGURES once: placed {placed}, listed {sorted(figures)}")
+    if "{{" in filled:
+        raise RuntimeError(f"{page}: a placeholder the build does not fill: {filled[filled.index('{{'):][:60]}")
+    return filled
+
+
+def save_figure(path: str, drawn, figures) -> bytes:
+    """A drawn figure as PNG bytes, checked; a `.gif` path's frames (a list of figures) as a looping animation."""
+    frames = drawn if isinstance(drawn, list) else [drawn]
+    images = []
+    for fig in frames:
+        figures.check_readable(fig, path)  # raises if a label would show below 10 pt, or a panel is empty
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=figures.DPI)
+        figures.plt.close(fig)
+        images.append(buf.getvalue())
+    if not path.endswith(".gif"):
+        assert len(images) == 1, f"{path}: one figure, or a .gif of frames"
+        return images[0]
+    from PIL import Image
+
+    pictures = [Image.open(io.BytesIO(png)).convert("RGB") for png in images]
+    out = io.BytesIO()
+    pictures[0].save(out, format="GIF", save_all=True, append_images=pictures[1:], duration=GIF_FRAME_MS, loop=0,
+                     optimize=True)  # fmt: skip
+    return out.getvalue()
+
+
+GIF_FRAME_MS = 1800  # how long an animation shows each frame
+
+
 def main() -> None:
     # 0) The quickstart, with outputs produced now.
     with mkdocs_gen_files.open("quickstart.md", "w") as f:
         f.write(quickstart_page())
+    # 0b) The home page and the Learn path, their figures placed and their numbers computed now.
+    for page in ["index.md", *(page for page, _ in LEARN)]:
+        with mkdocs_gen_files.open(page, "w") as f:
+            f.write(hand_page(page))
 
     # 1) Guide pages, with their measured tables.
     tables = _load_docs_module("tables").TABLES
@@ -414,21 +589,16 @@ def main() -> None:
     with mkdocs_gen_files.open(SOURCES.INDEX, "w") as f:
         f.write(SOURCES.index_page({file: (name, path) for name, path, file in reference}))
 
-    # 4) Figures, each checked for labels readable at the column width.
+    # 4) Figures, each checked for labels readable at the column width and for empty panels.
     figures = _load_docs_module("figures")
     drawn = {**figures.FIGURES, **_load_docs_module("mode_figures").FIGURES, **_load_docs_module("train_figures").FIGURES,
-             **_load_docs_module("bench_figures").FIGURES}
-    used = [path for entries in PAGE_FIGURES.values() for path, _ in entries]
+             **_load_docs_module("bench_figures").FIGURES, **_load_docs_module("learn_figures").FIGURES}
+    used = [path for entries in (*PAGE_FIGURES.values(), *HAND_FIGURES.values()) for path, _ in entries]
     if sorted(used) != sorted(drawn):
         raise RuntimeError(f"every figure must appear exactly once: drawn {sorted(drawn)}, used {sorted(used)}")
     for path, draw in drawn.items():
-        fig = draw()
-        figures.check_readable(fig, path)  # raises if a label would show below 10 pt
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=figures.DPI)
-        figures.plt.close(fig)
         with mkdocs_gen_files.open(path, "wb") as f:
-            f.write(buf.getvalue())
+            f.write(save_figure(path, draw(), figures))
 
     # 5) Navigation.
     nav = sections_nav()

@@ -17,6 +17,25 @@
 4. Signatures. mkdocstrings formats the signatures of the API reference with Black or Ruff;
    without either it prints them unformatted and says so in one INFO line that a strict build
    lets through. `on_config` fails the build instead, naming the fix (the docs extra pins ruff).
+5. Arrows with labels. latex2mathml writes `\\xrightarrow{a}` as an arrow under a label in an
+   `<mpadded width="+0.833em">`, a relative width MathML Core does not accept: browsers then
+   squeeze the label into the arrow's width ("all-" over the next symbol). `fix_xarrows` makes
+   the arrow stretchy and pads the label with spaces, so the arrow grows under its label.
+6. Wide display formulas. MathML has no line breaking, so a display formula wider than the
+   column would scroll (or be cut) in its box. `display_lines` splits a display formula at its
+   top-level `\\qquad`s (outside braces, `\\left...\\right` and environments), or where it has
+   none at its top-level `\\quad`s, into one `<math>` per piece, laid out by extra.css as a
+   wrapping row: side by side, as far apart as the space they replace, where they fit, one
+   under another where they do not. A formula that must wrap needs such a space where it may
+   break; one without is as wide as it is (docs/check_site.py fails a page where one is wider
+   than the column).
+7. Wrapped code keeps its indentation. Code wraps in the column (extra.css, `pre-wrap`) rather
+   than scrolling sideways; wrapped plainly, a long line's continuation starts at column 0 and
+   Python looks mis-indented. `code_lines` puts every code line in a block of its own
+   (`span.cl`, its indentation in `--i`) so extra.css can give it a hanging indent: the
+   continuation starts two columns right of the line's own indentation. A line-numbered
+   listing (the source pages) becomes one such block with its numbers in a gutter beside each
+   line (`a.ln`), so a wrapped line does not shift the numbers below it out of step.
 """
 
 from __future__ import annotations
@@ -44,6 +63,26 @@ NS = "{http://www.w3.org/1998/Math/MathML}"
 MTEXT = re.compile(r"(<mtext[^>]*>)(.*?)(</mtext>)", re.DOTALL)
 TEXT_ESCAPE = re.compile(r"\\([_%$#{}&])")
 
+# latex2mathml's `\x...arrow`: the arrow in an <mstyle>, then each label in this <mpadded>.
+_LABEL = r'<mpadded width="\+0\.833em" lspace="0\.556em" voffset="-\.2em" height="-\.2em">(.*?)<mspace depth="\.25em" /></mpadded>'
+XARROW = re.compile(r'<(mover|munderover)><mstyle scriptlevel="0"><mo>([^<]*)</mo></mstyle>' + _LABEL + f"(?:{_LABEL})?</\\1>",
+                    re.DOTALL)  # fmt: skip
+XARROW_DRAWN = {"&#x2192;": "right", "&#x2190;": "left", "&#x2194;": "both"}  # extra.css draws these
+XARROW_PAD = '<mspace width="0.4em" />'  # each side of a label (TeX pads about as much)
+RELATION_SPACE = '<mspace width="0.2778em" />'  # each side of a relation (an arrow), as TeX spaces it
+# What moves the nesting depth of TeX (an escaped brace does not), and `\qquad`, where display lines split.
+TEX_TOKEN = re.compile(r"\\[a-zA-Z]+|\\.|[{}]")
+
+# A code block as pymdownx.highlight writes it, and a line-numbered one (a table: numbers, code).
+PRE_CODE = re.compile(r"(<pre[^>]*>(?:<span></span>)?)<code([^>]*)>(.*?)</code></pre>", re.DOTALL)
+NUMBERED = re.compile(r'<table class="highlighttable"><tr><td class="linenos">.*?</td>'
+                      r'<td class="code"><div>(<pre[^>]*>(?:<span></span>)?)<code>(.*?)</code></pre></div></td></tr></table>',
+                      re.DOTALL)  # fmt: skip
+LINE_ANCHOR = re.compile(r'<a id="(__codelineno-\d+-(\d+))" name="\1"></a>')
+TAG = re.compile(r"(<[^>]*>)")
+TAG_NAME = re.compile(r"<([a-zA-Z0-9]+)")
+VOID = {"br", "wbr", "img"}  # tags without a closing tag
+
 
 LONG_CODE = 24
 CELL = re.compile(r"<td[^>]*>.*?</td>", re.DOTALL)
@@ -57,6 +96,57 @@ def break_long_code(page_html: str) -> str:
         return CELL_CODE.sub(lambda m: "<code>" + BREAK_AFTER.sub(r"\1<wbr>", m[1]) + "</code>", match[0])
 
     return CELL.sub(cell, page_html)
+
+
+def split_code_lines(code: str) -> list[tuple[str, str]]:
+    """Highlighted code (text and `<span>`/`<a>` tags) as `(html, text)` per line, every line's tags balanced:
+    a span open across a newline (a docstring) is closed at the line's end and reopened on the next."""
+    lines: list[tuple[str, str]] = []
+    stack: list[str] = []  # the open tags
+    parts: list[str] = []
+    text: list[str] = []
+    for token in TAG.split(code):
+        if token.startswith("</"):
+            stack.pop()
+            parts.append(token)
+        elif token.startswith("<"):
+            if not token.endswith("/>") and TAG_NAME.match(token)[1].lower() not in VOID:
+                stack.append(token)
+            parts.append(token)
+        else:
+            *done, rest = token.split("\n")
+            for piece in done:
+                parts.append(piece)
+                text.append(piece)
+                closing = "".join(f"</{TAG_NAME.match(t)[1]}>" for t in reversed(stack))
+                lines.append(("".join(parts) + closing + "\n", "".join(text)))
+                parts, text = list(stack), []
+            parts.append(rest)
+            text.append(rest)
+    if "".join(text):  # a last line without its newline; an empty one is only reopened tags
+        lines.append(("".join(parts), "".join(text)))
+    return lines
+
+
+def code_line(line: str, text: str) -> str:
+    """One code line as a block with its indentation (leading spaces) in `--i`, for extra.css's hanging indent."""
+    indent = len(text) - len(text.lstrip(" "))
+    return f'<span class="cl" style="--i:{indent}">{line}</span>'
+
+
+def code_lines(page_html: str) -> str:
+    """Every code block of a page line by line (`code_line`); a numbered listing with its numbers beside each line."""
+
+    def numbered(match: re.Match) -> str:
+        last = max((int(m[2]) for m in LINE_ANCHOR.finditer(match[2])), default=1)
+        body = LINE_ANCHOR.sub(r'<a id="\1" name="\1" href="#\1" class="ln" data-n="\2"></a>', match[2])
+        return f'{match[1]}<code class="numbered" style="--w:{len(str(last))}">{body}</code></pre>'
+
+    def block(match: re.Match) -> str:
+        lines = "".join(code_line(line, text) for line, text in split_code_lines(match[3]))
+        return f"{match[1]}<code{match[2]}>{lines}</code></pre>"
+
+    return PRE_CODE.sub(block, NUMBERED.sub(numbered, page_html))
 
 
 class MathError(ValueError):
@@ -81,6 +171,8 @@ def mathml_problems(mathml: str) -> list[str]:
             problems.append(f"unconverted TeX {text!r} (a command the converter does not know)")
         elif name == "mspace" and el.get("linebreak"):
             problems.append("a line break `\\\\` outside an array/cases (browsers ignore MathML line breaks)")
+        elif name == "mpadded" and el.get("width", "").startswith(("+", "-")):
+            problems.append(f"<mpadded width={el.get('width')!r}>: a relative width MathML Core ignores")
     return problems
 
 
@@ -94,10 +186,50 @@ def unescape_text(mathml: str) -> str:
     return MTEXT.sub(fix, mathml)
 
 
+def fix_xarrows(mathml: str) -> str:
+    """latex2mathml's `\\xrightarrow[b]{a}` (and the other `\\x...arrow`s) in MathML Core, labels padded by
+    `XARROW_PAD`. A stretchy operator is no answer: Chromium sizes it to the label but paints it shifted or
+    headless in some formulas. The base of → ← ↔ is instead a phantom of the labels, as wide as they are,
+    on which extra.css draws the arrow (`mpadded.xarrow-right` ...); another arrow keeps its glyph."""
+
+    def arrow(m: re.Match) -> str:
+        labels = [f"<mrow>{XARROW_PAD}{label}{XARROW_PAD}</mrow>" for label in (m[3], m[4]) if label is not None]
+        drawn = XARROW_DRAWN.get(m[2])
+        if drawn is None:  # an operator: MathML spaces the arrow as a relation itself
+            return f"<{m[1]}><mo>{m[2]}</mo>{''.join(labels)}</{m[1]}>"
+        else:  # the phantom: both labels (an accent over keeps the label size), at the labels' script level
+            width = labels[0] if len(labels) == 1 else f'<mover accent="true">{labels[0]}{labels[1]}</mover>'
+            base = (f'<mpadded class="xarrow-{drawn}" height="0.5em" depth="0"><mphantom>'
+                    f'<mstyle scriptlevel="1">{width}</mstyle></mphantom></mpadded>')  # fmt: skip
+        return f"{RELATION_SPACE}<{m[1]}>{base}{''.join(labels)}</{m[1]}>{RELATION_SPACE}"
+
+    return XARROW.sub(arrow, mathml)
+
+
+def display_lines(tex: str) -> tuple[list[str], str]:
+    """A display formula's pieces between its top-level `\\qquad`s, else between its top-level `\\quad`s, and
+    that separator (`""` and the whole formula if it has neither)."""
+    cuts: dict[str, list[tuple[int, int]]] = {"\\qquad": [], "\\quad": []}
+    depth = 0
+    for m in TEX_TOKEN.finditer(tex):
+        if m[0] in ("{", "\\left", "\\begin"):
+            depth += 1
+        elif m[0] in ("}", "\\right", "\\end"):
+            depth -= 1
+        elif m[0] in cuts and depth == 0:
+            cuts[m[0]].append(m.span())
+    for separator, spans in cuts.items():
+        bounds = [0, *(i for span in spans for i in span), len(tex)]
+        pieces = [tex[a:b].strip() for a, b in zip(bounds[::2], bounds[1::2])]
+        if len([p for p in pieces if p]) > 1:
+            return [p for p in pieces if p], separator[1:]
+    return [tex], ""
+
+
 def tex_to_mathml(tex: str, display: bool) -> str:
     """One formula (without delimiters) as a `<math>` element; raises MathError if it cannot be."""
     try:
-        mathml = unescape_text(convert(tex, display="block" if display else "inline"))
+        mathml = fix_xarrows(unescape_text(convert(tex, display="block" if display else "inline")))
     except Exception as e:  # latex2mathml raises its own exception types for malformed TeX
         raise MathError(f"latex2mathml cannot convert it: {type(e).__name__}: {e}") from e
     problems = mathml_problems(mathml)
@@ -114,11 +246,13 @@ def render_math(page_html: str, where: str) -> str:
         opening, closing = DELIMITERS[tag]
         if tex.startswith(opening) and tex.endswith(closing):
             tex = tex[len(opening) : -len(closing)]  # a `\begin{env}` block comes without them
+        pieces, separator = display_lines(tex) if tag == "div" else ([tex], "")
         try:
-            mathml = tex_to_mathml(tex, display=tag == "div")
+            mathml = "".join(tex_to_mathml(piece, display=tag == "div") for piece in pieces)
         except MathError as e:
             raise PluginError(f"{where}: formula {tex!r}: {e}") from e
-        out = f'<{tag} class="arithmatex">{mathml}</{tag}>'
+        lines = f" math-lines {separator}" if separator else ""  # extra.css: a row that wraps
+        out = f'<{tag} class="arithmatex{lines}">{mathml}</{tag}>'
         if tag == "span" and match["punct"]:  # the punctuation after an inline formula never wraps onto its own line
             return f'<span class="math-punct">{out}{match["punct"]}</span>'
         return out + match["punct"]
@@ -145,4 +279,4 @@ def on_config(config):
 
 
 def on_page_content(html_text, page, config, files):
-    return break_long_code(render_math(html_text, page.file.src_uri))
+    return code_lines(break_long_code(render_math(html_text, page.file.src_uri)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 import cpref
 from cpref.kernels.contract import NO_WINDOW
@@ -92,6 +92,193 @@ def ring_schedule() -> Figure:
     return fig
 
 
+class _RingRecorder:
+    """A rank's kernel and collectives for the ring's frames: every kernel call's K/V block (by whose keys it saw)
+    and, in the backward, its dK/dV share on that block's rows; every ring shift's payload, in order."""
+
+    def __init__(self, comm, kv_shards: list[torch.Tensor]) -> None:
+        self._comm, self._kernel, self.kv_shards = comm, cpref.TorchKernel(), kv_shards
+        self.forward_calls, self.shares, self.sent, self.phase = [], {}, {"forward": [], "backward": []}, "forward"
+
+    def __getattr__(self, name: str):
+        return getattr(self._comm, name)
+
+    def send_recv_async(self, x: torch.Tensor, shift: int = 1):
+        self.sent[self.phase].append((x.detach().clone(), shift))
+        return self._comm.send_recv_async(x, shift)
+
+    def _rows(self, k: torch.Tensor) -> tuple[int, list[int]]:
+        """`(s, rows)`: the rank whose block holds these keys, and the rows of its block they are."""
+        found = [(s, [int((shard[:, :, :D] == row).all(-1).all(-1).nonzero()[0]) for row in k])
+                 for s, shard in enumerate(self.kv_shards) if all((shard[:, :, :D] == row).all(-1).all(-1).any() for row in k)]  # fmt: skip
+        (only,) = found  # random keys: exactly one rank holds them
+        return only
+
+    def forward(self, q, k, v, seqs, **kwargs):
+        self.forward_calls.append((self._rows(k)[0], seqs.work(kwargs["causal"])))
+        return self._kernel.forward(q, k, v, seqs, **kwargs)
+
+    def backward(self, dout, q, k, v, out, lse, seqs, **kwargs):
+        dq, dk, dv = self._kernel.backward(dout, q, k, v, out, lse, seqs, **kwargs)
+        s, rows = self._rows(k)
+        share = self.shares.setdefault(s, torch.zeros_like(self.kv_shards[s]))  # (T_l, Hkv, D + Dv)
+        share.index_add_(0, torch.tensor(rows), torch.cat([dk, dv], dim=-1).to(share.dtype))
+        return dq, dk, dv
+
+
+def _ring_run(layout: str = "zigzag"):
+    """Forward + backward of `p2p` on P simulated ranks, recorded: `(recorders, forward bytes, backward bytes)`, the
+    bytes of each ring shift as the cluster's trace counted them (the forward's K/V; the backward's K/V, dK/dV)."""
+    T, g = CU[-1], torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(T, HQ if i in (0, 3) else HKV, D, generator=g, dtype=torch.float64) for i in range(4))
+    batch = sharding(CU, P, layout)
+    kv_shards = [torch.cat([batch.shard(k, r), batch.shard(v, r)], dim=-1) for r in range(P)]  # (T_l, Hkv, D + Dv)
+    recorders, cluster = [None] * P, SimCluster(P, timeout=60.0)
+
+    def rank_fn(comm):
+        rec = recorders[comm.rank] = _RingRecorder(comm, kv_shards)
+        local = [batch.shard(t, comm.rank).requires_grad_(True) for t in (q, k, v)]
+        out = cpref.attention(*local, batch, comm=rec, mode="p2p", kernel=rec, check_ranks=False)
+        comm.barrier()  # the forward's end, in the trace
+        rec.phase = "backward"
+        out.backward(batch.shard(dout, comm.rank))
+
+    cluster.run(rank_fn)
+    trace = mode_trace(cluster)
+    cut = next(i for i, ev in enumerate(trace) if ev.op == "barrier")
+    shifts = [sorted({ev.bytes_sent[0] for ev in part if ev.op == "send_recv"}) for part in (trace[:cut], trace[cut:])]
+    return recorders, shifts[0], shifts[1]
+
+
+def _identify(payload: torch.Tensor, recorders, kv_shards) -> tuple[str, int, list[int]]:
+    """What a ring shift carried, from its contents: `("kv", s, [])` the K/V block of rank `s`, or `("dkv", s, ranks)`
+    the dK/dV accumulator of block `s` holding the shares of `ranks` (in ring order from `s`), and no other's."""
+    for s, shard in enumerate(kv_shards):
+        if torch.equal(payload, shard):
+            return "kv", s, []
+    found = []
+    for s in range(P):
+        ranks = [(s + i) % P for i in range(P)]
+        for n in range(1, P + 1):
+            total = sum(recorders[r].shares[s] for r in ranks[:n])
+            if torch.allclose(payload, total, rtol=1e-12, atol=1e-12):
+                found.append(("dkv", s, ranks[:n]))
+    (only,) = found  # zigzag: every rank adds a nonzero share to every block, so the sum names its ranks
+    return only
+
+
+def _chip(ax, x: float, y: float, w: float, h: float, color, text: str, filled: bool = True) -> None:
+    """A labelled block of a frame: filled in `color` (white text), or outlined in it (dark text)."""
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color if filled else "white", edgecolor=color, linewidth=2))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", color="white" if filled else "0.1")
+
+
+def _arrow(ax, start: tuple[float, float], end: tuple[float, float], color, head: bool = True) -> None:
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>" if head else "-", mutation_scale=14, color=color,
+                                 linewidth=2, shrinkA=0, shrinkB=0))  # fmt: skip
+
+
+def _shift_arrows(ax, sent: list[tuple[int, int, int]], y0: float, y1: float) -> None:
+    """Each shift `(from rank, to rank, block owner)` as an arrow from the bottom of one frame's cell to the top of the
+    next frame's, in the owner's colour; one that wraps round the ring leaves at the right and comes back at the left."""
+    for src, dst, owner in sent:
+        color, mid = rank_color(owner), (y0 + y1) / 2
+        if dst > src:
+            _arrow(ax, (src + 0.5, y0), (dst + 0.5, y1), color)
+        else:  # the ring closes: out at the right edge, back in at the left
+            _arrow(ax, (src + 0.5, y0), (P - 0.02, mid), color, head=False)
+            _arrow(ax, (0.02, mid), (dst + 0.5, y1), color)
+
+
+def _frames_axes(ax, labels: list[str], pitch: float, bottom: float, title: str) -> None:
+    """The frames' axes: a column per rank, a row per frame (labelled), the last frame's cells `bottom` tall."""
+    ax.set_xlim(0, P)
+    ax.set_ylim((len(labels) - 1) * pitch + bottom + 0.05, -0.1)
+    ax.set_xticks([r + 0.5 for r in range(P)], [f"rank {r}" for r in range(P)])
+    ax.xaxis.tick_top()
+    ax.set_yticks([i * pitch + 0.3 for i in range(len(labels))], labels)
+    ax.tick_params(length=0)
+    ax.spines[:].set_visible(False)
+    ax.set_title(title, loc="left")
+
+
+def ring_forward() -> Figure:
+    """`figures/ring_forward.png`: the ring's forward step by step, from a real run: the block each rank computes on
+    (identified from its kernel call's keys), the blocks its running output has merged, and the shifts between steps
+    (identified from their payloads)."""
+    recorders, (nbytes,), _ = _ring_run()
+    kv_shards = recorders[0].kv_shards
+    pitch, h, ho = 1.7, 0.5, 0.72
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.9 + 0.55 * pitch * P), constrained_layout=True)
+    for r, rec in enumerate(recorders):
+        sources = [s for s, _ in rec.forward_calls]  # zigzag: one call a step, on the block of rank r - t
+        for t, s in enumerate(sources):
+            assert s == (r - t) % P, f"rank {r}, step {t}: the block of rank {s}"
+            y = t * pitch
+            _chip(ax, r + 0.06, y, 0.24, h, rank_color(r), "Q")
+            _chip(ax, r + 0.32, y, 0.62, h, rank_color(s), f"K/V r{s}")
+            _slots(ax, r, y + h + 0.1, ho, rank_color(r), f"O, lse of Q{r}", sources[: t + 1])
+    for t in range(P - 1):
+        sent = []
+        for r, rec in enumerate(recorders):
+            payload, shift = rec.sent["forward"][t]
+            kind, s, _ = _identify(payload, recorders, kv_shards)
+            assert kind == "kv" and s == (r - t) % P, f"rank {r} sent {kind} of rank {s} after step {t}"
+            sent.append((r, (r + shift) % P, s))
+        _shift_arrows(ax, sent, t * pitch + h + 0.1 + ho + 0.06, (t + 1) * pitch - 0.04)
+    _frames_axes(ax, [f"step {t}" for t in range(P)], pitch, h + 0.1 + ho,
+                 f"forward: Q stays, each K/V block moves one rank on a step ({nbytes} B a shift),\n"
+                 "and each step's partial result merges into the running O, lse by their lse")  # fmt: skip
+    fig.suptitle(f"Ring attention, P = {P}, zigzag, cu_seqlens = {CU}: a real forward, step by step")
+    return fig
+
+
+def _slots(ax, r: int, y: float, h: float, edge, label: str, filled: list[int]) -> None:
+    """Rank `r`'s running sum: outlined in `edge`, labelled, with a slot per rank, filled in the colour of each
+    rank in `filled` (whose block's result, or whose share, it holds)."""
+    ax.add_patch(Rectangle((r + 0.06, y), 0.88, h, facecolor="white", edgecolor=edge, linewidth=2))
+    ax.text(r + 0.5, y + 0.2, label, ha="center", va="center", color="0.1")
+    for i in range(P):
+        ax.add_patch(Rectangle((r + 0.14 + 0.185 * i, y + 0.38), 0.16, h - 0.46, linewidth=1,
+                               facecolor=rank_color(i) if i in filled else "white",
+                               edgecolor=rank_color(i) if i in filled else "0.7"))  # fmt: skip
+
+
+def ring_backward() -> Figure:
+    """`figures/ring_backward.png`: the ring's backward step by step, from a real run: each dK/dV accumulator travels
+    with its block, collecting every rank's share (identified from the payload's contents), then goes home."""
+    recorders, _, sizes = _ring_run()
+    kv_shards = recorders[0].kv_shards
+    kv_sent, acc_sent = [], []  # per rank, in order: the K/V blocks it sent; (block, ranks whose shares, shift)
+    for rec in recorders:
+        ids = [(_identify(x, recorders, kv_shards), shift) for x, shift in rec.sent["backward"]]
+        kv_sent.append([s for (kind, s, _), _ in ids if kind == "kv"])
+        acc_sent.append([(s, ranks, shift) for (kind, s, ranks), shift in ids if kind == "dkv"])
+    pitch, h, hd = 1.9, 0.5, 0.72
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.6 + 0.5 * pitch * (P + 1)), constrained_layout=True)
+    for t in range(P):
+        y, moves = t * pitch, []
+        for r in range(P):
+            s, ranks, shift = acc_sent[r][t]  # the accumulator rank r passes on after step t: of the block it held
+            assert s == (r - t) % P and ranks[-1] == r, f"rank {r}, step {t}: passed on block {s}'s, from {ranks}"
+            assert t == P - 1 or kv_sent[r][t] == s, f"rank {r}, step {t}: sent K/V of {kv_sent[r][t]}, held {s}"
+            _chip(ax, r + 0.06, y, 0.24, h, rank_color(r), "Q")
+            _chip(ax, r + 0.32, y, 0.62, h, rank_color(s), f"K/V r{s}")
+            _slots(ax, r, y + h + 0.1, hd, rank_color(s), f"dK/dV r{s}", ranks)
+            moves.append((r, (r + shift) % P, s))
+        _shift_arrows(ax, moves, y + h + 0.1 + hd + 0.06, (t + 1) * pitch - 0.04)
+    for r in range(P):  # home: what the last shift brought
+        (s, ranks, shift), src = next((a[P - 1], q) for q, a in enumerate(acc_sent) if (q + a[P - 1][2]) % P == r)
+        assert s == r and sorted(ranks) == list(range(P)), f"rank {r} got back block {s}'s, with the shares of {ranks}"
+        _slots(ax, r, P * pitch, hd, rank_color(s), f"dK/dV r{s}", ranks)
+    kv_bytes, acc_bytes = sizes[0], sizes[-1]
+    _frames_axes(ax, [f"step {t}" for t in range(P)] + ["home"], pitch, hd,
+                 "backward: each dK/dV accumulator travels with its block, gathering every rank's share,\n"
+                 f"and one more shift brings it home (K/V {kv_bytes} B, dK/dV {acc_bytes} B a shift)")  # fmt: skip
+    fig.suptitle(f"Ring attention, P = {P}, zigzag, cu_seqlens = {CU}: a real backward, step by step")
+    return fig
+
+
 def hierarchical_schedule() -> Figure:
     """`figures/hierarchical_schedule.png`: a2a groups of 2, a ring of 2 across them (zigzag, causal)."""
     kernels, cluster, _ = _run("a2a+p2p", "zigzag", a2a_size=2)
@@ -160,8 +347,9 @@ class RecordingComm:
         return self._comm.send_recv_async(x, shift)
 
 
-def _travel(window: tuple[int, int], layout: str) -> tuple[torch.Tensor, list[int], int, list[int]]:
-    """A forward of `p2p` under `window` (`NO_WINDOW`: the plain ring) with recording comms and kernels:
+def _travel(window: tuple[int, int], layout: str, chunk: int | None = None) -> tuple[torch.Tensor, list[int], int, list[int]]:
+    """A forward of `p2p` under `window` (`NO_WINDOW`: the plain ring; `chunk`: chunked attention) with recording
+    comms and kernels:
     `(grid (P - 1, T), rows, bytes, work)`. `grid[d - 1, y]` is the rank whose key `y` reached the rank `d` after
     it (-1: key `y` did not travel `d` ranks), `rows` the rows of each shift's payload (padding included),
     `bytes` one rank's forward traffic (from the trace), `work[r]` the scores rank `r`'s kernel calls computed."""
@@ -174,7 +362,7 @@ def _travel(window: tuple[int, int], layout: str) -> tuple[torch.Tensor, list[in
     def rank_fn(comm):
         recording = RecordingComm(comm)
         cpref.attention(*(batch.shard(x, comm.rank) for x in (q, k, v)), batch, comm=recording, mode="p2p",
-                        kernel=kernels[comm.rank], window=window, check_ranks=False)  # fmt: skip
+                        kernel=kernels[comm.rank], window=window, chunk=chunk, check_ranks=False)  # fmt: skip
         return recording.sent
 
     sent, owner = cluster.run(rank_fn), torch.tensor(base.owner_of_tokens(WINDOW_CU, P, layout))
@@ -191,11 +379,11 @@ def _travel(window: tuple[int, int], layout: str) -> tuple[torch.Tensor, list[in
     return grid, [len(payload) for payload, _ in sent[0]], nbytes, [sum(c["work"] for c in kern.calls) for kern in kernels]
 
 
-def _window_mask_panel(ax, layout: str, work: list[int]) -> None:
-    """The causal mask under the window (`sim.oracle`), each visible score in its query's rank's colour, grey
-    the scores the window drops; checked against the scores the run's kernel calls computed."""
+def _window_mask_panel(ax, layout: str, work: list[int], window=WINDOW, chunk: int | None = None) -> None:
+    """The causal mask under the window or the chunks (`sim.oracle`), each visible score in its query's rank's
+    colour, grey the scores they drop; checked against the scores the run's kernel calls computed."""
     cu = torch.tensor(WINDOW_CU)
-    seen, causal = visibility_mask(cu, window=WINDOW), visibility_mask(cu)  # (T, T) each
+    seen, causal = visibility_mask(cu, window=window, chunk=chunk), visibility_mask(cu)  # (T, T) each
     owner = torch.tensor(base.owner_of_tokens(WINDOW_CU, P, layout))  # (T,)
     counted = [int(seen[owner == r].sum()) for r in range(P)]
     assert counted == work, f"{layout}: the mask's scores per rank {counted} != the kernel calls' {work}"
@@ -234,24 +422,38 @@ def _travel_panel(ax, layout: str, grid: torch.Tensor, plain: torch.Tensor) -> N
     ax.set_xlabel("key token")
 
 
-def window_ring() -> Figure:
-    """`figures/window_ring.png`: who computes the scores a causal window leaves, and which keys the ring moves."""
+def _ring_figure(window: tuple[int, int], chunk: int | None, what: str, title: str) -> Figure:
+    """Who computes the scores a mask leaves (`window`, `chunk`) and which keys the ring moves, against the plain
+    ring (`what`: the mask's name in the legend and captions)."""
     fig, axes = plt.subplots(2, 2, figsize=(WIDTH, 6.4), sharex="col", constrained_layout=True,
                              gridspec_kw={"height_ratios": [3.2, 1.0]})  # fmt: skip
     for col, layout in enumerate(("zigzag", "contiguous")):
-        grid, rows, nbytes, work = _travel(WINDOW, layout)
+        grid, rows, nbytes, work = _travel(window, layout, chunk)
         plain, plain_rows, plain_bytes, _ = _travel(NO_WINDOW, layout)
-        _window_mask_panel(axes[0, col], layout, work)
+        _window_mask_panel(axes[0, col], layout, work, window, chunk)
         _travel_panel(axes[1, col], layout, grid, plain)
         axes[1, col].set_title(f"sent: {' + '.join(map(str, rows))} rows, {nbytes} B\n"
-                               f"no window: {sum(plain_rows)} rows, {plain_bytes} B", loc="left")  # fmt: skip
+                               f"no {what}: {sum(plain_rows)} rows, {plain_bytes} B", loc="left")  # fmt: skip
     axes[0, 0].set_ylabel("query token")
     handles = [Patch(color=rank_color(r), label=f"rank {r}") for r in range(P)]
-    handles.append(Patch(color=DROPPED, label="without the window only"))
+    handles.append(Patch(color=DROPPED, label=f"without the {what} only"))
     fig.legend(handles=handles, loc="outside lower center", ncols=3, frameon=False)
-    fig.suptitle(f"Ring, causal, window = {WINDOW} ({WINDOW[0] + 1} keys), cu_seqlens = {WINDOW_CU}, P = {P}:\n"
+    fig.suptitle(f"Ring, causal, {title}, cu_seqlens = {WINDOW_CU}, P = {P}:\n"
                  "above, who computes each score; below, the keys sent d ranks on")  # fmt: skip
     return fig
+
+
+def window_ring() -> Figure:
+    """`figures/window_ring.png`: who computes the scores a causal window leaves, and which keys the ring moves."""
+    return _ring_figure(WINDOW, None, "window", f"window = {WINDOW} ({WINDOW[0] + 1} keys)")
+
+
+CHUNK = 10  # chunked attention's C for the figure: chunks [0, 10), [10, 20), [20, 30), [30, 32) of each document
+
+
+def chunked_ring() -> Figure:
+    """`figures/chunked_ring.png`: who computes the scores chunked attention leaves, and which keys the ring moves."""
+    return _ring_figure(NO_WINDOW, CHUNK, "chunks", f"chunk = {CHUNK} positions")
 
 
 def _bytes_per_rank(mode: str, batch: cpref.Sharding, **options) -> list[int]:
@@ -542,7 +744,10 @@ FIGURES = {
     "figures/split_traffic.png": split_traffic,
     "figures/split_balance.png": split_balance,
     "figures/ring_schedule.png": ring_schedule,
+    "figures/ring_forward.png": ring_forward,
+    "figures/ring_backward.png": ring_backward,
     "figures/window_ring.png": window_ring,
+    "figures/chunked_ring.png": chunked_ring,
     "figures/hierarchical_schedule.png": hierarchical_schedule,
     "figures/ulysses_exchange.png": ulysses_exchange,
 }

@@ -2,12 +2,16 @@
 
 Each table function takes no input and returns Markdown; `docs/gen_pages.py` appends it to a
 page. The figures they show are measured from the cluster's trace; the build only renders
-them. That the measured figures are the formulas the pages state is a test
+them. So are the rules of thumb (which mode moves less, from which `P`): computed from
+`cpref.api.mode_costs`, forward and forward + backward, when the site is built, so that no
+sentence can contradict the tables beside it. That the measured figures are the formulas the pages state is a test
 (`tests/docs/test_tables.py`, over the very runs these tables render, beside the suite's own
 `tests/cp/test_mode_costs.py`).
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import torch
 
@@ -165,6 +169,117 @@ def which_mode() -> str:
     return "\n".join(out)
 
 
+# The rules of thumb: one layer of 8 key/value heads, D = Dv = 128, at each GQA group size G = Hq / Hkv.
+RULE_HKV, RULE_GROUPS, RULE_P, RULE_T = 8, (1, 2, 4, 8), (2, 4, 8, 16, 32, 64), 131072
+
+
+def traffic_ratios(G: int, P: int, dtype: torch.dtype = torch.bfloat16, hkv: int = RULE_HKV) -> tuple[Fraction, Fraction] | None:
+    """`a2a`'s bytes per rank over `all_gather`'s: `(forward, forward + backward)`; None where `a2a` cannot split the heads."""
+    heads = (G * hkv, hkv, 128, 128)
+    try:
+        a2a, ag = (mode_costs(m, P=P, local_tokens=RULE_T // P, heads=heads, dtype=dtype, **cpref.MODES[m].example_options(P))
+                   for m in ("a2a", "all_gather"))  # fmt: skip
+    except cpref.CPInputError:
+        return None
+    return (Fraction(a2a.forward_bytes, ag.forward_bytes),
+            Fraction(a2a.forward_bytes + a2a.backward_bytes, ag.forward_bytes + ag.backward_bytes))  # fmt: skip
+
+
+def rule_coefficients(dtype: torch.dtype = torch.bfloat16) -> tuple[Fraction, Fraction]:
+    """`(c_forward, c_total)`: without replicated heads `a2a` moves `c (G + 1) / P` times `all_gather`'s bytes.
+
+    Read from the cost formulas at `G = 1, P = 2` (`P` divides `Hkv`); that the same `c` holds at every
+    `G` and every `P` dividing `Hkv` is `tests/docs/test_tables.py`'s to check.
+    """
+    G, P = 1, 2
+    forward, total = traffic_ratios(G, P, dtype)
+    return forward * P / (G + 1), total * P / (G + 1)
+
+
+def _times(c: Fraction) -> str:
+    """`c (G + 1) / P` in TeX."""
+    top = "G + 1" if c.numerator == 1 else f"{c.numerator}(G + 1)"
+    return f"\\frac{{{top}}}{{{'' if c.denominator == 1 else c.denominator}P}}"
+
+
+def _crossover(c: Fraction) -> str:
+    """`P > c (G + 1)` in TeX."""
+    if c == 1:
+        return "P > G + 1"
+    top = "G + 1" if c.numerator == 1 else f"{c.numerator}(G + 1)"
+    return f"P > \\frac{{{top}}}{{{c.denominator}}}" if c.denominator != 1 else f"P > {top}"
+
+
+def least_of_all(G: int, P: int) -> bool:
+    """Whether `a2a` moves the fewest bytes forward + backward of every mode (with the tables' options)."""
+    total = {}
+    for mode, spec in cpref.MODES.items():
+        try:
+            c = mode_costs(mode, P=P, local_tokens=RULE_T // P, heads=(G * RULE_HKV, RULE_HKV, 128, 128),
+                           dtype=torch.bfloat16, **spec.example_options(P))  # fmt: skip
+        except cpref.CPInputError:
+            continue
+        total[mode] = c.forward_bytes + c.backward_bytes
+    return "a2a" in total and total["a2a"] == min(total.values())
+
+
+def a2a_moves_less(G: int, P: int, which: int) -> bool:
+    """Whether `a2a` moves fewer bytes than `all_gather`: forward (`which = 0`), forward + backward (1)."""
+    return traffic_ratios(G, P)[which] < 1
+
+
+def _from_p(G: int, holds, *args) -> str:
+    """The least `P` of `RULE_P` from which `holds(G, P, *args)`, at every larger `P` that splits the heads too."""
+    valid = [P for P in RULE_P if traffic_ratios(G, P) is not None]
+    first = next((P for P in valid if holds(G, P, *args)), None)
+    if first is None:
+        return f"none up to {valid[-1]}"
+    return str(first) if all(holds(G, P, *args) for P in valid if P > first) else f"{first}, not at every larger P"
+
+
+def _as(x: float) -> str:
+    return "as much as" if x == 1 else f"{x:g} times"
+
+
+def ulysses_rule() -> str:
+    """The rules of thumb of the mode pages, recomputed from `mode_costs` when the site is built: forward, and forward +
+    backward."""
+    (c_fwd, c_tot), (_, c_tot32) = rule_coefficients(torch.bfloat16), rule_coefficients(torch.float32)
+    costs = {m: mode_costs(m, P=2, local_tokens=RULE_T // 2, heads=(RULE_HKV, RULE_HKV, 128, 128), dtype=torch.bfloat16)
+             for m in ("all_gather", "p2p", "a2a")}  # fmt: skip
+    ag, ring, a2a = costs["all_gather"], costs["p2p"], costs["a2a"]
+    block = (RULE_T // 2) * RULE_HKV * 256 * 4  # one rank's K/V rows in float32
+    rows = [
+        "Recomputed from the cost formulas above when this page was built, with $D = D_v$ and no replicated "
+        "heads ($P$ divides $H_{kv}$), $G = H_q / H_{kv}$, in bf16:",
+        "",
+        f"* **Forward only**, `a2a` moves ${_times(c_fwd)}$ times `all_gather`'s bytes, so less once ${_crossover(c_fwd)}$.",
+        f"* **Forward + backward**, ${_times(c_tot)}$ times, so less once ${_crossover(c_tot)}$: the backward of "
+        f"`all_gather` moves {_as(ag.backward_bytes / ag.forward_bytes)} its forward (K and V gathered again, dK and "
+        f"dV reduce-scattered in float32), that of `a2a` {_as(a2a.backward_bytes / a2a.forward_bytes)} its own. In "
+        f"float32, where the reduce-scatters' 4 bytes are the input's, ${_times(c_tot32)}$.",
+        f"* `p2p` moves {_as(ring.forward_bytes / ag.forward_bytes)} `all_gather` forward, and "
+        f"{'one' if ring.backward_bytes - ag.backward_bytes == block else (ring.backward_bytes - ag.backward_bytes) / block} "
+        "block more backward (one rank's K/V, in float32).",
+        "",
+        f"With replicated heads ($P > H_{{kv}}$) `a2a` moves more than these say. For a layer of "
+        f"$H_{{kv}} = {RULE_HKV}$, $D = D_v = 128$, bf16: `a2a`'s bytes over `all_gather`'s, forward / forward + "
+        "backward (`-`: the heads cannot be split so); the least `P` from which `a2a` moves less than `all_gather`, and "
+        "from which it moves the least of the four modes, forward + backward.",
+        "",
+        "| G | " + " | ".join(f"P = {P}" for P in RULE_P[:4]) + " | less from P =, forward only | forward + backward | least of all from P = |",
+        "| --- |" + " --- |" * (len(RULE_P[:4]) + 3),
+    ]
+    for G in RULE_GROUPS:
+        cells = []
+        for P in RULE_P[:4]:
+            r = traffic_ratios(G, P)
+            cells.append("-" if r is None else f"{float(r[0]):.3g} / {float(r[1]):.3g}")
+        rows.append(f"| {G}{' (MHA)' if G == 1 else ''} | " + " | ".join(cells) + f" | {_from_p(G, a2a_moves_less, 0)} | "
+                    f"{_from_p(G, a2a_moves_less, 1)} | {_from_p(G, least_of_all)} |")
+    return "\n".join(rows)
+
+
 WINDOW_DOCS, WINDOW_P = [8192, 4096, 2048], 4  # three documents, 14336 tokens over 4 ranks
 
 
@@ -181,7 +296,8 @@ def window_balance() -> str:
             work = [sharding.attention_work(r, exact=True, window=(-1, -1) if w is None else (w, 0)) for r in range(WINDOW_P)]
             cells.append(f"{max(work) * WINDOW_P / sum(work):.3f}")
         rows.append(f"| {'none' if w is None else w} | " + " | ".join(cells) + " |")
-    rows += ["", "Once the window is much smaller than a chunk (here 512 to 2048 tokens), every rank does about "
+    chunks = f"{min(WINDOW_DOCS) // WINDOW_P} to {max(WINDOW_DOCS) // WINDOW_P}"  # contiguous chunks; zigzag's are half
+    rows += ["", f"Once the window is much smaller than a chunk (here {chunks} tokens), every rank does about "
              "`(w + 1) T / P` and contiguous is balanced on its own; zigzag still helps while the window is "
              "comparable to the chunks, and costs the ring a second halo, from the rank after (see the ring's window page)."]  # fmt: skip
     return "\n".join(rows)
@@ -196,6 +312,7 @@ def window_traffic() -> str:
     rows = [f"One document of {T:,} tokens, a GQA layer (`Hq = 32`, `Hkv = 8`, `D = Dv = 128`), bf16: MiB per rank, "
             "forward + backward, of `p2p` with `window=(w, 0)` against full causal.", "",
             "| P | layout | full causal | w = 4095 | w = 1023 | w = 255 |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    sent = {}  # (P, layout, w) -> bytes
     for P in (4, 8):
         for layout in ("contiguous", "zigzag"):
             sharding = cpref.Sharding([0, T], cp_size=P, layout=layout)
@@ -204,12 +321,19 @@ def window_traffic() -> str:
             for w in (4095, 1023, 255):
                 plan = build_window_ring_plan(sharding.bounds, P, 0, layout, True, (w, 0), torch.device("cpu"))
                 c = mode_costs("p2p", P=P, local_tokens=T // P, heads=heads, dtype=torch.bfloat16, halo_sizes=plan.halo.sizes)
-                cells.append(_mib(c.forward_bytes + c.backward_bytes))
+                sent[P, layout, w] = c.forward_bytes + c.backward_bytes
+                cells.append(_mib(sent[P, layout, w]))
             rows.append(f"| {P} | {layout} | " + " | ".join(cells) + " |")
+    ratio = {(P, w): sent[P, "zigzag", w] / sent[P, "contiguous", w] for P, layout, w in sent}
+    within = sorted({r for (P, w), r in ratio.items() if w < T // (2 * P)})  # the window inside one zigzag chunk
+    beyond = [f"{r:.3g} times at P = {P}, w = {w}" for (P, w), r in sorted(ratio.items()) if w >= T // (2 * P)]
+    times = ("twice" if within == [2] else f"{within[0]:.3g} times") if len(within) == 1 else \
+        f"{within[0]:.3g} to {within[-1]:.3g} times"
     rows += ["", "Contiguous: one shift, a halo of `w` rows from the left neighbour, and its dK/dV back. Zigzag: two, "
              "the front chunk's halo from the rank before and the back chunk's from the rank after (`P - 1` ranks "
-             "back), so twice the bytes; with a window much smaller than a chunk, contiguous is both balanced and "
-             "cheapest."]  # fmt: skip
+             f"back), so {times} the bytes while the window is shorter than a zigzag chunk (`T / 2P` tokens)"
+             + (f", and more where it reaches further ({'; '.join(beyond)})" if beyond else "")
+             + "; with a window much smaller than a chunk, contiguous is both balanced and cheapest."]  # fmt: skip
     return "\n".join(rows)
 
 
@@ -251,5 +375,5 @@ TABLES = {
     "ring.md": [("Communication, measured", mode_trace("p2p"))],
     "ulysses.md": [("Communication, measured", mode_trace("a2a"))],
     "hierarchical.md": [("Communication, measured", mode_trace("a2a+p2p"))],
-    "which-mode.md": [("Per-rank costs of two reference layers", which_mode)],
+    "which-mode.md": [("Per-rank costs of two reference layers", which_mode), ("Rules of thumb, recomputed", ulysses_rule)],
 }

@@ -18,9 +18,15 @@ bound on that side) query $x$ sees only the keys of its document within $\ell$ p
 before and $r$ after it:
 
 $$ M^{(\ell, r)}_{xy} = M_{xy} \wedge \big(\ell < 0 \vee \mathrm{pos}(y) \ge \mathrm{pos}(x) - \ell\big)
-   \wedge \big(r < 0 \vee \mathrm{pos}(y) \le \mathrm{pos}(x) + r\big) . $$
+   \qquad \wedge \big(r < 0 \vee \mathrm{pos}(y) \le \mathrm{pos}(x) + r\big) . $$
 
 `causal=True` is $r = 0$; a causal window of $w + 1$ keys is `causal=True, window=(w, 0)`.
+
+**Chunked attention** (Llama 4's chunked layers). With `chunk` $= C$ a query sees only the keys of
+its own chunk of $C$ positions of its document (positions counted from the document's start, as
+the model's RoPE positions are):
+
+$$ M^{C}_{xy} = M_{xy} \wedge \lfloor \mathrm{pos}(y) / C \rfloor = \lfloor \mathrm{pos}(x) / C \rfloor . $$
 
 **GQA.** With $H_q$ query heads and $H_{kv}$ key/value heads, $G = H_q / H_{kv}$ query heads
 share one key/value head: query head $h$ reads key/value head $\lfloor h / G \rfloor$.
@@ -34,6 +40,19 @@ $$ o_{xh} = \sum_{y : M_{xy}} e^{S_{hxy} - \mathrm{lse}_{xh}}\, v_{y,\lfloor h/G
 
 The log-sum-exp uses the natural log and is what context-parallel algorithms need to merge
 partial results. In self-attention every token sees itself, so no row is empty.
+
+**Logit soft-capping** (Gemma 2). With `softcap` $= c > 0$ every score is squashed before the
+mask and the softmax: $S_{hxy} \to c \tanh(S_{hxy} / c)$, so no logit exceeds $c$ in size.
+
+**Learnable sinks** (GPT-OSS). With `sinks` $= (s_h)$, one logit per query head, every row's
+softmax gets one more term in its denominator, which carries no value:
+
+$$ \mathrm{lse}_{xh} = \log \Big( e^{s_h} + \sum_{y : M_{xy}} e^{S_{hxy}} \Big), \qquad
+   o_{xh} = \sum_{y : M_{xy}} e^{S_{hxy} - \mathrm{lse}_{xh}}\, v_{y,\lfloor h/G \rfloor} , $$
+
+so a row that sees no key has $\mathrm{lse} = s_h$ and $o = 0$, and the sinks are a parameter with a
+gradient, $\partial L / \partial s_h = -\sum_x e^{s_h - \mathrm{lse}_{xh}} \sum_d dO_{xhd}\, o_{xhd}$,
+which autograd gives here.
 
 **Gradients.** `forward_backward` runs the same formula under autograd, so the oracle's
 gradients are autograd's gradients of the definition above.
@@ -52,7 +71,8 @@ TOL = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2, torch.float32: 1e-5, torch.f
 TOL_BF16_GQA = 3.5e-2  # bf16 with Hkv < Hq: each key's gradient sums G query heads
 
 
-def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True, window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True, window: tuple[int, int] = (-1, -1),
+                    chunk: int | None = None) -> torch.Tensor:  # fmt: skip
     """The `(T, T)` boolean mask `M`: `M[x, y]` is True iff query `x` sees key `y`.
 
     Args:
@@ -60,6 +80,7 @@ def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True, window: tu
         causal: whether a token sees only earlier positions of its own document.
         window: `(left, right)`: the most positions before and after its own a token sees
             (-1: no bound).
+        chunk: `C`: a token sees only the positions of its own chunk of `C` (None: no chunks).
 
     Returns:
         A bool tensor of shape `(T, T)` on the CPU.
@@ -80,6 +101,9 @@ def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True, window: tu
     if right >= 0:
         # ... and pos(y) <= pos(x) + right
         mask &= pos[None, :] <= pos[:, None] + right  # (T, T)
+    if chunk is not None:
+        # ... and floor(pos(y) / C) = floor(pos(x) / C)
+        mask &= (pos[None, :] // chunk) == (pos[:, None] // chunk)  # (T, T)
     return mask
 
 
@@ -92,6 +116,9 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 attention over a packed stream: the definition of correct.
 
@@ -103,10 +130,13 @@ def attention(
         causal: whether a token sees only earlier positions of its own document.
         scale: logit scale; `D ** -0.5` when None.
         window: `(left, right)` sliding window (see the module docstring); `(-1, -1)`: none.
+        chunk: chunked attention's `C` (None: none).
+        softcap: logit soft-capping's `c` (None: none).
+        sinks: `(Hq,)` sink logits (None: none).
 
     Returns:
         `(out, lse)`: `out` of shape `(T, Hq, Dv)` and `lse` of shape `(T, Hq)`, both
-        float64. Differentiable with respect to `q`, `k` and `v`.
+        float64. Differentiable with respect to `q`, `k`, `v` (and `sinks`).
 
     Examples:
         >>> import torch
@@ -124,12 +154,19 @@ def attention(
     v64 = v.double().repeat_interleave(group, dim=1)  # (T, Hkv, Dv) -> (T, Hq, Dv)
     # 2) S_hxy = s q_xh . k_yh, masked to -inf where token x does not see token y
     scores = scale * torch.einsum("xhd,yhd->hxy", q64, k64)  # (Hq, T, T)
-    mask = visibility_mask(cu_seqlens, causal=causal, window=window).to(q.device)  # (T, T)
+    if softcap is not None:
+        # S -> c tanh(S / c), before the mask
+        scores = softcap * torch.tanh(scores / softcap)  # (Hq, T, T)
+    mask = visibility_mask(cu_seqlens, causal=causal, window=window, chunk=chunk).to(q.device)  # (T, T)
     scores = scores.masked_fill(~mask, float("-inf"))  # (Hq, T, T)
-    # 3) lse_xh = log sum_y exp(S_hxy)
+    if sinks is not None:
+        # one more logit per row, s_h, with no value: a column of the softmax that is dropped after it
+        sink = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)  # (Hq, T, 1)
+        scores = torch.cat([scores, sink], dim=-1)  # (Hq, T, T + 1)
+    # 3) lse_xh = log sum_y exp(S_hxy)  (with the sink: log(e^s_h + sum_y exp(S_hxy)))
     lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)  # (Hq, T) -> (T, Hq)
     # 4) o_xh = sum_y softmax_y(S_hxy) v_yh
-    probs = torch.softmax(scores, dim=-1)  # (Hq, T, T)
+    probs = torch.softmax(scores, dim=-1)[..., : k64.shape[0]]  # (Hq, T, T): the sink's column carries no value
     out = torch.einsum("hxy,yhd->xhd", probs, v64)  # (T, Hq, Dv)
     return out, lse
 
@@ -144,7 +181,10 @@ def forward_backward(
     causal: bool = True,
     scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """`attention` and its gradients for the upstream gradient `dout`, all in float64.
 
     Args:
@@ -156,15 +196,19 @@ def forward_backward(
         causal: as for `attention`.
         scale: as for `attention`.
         window: as for `attention`.
+        chunk: as for `attention`.
+        softcap: as for `attention`.
+        sinks: as for `attention`; given, their gradient is returned too.
 
     Returns:
         `(out, lse, dq, dk, dv)`, all float64 and detached; `dq, dk, dv` are shaped like
-        `q, k, v`.
+        `q, k, v`; with `sinks`, `(out, lse, dq, dk, dv, dsinks)`, `dsinks` of shape `(Hq,)`.
     """
     # 1) float64 leaves, so autograd's gradients are float64 too
-    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v, *(() if sinks is None else (sinks,)))]
     with torch.enable_grad():
-        out, lse = attention(q64, k64, v64, cu_seqlens, causal=causal, scale=scale, window=window)
-        # 2) dq, dk, dv = d<out, dout>/d(q, k, v)
-        dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), grad_outputs=dout.double())
-    return out.detach(), lse.detach(), dq, dk, dv
+        out, lse = attention(*leaves[:3], cu_seqlens, causal=causal, scale=scale, window=window, chunk=chunk,
+                             softcap=softcap, sinks=None if sinks is None else leaves[3])  # fmt: skip
+        # 2) dq, dk, dv (, dsinks) = d<out, dout>/d(q, k, v (, sinks))
+        grads = torch.autograd.grad(out, leaves, grad_outputs=dout.double())
+    return (out.detach(), lse.detach(), *grads)

@@ -71,14 +71,15 @@ def only_the_comparison(trace) -> bool:
     return events in ([], [("all_gather", *row)], [("all_reduce", *row)] * 2)
 
 
-def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1), rank: int = 0):
+def expected_costs(mode: str, sharding, heads, dtype, causal: bool = True, window=(-1, -1), rank: int = 0, chunk=None):
     """`mode_costs` of one call as the mode states it for rank `rank` (its formulas over the amounts of the plan it
     runs), with the options the tools run it with at this CP size."""
     import cpref
     from cpref.api import mode_costs
 
     options = cpref.MODES[mode].example_options(sharding.cp_size)
-    return mode_costs(mode, sharding, heads=heads, dtype=dtype, causal=causal, window=window, rank=rank, **options)
+    return mode_costs(mode, sharding, heads=heads, dtype=dtype, causal=causal, window=window, rank=rank, chunk=chunk,
+                      **options)
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 300.0):

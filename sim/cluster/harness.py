@@ -85,44 +85,48 @@ def run_attention(
         cluster: the cluster to run on (default: a new `SimCluster(P, timeout=60)`).
         between: called with the rank's comm between forward and backward (e.g. a barrier
             that marks the end of the forward in the trace).
-        **kwargs: further `cpref.attention` arguments (`causal`, `softmax_scale`, ...).
+        **kwargs: further `cpref.attention` arguments (`causal`, `softmax_scale`, ...); `sinks`, given, is
+            every rank's own copy of the parameter (a leaf of its own, as a replicated weight is).
 
     Returns:
-        `(results, cluster)`: per rank `(out, dq, dk, dv)` (only `(out,)` without `dout`).
+        `(results, cluster)`: per rank `(out, dq, dk, dv)` (only `(out,)` without `dout`), with `sinks` also
+        the rank's gradient of the sinks, `(out, dq, dk, dv, dsinks)`: its rows' share, whose sum over the ranks
+        is the whole batch's.
     """
     cluster = SimCluster(sharding.cp_size, timeout=60.0) if cluster is None else cluster
+    sinks = kwargs.pop("sinks", None)
 
     def rank_fn(comm):
         ql, kl, vl = (sharding.shard(t, comm.rank).detach().requires_grad_(dout is not None) for t in (q, k, v))
         kernel = kernels[comm.rank] if kernels else None
-        out = cpref.attention(ql, kl, vl, sharding, comm=comm, mode=mode, kernel=kernel, **kwargs)
+        own = {} if sinks is None else {"sinks": sinks.detach().clone().requires_grad_(dout is not None)}
+        out = cpref.attention(ql, kl, vl, sharding, comm=comm, mode=mode, kernel=kernel, **kwargs, **own)
         if between is not None:
             between(comm)
         if dout is None:
             return (out.detach(),)
         out.backward(sharding.shard(dout, comm.rank))
-        return out.detach(), ql.grad, kl.grad, vl.grad
+        return out.detach(), ql.grad, kl.grad, vl.grad, *((own["sinks"].grad,) if own else ())
 
     return cluster.run(rank_fn), cluster
 
 
-def oracle_padded(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None, window=(-1, -1)):
-    """The oracle's `(out, dq, dk, dv)` over the padded stream: real rows exact, padding rows 0."""
+def oracle_padded(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None, window=(-1, -1), **variants):
+    """The oracle's `(out, dq, dk, dv)` over the padded stream: real rows exact, padding rows 0; `variants`:
+    `softcap`, `chunk`, `sinks` (the oracle's arguments; with `sinks`, `dsinks` is the tuple's fifth)."""
     cu = torch.tensor(sharding.cu_seqlens)
-    if not sharding.bounds.is_padded:
-        out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu, dout, causal=causal, scale=scale, window=window)
-        return out, dq, dk, dv
-    real = [sharding.unpad(t) for t in (q, k, v, dout)]  # (T_real, ...)
-    out, _, dq, dk, dv = oracle.forward_backward(*real[:3], cu, real[3], causal=causal, scale=scale, window=window)
-    padded = []
-    for t in (out, dq, dk, dv):
-        padded.append(sharding.pad(t))  # (T, ...): padding rows 0
-    return tuple(padded)
+    real = [sharding.unpad(t) for t in (q, k, v, dout)] if sharding.bounds.is_padded else [q, k, v, dout]
+    out, _, dq, dk, dv, *dsinks = oracle.forward_backward(*real[:3], cu, real[3], causal=causal, scale=scale,
+                                                          window=window, **variants)  # fmt: skip
+    if sharding.bounds.is_padded:
+        out, dq, dk, dv = (sharding.pad(t) for t in (out, dq, dk, dv))  # (T, ...): padding rows 0
+    return (out, dq, dk, dv, *dsinks)
 
 
-def oracle_shards(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None, window=(-1, -1)):
-    """The oracle's `(out, dq, dk, dv)`, cut into every rank's shard: `[rank][tensor]`."""
-    full = oracle_padded(q, k, v, dout, sharding, causal=causal, scale=scale, window=window)
+def oracle_shards(q, k, v, dout, sharding: cpref.Sharding, *, causal=True, scale=None, window=(-1, -1), **variants):
+    """The oracle's `(out, dq, dk, dv)`, cut into every rank's shard: `[rank][tensor]` (the sinks' gradient, which
+    no rank holds alone, is `oracle_padded`'s)."""
+    full = oracle_padded(q, k, v, dout, sharding, causal=causal, scale=scale, window=window, **variants)[:4]
     return [[sharding.shard(t, r) for t in full] for r in range(sharding.cp_size)]
 
 

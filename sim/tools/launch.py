@@ -6,6 +6,7 @@ processes, each with its own process group. `launch(fn, nproc)` starts `nproc` p
 default), runs `fn(*args)` on each, and returns the results, indexed by rank:
 
 ```python
+# run by tests/backends/test_torch_dist.py::test_every_collective_on_every_group_and_dtype
 from sim.tools.launch import launch
 results = launch(my_module.check_rank, 4, timeout=30.0)   # fn: a module-level function
 ```

@@ -15,11 +15,17 @@ runs every rank as a thread of one process and prints one line per step from ran
 step's loss, the global gradient norm and the tokens trained per second (what it printed, for
 two steps, when this site was built, is at the end of this page).
 
-`--model gpt2|llama|qwen3` chooses the family (small presets that train in seconds on a CPU),
-`--mode` and `--layout` the CP algorithm, `--a2a-size` the hierarchical mode's group,
-`--dp M` adds data parallelism (a world of `M x N` ranks; `--strided` puts non-consecutive ranks
-in a CP group), `--micro-batches` accumulates gradients, `--dtype bf16` runs the forward under
-bfloat16 autocast, `--pack-tokens` sets the pack size.
+## The run does not depend on the CP size
+
+The loss of a step is the mean over every loss token of the step on every rank
+(`cpref.train.training`), and attention is exact at any CP size, so a run at CP = 4 is the run at
+CP = 1, up to rounding. Two real runs:
+
+{{ figure figures/parity.png }}
+
+The test suite checks the loss and gradient norm of 10 steps of every family in every mode and
+layout, at CP = 2, CP = 4 and DP 2 x CP 2, against CP = 1: within 1e-5 (fp32), and 1e-2 under
+bf16 autocast.
 
 ## On real processes
 
@@ -31,13 +37,11 @@ torchrun --nproc-per-node 4 -m sim train --backend gloo --cp 2 --dp 2   # the sa
 starts `dp x cp` gloo processes (`sim.tools.launch`; under torchrun, torchrun's), each a replica of the
 model, and runs the same loop over `cpref.comm.TorchComm`.
 
-## The run does not depend on the CP size
-
-The loss of a step is the mean over every loss token of the step on every rank
-(`cpref.train.training`), and attention is exact at any CP size, so a run at CP = 4 is the run at
-CP = 1, up to rounding. The figure below shows two real runs, and the test suite checks the
-loss and gradient norm of 10 steps of every family in every mode and layout, at CP = 2, CP = 4
-and DP 2 x CP 2, against CP = 1: within 1e-5 (fp32), and 1e-2 under bf16 autocast.
+Both take the same options. `--model gpt2|llama|qwen3` chooses the family (small presets that
+train in seconds on a CPU), `--mode` and `--layout` the CP algorithm, `--a2a-size` the
+hierarchical mode's group, `--dp M` adds data parallelism (a world of `M x N` ranks; `--strided`
+puts non-consecutive ranks in a CP group), `--micro-batches` accumulates gradients, `--dtype bf16`
+runs the forward under bfloat16 autocast, `--pack-tokens` sets the pack size.
 
 ## Checkpoints, and resuming at another CP size
 

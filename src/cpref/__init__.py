@@ -27,9 +27,10 @@ from the batch cache, its collectives through `comm/`, its kernel calls through 
 Example (on the simulated cluster of the `sim` package, installed with cpref):
 
 ```python
+# given: cu_seqlens, q, k, v; a packed batch (every document a multiple of 2P = 8 tokens), q, k, v (T, H, D)
 import cpref, sim
 sharding = cpref.Sharding(cu_seqlens, cp_size=4, layout="zigzag")
-out = sim.SimCluster(4).run(
+outs = sim.SimCluster(4).run(  # every rank's output shard, in rank order
     lambda comm: cpref.attention(*(sharding.shard(x, comm.rank) for x in (q, k, v)), sharding,
                                  comm=comm, mode="all_gather"))
 ```

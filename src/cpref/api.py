@@ -1,12 +1,13 @@
 """The public entry point: `cpref.attention`.
 
 ```python
+# given: comm, cu_seqlens, q, k, v; comm: this rank's CP group; q, k, v: the whole packed batch (T, H, D)
 sharding = cpref.Sharding(cu_seqlens, cp_size=comm.size, layout="zigzag")
 out = cpref.attention(sharding.shard(q, comm.rank), sharding.shard(k, comm.rank), sharding.shard(v, comm.rank),
                       sharding, comm=comm, mode="all_gather")
 ```
 
-`q, k, v` are this rank's shards, `sharding` the [`Sharding`][cpref.batch.sharding.Sharding] that
+Its `q, k, v` are this rank's shards, `sharding` the [`Sharding`][cpref.batch.sharding.Sharding] that
 cut them (the document boundaries, real and padded, the CP size and the layout, given once),
 and `comm` the CP group's collectives ([`cpref.comm.protocol.Collectives`][cpref.comm.protocol.Collectives]). The result is this rank's
 output shard, differentiable (once) in `q`, `k` and `v` through an `autograd.Function` with an
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import numbers
 import pkgutil
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -61,7 +63,7 @@ from cpref.batch.layout import LAYOUTS
 from cpref.batch.sharding import Sharding
 from cpref.comm.protocol import Collectives, check_comm
 from cpref.kernels import AttentionKernel, check_heads, default_kernel
-from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, check_window, compute_dtype
+from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, SoftCapped, check_softcap, check_window, compute_dtype
 from cpref.modes.call import CPCall
 from cpref.modes.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.modes.costs import ModeCosts
@@ -107,7 +109,7 @@ def _check_options(mode: str, given: dict[str, Any]) -> dict[str, Any]:
 def mode_costs(mode: str, sharding: Sharding | None = None, **arguments: Any) -> ModeCosts:
     """The per-rank costs of one layer of `mode`, from its own declaration (see `cpref.modes.costs`).
 
-    Two ways: for a batch, `mode_costs(mode, sharding, heads=, dtype=, rank=0, causal=True, window=, **options)`
+    Two ways: for a batch, `mode_costs(mode, sharding, heads=, dtype=, rank=0, causal=True, window=, chunk=, **options)`
     asks the mode what it does on `rank` for that call: the formulas with the amounts read from the plan it
     runs ([`ModeSpec.call_costs`][cpref.modes.spec.ModeSpec.call_costs]); or, without a batch, the formulas
     themselves, with every amount given.
@@ -115,7 +117,7 @@ def mode_costs(mode: str, sharding: Sharding | None = None, **arguments: Any) ->
     Args:
         mode: a name in `MODES`.
         sharding: the batch, or None for the formulas alone.
-        **arguments: with a `sharding`: `heads` `(Hq, Hkv, D, Dv)`, `dtype`, `rank`, `causal`, `window` and the
+        **arguments: with a `sharding`: `heads` `(Hq, Hkv, D, Dv)`, `dtype`, `rank`, `causal`, `window`, `chunk` and the
             mode's options, validated as `cpref.attention` validates them. Without: `P`, `local_tokens`,
             `heads`, `dtype`, `selected_kv_rows` (the all-gather plan's `sum(kv_len)`, for `save_gathered_kv`),
             `halo_sizes` (the ring plan's `halo.sizes`, under a window or with the stream and balanced layouts),
@@ -132,7 +134,7 @@ def mode_costs(mode: str, sharding: Sharding | None = None, **arguments: Any) ->
 
 
 def _costed_call(mode: str, sharding: Any, *, heads: Any, dtype: Any, rank: int = 0, causal: bool = True,
-                 window: Any = NO_WINDOW, **options: Any) -> CPCall:  # fmt: skip
+                 window: Any = NO_WINDOW, chunk: Any = None, **options: Any) -> CPCall:  # fmt: skip
     """The `CPCall` of rank `rank` that `mode_costs` costs (no tensors: their heads and dtype are given)."""
     if not isinstance(sharding, Sharding):
         sharding = check_sharding(sharding, 1)  # refused with its message
@@ -144,9 +146,37 @@ def _costed_call(mode: str, sharding: Any, *, heads: Any, dtype: Any, rank: int 
         raise CPInputError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     causal = as_bool("causal", causal)
     call = CPCall(sharding, rank, causal, check_window(window, causal), 1.0, None, heads, dtype, torch.device("cpu"),
-                  MappingProxyType(_check_options(mode, options)))  # fmt: skip
+                  MappingProxyType(_check_options(mode, options)), chunk=_check_chunk(chunk))  # fmt: skip
     _check_mode_constraints(call, mode)
     return call
+
+
+VARIANTS = {"chunk": "chunked attention", "sinks": "learnable sinks", "softcap": "logit soft-capping"}
+
+
+def _check_chunk(chunk: Any) -> int | None:
+    """`chunk` as an int `C >= 1` (a query sees only its own chunk of `C` positions), or None."""
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise CPInputError(f"chunk={chunk!r} must be an int >= 1, the positions of a chunk (Llama 4's "
+                           "attention_chunk_size, 8192), or None for no chunks")  # fmt: skip
+    return int(chunk)
+
+
+def _check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
+    """`sinks` if it is one float logit per query head `(Hq,)` on the device of `q`, and trained where `q` is."""
+    if sinks is None:
+        return None
+    fix = f"pass the layer's sinks, a float tensor of shape ({q.shape[1]},) (one logit per query head) on {q.device}"
+    if not isinstance(sinks, torch.Tensor):
+        raise CPInputError(f"sinks is {type(sinks).__name__}, not a tensor; {fix}")
+    if tuple(sinks.shape) != (q.shape[1],) or not sinks.is_floating_point() or sinks.device != q.device:
+        raise CPInputError(f"sinks has shape {tuple(sinks.shape)}, dtype {sinks.dtype} on {sinks.device}; {fix}")
+    if torch.is_grad_enabled() and q.requires_grad and not sinks.requires_grad:
+        raise CPInputError("sinks do not require grad while q does: training would leave them untrained without a word; "
+                           "pass a parameter (sinks.requires_grad_()), or run under torch.no_grad() to evaluate")  # fmt: skip
+    return sinks
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -161,7 +191,7 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
 
 
 def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, softmax_scale=None, kernel=None,
-            deterministic=False, **options) -> CPCall:  # fmt: skip
+            deterministic=False, softcap=None, chunk=None, sinks=None, **options) -> CPCall:  # fmt: skip
     """Validate one `attention` call without communicating; return it as a `CPCall`.
 
     Raises:
@@ -198,8 +228,15 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
             f"tokens over cp_size={P} has {local}; shard them with sharding.shard(x, comm.rank)"
         )
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+    softcap, chunk, sinks = check_softcap(softcap), _check_chunk(chunk), _check_sinks(sinks, q)
+    if softcap is not None:
+        if "softcap" not in getattr(kernel, "variants", ()):
+            raise CPInputError(f"softcap={softcap} needs a kernel that soft-caps its logits, but {_kernel_name(kernel)} does "
+                               "not list 'softcap' in its variants; pass kernel=cpref.TorchKernel() (or CudaKernel, which "
+                               "hands such calls to it), or leave kernel unset")  # fmt: skip
+        kernel = SoftCapped(kernel, softcap)
     call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options),
-                  deterministic)  # fmt: skip
+                  deterministic, softcap, chunk, sinks)  # fmt: skip
     # 4) the mode's own constraints, and what the backend cannot do
     spec = _check_mode_constraints(call, mode)
     missing = spec.collectives & frozenset(comm.unsupported_ops)
@@ -212,11 +249,15 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
 
 
 def _check_mode_constraints(call: CPCall, mode: str):
-    """The mode's own constraints on a call (its window, its heads, its options); returns its `ModeSpec`."""
+    """The mode's own constraints on a call (its window, its variants, its heads, its options); returns its
+    `ModeSpec`."""
     spec = MODES[mode]
     if call.window != NO_WINDOW and not spec.windows:
         takes = [name for name, other in MODES.items() if other.windows]
         raise CPInputError(f"mode={mode!r} does not take a sliding window yet (window={call.window}); the modes that do: {takes}")
+    for variant in sorted(call.variants - {"softcap"} - spec.variants):  # every mode soft-caps: its kernel calls do
+        takes = [name for name, other in MODES.items() if variant in other.variants]
+        raise CPInputError(f"mode={mode!r} does not run {VARIANTS[variant]} ({variant}=) yet; the modes that do: {takes}")
     if spec.check is not None:
         spec.check(call)
     return spec
@@ -283,6 +324,9 @@ def attention(
     softmax_scale: float | None = None,
     kernel: AttentionKernel | None = None,
     deterministic: bool = False,
+    softcap: float | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
     check_ranks: bool = True,
     **options: Any,
 ) -> torch.Tensor:
@@ -313,6 +357,16 @@ def attention(
             the backward's row sums in occurrence layers and the kernel's own backward in its deterministic
             algorithm ([`cpref.base.determinism`][cpref.base.determinism]); the kernel must declare `deterministic = True`
             (without a kernel, the default kernel is built so). Default False.
+        softcap: logit soft-capping (Gemma 2): every score becomes `softcap * tanh(S / softcap)` before the
+            mask and the softmax, in every kernel call, forward and backward. Default None: none.
+        chunk: chunked attention (Llama 4's chunked layers): a query sees only the keys of its own chunk of
+            `chunk` positions of its document, causal or not, with a window or not; what travels follows
+            the chunks ([`cpref.modes.visible`][cpref.modes.visible]); not with all_gather's `overlap=True`
+            (refused). Default None: none.
+        sinks: learnable sinks (GPT-OSS): `(Hq,)`, one logit per query head that joins every row's softmax
+            denominator once and carries no value ([`cpref.kernels.sinks`][cpref.kernels.sinks]); a parameter:
+            each rank's gradient is its rows' and heads' share, summed over the CP group as every replicated
+            parameter's is; not with `head_groups > 1` (refused). Default None: none.
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
             call (see `cpref.modes.consistency`); if every rank passes `False` on the first call of a
             communicator, its later calls skip it.
@@ -331,7 +385,8 @@ def attention(
     check_ranks = as_bool("check_ranks", check_ranks)
     try:
         call = prepare(q, k, v, sharding, comm=comm, mode=mode, causal=causal, window=window,
-                       softmax_scale=softmax_scale, kernel=kernel, deterministic=deterministic, **options)  # fmt: skip
+                       softmax_scale=softmax_scale, kernel=kernel, deterministic=deterministic, softcap=softcap,
+                       chunk=chunk, sinks=sinks, **options)  # fmt: skip
     except CPInputError:
         if _usable(comm):  # the others may be entering the comparison: meet them there
             with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see

@@ -128,7 +128,12 @@ def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
     doc = report.__doc__
     assert "{{ results" not in doc and doc.count("### Last run") == len(BENCHMARKS)
     assert "{{ goals }}" not in doc and "{total_minutes}" not in doc
-    summary = doc.split("## Goals and where the last run left them")[1].split("## 1.")[0]
-    assert summary.count("\n| ") == 2 + 6, summary  # header, rule, five goals of bench.scaling.goals and make bench's time
+    summary = doc.split("## The last run in one screen")[1].split("## What limits each goal")[0]
+    # header, rule, the kernel's goal, the CP path's at P = 1, the five of bench.scaling.goals, memory, the balanced
+    # layout's goals and make bench's time
+    assert summary.count("\n| ") == 2 + 10, summary
+    assert "All on the CPU, none on a GPU" in summary and "{{ figure figures/bench_scaling.png }}" in summary
+    for name in BENCHMARKS:  # each section headed by where its benchmark ran (CPU, gloo, simulated cluster) and when
+        assert f"### Last run\n\n**{report.WHERE[name]}** · *{json.loads((RESULTS / f'{name}.json').read_text())['measured']}" in doc
     assert all(f"{{{{ figure {path} }}}}" in doc for path in figs.FIGURES)
     assert "```" not in doc.split("## 1.")[1], "a result shown as a code block, not a table"

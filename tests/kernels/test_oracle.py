@@ -106,3 +106,42 @@ def test_single_token_document_returns_its_value():
     out, lse = oracle.attention(q, k, v, torch.tensor([0, 1]), scale=0.5)
     assert_close(out, v, F64, "out = v")
     assert_close(lse, 0.5 * (q * k).sum(-1), F64, "lse = s q.k")
+
+
+# ---- the variants (issue 45): each against a second, independent statement of its definition ----------------------
+def test_chunked_attention_is_causal_attention_over_the_documents_cut_at_every_chunk():
+    q, k, v = random_qkv(23, 4, 2, 8)
+    got, _ = oracle.attention(q, k, v, torch.tensor([0, 13, 23]), chunk=5)
+    want, _ = oracle.attention(q, k, v, torch.tensor([0, 5, 10, 13, 18, 23]))  # 13 = 5 + 5 + 3, 10 = 5 + 5
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    longer, _ = oracle.attention(q, k, v, torch.tensor([0, 13, 23]), chunk=13)  # no document reaches a second chunk
+    torch.testing.assert_close(longer, oracle.attention(q, k, v, torch.tensor([0, 13, 23]))[0], atol=0, rtol=0)
+
+
+def test_sinks_join_the_denominator_once_and_carry_no_value():
+    q, k, v = random_qkv(12, 4, 2, 8)
+    cu, sinks = torch.tensor([0, 7, 12]), torch.tensor([-3.0, 0.0, 5.0, 20.0], dtype=torch.float64)
+    out, lse = oracle.attention(q, k, v, cu, sinks=sinks)
+    plain, plain_lse = oracle.attention(q, k, v, cu)
+    want_lse = torch.log(torch.exp(plain_lse) + torch.exp(sinks)[None])  # (T, Hq)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(out, plain * torch.exp(plain_lse - want_lse)[..., None], atol=1e-12, rtol=1e-12)
+
+
+def test_the_sinks_gradient_is_the_formula_of_the_page():
+    q, k, v = random_qkv(12, 4, 2, 8)
+    dout = random_qkv(12, 4, 4, 8, seed=1)[0]
+    cu, sinks = torch.tensor([0, 7, 12]), torch.tensor([-3.0, 0.0, 5.0, 20.0], dtype=torch.float64)
+    out, lse, *_, dsinks = oracle.forward_backward(q, k, v, cu, dout, sinks=sinks)
+    want = -(torch.exp(sinks[None] - lse) * (dout * out).sum(-1)).sum(0)  # -sum_x e^(s - lse') (dO . o')
+    torch.testing.assert_close(dsinks, want, atol=1e-12, rtol=1e-12)
+
+
+def test_soft_capping_squashes_every_score_before_the_mask():
+    q, k, v = random_qkv(9, 2, 2, 4)
+    scores = 10 * torch.einsum("xhd,yhd->hxy", q, k)  # (H, T, T)
+    capped = 3.0 * torch.tanh(scores / 3.0)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    want = torch.einsum("hxy,yhd->xhd", torch.softmax(capped.masked_fill(~causal, float("-inf")), -1), v)
+    got, _ = oracle.attention(q, k, v, torch.tensor([0, 9]), scale=10.0, softcap=3.0)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

@@ -72,10 +72,10 @@ rows, which catches a result that rounds more on every row; `<=2` or `>2`; `-` f
 truth is no more precise than the result ([`sim.tools.verify.truth`][sim.tools.verify.truth]
 has the definitions and the floors).
 
-**Why the baseline matters** (issue 42). Held to cpref's kernel, which computes the scores in
-float32, exact implementations that compute `q @ k^T` in bf16 failed every bf16 row with errors
-well inside the tolerance. As the issue reports it (the filer's own adapters, the column then
-the largest-error ratio alone; quoted, not re-measured): a Ulysses adapter at `--nproc 1`, no CP
+**Why the baseline matters.** Held to cpref's kernel, which computes the scores in float32,
+exact implementations that compute `q @ k^T` in bf16 fail bf16 rows with errors well inside the
+tolerance. As issue 42 reports it (the filer's own adapters held to the kernel, the column the
+largest-error ratio alone; quoted, not re-measured): a Ulysses adapter at `--nproc 1`, no CP
 at all, `vs P=1 2.20 >2`; at `--nproc 2` rank 0 `2.20` FAIL, rank 1 `0.82`; a ring with bf16
 scores and a float32 merge `2.70` and `3.33` at P = 2. The repository's reproduction,
 `tests.backends.verify_impls:blockwise` at P = 2 in bf16 (2026-12-06, re-measured by the test
@@ -134,6 +134,7 @@ verifies any function with cpref's signature that takes the process group instea
 `comm`, against the same ground truth:
 
 ```python
+# sketch: the signature your function gives; sim verify calls it on every rank
 def attention(q, k, v, sharding, *, process_group, mode, causal, window, **options) -> torch.Tensor: ...
 ```
 

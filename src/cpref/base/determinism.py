@@ -30,11 +30,13 @@ index `(3, 1, 3, 0, 3, 1)`:
 | 1 | 2, 5 | 3, 1 |
 | 2 | 4 | 3 |
 
+{{ figure figures/occurrence_layers.png }}
+
 No two additions ever race, on any device, and the result is bit for bit the sequential sum
 (what `index_add_` computes on the CPU). The layers cost one stable sort of the index and one
 host read (how many layers), and one `index_add_` per layer instead of one: the all-gather
 plan's index under the zigzag layout has two (a document's first local chunk is in the prefix
-of its second), an index without repeats one, done as before. The sort and the host read are
+of its second), an index without repeats one: one `index_add_`, as without the switch. The sort and the host read are
 paid **once per index tensor**: the indices come from the plans, which the batch cache keeps,
 so `add_rows` keeps each index's layers beside it (by identity, checked against the tensor's
 version, so an index changed in place gets new layers; dropped with the tensor), and its

@@ -9,6 +9,8 @@ mean causal work $W^*$. Long documents are dense in work (a document of $n$ toke
 $n(n+1)/2$ scores, $(n+1)/2$ a token), short ones sparse; the plan keeps the short ones whole
 and lets a few long ones, cut, make up each rank's difference.
 
+{{ figure figures/balanced.png }}
+
 ## The identity it rests on
 
 A **symmetric pair** of a document, its chunks $[f, f + h)$ and $[n - f - h, n - f)$, carries

@@ -11,8 +11,13 @@ causal mask only to positions at or before its own. A fixed-length batch in the 
 
 ## Layouts over a CP group of `P` ranks
 
-Context parallelism splits *every document* across the `P` ranks of the group, so that
-each rank holds `1/P` of every document and every document benefits from the split.
+Context parallelism splits the batch across the `P` ranks of the group. Four layouts say how,
+drawn here on one small batch and defined below: contiguous and zigzag split *every document*,
+so that each rank holds `1/P` of every document and every document benefits from the split;
+stream and balanced cut the packed batch instead, and leave whole every document they do
+not cut.
+
+{{ figure figures/layouts.png }}
 
 * **contiguous**: document `i` of length `L_i` is cut into `P` equal chunks of
   `c_i = L_i / P` tokens; rank `r` holds chunk `r`.
@@ -60,6 +65,8 @@ contiguous:
   keys, so the rank's work is the sum of $\mathrm{pos} + 1$ over its query tokens (what a kernel that skips masked scores
   spends).
 
+{{ figure figures/attention_mask.png }}
+
 Query chunk `j` of a document (0-based, chunk size $c$) covers positions $[jc, (j+1)c)$:
 
 $$ W^{\mathrm{block}}_j = c \cdot (j + 1) c, \qquad W^{\mathrm{exact}}_j = \sum_{\mathrm{pos} = jc}^{(j+1)c - 1} (\mathrm{pos} + 1)
@@ -76,6 +83,8 @@ $$ W_r + W_{2P-1-r} = (2P + 1) c^2 \text{ (block)}, \qquad (2P - 1) c^2 + c (c +
 
 the same on every rank under both metrics. [`attention_work`][cpref.batch.layout.attention_work]
 computes both; `make demo` prints them.
+
+{{ figure figures/work.png }}
 
 **With a sliding window** `(left, right)` (`cpref.attention`'s, $r = 0$ under causal) the query
 at position $p$ of a document of $n$ tokens sees the keys $[\max(0, p - \ell), \min(n, p + r + 1))$,

@@ -59,7 +59,7 @@ def layout_multiple(layout: str, cp_size: int) -> int:
     The layouts themselves are `cpref.batch.layout`'s; the rule lives here, below it, because
     `Boundaries.check_divisible` applies it (`cpref.batch.layout` re-exports it).
 
-    Without CP (`cp_size = 1`) it is 1 in either layout: the one rank holds every document whole
+    Without CP (`cp_size = 1`) it is 1 in every layout: the one rank holds every document whole
     and in order, so there is nothing to balance and no length to pad.
     """
     as_choice("layout", layout, LAYOUTS)

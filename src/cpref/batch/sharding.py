@@ -5,10 +5,15 @@ the sharding needs (the document boundaries, real and padded, the CP size `P` an
 is what attention needs to undo it, so cpref asks for it **once**, as one immutable object:
 
 ```python
+# given: cu_seqlens, q, k, v; a packed batch whose documents are multiples of 2P = 8 tokens
+import cpref, sim
 sharding = cpref.Sharding(cu_seqlens, cp_size=4, layout="zigzag")
-q_r = sharding.shard(q, rank)                                # (T, Hq, D) -> (T / P, Hq, D)
-out_r = cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="p2p")
-out = sharding.unshard([out_0, out_1, out_2, out_3])         # every rank's -> (T, Hq, Dv)
+
+def on_rank(comm):                                           # every rank of the CP group
+    q_r, k_r, v_r = (sharding.shard(t, comm.rank) for t in (q, k, v))  # (T, H, D) -> (T / P, H, D)
+    return cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="p2p")
+
+out = sharding.unshard(sim.SimCluster(4).run(on_rank))       # every rank's -> (T, Hq, Dv)
 ```
 
 Sharding with one layout and attending with another, or over a group of another size, cannot

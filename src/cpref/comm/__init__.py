@@ -20,6 +20,7 @@ does not import the backend: `TorchComm` and its helpers load on first use.
 
 Example:
     ```python
+    # run by tests/test_quickstart.py::test_the_own_module_example_trains_over_torchrun_as_on_one_device
     import torch.distributed as dist
     import cpref
     from cpref.comm import TorchComm

@@ -183,6 +183,7 @@ class TorchComm:
 
         Examples:
             ```python
+            # run by tests/backends/test_torch_dist.py::test_every_collective_on_every_group_and_dtype
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
             cp = TorchComm.from_mesh(mesh, "cp")   # world ranks {0, 1} and {2, 3}
             ```

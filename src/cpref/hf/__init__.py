@@ -9,6 +9,9 @@ or loaded with `attn_implementation="cpref"` runs every attention layer with CP.
 RoPE (scaled RoPE included), norms and MLPs are per-token and see the rank's shard.
 
 ```python
+# given: comm, P, path, batch; comm: this rank's CP group, path: a checkpoint, batch: a padded transformers batch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 import cpref, cpref.hf
 cpref.hf.register()                                           # once: the name "cpref"
 model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="cpref")

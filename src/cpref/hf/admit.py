@@ -5,7 +5,7 @@
 `PreTrainedModel._check_and_adjust_attn_implementation`. [`cpref.hf.register`][cpref.hf.register]
 wraps it: where the answer is cpref's name, [`admit`][cpref.hf.admit.admit] refuses what would be
 wrong under CP, naming the class and why, and installs the model-level checks of every forward
-([`cpref.hf.guard`][cpref.hf.guard]). For every other name the method answers as before.
+([`cpref.hf.guard`][cpref.hf.guard]). For every other name the method answers as `transformers`' own does.
 
 Refused when the model is built:
 

@@ -25,6 +25,8 @@ documents of every row, in row order, become one packed sequence, and then:
 $$ \text{labels}'_i = \begin{cases} \text{labels}_{i+1} & i + 1 \text{ in the document of } i
    \text{ and } \text{labels}_{i+1} \ne -100 \\ \text{(masked)} & \text{otherwise} \end{cases} $$
 
+{{ figure figures/hf_batch.png }}
+
 The result is what `get_batch_on_this_cp_rank` returns: `tokens`, `labels` (already the next
 tokens, for `cpref.cp_loss`), `loss_mask`, `position_ids`, the batch's `sharding`, and any other
 per-token tensor of the batch (`token_type_ids`, ...) sliced alike; and `shift_labels`, the same

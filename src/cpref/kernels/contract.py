@@ -64,6 +64,14 @@ rounded to bf16 is what makes gradient errors grow with the logit scale. A kerne
 its merged output in float32 for this reason); a kernel whose op takes it in the input dtype
 rounds it.
 
+**Variants.** `softcap=c` (logit soft-capping, Gemma 2) squashes every score to $c \tanh(S / c)$
+before the mask and the softmax, in the forward and (with its derivative) in the backward of
+every call. A kernel lists what it computes beyond plain attention in an attribute `variants`
+(`TorchKernel`: `{"softcap"}`); `cpref.attention` refuses, by name and before any communication,
+a variant the kernel does not list. Learnable sinks and chunked attention need nothing of a
+kernel: the modes add a sink to a row's lse once ([`cpref.kernels.sinks`][cpref.kernels.sinks]),
+and chunked attention is sequences cut at the chunks' boundaries.
+
 **Determinism.** A kernel whose backward gives the same bits on every run, for the same
 inputs on the same device, says so with an attribute `deterministic = True`; without it,
 `cpref.attention(..., deterministic=True)` refuses the kernel ([`cpref.base.determinism`][cpref.base.determinism]).
@@ -73,6 +81,7 @@ built with `deterministic=True`.
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 from itertools import accumulate
@@ -83,7 +92,8 @@ import torch
 from cpref.base.checks import host_ints
 from cpref.base.errors import CPInputError
 
-__all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "NO_WINDOW", "compute_dtype", "check_heads", "check_window"]
+__all__ = ["AttentionKernel", "Varlen", "FLOAT_DTYPES", "NO_WINDOW", "compute_dtype", "check_heads", "check_window",
+           "check_softcap", "SoftCapped"]
 
 NO_WINDOW = (-1, -1)  # full attention (or plain causal): no bound on either side
 
@@ -108,6 +118,48 @@ def check_window(window: Any, causal: bool) -> tuple[int, int]:
     if causal:  # a causal window bounds only the left side; without one it is plain causal
         return NO_WINDOW if left < 0 else (left, 0)
     return left, right
+
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """`softcap` as a float `c > 0` (logits become `c tanh(S / c)`), or None for none.
+
+    Raises:
+        CPInputError: for anything but None or a finite number > 0, naming the fix.
+    """
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0:
+        raise CPInputError(f"softcap={softcap!r} must be a finite number > 0 (logits become softcap * tanh(S / softcap), "
+                           "Gemma 2's is 50.0), or None for no soft-capping")  # fmt: skip
+    return float(softcap)
+
+
+class SoftCapped:
+    """`kernel` with every call soft-capped at `softcap`: what `cpref.attention(..., softcap=c)` hands the modes,
+    which call it as they call any kernel, so that no mode computes a score without the cap.
+
+    Examples:
+        >>> from cpref.kernels import TorchKernel
+        >>> SoftCapped(TorchKernel(), 50.0)
+        SoftCapped(TorchKernel(block_size=None, max_block_elements=16777216, fast=True), softcap=50.0)
+    """
+
+    def __init__(self, kernel: Any, softcap: float) -> None:
+        self.kernel, self.softcap = kernel, check_softcap(softcap)
+        self.deterministic = getattr(kernel, "deterministic", False)
+
+    def __repr__(self) -> str:
+        return f"SoftCapped({self.kernel!r}, softcap={self.softcap})"
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's forward, soft-capped."""
+        return self.kernel.forward(*args, softcap=self.softcap, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's backward, soft-capped."""
+        return self.kernel.backward(*args, softcap=self.softcap, **kwargs)
+
 
 V = TypeVar("V")
 
@@ -276,8 +328,13 @@ class AttentionKernel(Protocol):
         scale: float,
         window: tuple[int, int] = (-1, -1),
         out_dtype: torch.dtype | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(out (T, Hq, Dv), lse (T, Hq))`; `out` in `out_dtype` (default: the input dtype)."""
+        """Return `(out (T, Hq, Dv), lse (T, Hq))`; `out` in `out_dtype` (default: the input dtype).
+
+        `softcap`: only for a kernel whose `variants` lists it (see the module docstring); callers pass it only
+        when it is set.
+        """
         ...
 
     def backward(
@@ -295,9 +352,10 @@ class AttentionKernel(Protocol):
         window: tuple[int, int] = (-1, -1),
         full_rows: bool = False,
         grad_dtype: torch.dtype | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(dq, dk, dv)` shaped like `(q, k, v)`, in `grad_dtype` (default: their dtypes).
 
-        `full_rows`: see the module docstring.
+        `full_rows`, `softcap`: see the module docstring.
         """
         ...

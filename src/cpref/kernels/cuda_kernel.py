@@ -51,7 +51,8 @@ contract allows for an op that rounds.
 * its tensors are on a CUDA device (`devices`);
 * its dtype is float16 or bfloat16 (flash computes in nothing else; float32 and float64 take
   the explicit path, in float32 and float64);
-* its head dim $D$ is a multiple of 8 and at most 256.
+* its head dim $D$ is a multiple of 8 and at most 256;
+* it is not soft-capped (`softcap=`: PyTorch's flash ops have no soft-capping).
 
 Everything else runs on `fallback` (default `TorchKernel()`, whose explicit path is the one
 that runs on a GPU), with the same contract; `CudaKernel.calls` counts both.
@@ -61,8 +62,7 @@ that runs on a GPU), with the same contract; `CudaKernel.calls` counts both.
 its op runs under PyTorch's deterministic switch, which is how `_flash_attention_backward`
 is asked for its deterministic algorithm ([`cpref.base.determinism`][cpref.base.determinism]).
 
-**Unverified** (this code was written on a machine without a GPU and is checked on the CPU
-against a double of the two ops, `tests/kernels/flash_double.py`, written from their
+**Unverified** on a GPU (checked on the CPU only, against a double of the two ops, `tests/kernels/flash_double.py`, written from their
 documented semantics): that flash's lse is $+\infty$ for a row that sees no key, that it takes
 zero-length sequences, and its numerics. `bench/gpu_check.sh` runs the checks on a GPU.
 """
@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from cpref.base.checks import as_bool
 from cpref.base.determinism import torch_deterministic
 from cpref.base.errors import CPInputError
-from cpref.kernels.contract import NO_WINDOW, Varlen, check_window, compute_dtype
+from cpref.kernels.contract import NO_WINDOW, Varlen, check_softcap, check_window, compute_dtype
 from cpref.kernels.npu_plan import CAUSAL, UNBOUNDED, Call, plan_calls
 from cpref.kernels.torch_checks import check_inputs
 from cpref.kernels.torch_kernel import TorchKernel
@@ -111,6 +111,7 @@ class CudaKernel:
 
     Examples:
         ```python
+        # run by tests/kernels/test_cuda_contract.py::test_the_modes_run_on_the_kernel_rank_by_rank
         kernel = cpref.CudaKernel()
         out = cpref.attention(q, k, v, sharding, comm=comm, mode="p2p", kernel=kernel)  # q, k, v bf16 on CUDA
         kernel.calls  # Counter({'flash forward': 1, 'flash backward': 1}) after one step of one layer at P = 1
@@ -137,8 +138,16 @@ class CudaKernel:
     def __repr__(self) -> str:
         return f"CudaKernel(fallback={self.fallback!r}, devices={self.devices}, deterministic={self.deterministic})"
 
-    def path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen) -> str:
+    @property
+    def variants(self) -> frozenset:
+        """What it computes beyond plain attention: its fallback's (flash here has no soft-capping; those calls fall
+        back)."""
+        return frozenset(getattr(self.fallback, "variants", ()))
+
+    def path(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, softcap: float | None = None) -> str:
         """`"flash"`, or why the call takes the fallback (the module docstring's rule)."""
+        if softcap is not None:
+            return f"softcap {softcap} (PyTorch's flash ops have no soft-capping)"
         if q.device.type not in self.devices:
             return f"device {q.device.type} (flash runs on {', '.join(self.devices)})"
         if q.dtype not in self.flash_dtypes:
@@ -152,13 +161,16 @@ class CudaKernel:
             self.calls[what] += 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, causal: bool, scale: float,
-                window: tuple[int, int] = NO_WINDOW, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                window: tuple[int, int] = NO_WINDOW, out_dtype: torch.dtype | None = None,
+                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
         check_inputs(q, k, v, seqs)
-        window = check_window(window, causal)
-        if self.path(q, k, v, seqs) != "flash":
+        window, softcap = check_window(window, causal), check_softcap(softcap)
+        if self.path(q, k, v, seqs, softcap) != "flash":
             self._count("fallback forward")
-            return self.fallback.forward(q, k, v, seqs, causal=causal, scale=scale, window=window, out_dtype=out_dtype)
+            capped = {} if softcap is None else {"softcap": softcap}
+            return self.fallback.forward(q, k, v, seqs, causal=causal, scale=scale, window=window, out_dtype=out_dtype,
+                                         **capped)  # fmt: skip
         self._count("flash forward")
         d, dv, cdt = q.shape[-1], v.shape[-1], compute_dtype(q.dtype)
         kp, vp = (_padded(x, d) for x in (k, v))  # (T', Hkv, D): V padded to D
@@ -184,14 +196,16 @@ class CudaKernel:
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, seqs: Varlen, *, causal: bool, scale: float, window: tuple[int, int] = NO_WINDOW,
-                 full_rows: bool = False, grad_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                 full_rows: bool = False, grad_dtype: torch.dtype | None = None,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`."""
         check_inputs(q, k, v, seqs)
-        window = check_window(window, causal)
-        if self.path(q, k, v, seqs) != "flash":
+        window, softcap = check_window(window, causal), check_softcap(softcap)
+        if self.path(q, k, v, seqs, softcap) != "flash":
             self._count("fallback backward")
+            capped = {} if softcap is None else {"softcap": softcap}
             return self.fallback.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, window=window,
-                                          full_rows=full_rows, grad_dtype=grad_dtype)  # fmt: skip
+                                          full_rows=full_rows, grad_dtype=grad_dtype, **capped)  # fmt: skip
         self._count("flash backward")
         d, dv = q.shape[-1], v.shape[-1]
         # 1) one dtype, V, O and dO padded to D; a finite 0 where the contract's lse is -inf (rows without keys)

@@ -83,8 +83,8 @@ PyTorch's deterministic switch, which `torch_npu` maps onto the NPU's determinis
 reductions need `HCCL_DETERMINISTIC=true` in the environment as well
 ([`cpref.base.determinism`][cpref.base.determinism]).
 
-**Unverified** (no NPU was available): the head-major stat storage, zero-length sequences
-inside a list (also a `kv_len = 0` one under `sparse_mode=3` or `4`), the 2048 sequences per call,
+**Unverified** on an NPU (checked on the CPU only, against a double of the ops): the head-major
+stat storage, zero-length sequences inside a list (also a `kv_len = 0` one under `sparse_mode=3` or `4`), the 2048 sequences per call,
 that `sparse_mode=4` in TND counts its band from each sequence's bottom-right corner,
 and that the grad op takes `softmax_max = lse, softmax_sum = 1` as it is documented to. `make test-npu`
 (`python -m sim.tools.npu_check`) runs this kernel against the FP64 oracle on an NPU with cases
@@ -148,6 +148,8 @@ class NpuKernel:
         >>> kernel = NpuKernel()  # doctest: +SKIP
         >>> out, lse = kernel.forward(q, k, v, Varlen([0, 2, 6]), causal=True, scale=0.125)  # doctest: +SKIP
     """
+
+    variants = frozenset()  # npu_fusion_attention has no soft-capping: cpref.attention refuses softcap= with it
 
     def __init__(self, *, ops: Any = None, softmax_layout: str = "", max_seqs_per_call: int = MAX_SEQS_PER_CALL,
                  deterministic: bool = False) -> None:  # fmt: skip

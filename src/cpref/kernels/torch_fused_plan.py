@@ -17,8 +17,8 @@ bottom-right causal block over the keys $[0, f + \delta)$ (a causal square and t
 as a plain call); the rows from $f$ on see every key, one unmasked part. Those two parts share
 keys, whose gradients the fused path adds up. The ring over pieces (the stream and balanced
 layouts, `cpref.modes.ring_window`) makes such calls: a piece's queries against an earlier
-piece of their document see all of it, and took the band path's masked tiles before
-(slower on the same scores: `bench/scaling.py` times the balanced ring).
+piece of their document see all of it, so they take these unmasked parts rather than the band
+path's masked tiles (slower on the same scores: `bench/scaling.py` times the balanced ring).
 
 **Bands** (a sliding window), `plan_band_runs`. Row $x$ of a sequence sees
 the keys $[\mathrm{lo}_x, \mathrm{hi}_x)$ of [`Varlen.visible`][cpref.kernels.contract.Varlen.visible],

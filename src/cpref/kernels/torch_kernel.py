@@ -43,6 +43,11 @@ Dao 2023, https://arxiv.org/abs/2307.08691):
 $$ dV \leftarrow dV + P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP - \Delta), \quad
    dQ = s\, dS\, K, \quad dK \leftarrow dK + s\, dS^\top Q. $$
 
+**Soft-capping.** With `softcap` $= c$ the logits are $c \tanh(S / c)$ before the mask; the block
+keeps $t = \tanh(S / c)$, and the backward multiplies $dS$ by $\partial (c \tanh(S/c)) / \partial S
+= 1 - t^2$ before $dQ$ and $dK$. The fused path has no soft-capping, so a soft-capped call takes
+this explicit path.
+
 With `full_rows=True` (the caller guarantees that each row's keys are all in this call) a
 block holds whole rows, and $\Delta = \mathrm{rowsum}(P \circ dP)$ is computed from the
 block's float32 probabilities instead of from the output, which the caller holds rounded to
@@ -70,7 +75,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from cpref.base.errors import CPInputError
-from cpref.kernels.contract import Varlen, check_window, compute_dtype
+from cpref.kernels.contract import Varlen, check_softcap, check_window, compute_dtype
 from cpref.kernels.torch_checks import check_inputs
 from cpref.kernels.torch_fused import fused_available, fused_backward, fused_forward
 
@@ -108,12 +113,21 @@ def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
     return buf[: math.prod(shape)].view(shape)
 
 
-def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor) -> torch.Tensor:
-    """Masked base-2 logits `S2 = s2 Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`."""
+def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor, softcap: float | None = None,
+            tanh_buf: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Masked base-2 logits `S2 = s2 Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`; soft-capped,
+    `S2 = c log2(e) tanh(s Q K^T / c)`, and `tanh(s Q K^T / c)` kept in `tanh_buf` where one is given."""
     hkv, n = qb.shape[0], kb.shape[1]
     s = _take(buf, hkv, qb.shape[1], n)  # (Hkv, R*G, L)
-    # S2 = s2 Q K^T
-    torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
+    if softcap is None:
+        # S2 = s2 Q K^T
+        torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
+    else:
+        # t = tanh(s Q K^T / c), S2 = c log2(e) t  (s2 = s log2(e))
+        torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2 / (LOG2E * softcap), out=s).tanh_()  # (Hkv, R*G, L)
+        if tanh_buf is not None:
+            _take(tanh_buf, *s.shape).copy_(s)
+        s.mul_(softcap * LOG2E)
     if blk.mask is not None:
         # S2_jt = -inf where row j does not see key t: causal hides only among the last R keys, a window among all
         rows, cols = blk.mask.shape[0], blk.mask.shape[2]
@@ -122,11 +136,12 @@ def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: tor
 
 
 def _forward_block(
-    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(O (Hkv, R*G, Dv), lse (Hkv, R*G))` of one block; `buf` holds its scores."""
-    # 1) S2 = s2 Q K^T, masked
-    s = _logits(qb, kb, blk, s2, buf)  # (Hkv, R*G, L)
+    # 1) S2 = s2 Q K^T (soft-capped), masked
+    s = _logits(qb, kb, blk, s2, buf, softcap)  # (Hkv, R*G, L)
     # 2) m = max_y S2_y
     m = s.amax(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
     # 3) P~ = 2^(S2 - m), in place; l = sum_y P~_y
@@ -150,15 +165,16 @@ def _backward_block(
     s2: float,
     scale: float,
     bufs: list[torch.Tensor],
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dQ (Hkv, R*G, D), dK (Hkv, L, D), dV (Hkv, L, Dv))` of one block.
 
-    `bufs` are the flat workspaces for `(S, dP, dK, dV)`; `dK` and `dV` live in them.
+    `bufs` are the flat workspaces for `(S, dP, dK, dV)` (and, soft-capped, `tanh`); `dK` and `dV` live in them.
     `deltab` None: the block holds whole rows, Delta = rowsum(P o dP).
     """
     hkv, n = kb.shape[0], kb.shape[1]
-    # 1) P = 2^(S2 - lse2), recomputed in place
-    p = _logits(qb, kb, blk, s2, bufs[0]).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
+    # 1) P = 2^(S2 - lse2), recomputed in place (soft-capped: t = tanh(S / c) kept)
+    p = _logits(qb, kb, blk, s2, bufs[0], softcap, bufs[4] if softcap else None).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
     # 2) dV = P^T dO
     dv = torch.bmm(p.transpose(1, 2), dob, out=_take(bufs[3], hkv, n, dob.shape[2]))  # (Hkv, L, R*G) x (Hkv, R*G, Dv)
     # 3) dP = dO V^T
@@ -167,6 +183,10 @@ def _backward_block(
     if deltab is None:
         deltab = (p * dp).sum(-1, keepdim=True)  # (Hkv, R*G, 1)
     ds = dp.sub_(deltab).mul_(p)  # (Hkv, R*G, L)
+    if softcap is not None:
+        # d(c tanh(S / c)) / dS = 1 - t^2
+        t = _take(bufs[4], *ds.shape)  # (Hkv, R*G, L)
+        ds.mul_(t.mul_(t).neg_().add_(1.0))
     # 5) dQ = s dS K
     dq = torch.bmm(ds, kb).mul_(scale)  # (Hkv, R*G, L) x (Hkv, L, D) -> (Hkv, R*G, D)
     # 6) dK = s dS^T Q
@@ -203,6 +223,7 @@ class TorchKernel:
     """
 
     deterministic = True  # no atomics: every sum is in program order, on every device (cpref.base.determinism)
+    variants = frozenset({"softcap"})  # what it computes beyond the contract's plain attention (cpref.kernels.contract)
 
     def __init__(self, block_size: int | None = None, max_block_elements: int = 2**24, fast: bool = True) -> None:
         for name, value in (("block_size", block_size), ("max_block_elements", max_block_elements)):
@@ -230,11 +251,12 @@ class TorchKernel:
         scale: float,
         window: tuple[int, int] = (-1, -1),
         out_dtype: torch.dtype | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(out (T, Hq, Dv), lse (T, Hq))`; see `AttentionKernel.forward`."""
         check_inputs(q, k, v, seqs)
-        window = check_window(window, causal)
-        if self._fused(q):
+        window, softcap = check_window(window, causal), check_softcap(softcap)
+        if self._fused(q) and softcap is None:
             return fused_forward(q, k, v, seqs, causal=causal, scale=scale, window=window, out_dtype=out_dtype)
         hkv, g, cdt = k.shape[1], q.shape[1] // k.shape[1], compute_dtype(q.dtype)
         blocks, size = self._blocks(q, seqs, causal, window)
@@ -247,7 +269,7 @@ class TorchKernel:
         # 3) one exact softmax per block
         for blk in blocks:
             qb = qh[:, blk.rows.start * g : blk.rows.stop * g]  # (Hkv, R*G, D)
-            o_b, lse_b = _forward_block(qb, kh[:, blk.keys], vh[:, blk.keys], blk, scale * LOG2E, buf)
+            o_b, lse_b = _forward_block(qb, kh[:, blk.keys], vh[:, blk.keys], blk, scale * LOG2E, buf, softcap)
             _store(out[blk.rows], o_b, hkv)  # (R, Hq, Dv)
             _store(lse[blk.rows], lse_b, hkv)  # (R, Hq)
         return out, lse
@@ -267,11 +289,12 @@ class TorchKernel:
         window: tuple[int, int] = (-1, -1),
         full_rows: bool = False,
         grad_dtype: torch.dtype | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return `(dq, dk, dv)` shaped like `(q, k, v)`; see `AttentionKernel.backward`."""
         check_inputs(q, k, v, seqs)
-        window = check_window(window, causal)
-        if self._fused(q):
+        window, softcap = check_window(window, causal), check_softcap(softcap)
+        if self._fused(q) and softcap is None:
             return fused_backward(
                 dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, window=window, full_rows=full_rows,
                 grad_dtype=grad_dtype,
@@ -282,7 +305,7 @@ class TorchKernel:
         qh, kh, vh, doh = (_heads_major(x, hkv, cdt) for x in (q, k, v, dout))  # (Hkv, T*G|T', .)
         delta = None if full_rows else _heads_major((dout.to(cdt) * out.to(cdt)).sum(-1, keepdim=True), hkv, cdt)
         lse2 = _heads_major(lse.unsqueeze(-1), hkv, cdt).mul_(LOG2E)  # (Hkv, T*G, 1)
-        sizes = (size, size, k.numel(), v.numel())  # S, dP, dK, dV of a block
+        sizes = (size, size, k.numel(), v.numel(), size if softcap else 0)  # S, dP, dK, dV of a block; tanh
         bufs = [torch.empty(n, dtype=cdt, device=q.device) for n in sizes]
         # 2) rows that see no key keep zero gradients
         dq = torch.zeros(q.shape, dtype=grad_dtype or q.dtype, device=q.device)  # (T, Hq, D)
@@ -293,7 +316,7 @@ class TorchKernel:
             dq_b, dk_b, dv_b = _backward_block(
                 qh[:, tok], kh[:, blk.keys], vh[:, blk.keys], doh[:, tok], lse2[:, tok],
                 None if delta is None else delta[:, tok],
-                blk, scale * LOG2E, scale, bufs,
+                blk, scale * LOG2E, scale, bufs, softcap,
             )  # fmt: skip
             _store(dq[blk.rows], dq_b, hkv)  # (R, Hq, D)
             dk[:, blk.keys] += dk_b  # (Hkv, L, D)

@@ -8,12 +8,13 @@ the logits of `GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen3ForCausalLM` and
 `MistralForCausalLM`.
 
 ```python
+# given: tokens, position_ids, cp, path; this rank's tokens and positions, a CPContext, a checkpoint's directory
 from cpref.models import CausalLM, CPContext, ModelConfig, load_pretrained
 
 config = ModelConfig(family="llama", vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8,
                      num_kv_heads=2, mlp_size=1408)
 model = CausalLM(config, seed=0)  # random weights, the same on every rank
-model = load_pretrained("path/to/dir")  # or: a Hugging Face checkpoint (save_pretrained's directory)
+model = load_pretrained(path)  # or: a Hugging Face checkpoint (the directory save_pretrained wrote)
 logits = model(tokens, position_ids, cp)  # (T_l,), (T_l,), CPContext -> (T_l, V)
 ```
 
@@ -59,8 +60,8 @@ included: Hugging Face's `sliding_window = 4096`). Each layer passes its own
 `window=(left, 0)` to `cp.attention`; the mask stays inside each document. Mistral slides in
 every layer, Qwen3 checkpoints may mix (`layer_types`). At CP = 1 and under CP in a mode
 that takes a window (`cpref.MODES[mode].windows`) such a model runs as any other; another
-mode refuses it by name before any communication. Without `layer_windows` a model is
-exactly as it was.
+mode refuses it by name before any communication. Without `layer_windows` every layer
+attends over its whole document (causal).
 
 ## Where positions come from under CP
 

@@ -10,6 +10,8 @@ different CP settings, or one model under two settings, then share a process wit
 interfering: nothing about CP is stored where the other could see it.
 
 ```python
+# given: comm, P, packed, cu_seqlens, model; packed: a training batch (tokens, labels), model: a CausalLM
+from cpref.models import CPContext
 batch = cpref.get_batch_on_this_cp_rank(packed, cu_seqlens, cp_size=P, rank=comm.rank, layout="zigzag")
 cp = CPContext(comm=comm, sharding=batch["sharding"], mode="a2a+p2p", options={"a2a_size": 2})
 logits = model(batch["tokens"], batch["position_ids"], cp)  # (T_l, V)

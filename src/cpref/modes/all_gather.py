@@ -16,18 +16,10 @@ makes it efficient on packed (THD) batches with three ideas.
    attention call: chunk `j` with its prefix of `(j + 1) c_i` keys is one sequence, and the
    kernel's bottom-right causal mask aligns its last query with its last key.
 
-With the stream and balanced layouts, which keep documents whole where they can, the plan
-gathers only the rows other ranks read ([the all-gather over pieces][cpref.modes.all_gather_pieces]);
-the Function is the same.
+The three at work on two documents at `P = 2`: each rank's chunks, the buffer after the
+all-gather, and the rows each query chunk's `kv_index` picks.
 
-The backward mirrors the forward with the matching collective:
-
-$$ \text{forward: } K_{all} = \mathrm{AllGather}(K), \qquad
-   \text{backward: } dK = \mathrm{ReduceScatter}\big(\mathrm{index\_add}(0, dK_{sel})\big) $$
-
-A key row appears in the prefixes of several query chunks, on several ranks; `index_add_`
-sums its gradient over this rank's chunks into a rank-major buffer, and the reduce-scatter
-sums over ranks and hands every row back to its owner.
+{{ figure figures/rank_major_index.png }}
 
 ## A worked example
 
@@ -44,7 +36,22 @@ Rank 0's chunk 0 needs tokens 0-1 (rows 0, 1); its chunk 3 needs tokens 0-7 in o
 0, 1, 4, 5, 6, 7, 2, 3. So `kv_index = [0, 1, 0, 1, 4, 5, 6, 7, 2, 3]`, and the one kernel call
 sees two sequences, `actual_seq_qlen = [2, 4]`, `actual_seq_kvlen = [2, 10]`. Rank 1's
 chunks 1 and 2 need 4 and 6 keys: work `2 * 4 + 2 * 6 = 20`, the same as rank 0's
-`2 * 2 + 2 * 8 = 20`. The figure at the end of the page draws a two-document example.
+`2 * 2 + 2 * 8 = 20`.
+
+## The backward
+
+The backward mirrors the forward with the matching collective:
+
+$$ \text{forward: } K_{all} = \mathrm{AllGather}(K), \qquad
+   \text{backward: } dK = \mathrm{ReduceScatter}\big(\mathrm{index\_add}(0, dK_{sel})\big) $$
+
+A key row appears in the prefixes of several query chunks, on several ranks; `index_add_`
+sums its gradient over this rank's chunks into a rank-major buffer, and the reduce-scatter
+sums over ranks and hands every row back to its owner.
+
+With the stream and balanced layouts, which keep documents whole where they can, the plan
+gathers only the rows other ranks read ([the all-gather over pieces][cpref.modes.all_gather_pieces]);
+the Function is the same.
 
 ## The code
 
@@ -62,12 +69,13 @@ lse`: $\frac{T}{P}$ rows) and **gathers K and V again** in the backward, Transfo
 choice: two more all-gathers per layer, in exchange for memory that falls as $1/P$. With
 `save_gathered_kv=True` the forward's `k_sel, v_sel` are kept instead (no extra
 communication, for when memory is not the limit). Bytes saved for backward per rank, with
-$b$ bytes per element and float32 lse:
+$b$ bytes per element and float32 lse, by default
 
-$$ \text{default: } \frac{T}{P} \big( b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + 4 H_q \big), $$
+$$ \frac{T}{P} \big( b\,(H_q D + H_{kv} D + H_{kv} D_v + H_q D_v) + 4 H_q \big), $$
 
-$$ \text{save\_gathered\_kv: } \frac{T}{P} \big( b\,(H_q D + H_q D_v) + 4 H_q \big)
-   + \textstyle\sum \mathrm{kv\_len} \cdot b\, H_{kv} (D + D_v) . $$
+and with `save_gathered_kv`
+
+$$ \frac{T}{P} \big( b\,(H_q D + H_q D_v) + 4 H_q \big) + \textstyle\sum \mathrm{kv\_len} \cdot b\, H_{kv} (D + D_v) . $$
 
 ## Cost per rank
 
@@ -138,6 +146,7 @@ from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
+from cpref.kernels.sinks import add_sinks, sinks_grad
 from cpref.modes.all_gather_overlap import OverlapPlan, build_overlap_plan, overlap_backward, overlap_forward
 from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
 from cpref.modes.all_gather_plan import AllGatherPlan, build_all_gather_plan
@@ -181,12 +190,17 @@ def _with_shared(x: torch.Tensor, plan: AllGatherPlan, comm: Collectives) -> tor
 
 
 # --8<-- [start:forward]
-def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal: bool, scale: float):
-    """Forward of KV all-gather CP. Returns `(out, lse, k_sel, v_sel)`."""
+def all_gather_forward(q, k, v, plan: AllGatherPlan, comm: Collectives, kernel: AttentionKernel, *, causal: bool, scale: float,
+                       sinks=None):  # fmt: skip
+    """Forward of KV all-gather CP. Returns `(out, lse, k_sel, v_sel)`; with `sinks`, added to the one call's rows."""
     # 1) gather every rank's K and V, rank-major; 2) pick each query sequence's keys, natural order
     k_sel, v_sel = gather_selected(k, v, plan, comm)  # (sum kv_len, Hkv, D), (sum kv_len, Hkv, Dv)
     # 3) one fused varlen call for all local chunks, bottom-right causal per chunk
-    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, window=plan.window, scale=scale)  # (T_l, Hq, Dv), (T_l, Hq)
+    out, lse = kernel.forward(q, k_sel, v_sel, plan.seqs, causal=causal, window=plan.window, scale=scale,
+                              out_dtype=None if sinks is None else compute_dtype(q.dtype))  # (T_l, Hq, Dv), (T_l, Hq)
+    if sinks is not None:  # the one call sees every key of its rows: the sink enters here, once
+        out, lse = add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
     return out, lse, k_sel, v_sel
 # --8<-- [end:forward]
 
@@ -239,36 +253,41 @@ class AllGatherKVFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan, comm, kernel, causal: bool, scale: float, save_gathered_kv: bool = False,
-                ov: OverlapPlan | None = None, deterministic: bool = False):  # fmt: skip
-        """All-gather K/V, one kernel call (or the overlapped two); save the local shards (or the selected K/V)."""
+                ov: OverlapPlan | None = None, deterministic: bool = False, sinks=None):  # fmt: skip
+        """All-gather K/V, one kernel call (or the overlapped two, merged), the sinks added once to the rows; save
+        the local shards (or the selected K/V)."""
         ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale = plan, comm, kernel, causal, scale
         ctx.gathered, ctx.ov, ctx.deterministic = save_gathered_kv, ov, deterministic
         if ov is not None:  # the merged output kept unrounded: the backward's Delta comes from it (no full rows)
             out, lse, selected = overlap_forward(q, k, v, plan, ov, comm, kernel, causal=causal, scale=scale)
-            ctx.save_for_backward(q, out, lse, *(selected if save_gathered_kv else (k, v)))
+            if sinks is not None:  # once, after the two calls' merge
+                out, lse = add_sinks(out, lse, sinks)
+            ctx.save_for_backward(q, out, lse, sinks, *(selected if save_gathered_kv else (k, v)))
             return out.to(q.dtype)
-        out, lse, k_sel, v_sel = all_gather_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale)
+        out, lse, k_sel, v_sel = all_gather_forward(q, k, v, plan, comm, kernel, causal=causal, scale=scale, sinks=sinks)
         # default: keep the local shards and gather again in the backward (memory falls as 1/P)
-        ctx.save_for_backward(q, out, lse, *((k_sel, v_sel) if save_gathered_kv else (k, v)))
+        ctx.save_for_backward(q, out, lse, sinks, *((k_sel, v_sel) if save_gathered_kv else (k, v)))
         return out
 
     @staticmethod
     def backward(ctx: Any, dout):
-        """(Gather K/V again,) one kernel call, index_add_ and reduce-scatter dK/dV (or the overlapped schedule)."""
+        """(Gather K/V again,) one kernel call, index_add_ and reduce-scatter dK/dV (or the overlapped schedule);
+        the sinks' gradient from this rank's rows."""
         no_double_backward()
-        q, out, lse, *kv = ctx.saved_tensors
+        q, out, lse, sinks, *kv = ctx.saved_tensors
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
         if ctx.ov is not None:
             k, v, selected = (None, None, kv) if ctx.gathered else (*kv, None)
             dq, dk, dv = overlap_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.ov, ctx.comm, ctx.kernel,
                                           causal=ctx.causal, scale=ctx.scale, selected=selected,
                                           deterministic=ctx.deterministic)  # fmt: skip
-            return dq, dk, dv, None, None, None, None, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
         k_sel, v_sel = kv if ctx.gathered else gather_selected(*kv, ctx.plan, ctx.comm)
         dq, dk, dv = all_gather_backward(
             dout.contiguous(), q, k_sel, v_sel, out, lse, ctx.plan, ctx.comm, ctx.kernel,
             causal=ctx.causal, scale=ctx.scale, deterministic=ctx.deterministic,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
 
 
 # The RFC's name for the same Function.
@@ -279,10 +298,14 @@ def all_gather_plan(call: CPCall) -> AllGatherPlan:
     """This rank's cached plan for the call: the selecting plan (the RFC's for the chunked layouts, the pieces'
     for stream and balanced), or at `P = 1` the documents over the local K/V."""
     if call.P == 1:  # the documents over the local K/V (the facade's selecting plan has another key)
-        return call.plan(("all_gather local", call.window), lambda: AllGatherPlan(None, whole_documents(call.bounds), call.window))
+        return call.plan(("all_gather local", call.window, call.chunk),
+                         lambda: AllGatherPlan(None, whole_documents(call.bounds, call.chunk), call.window))
     key = ("all_gather", call.P, call.rank, call.layout, call.causal, str(call.device))  # metadata's facade shares it
     if call.window != NO_WINDOW:
         key += (call.window,)
+    if call.chunk is not None:  # chunked attention: only the rows the chunks read travel, in every layout
+        return call.plan(key + ("chunk", call.chunk), lambda: build_piece_all_gather_plan(
+            call.bounds, call.P, call.rank, call.layout, call.causal, call.device, call.window, call.chunk))
     build = build_all_gather_plan if call.layout in CHUNKED_LAYOUTS else build_piece_all_gather_plan
     return call.plan(key, lambda: build(call.bounds, call.P, call.rank, call.layout, call.causal, call.device, call.window))
 
@@ -296,7 +319,7 @@ def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
         key = ("all_gather overlap", call.P, call.rank, call.layout, call.causal, str(call.device))
         ov = call.plan(key, lambda: build_overlap_plan(plan, call.rank, call.bounds.total // call.P, call.causal))
     return AllGatherKVFunc.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, call.options["save_gathered_kv"],
-                                 ov, call.deterministic)  # fmt: skip
+                                 ov, call.deterministic, call.sinks)  # fmt: skip
 
 
 # --8<-- [start:rule]
@@ -321,7 +344,13 @@ def gathered_rows(plan: AllGatherPlan) -> int | None:
 
 
 def check_all_gather(call: CPCall) -> None:
-    """Refuse `overlap=True` under a sliding window, before any communication."""
+    """Refuse `overlap=True` under a sliding window or chunked attention, before any communication."""
+    if call.options["overlap"] is True and call.chunk is not None and call.P > 1:
+        raise CPInputError(
+            f"mode='all_gather' with overlap=True: the overlap needs a plain causal or full mask, not chunk={call.chunk} "
+            "(a chunk's keys are not all seen by every query of a piece); pass overlap=False to run the one-call "
+            "path with chunks"
+        )
     if call.options["overlap"] is True and call.window != NO_WINDOW and call.P > 1:
         raise CPInputError(
             f"mode='all_gather' with overlap=True: the overlap needs a plain causal or full mask, not window={call.window} "
@@ -366,6 +395,7 @@ MODE = ModeSpec(
     costs=all_gather_costs,
     sizes=all_gather_sizes,
     windows=True,
+    variants=frozenset({"chunk", "sinks"}),
     check=check_all_gather,
     options=(
         Option("save_gathered_kv", False, lambda value: as_bool("save_gathered_kv", value),

@@ -32,35 +32,43 @@ from cpref.batch.layout import local_chunks
 from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import NO_WINDOW, Varlen
 from cpref.modes.all_gather_plan import AllGatherPlan
+from cpref.modes.visible import chunk_pieces
 
 __all__ = ["build_piece_all_gather_plan"]
 
 
 def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
-                                window: tuple[int, int] = NO_WINDOW) -> AllGatherPlan:  # fmt: skip
-    """Rank `rank`'s plan (module docstring): its sequences, its shared rows and every key's source row."""
+                                window: tuple[int, int] = NO_WINDOW, chunk: int | None = None) -> AllGatherPlan:  # fmt: skip
+    """Rank `rank`'s plan (module docstring): its sequences, its shared rows and every key's source row; with
+    `chunk`, each chunk of a document a document of its own (`cpref.modes.visible`)."""
     T_l = b.total // P
-    pieces = [local_chunks(b, cp_size=P, rank=r, layout=layout) for r in range(P)]
-    held: dict[int, list[tuple[int, int, int, int]]] = {}  # doc -> (first position, last + 1, rank, first local row)
+    pieces = []  # per rank: ((doc, chunk), first position, last + 1, first local row) in local order
     for r in range(P):
-        row = 0
-        for doc, s, e in pieces[r]:
-            held.setdefault(doc, []).append((s - b.padded[doc], e - b.padded[doc], r, row))
+        row, mine = 0, []
+        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
+            mine.append((doc, s - b.padded[doc], e - b.padded[doc], row))
             row += e - s
-    for doc in held:
-        held[doc].sort()
+        pieces.append(chunk_pieces(mine, chunk))
+    held: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}  # (doc, chunk) -> (a, z, rank, first row)
+    for r in range(P):
+        for key, a, z, row in pieces[r]:
+            held.setdefault(key, []).append((a, z, r, row))
+    for key in held:
+        held[key].sort()
     left, right = window if window != NO_WINDOW else (-1, -1)
     right = 0 if causal else right
 
     def reads(r: int):
         """`(n_q, n_pad, [(owner, first row, last row + 1), ...], shift)` of each local piece of rank `r`."""
         out = []
-        for doc, s, e in pieces[r]:
-            a, z, n = s - b.padded[doc], e - b.padded[doc], b.real_len(doc)
+        for key, a, z, _ in pieces[r]:
+            doc, k = key
+            n = b.real_len(doc) if chunk is None else min(b.real_len(doc), (k + 1) * chunk)  # the chunk's real end
             zr = a + b.real_in(doc, a, z)  # real queries [a, zr)
             lo = 0 if left < 0 else max(0, a - left)
+            lo = lo if chunk is None else max(lo, k * chunk)  # not before the chunk
             hi = n if right < 0 else min(n, zr + right)
-            spans = [(o, row + max(lo, pa) - pa, row + min(hi, pz) - pa) for pa, pz, o, row in held[doc]
+            spans = [(o, row + max(lo, pa) - pa, row + min(hi, pz) - pa) for pa, pz, o, row in held[key]
                      if zr > a and min(hi, pz) > max(lo, pa)]  # fmt: skip
             out.append((zr - a, z - zr, spans, a - lo))
         return out

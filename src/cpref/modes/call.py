@@ -38,6 +38,10 @@ class CPCall:
         device: their device.
         options: the mode's own options (e.g. `a2a_size`), validated.
         deterministic: the backward bit for bit repeatable (`cpref.base.determinism`); the kernel declares it can.
+        softcap: logit soft-capping's `c` (None: none); `kernel` is then the kernel with every call capped
+            (`cpref.kernels.contract.SoftCapped`).
+        chunk: chunked attention's `C`: a query sees only the keys of its own chunk of `C` positions (None: none).
+        sinks: `(Hq,)` learnable sink logits, added once to every row's softmax (None: none).
     """
 
     sharding: Sharding
@@ -51,6 +55,15 @@ class CPCall:
     device: torch.device
     options: Mapping[str, Any] = field(default_factory=dict)
     deterministic: bool = False
+    softcap: float | None = None
+    chunk: int | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The attention variants of the call: `"softcap"`, `"chunk"`, `"sinks"`."""
+        given = {"softcap": self.softcap, "chunk": self.chunk, "sinks": self.sinks}
+        return frozenset(name for name, value in given.items() if value is not None)
 
     @property
     def P(self) -> int:

@@ -69,8 +69,8 @@ list of them, or `clear_cache()` on one rank give bitwise the outputs of a run w
 difference; `check_ranks` differing on the first call or after the group agreed on `True` is
 named; no tensor is copied to the host after the first layer, whatever the number of layers.
 On 4 gloo processes (`tests/backends/gloo_cases.py::extra_later_layer_divergence`) the same
-triggers raise within seconds, where the code before this design lost rank 1 to a `SIGABRT`
-inside gloo.
+triggers raise within seconds on every rank; without the check, the rank that differs would
+run other collectives than its peers, and gloo ends such a run with a `SIGABRT`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def _digest(value: Any) -> int:
 
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
 FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "window", "softmax_scale", "cu_seqlens",
-          "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options", "deterministic")  # fmt: skip
+          "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options", "deterministic",
+          "variants (softcap, chunk, sinks)")  # fmt: skip
 
 
 def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple[str, int]]:
@@ -123,6 +124,7 @@ def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple
         _DTYPES.index(call.dtype),
         _digest(options),
         int(call.deterministic),  # a rank summing in another order makes the run unrepeatable, not wrong
+        _digest((call.softcap, call.chunk, call.sinks is not None)),  # whether sinks are given (their values: a parameter)
     ]
     return list(zip(FIELDS, codes))
 
@@ -241,7 +243,7 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives, check_ranks: b
         raise CPInputError(
             "the ranks of the CP group pass different arguments to cpref.attention, which would give wrong "
             "results without any error:\n" + "\n".join(lines)
-            + "\nPass the same mode, layout, causal, window, softmax_scale, cu_seqlens (and cu_seqlens_padded), "
+            + "\nPass the same mode, layout, causal, window, softmax_scale, softcap, chunk, sinks, cu_seqlens (and cu_seqlens_padded), "
             "head counts, dtype, options and check_ranks on every rank."
         )
     if AGREED.get(comm) is None:

@@ -59,8 +59,11 @@ communicator two `split`s; neither moves payload, and neither is in the table.
   every step. No head constraint. The choice when the network is slow relative to compute and
   memory is tight.
 * **`a2a`** (Ulysses) moves $\frac{G + 1}{P}$ times all-gather's forward traffic (with
-  $D = D_v$, $G = H_q / H_{kv}$): the least of all once $P > G + 1$, and the least for MHA from
-  `P = 3` on. Its kernel sees whole documents for $H_q / P$ heads, so its work is balanced
+  $D = D_v$, $G = H_q / H_{kv}$), less once $P > G + 1$; forward + backward in bf16,
+  $\frac{G + 1}{2P}$ times, less once $P > \frac{G + 1}{2}$ (all-gather's backward gathers K
+  and V again and reduce-scatters dK and dV in float32; Ulysses' backward moves what its forward
+  does). [The rules, recomputed][rules-of-thumb-recomputed] below give, per $G$, the `P` from
+  which it moves the least of all four modes. Its kernel sees whole documents for $H_q / P$ heads, so its work is balanced
   whatever the layout. But `P` must divide $H_q$, and key/value heads with
   $H_{kv} < P$ are replicated, so their memory stops falling with `P`.
 * **`a2a+p2p`** splits the difference: Ulysses inside groups of `a` ranks (typically a node,

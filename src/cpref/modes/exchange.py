@@ -61,11 +61,13 @@ def a2a_plan(call: CPCall, a: int, g: int, hkv: int, with_attention: bool) -> A2
 
     def build() -> A2APlan:
         perm, inv = a2a_permutation(call.bounds, call.P, a, g, call.layout, call.device)
-        attend = whole_documents(call.bounds) if with_attention else None
+        attend = whole_documents(call.bounds, call.chunk) if with_attention else None
         return A2APlan(perm, inv, head_split(call.heads[0], hkv, a), attend, call.window if with_attention else NO_WINDOW)
 
     key = ("a2a", call.P, a, g, call.layout, call.causal, hkv, with_attention, str(call.device))
-    return call.plan(key + ((call.window,) if with_attention and call.window != NO_WINDOW else ()), build)
+    if with_attention and (call.window != NO_WINDOW or call.chunk is not None):
+        key += (call.window, call.chunk)
+    return call.plan(key, build)
 
 
 # --8<-- [start:exchange]

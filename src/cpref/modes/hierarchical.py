@@ -14,6 +14,8 @@ every token of its group for $\frac{H}{a}$ heads. Across the ring it runs ring a
 (`cpref.modes.ring`) on those tokens, in `p` steps. The output takes the way back. The
 sub-groups are made once per communicator with `comm.split` and reused.
 
+{{ figure figures/hierarchical_schedule.png }}
+
 ## Zigzag nests
 
 After the exchange, a2a group `g` holds the chunks of its `a` ranks. Under zigzag over
@@ -56,6 +58,8 @@ wait  group 1 -> its ring over p groups -> post its output
 wait  every output; heads back in order
 ```
 
+{{ figure figures/hierarchical_pipeline.png }}
+
 The same bytes at both levels in `n` times the all-to-alls and the ring's shifts (`n` rings,
 each on $\frac{1}{n}$ of the heads), and `n` times the kernel calls of the shared rows, each
 of $\frac{1}{n}$ of the work; the heads must split evenly (`n` dividing each rank's
@@ -93,6 +97,8 @@ from cpref.base.checks import as_bool, as_int
 from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.comm.protocol import Collectives
+from cpref.kernels.contract import compute_dtype
+from cpref.kernels.sinks import add_sinks, head_slice, on_all_heads, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.costs import ModeCosts, combine, exchange_costs, halo_costs, kept_output_bytes, ring_costs
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
@@ -106,7 +112,7 @@ from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_d
 from cpref.modes.ring_plan import RingPlan
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
-from cpref.modes.ulysses import check_a2a_heads, check_head_groups, pipelines
+from cpref.modes.ulysses import check_a2a_heads, check_head_groups, check_sinks_in_one_exchange, pipelines
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.modes.ulysses_split import BALANCE_DOC
 
@@ -137,8 +143,9 @@ class HierarchicalFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float, deterministic: bool = False,
-                groups: int = 1):  # fmt: skip
-        """Ulysses' exchange inside the a2a group, ring attention across the groups, exchange back."""
+                groups: int = 1, sinks=None):  # fmt: skip
+        """Ulysses' exchange inside the a2a group, ring attention across the groups (the sinks of this rank's heads
+        added once, after the ring's merge), exchange back."""
         ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
         ctx.dtypes, ctx.deterministic, ctx.groups = (k.dtype, v.dtype), deterministic, groups
         if groups > 1:  # the pipeline: every group's exchange posted, each group's ring while the next travels
@@ -151,9 +158,13 @@ class HierarchicalFunc(torch.autograd.Function):
         kg = a2a_gather(replicate(k, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, D)
         vg = a2a_gather(replicate(v, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, Dv)
         # 2) across the groups: ring attention over p ranks
+        kept, own = saved_out_dtype(q.dtype, ring), head_slice(sinks, a2a_comm.rank, a2a_comm.size)
         out_g, lse_g = ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale,
-                                    out_dtype=saved_out_dtype(q.dtype, ring))  # (a T_l, Hq/a, Dv), as the ring keeps it
-        ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
+                                    out_dtype=kept if own is None else compute_dtype(q.dtype))  # (a T_l, Hq/a, Dv)
+        if own is not None:
+            out_g, lse_g = add_sinks(out_g, lse_g, own)
+            out_g = out_g.to(kept)  # as the ring keeps it
+        ctx.save_for_backward(qg, kg, vg, out_g, lse_g, own)
         # 3) back to sequence shards of all heads
         return a2a_scatter(out_g.to(q.dtype), a2a, a2a_comm)  # (T_l, Hq, Dv)
 
@@ -166,13 +177,14 @@ class HierarchicalFunc(torch.autograd.Function):
             _, attend_backward = ring_attend(ring, ring_comm, ctx.kernel, ctx.scale, dout.dtype, ctx.deterministic)
             grads = pipelined_backward(dout.contiguous(), list(ctx.saved_tensors), a2a, a2a_comm, ctx.kernel, ctx.groups,
                                        causal=True, scale=ctx.scale, attend_backward=attend_backward)  # fmt: skip
-            return (*grads, None, None, None, None, None, None, None, None)
-        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
+            return (*grads, None, None, None, None, None, None, None, None, None)
+        qg, kg, vg, out_g, lse_g, own = ctx.saved_tensors
         dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
+        dsinks = None if own is None else on_all_heads(sinks_grad(dout_g, out_g, lse_g, own), a2a_comm.rank, a2a_comm.size)
         grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale,
                                    kv_grad_dtype=kv_grad_dtype(a2a, kg.dtype), deterministic=ctx.deterministic))  # fmt: skip
         del dout_g  # freed before the exchanges
-        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None, None, None)
+        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None, None, None, dsinks)
 
 
 def example_a2a_size(P: int) -> int:
@@ -195,6 +207,7 @@ def check_hierarchical(call: CPCall) -> None:
     check_a2a_heads(call.heads[0], call.heads[1], a, call.P, f"mode 'a2a+p2p' with a2a_size={a}")
     check_head_groups(call.options["head_groups"], call.heads[0], call.heads[1], a, f"mode 'a2a+p2p' (a2a_size={a})",
                       f"a = {a} ranks of an a2a group")  # fmt: skip
+    check_sinks_in_one_exchange(call, f"mode 'a2a+p2p' (a2a_size={a})")
 
 
 def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan] | SplitHierarchicalPlan:
@@ -216,10 +229,10 @@ def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     groups = call.options["head_groups"] if pipelines(call.options["head_groups"], a) else 1
     if isinstance(plan, SplitHierarchicalPlan):
         return SplitHierarchicalFunc.apply(q, k, v, plan, a2a_comm, ring_comm, call.kernel, call.causal, call.scale,
-                                           call.deterministic, groups)  # fmt: skip
+                                           call.deterministic, groups, call.sinks)  # fmt: skip
     exchange, ring = plan
     return HierarchicalFunc.apply(q, k, v, exchange, ring, a2a_comm, ring_comm, call.kernel, call.scale, call.deterministic,
-                                  groups)  # fmt: skip
+                                  groups, call.sinks)  # fmt: skip
 
 
 def hierarchical_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window, a2a_size,
@@ -290,5 +303,6 @@ MODE = ModeSpec(
     ),
     check=check_hierarchical,
     windows=True,
+    variants=frozenset({"chunk", "sinks"}),
 )
 # --8<-- [end:declaration]

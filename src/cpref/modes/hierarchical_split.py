@@ -19,6 +19,8 @@ does, this variant splits each rank's rows in two:
   has one member and its plan is one kernel call over the gathered block as it is, the rows no
   query reads (the slots) being keys of a sequence without queries: Ulysses' split, bit for bit.
 
+{{ figure figures/split_traffic.png }}
+
 The two outputs are written into their rows; the backward mirrors it (dK/dV of replicated
 key/value heads in float32, as in Ulysses). Per rank the exchange moves Ulysses' traffic over
 `a` ranks on $m$ rows instead of $T_l$ (`cpref.modes.costs.exchange_costs` with `gathered_rows`
@@ -38,7 +40,8 @@ import torch
 from cpref.batch.layout import local_chunks
 from cpref.batch.seqlens import Boundaries
 from cpref.comm.protocol import Collectives
-from cpref.kernels.contract import Varlen
+from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.sinks import add_sinks, head_slice, on_all_heads, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.modes.ring import ring_backward, ring_forward, saved_out_dtype
@@ -73,9 +76,11 @@ class SplitHierarchicalPlan:
 
 
 def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str, a: int, hq: int, hkv: int,
-                                  causal: bool, window, device, balance: bool = True) -> SplitHierarchicalPlan:  # fmt: skip
-    """Rank `rank`'s plan with a2a groups of `a` consecutive ranks (no caching)."""
-    split, g = split_rows(b, P, rank, layout, device, group=a, causal=causal, window=window, balance=balance), rank // a
+                                  causal: bool, window, device, balance: bool = True,
+                                  chunk: int | None = None) -> SplitHierarchicalPlan:  # fmt: skip
+    """Rank `rank`'s plan with a2a groups of `a` consecutive ranks (no caching); `chunk`: chunked attention."""
+    split = split_rows(b, P, rank, layout, device, group=a, causal=causal, window=window, balance=balance, chunk=chunk)
+    g = rank // a
     m, slot_doc, shared = split.rows, b.num_docs, set(split.docs)  # the slots: a document past the last, all padding
     members = []  # per group: its shared pieces (doc, start, end, row) in stream order, then its slots
     for h in range(P // a):
@@ -97,7 +102,7 @@ def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str,
     perm = None if torch.equal(order, torch.arange(len(order))) else order
     exchange = A2APlan(perm.to(device) if perm is not None else None,
                        torch.argsort(perm).to(device) if perm is not None else None, head_split(hq, hkv, a))  # fmt: skip
-    ring = build_piece_ring_plan(real, members, g, causal, window, device)
+    ring = build_piece_ring_plan(real, members, g, causal, window, device, chunk)
     return SplitHierarchicalPlan(split.own, split.own_seqs, split.shared, m, exchange, ring, window)
 
 
@@ -105,10 +110,10 @@ def split_hierarchical_plan(call: CPCall) -> SplitHierarchicalPlan:
     """The cached split plan of this rank."""
     a, balance = call.options["a2a_size"], call.options["balance"]
     key = ("a2a+p2p split", call.P, call.rank, call.layout, a, call.heads[:2], call.causal, call.window, balance,
-           str(call.device))  # fmt: skip
+           str(call.device), call.chunk)  # fmt: skip
     return call.plan(key, lambda: build_split_hierarchical_plan(call.bounds, call.P, call.rank, call.layout, a,
                                                                 call.heads[0], call.heads[1], call.causal, call.window,
-                                                                call.device, balance))  # fmt: skip
+                                                                call.device, balance, call.chunk))  # fmt: skip
 
 
 def ring_attend(ring: RingPlan, ring_comm: Collectives, kernel, scale: float, dtype: torch.dtype,
@@ -132,16 +137,22 @@ class SplitHierarchicalFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q, k, v, plan: SplitHierarchicalPlan, a2a_comm: Collectives, ring_comm: Collectives, kernel,
-                causal: bool, scale: float, deterministic: bool = False, groups: int = 1):  # fmt: skip
-        """The own rows' call with all heads; the shared rows' exchange, ring and exchange back; one output."""
+                causal: bool, scale: float, deterministic: bool = False, groups: int = 1, sinks=None):  # fmt: skip
+        """The own rows' call with all heads; the shared rows' exchange, ring and exchange back; one output. The
+        sinks enter the own rows' call (all heads) and the ring's merged rows (this rank's heads)."""
         ex, m = plan.exchange, plan.rows
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv): every row own or shared
         own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
         saved = [None, None]
+        acc = compute_dtype(q.dtype)
 
         def own_rows() -> None:  # 1) the documents held here: all heads, no communication
             if len(plan.own):
-                saved[:] = kernel.forward(*own, plan.own_seqs, causal=causal, window=plan.window, scale=scale)
+                saved[:] = kernel.forward(*own, plan.own_seqs, causal=causal, window=plan.window, scale=scale,
+                                          out_dtype=None if sinks is None else acc)  # fmt: skip
+                if sinks is not None:
+                    saved[:] = add_sinks(*saved, sinks)
+                    saved[0] = saved[0].to(q.dtype)
                 out.index_copy_(0, plan.own, saved[0])
 
         if m and groups > 1:  # 2) the shared documents in head groups, the own rows' call while the first travel
@@ -157,11 +168,15 @@ class SplitHierarchicalFunc(torch.autograd.Function):
             qg = a2a_gather(padded_rows(q, plan.shared, m), ex, a2a_comm)  # (a m, Hq/a, D)
             kg = a2a_gather(replicate(padded_rows(k, plan.shared, m), ex.replicas), ex, a2a_comm)  # (a m, Hkv'/a, D)
             vg = a2a_gather(replicate(padded_rows(v, plan.shared, m), ex.replicas), ex, a2a_comm)  # (a m, Hkv'/a, Dv)
+            kept = saved_out_dtype(q.dtype, plan.ring)
             out_g, lse_g = ring_forward(qg, kg, vg, plan.ring, ring_comm, kernel, scale=scale,
-                                        out_dtype=saved_out_dtype(q.dtype, plan.ring))  # fmt: skip
+                                        out_dtype=kept if sinks is None else acc)  # fmt: skip
+            if sinks is not None:  # once, after the ring's merge
+                out_g, lse_g = add_sinks(out_g, lse_g, head_slice(sinks, a2a_comm.rank, a2a_comm.size))
+                out_g = out_g.to(kept)
             out.index_copy_(0, plan.shared, a2a_scatter(out_g.to(q.dtype), ex, a2a_comm)[: len(plan.shared)])
             saved += [qg, kg, vg, out_g, lse_g]
-        ctx.save_for_backward(*own, *saved)
+        ctx.save_for_backward(*own, sinks, *saved)
         ctx.plan, ctx.comms, ctx.kernel, ctx.causal, ctx.scale = plan, (a2a_comm, ring_comm), kernel, causal, scale
         ctx.dtypes, ctx.shapes, ctx.deterministic = (k.dtype, v.dtype), (q.shape, k.shape, v.shape), deterministic
         ctx.groups = groups
@@ -172,14 +187,18 @@ class SplitHierarchicalFunc(torch.autograd.Function):
         """The own rows' backward call; the shared rows' through the hierarchy; the gradients at their rows."""
         no_double_backward()
         plan, kernel, m, (a2a_comm, ring_comm) = ctx.plan, ctx.kernel, ctx.plan.rows, ctx.comms
-        q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
+        q_o, k_o, v_o, sinks, out_o, lse_o, *gathered = ctx.saved_tensors
         dq, dk, dv = (dout.new_empty(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
+        dsinks = None if sinks is None else torch.zeros_like(sinks)  # (Hq,): the own rows' and this rank's heads'
 
         def own_rows() -> None:  # 1) the own rows: one backward call
             if len(plan.own):
-                grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o,
+                dout_o = dout.index_select(0, plan.own).contiguous()
+                grads = kernel.backward(dout_o, q_o, k_o, v_o, out_o, lse_o,
                                         plan.own_seqs, causal=ctx.causal, window=plan.window, scale=ctx.scale,
                                         full_rows=True)  # fmt: skip
+                if sinks is not None:
+                    dsinks.add_(sinks_grad(dout_o, out_o, lse_o, sinks))
                 for g, own_grad in zip((dq, dk, dv), grads):
                     g.index_copy_(0, plan.own, own_grad.to(g.dtype))
 
@@ -198,7 +217,10 @@ class SplitHierarchicalFunc(torch.autograd.Function):
             grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, plan.ring, ring_comm, kernel, scale=ctx.scale,
                                        kv_grad_dtype=kv_grad_dtype(plan.exchange, kg.dtype),
                                        deterministic=ctx.deterministic))  # fmt: skip
+            if sinks is not None:
+                own_heads = head_slice(sinks, a2a_comm.rank, a2a_comm.size)
+                dsinks.add_(on_all_heads(sinks_grad(dout_g, out_g, lse_g, own_heads), a2a_comm.rank, a2a_comm.size))
             del dout_g
             for g, shared_grad in zip((dq, dk, dv), scatter_grads(grads, plan.exchange, a2a_comm, ctx.dtypes)):
                 g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks

@@ -1,23 +1,31 @@
 r"""Ring attention (p2p): K and V travel around the CP ring, partial results merge by their lse.
 
 Each rank keeps its queries; the K/V blocks circulate. At step $t = 0, \dots, P - 1$ rank
-$r$ holds the block that started on rank $(r - t) \bmod P$, computes its queries' attention
-against it (the step's plan, `cpref.modes.ring_plan`: one varlen kernel call for every
-document, with the causal work skipping of the layout), and merges the partial result into a
-running output by log-sum-exp (`cpref.kernels.merge`):
+$r$ holds the block that started on rank $(r - t) \bmod P$ and computes its queries' attention
+against it; between steps every rank sends its block to rank $r + 1$ and receives the block of
+rank $r - 1$ (`send_recv`, shift 1). Each step's partial result merges into the rank's running
+output by log-sum-exp. No rank ever holds more than two blocks: memory stays at $\frac{T}{P}$
+rows whatever `P` is, the point of ring attention (Liu et al. 2023). Here is a real forward on
+the simulated cluster, step by step:
 
-$$ O \leftarrow O - \sigma(\mathrm{lse}_b - \mathrm{lse})\,(O - O_b), \qquad
-   \mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b) . $$
+{{ figure figures/ring_forward.png }}
 
-Between steps every rank sends its block to rank $r + 1$ and receives the block of rank
-$r - 1$ (`send_recv`, shift 1). No rank ever holds more than two blocks: memory stays at
-$\frac{T}{P}$ rows whatever `P` is, the point of ring attention (Liu et al. 2023).
+## The forward
 
-Under a sliding window, or with the stream layout, each rank receives, directly from the ranks whose keys it
-reads, only the rows it reads: [the ring under a sliding window][cpref.modes.ring_window], the
-same Function on another plan.
+A step computes what the step's plan says (`cpref.modes.ring_plan`): one varlen kernel call
+for every document, with the causal work skipping of the layout. In the zigzag layout every
+rank does the same work at every step; in the contiguous one a rank skips the blocks of the
+ranks after it, and the last rank works at every step:
 
-## Overlap
+{{ figure figures/ring_schedule.png }}
+
+The kernel returns the block's output $O_b$ and log-sum-exp $\mathrm{lse}_b$ unrounded (float32;
+float64 for float64 inputs). The first block's are the running $(O, \mathrm{lse})$; every later
+one is folded in by [`merge_partial`][cpref.kernels.merge.merge_partial], both right-hand sides
+from the values before the step ([Merging partial results][cpref.kernels.merge]):
+
+$$ O \leftarrow \sigma(\mathrm{lse} - \mathrm{lse}_b)\, O + \sigma(\mathrm{lse}_b - \mathrm{lse})\, O_b , \qquad
+   \mathrm{lse} \leftarrow \max(\mathrm{lse}, \mathrm{lse}_b) + \log\left(1 + e^{-|\mathrm{lse} - \mathrm{lse}_b|}\right) . $$
 
 The shift of step $t + 1$ is **posted before** step $t$ computes (`send_recv_async`), and
 waited for only after: on real process groups the transfer of the next block runs while the
@@ -26,7 +34,11 @@ requires.
 
 --8<-- "src/cpref/modes/ring.py:forward"
 
-## Backward
+Under a sliding window, or with the stream or balanced layout, each rank receives, directly
+from the ranks whose keys it reads, only the rows it reads: [the ring under a sliding
+window][cpref.modes.ring_window], the same Function on another plan.
+
+## The backward
 
 The backward recomputes every block from the saved **global** lse (the kernel contract's
 backward with the row's full lse gives this call's share of the gradients). $dQ$ stays home
@@ -34,7 +46,9 @@ and accumulates. $dK$ and $dV$ travel with their block: at step $t$ the rank add
 the block's accumulator, which then moves on with the block; after the last step one more
 shift brings every accumulator home, holding the contributions of all `P` ranks. The
 accumulators are float32 (float64 for float64 inputs) and are rounded to the input dtype
-once, at their owner, so bf16 error does not grow with `P`.
+once, at their owner, so bf16 error does not grow with `P`. A real backward, step by step:
+
+{{ figure figures/ring_backward.png }}
 
 --8<-- "src/cpref/modes/ring.py:backward"
 
@@ -48,17 +62,20 @@ $P \frac{T}{P} H_{kv} (D + D_v)$ elements of 4 bytes. Saved for backward: the lo
 $\frac{T}{P}\big(b\,(H_q D + H_{kv} D + H_{kv} D_v) + 4 H_q D_v + 4 H_q\big)$ bytes for
 $P > 1$, falling as $1/P$.
 
-**Precision.** The block outputs come from the kernel in float32 (`out_dtype`), the merge runs
-in float32, and the output is rounded once. No kernel call of the backward sees a whole row, so
-the kernel cannot recompute the row's output (`full_rows`); it computes
-$\Delta = \mathrm{rowsum}(dO \circ O)$ from the output it is given. The Function therefore keeps
-the merged output **unrounded** (float32) for the backward, at $T_l H_q D_v (f - b)$ more saved
-bytes than the rounded one. $\Delta$ from a bf16 $O$ would make gradient errors grow with the
-logit scale: the partial gradient $dS = P \circ (dP - \Delta)$ is a small difference of large
-terms wherever attention is peaked. Measured on three documents of about 130 tokens in bf16 at
-4 times the default scale, $P = 4$: the largest dQ error is 0.05 from a bf16 $O$ (twice bf16's
-2.5e-2 tolerance) and 0.003 from the float32 one, as at $P = 1$. The NPU's fused op takes its
-`attention_in` in the input dtype, so on Ascend $\Delta$ still comes from the rounded output.
+## Precision
+
+**The output kept for the backward.** The block outputs come from the kernel in float32
+(`out_dtype`), the merge runs in float32, and the output is rounded once. No kernel call of the
+backward sees a whole row, so the kernel cannot recompute the row's output (`full_rows`); it
+computes $\Delta = \mathrm{rowsum}(dO \circ O)$ from the output it is given. The Function
+therefore keeps the merged output **unrounded** (float32) for the backward, at
+$T_l H_q D_v (f - b)$ more saved bytes than the rounded one. $\Delta$ from a bf16 $O$ would make
+gradient errors grow with the logit scale: the partial gradient $dS = P \circ (dP - \Delta)$ is
+a small difference of large terms wherever attention is peaked. Measured on three documents of
+about 130 tokens in bf16 at 4 times the default scale, $P = 4$: the largest dQ error is 0.05
+from a bf16 $O$ (twice bf16's 2.5e-2 tolerance) and 0.003 from the float32 one, as at $P = 1$.
+The NPU's fused op takes its `attention_in` in the input dtype, so on Ascend $\Delta$ still
+comes from the rounded output.
 
 **The merged lse at large logits.** The backward recomputes every probability from the row's
 merged lse, $P_{xy} = e^{S_{xy} - \mathrm{lse}_x}$, so an error $\delta$ in $\mathrm{lse}_x$ is a
@@ -67,20 +84,17 @@ $dV = P^\top dO$ directly. A float32 lse of magnitude $2^e$ is held to steps of 
 $2^{-10}$ at logits of $10^4$ (inputs x100 at $D = 16$), $\frac{1}{8}$ at $10^6$ (x1000).
 Without CP the kernel returns $\mathrm{lse} = m + \log \ell$ with $m$ the row's largest float32
 logit, which is exactly $m$ where one key dominates: there $e^{S - \mathrm{lse}} = 1$ exactly.
-The ring used to merge as $\mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b)$,
-which for a dominating block computes $\mathrm{lse} + (\mathrm{lse}_b - \mathrm{lse})$: two roundings
-at the magnitude of $|\mathrm{lse}| + |\mathrm{lse}_b|$ (blocks of opposite signs are common at
-such logits), up to a step off $\mathrm{lse}_b$: every probability of the row up to 13 % off at $10^6$.
-It now merges as ([Merging partial results][cpref.kernels.merge])
+The merge above keeps that: its lse is the larger of the two plus a term in $[0, \log 2]$ taken
+from their difference, so a dominating block's lse and output come through bit for bit, and
+otherwise it rounds once. The equivalent form
+$\mathrm{lse} \leftarrow \mathrm{lse} - \log\sigma(\mathrm{lse} - \mathrm{lse}_b)$ does not: for a
+dominating block it computes $\mathrm{lse} + (\mathrm{lse}_b - \mathrm{lse})$, two roundings at
+the magnitude of $|\mathrm{lse}| + |\mathrm{lse}_b|$ (blocks of opposite signs are common at such
+logits), up to a step off $\mathrm{lse}_b$: every probability of the row up to 13 % off at
+$10^6$. Measured in float32 on three documents of 24 to 64 tokens, $D = 16$, $P = 2$ and 4, the
+worst of three batches (relative error $\max|x - x^\ast| / \max|x^\ast|$ against FP64):
 
-$$ \mathrm{lse} \leftarrow \max(\mathrm{lse}, \mathrm{lse}_b) + \log\left(1 + e^{-|\mathrm{lse} - \mathrm{lse}_b|}\right), \qquad
-   O \leftarrow \sigma(\mathrm{lse} - \mathrm{lse}_b)\, O + \sigma(\mathrm{lse}_b - \mathrm{lse})\, O_b , $$
-
-which gives a dominating block's lse and output bit for bit and rounds once otherwise.
-Measured in float32 on three documents of 24 to 64 tokens, $D = 16$, $P = 2$ and 4, the worst
-of three batches (relative error $\max|x - x^\ast| / \max|x^\ast|$ against FP64):
-
-| inputs | dV at $P = 1$ | ring, merge before | ring, merge now |
+| inputs | dV at $P = 1$ | ring, merging by $-\log\sigma$ | ring, merging as above |
 | --- | --- | --- | --- |
 | x100 | 9.2e-5 | 7.5e-4 | 9.2e-5 |
 | x1000 | 9.1e-8 | 8.5e-2 | 1.3e-7 |
@@ -106,6 +120,7 @@ from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
 from cpref.kernels.merge import merge_partial
+from cpref.kernels.sinks import add_sinks, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.costs import ModeCosts, halo_costs, kept_output_bytes, ring_costs, shard_bytes
 from cpref.modes.ring_plan import RingCall, RingPlan, build_ring_plan
@@ -220,21 +235,28 @@ class RingFunc(torch.autograd.Function):
     """Autograd Function: K/V around the ring forward; K/V and dK/dV around the ring backward."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan, comm, kernel, scale: float, deterministic: bool = False):
-        """`ring_forward`; save the local q, k, v, the output (unrounded, see Precision) and the global lse."""
-        out, lse = ring_forward(q, k, v, plan, comm, kernel, scale=scale, out_dtype=saved_out_dtype(q.dtype, plan))
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx: Any, q, k, v, plan, comm, kernel, scale: float, deterministic: bool = False, sinks=None):
+        """`ring_forward`, the sinks added once to the merged rows; save the local q, k, v, the output (unrounded,
+        see Precision) and the global lse."""
+        saved = saved_out_dtype(q.dtype, plan)
+        out, lse = ring_forward(q, k, v, plan, comm, kernel, scale=scale,
+                                out_dtype=saved if sinks is None else compute_dtype(q.dtype))  # fmt: skip
+        if sinks is not None:  # once, after every step's merge (cpref.kernels.sinks)
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out.to(saved), lse, sinks)
         ctx.plan, ctx.comm, ctx.kernel, ctx.scale, ctx.deterministic = plan, comm, kernel, scale, deterministic
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout):
-        """`ring_backward`: K/V and their dK/dV accumulators around the ring once more."""
+        """`ring_backward`: K/V and their dK/dV accumulators around the ring once more; the sinks' gradient from
+        this rank's rows."""
         no_double_backward()
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.comm, ctx.kernel, scale=ctx.scale,
                                    deterministic=ctx.deterministic)  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks)
+        return dq, dk, dv, None, None, None, None, None, dsinks
 
 
 def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
@@ -245,14 +267,15 @@ def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
 
 
 def ring_plan(call: CPCall, P: int, rank: int, layout: str, group: int = 1) -> RingPlan:
-    """The cached ring plan of member `rank` in a ring of `P` over the call's batch (under the call's window, if any);
+    """The cached ring plan of member `rank` in a ring of `P` over the call's batch (under its window and chunks, if any);
     each member a group of `group` consecutive ranks (the ring of `a2a+p2p`) holding `cpref.batch.layout.group_chunks`."""
     if P == 1:  # one member holds the batch in natural order, one sequence a document, whatever the layout
         layout, group = "contiguous", 1
     key = ("ring", P, rank, layout, call.causal, str(call.device))
-    if call.window != NO_WINDOW or layout not in CHUNKED_LAYOUTS:  # only the rows each rank reads (ring_window)
-        return call.plan(key + (call.window, group), lambda: build_window_ring_plan(
-            call.bounds, P, rank, layout, call.causal, call.window, call.device, group))  # fmt: skip
+    if call.window != NO_WINDOW or call.chunk is not None or layout not in CHUNKED_LAYOUTS:
+        # only the rows each rank reads (ring_window); chunked attention's as a window's (cpref.modes.visible)
+        return call.plan(key + (call.window, group, call.chunk), lambda: build_window_ring_plan(
+            call.bounds, P, rank, layout, call.causal, call.window, call.device, group, call.chunk))  # fmt: skip
     # the chunked layouts nest: a group of `group` ranks holds the layout's chunks over P members (group_chunks)
     return call.plan(key, lambda: build_ring_plan(call.bounds, P, rank, layout, call.causal, call.device))
 
@@ -264,7 +287,7 @@ def p2p_plan(call: CPCall) -> RingPlan:
 
 def run_ring(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: this rank's ring plan, then the Function."""
-    return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale, call.deterministic)
+    return RingFunc.apply(q, k, v, p2p_plan(call), comm, call.kernel, call.scale, call.deterministic, call.sinks)
 
 
 def p2p_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window) -> ModeCosts:
@@ -294,4 +317,5 @@ MODE = ModeSpec(
     costs=p2p_costs,
     sizes=p2p_sizes,
     windows=True,
+    variants=frozenset({"chunk", "sinks"}),
 )

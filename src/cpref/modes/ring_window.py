@@ -5,6 +5,14 @@ document. The ring of [`cpref.modes.ring`][cpref.modes.ring] then wastes most of
 a block far from a rank's queries holds no key they see, and a block passes every rank on its
 way round. This variant plans from what each rank reads and sends it, directly, only that.
 
+With a causal window of $w$ keys before each query, no wider than a chunk, a rank's queries read
+only the last $w$ rows of each document's chunk on a neighbouring rank: a **halo**. Contiguous
+sends each halo to the next rank; zigzag sends its front chunks' halos there too and its back
+chunks' straight to the rank before ($P - 1$ ranks on). The figure draws it from a real run in
+both layouts: who computes each score, and which keys each shift carries.
+
+{{ figure figures/window_ring.png }}
+
 The same plan serves the `stream` layout ([`cpref.batch.layout`][cpref.batch.layout]), with or without a
 window: there a rank's pieces are cut from one stream, so a document reaches only the ranks it
 straddles, and a rank reads the blocks of the ranks before it only as far back as its first
@@ -42,9 +50,8 @@ $R_d(s)$ of its own block that rank $s + d$'s calls read, and nothing else: no r
 through a rank that does not read it (a one-way ring would carry zigzag's back-chunk halo
 through all $P - 2$ ranks between). With a causal window of $w \le c$ keys before each query,
 $R_1$ is the last $w$ real rows of each document's chunk (contiguous), or of each front chunk
-(zigzag, whose $R_{P-1}$ is the last $w$ of each back chunk): a halo of $w$ rows per document
-and neighbour instead of the whole block. The figure at the bottom of this page draws, from a
-real run in both layouts, which keys each shift carries.
+(zigzag, whose $R_{P-1}$ is the last $w$ of each back chunk): the halos of the figure above, $w$
+rows per document and neighbour instead of the whole block.
 
 **Backward.** K/V take the same shifts again. At distance $d$ the rank computes the float32
 dK/dV share of the rows it received and returns it with one shift by $-d$; the owner adds it
@@ -75,6 +82,7 @@ from cpref.kernels.contract import AttentionKernel, Varlen, compute_dtype
 from cpref.kernels.merge import merge_partial
 from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.modes.shared import padded_rows
+from cpref.modes.visible import chunk_pieces, chunk_real
 
 __all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "halo_forward", "halo_backward"]
 
@@ -153,17 +161,20 @@ def window_distances(b: Boundaries, P: int, layout: str, causal: bool, window: t
 
 
 def build_window_ring_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, window: tuple[int, int],
-                           device: torch.device, group: int = 1) -> RingPlan:  # fmt: skip
+                           device: torch.device, group: int = 1, chunk: int | None = None) -> RingPlan:  # fmt: skip
     """The steps of ring member `rank` (of `P`; each a group of `group` ranks, see `_pieces`), one per distance in
-    `(0, *D)`, and the rows each shift carries (module docstring)."""
-    return build_piece_ring_plan(b.real_in, _members(b, P, layout, group), rank, causal, window, device)
+    `(0, *D)`, and the rows each shift carries (module docstring); with `chunk`, each chunk of a document a
+    document of its own (`cpref.modes.visible`)."""
+    return build_piece_ring_plan(b.real_in, _members(b, P, layout, group), rank, causal, window, device, chunk)
 
 
 def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: tuple[int, int],
-                          device: torch.device) -> RingPlan:  # fmt: skip
+                          device: torch.device, chunk: int | None = None) -> RingPlan:  # fmt: skip
     """`build_window_ring_plan` over given members: `members[r]` the pieces `(doc, a, z, row)` member `r` holds
     in local order, `real(doc, a, z)` the real tokens of positions `[a, z)` of `doc` (every member's buffer
-    equally long)."""
+    equally long); with `chunk`, the pieces cut at the chunks (`cpref.modes.visible.chunk_pieces`)."""
+    if chunk is not None:
+        real, members = chunk_real(real), [chunk_pieces(pieces, chunk) for pieces in members]
     P = len(members)
     if P == 1:  # a ring of one member: its one call reads the own block as it is (no halo, no copy, no merge)
         calls = _calls(real, members, rank, rank, causal, window)

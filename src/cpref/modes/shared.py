@@ -19,6 +19,7 @@ import torch
 from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import Varlen
+from cpref.modes.visible import chunked_sequences
 
 __all__ = ["no_double_backward", "whole_documents", "document_sequences", "padded_rows", "head_split"]
 
@@ -32,21 +33,25 @@ def no_double_backward() -> None:
         )
 
 
-def whole_documents(b: Boundaries) -> Varlen:
-    """Every document as one sequence of the (padded) stream in order: real queries see its real keys.
+def whole_documents(b: Boundaries, chunk: int | None = None) -> Varlen:
+    """Every document as one sequence of the (padded) stream in order: real queries see its real keys; with
+    `chunk`, every chunk of a document a sequence of its own (`cpref.modes.visible`).
 
     Examples:
         >>> whole_documents(Boundaries.parse([0, 3, 5], [0, 4, 6]))  # (3, 3) doc 0, (0, 1) its padding keys, (1, 0) its padding query, (2, 2) doc 1
         Varlen(cu_q=[0, 3, 3, 4, 6], cu_kv=[0, 3, 4, 4, 6])
+        >>> whole_documents(Boundaries.parse([0, 3, 5], [0, 4, 6]), chunk=2)  # doc 0 in chunks of 2 and 1
+        Varlen(cu_q=[0, 2, 3, 3, 4, 6], cu_kv=[0, 2, 3, 4, 4, 6])
     """
-    lens = [seq for i in range(b.num_docs) for seq in document_sequences(b.real_len(i), b.padded_len(i) - b.real_len(i))]
+    lens = [seq for i in range(b.num_docs) for seq in document_sequences(b.real_len(i), b.padded_len(i) - b.real_len(i), chunk)]
     return Varlen.from_lengths([n_q for n_q, _ in lens], [n_k for _, n_k in lens])
 
 
-def document_sequences(n: int, pad: int) -> list[tuple[int, int]]:
+def document_sequences(n: int, pad: int, chunk: int | None = None) -> list[tuple[int, int]]:
     """`(q_len, kv_len)` of a document of `n` real tokens and `pad` padding ones, rows in order: `(n, n)` the
-    document, `(0, pad)` its padding keys, seen by no query, `(pad, 0)` its padding queries; empty ones dropped."""
-    return [(n_q, n_k) for n_q, n_k in ((n, n), (0, pad), (pad, 0)) if n_q or n_k]
+    document (with `chunk`, one `(c, c)` per chunk), `(0, pad)` its padding keys, seen by no query, `(pad, 0)` its
+    padding queries; empty ones dropped."""
+    return chunked_sequences(n, pad, chunk)
 
 
 def padded_rows(x: torch.Tensor, rows: torch.Tensor, m: int) -> torch.Tensor:

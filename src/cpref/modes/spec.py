@@ -86,6 +86,8 @@ class ModeSpec:
         check: its own validation of a `CPCall` (e.g. head counts), before any communication.
         windows: whether it takes a sliding window (`cpref.attention(..., window=)`); one that
             does not is refused by name, before any communication.
+        variants: the attention variants it runs beyond soft-capping, which every mode runs (its kernel calls are
+            capped): `"chunk"`, `"sinks"`; a call with another is refused by name, before any communication.
     """
 
     name: str
@@ -98,6 +100,7 @@ class ModeSpec:
     options: tuple[Option, ...] = ()
     check: Callable[[CPCall], None] | None = None
     windows: bool = False
+    variants: frozenset[str] = frozenset()
 
     def defaults(self) -> dict[str, Any]:
         """`{name: default}` of its options."""

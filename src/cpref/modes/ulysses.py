@@ -9,6 +9,8 @@ further communication, and a second all-to-all turns the output back into sequen
 $$ (\tfrac{T}{P}, H, D) \xrightarrow{\text{all-to-all}} (T, \tfrac{H}{P}, D)
    \xrightarrow{\text{attention}} (T, \tfrac{H}{P}, D_v) \xrightarrow{\text{all-to-all}} (\tfrac{T}{P}, H, D_v) $$
 
+{{ figure figures/ulysses_exchange.png }}
+
 ## The exchange
 
 Rank $r$ splits its heads into `P` groups and sends group $j$ of all its tokens to rank $j$;
@@ -52,9 +54,13 @@ all-to-alls and the kernel calls. The default is the one exchange (`head_groups=
 Forward: all-to-alls of `q`, `k`, `v` and of the output, each moving $\frac{P - 1}{P}$ of the
 tensor: $\frac{P-1}{P} \frac{T}{P} (H_q D + H'_{kv} D + H'_{kv} D_v + H_q D_v)$ elements, with
 $H'_{kv} = \max(H_{kv}, P)$ when heads are replicated. With $D = D_v$ and GQA group size
-$G = H_q / H_{kv}$, that is $\frac{G + 1}{P}$ times the traffic of all-gather or ring: Ulysses
-moves less exactly when $G + 1 < P$. The backward moves the same volume (dout in; dq, dk, dv
-out, in the input dtype), except that replicated heads' dk and dv go out in float32 (see Heads).
+$G = H_q / H_{kv}$, that is $\frac{G + 1}{P}$ times the forward traffic of all-gather or ring:
+forward only, Ulysses moves less when $G + 1 < P$. The backward moves the same volume (dout in;
+dq, dk, dv out, in the input dtype), except that replicated heads' dk and dv go out in float32
+(see Heads), while all-gather's backward moves three times its forward in bf16 (K and V gathered
+again, dK and dV reduce-scattered in float32): forward + backward in bf16, Ulysses moves
+$\frac{G + 1}{2P}$ times all-gather's bytes, less once $P > \frac{G + 1}{2}$ ([the rules,
+recomputed from these formulas][rules-of-thumb-recomputed] on the page of which mode when).
 Saved for backward: the gathered `q, k, v`, the head-split output and its lse, as many elements
 as the local shards, so memory falls as $1/P$, except for replicated key/value heads: with
 $H_{kv} < P$ every rank keeps $T (D + D_v)$ elements of K/V whatever `P` is. One kernel call
@@ -72,6 +78,8 @@ from cpref.base.checks import as_bool, as_int
 from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.comm.protocol import Collectives
+from cpref.kernels.contract import compute_dtype
+from cpref.kernels.sinks import add_sinks, head_slice, on_all_heads, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.costs import ModeCosts, exchange_costs
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
@@ -100,9 +108,11 @@ class UlyssesFunc(torch.autograd.Function):
     (in `groups` head groups, pipelined with the kernel, when `groups > 1`: `cpref.modes.ulysses_pipeline`)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float, groups: int = 1):
-        """Exchange heads for tokens, one kernel call over the whole stream, exchange back."""
+    def forward(ctx: Any, q, k, v, plan: A2APlan, comm, kernel, causal: bool, scale: float, groups: int = 1, sinks=None):
+        """Exchange heads for tokens, one kernel call over the whole stream (the sinks of this rank's heads added
+        to its whole rows), exchange back."""
         ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, ctx.groups = plan, comm, kernel, causal, scale, groups
+        ctx.sinks = sinks is not None
         ctx.dtypes = (k.dtype, v.dtype)
         if groups > 1:
             out, saved = pipelined_forward(q, k, v, plan, comm, kernel, groups, causal=causal, scale=scale)
@@ -113,9 +123,14 @@ class UlyssesFunc(torch.autograd.Function):
         kg = a2a_gather(replicate(k, plan.replicas), plan, comm)  # (T, Hkv'/P, D)
         vg = a2a_gather(replicate(v, plan.replicas), plan, comm)  # (T, Hkv'/P, Dv)
         # 2) one varlen call over every document, padding seen by no query
-        out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, window=plan.window, scale=scale)  # (T, Hq/P, Dv)
+        own = head_slice(sinks, comm.rank, comm.size)  # (Hq/P,): the sinks of this rank's heads, or None
+        out_g, lse_g = kernel.forward(qg, kg, vg, plan.attend, causal=causal, window=plan.window, scale=scale,
+                                      out_dtype=None if own is None else compute_dtype(q.dtype))  # (T, Hq/P, Dv)
+        if own is not None:  # every row is whole here: the sink enters once
+            out_g, lse_g = add_sinks(out_g, lse_g, own)
+            out_g = out_g.to(q.dtype)
         # 3) tokens out, heads in
-        ctx.save_for_backward(qg, kg, vg, out_g, lse_g)
+        ctx.save_for_backward(qg, kg, vg, out_g, lse_g, own)
         return a2a_scatter(out_g, plan, comm)  # (T_l, Hq, Dv)
 
     @staticmethod
@@ -126,10 +141,12 @@ class UlyssesFunc(torch.autograd.Function):
         if ctx.groups > 1:
             grads = pipelined_backward(dout.contiguous(), list(ctx.saved_tensors), plan, comm, ctx.kernel, ctx.groups,
                                        causal=ctx.causal, scale=ctx.scale)  # fmt: skip
-            return (*grads, None, None, None, None, None, None)
-        qg, kg, vg, out_g, lse_g = ctx.saved_tensors
+            return (*grads, None, None, None, None, None, None, None)
+        qg, kg, vg, out_g, lse_g, own = ctx.saved_tensors
         # 1) the upstream gradient takes the same way as q
         dout_g = a2a_gather(dout.contiguous(), plan, comm)  # (T, Hq/P, Dv)
+        # the sinks' gradient: this rank's heads, over every row of the stream (zero on the other heads)
+        dsinks = None if own is None else on_all_heads(sinks_grad(dout_g, out_g, lse_g, own), comm.rank, comm.size)
         # 2) one backward call; every row is whole, so Delta comes from float32 probabilities
         grads = list(ctx.kernel.backward(
             dout_g, qg, kg, vg, out_g, lse_g, plan.attend, causal=ctx.causal, window=plan.window, scale=ctx.scale,
@@ -139,13 +156,23 @@ class UlyssesFunc(torch.autograd.Function):
         grads[0] = grads[0].to(qg.dtype)  # dQ in the input dtype; dK/dV of replicated heads unrounded
         del dout_g  # freed before the exchanges
         # 3) back to sequence shards; replicated key/value heads sum their gradients (in float32)
-        return (*scatter_grads(grads, plan, comm, ctx.dtypes), None, None, None, None, None, None)
+        return (*scatter_grads(grads, plan, comm, ctx.dtypes), None, None, None, None, None, None, dsinks)
 
 
 def check_ulysses(call: CPCall) -> None:
     """The mode's own constraints: the heads split over all P ranks, and into `head_groups` groups on each."""
     check_a2a_heads(call.heads[0], call.heads[1], call.P, call.P, "mode 'a2a'")
     check_head_groups(call.options["head_groups"], call.heads[0], call.heads[1], call.P)
+    check_sinks_in_one_exchange(call, "mode 'a2a'")
+
+
+def check_sinks_in_one_exchange(call: CPCall, what: str) -> None:
+    """Refuse learnable sinks with `head_groups > 1`: the pipelined exchange's calls do not add them."""
+    if call.sinks is not None and call.options["head_groups"] > 1:
+        raise CPInputError(
+            f"{what} with head_groups={call.options['head_groups']} does not run learnable sinks (its pipelined "
+            "exchange's calls do not add them); pass head_groups=1 (the default) with sinks"
+        )
 
 
 def check_head_groups(n: int, hq: int, hkv: int, P: int, what: str = "mode 'a2a'", ranks: str | None = None) -> None:
@@ -179,7 +206,7 @@ def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     plan = ulysses_plan(call)
     func = UlyssesFunc if isinstance(plan, A2APlan) else SplitUlyssesFunc
     groups = call.options["head_groups"] if pipelines(call.options["head_groups"], call.P) else 1
-    return func.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, groups)
+    return func.apply(q, k, v, plan, comm, call.kernel, call.causal, call.scale, groups, call.sinks)
 
 
 def ulysses_costs(*, P, local_tokens, heads, dtype, selected_kv_rows, halo_sizes, gathered_rows, window,
@@ -228,4 +255,5 @@ MODE = ModeSpec(
     ),
     check=check_ulysses,
     windows=True,
+    variants=frozenset({"chunk", "sinks"}),
 )

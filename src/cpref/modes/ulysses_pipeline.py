@@ -18,6 +18,8 @@ Only the first group's inputs and the last group's output are waited for with no
 do: about $\frac{2}{n}$ of the exchange's volume instead of all of it. The backward runs the
 same pipeline on `dout` in and `dq`, `dk`, `dv` out.
 
+{{ figure figures/ulysses_pipeline.png }}
+
 ## Head groups
 
 Rank $r$'s head group $c$ of rank $j$'s heads is $j \frac{H}{a} + c \frac{H}{a n} + i$,

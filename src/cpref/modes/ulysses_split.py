@@ -23,6 +23,8 @@ documents all sit on one rank each, with work as even as the balance below asks,
 
 ## Balance
 
+{{ figure figures/split_balance.png }}
+
 A layout balances work as the sequence modes see it: a document's share of causal work goes
 with its tokens ([`cpref.batch.balanced`][cpref.batch.balanced]). Ulysses does not: every rank attends
 $1 / P$ of the heads of **every** shared document, whatever share of its tokens it holds. Per
@@ -51,8 +53,6 @@ $w / P$ to every other rank, so the split trades a few more exchanged rows for b
 The hierarchy ([for stream and balanced][cpref.modes.hierarchical_split]) uses the same rule
 inside its a2a groups ($k = a$): there an exchanged document spreads over its group only. `balance=False` (an option of both modes) keeps step 1
 alone: the fewest rows exchanged, where moving data costs more than the uneven work.
-
-{{ figure figures/split_balance.png }}
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ from cpref.batch.balanced import TOLERANCE
 from cpref.batch.layout import chunk_work, local_chunks
 from cpref.batch.seqlens import Boundaries
 from cpref.comm.protocol import Collectives
-from cpref.kernels.contract import Varlen
+from cpref.kernels.contract import Varlen, compute_dtype
+from cpref.kernels.sinks import add_sinks, head_slice, on_all_heads, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
 from cpref.modes.shared import document_sequences, head_split, no_double_backward, padded_rows
@@ -187,8 +188,9 @@ def _group_of(r: int, group: int) -> range:
 
 
 def split_rows(b: Boundaries, P: int, rank: int, layout: str, device, *, group: int, causal: bool, window,
-               balance: bool = True) -> RowSplit:  # fmt: skip
-    """Rank `rank`'s own and shared rows (no caching); `group`, `causal`, `window`, `balance`: as in `exchanged_docs`."""
+               balance: bool = True, chunk: int | None = None) -> RowSplit:  # fmt: skip
+    """Rank `rank`'s own and shared rows (no caching); `group`, `causal`, `window`, `balance`: as in `exchanged_docs`;
+    `chunk`: the own documents' sequences cut at their chunks (`cpref.modes.visible`)."""
     shared_docs = exchanged_docs(b, P, layout, group, causal, window, balance)
     shared_ids, own_rows, own_lens = [], [], []  # per rank: global ids of its shared rows
     for r in range(P):
@@ -199,7 +201,7 @@ def split_rows(b: Boundaries, P: int, rank: int, layout: str, device, *, group: 
             elif r == rank:  # an own piece: its real part sees itself, its padding nothing
                 n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
                 own_rows.append(torch.arange(row, row + e - s))
-                own_lens += document_sequences(n_real, e - s - n_real)
+                own_lens += document_sequences(n_real, e - s - n_real, chunk)
             row += e - s
         shared_ids.append(torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64))
     index = torch.zeros(b.total, dtype=torch.int64)
@@ -218,16 +220,16 @@ def gathered_order(ids: list[torch.Tensor], m: int, total: int) -> tuple[torch.T
 
 
 def build_split_plan(b: Boundaries, P: int, rank: int, layout: str, hq: int, hkv: int, causal: bool, window,
-                     device, balance: bool = True) -> SplitPlan:  # fmt: skip
+                     device, balance: bool = True, chunk: int | None = None) -> SplitPlan:  # fmt: skip
     """Rank `rank`'s split plan (no caching)."""
-    rows = split_rows(b, P, rank, layout, device, group=P, causal=causal, window=window, balance=balance)
+    rows = split_rows(b, P, rank, layout, device, group=P, causal=causal, window=window, balance=balance, chunk=chunk)
     m = rows.rows
     # the gathered buffer: rank-major, each rank's shared rows then padding slots; wanted: document order, slots last
     order, received = gathered_order(list(rows.ids), m, b.total)
     perm = order if not torch.equal(order, torch.arange(len(order))) else None
     lens = []
     for doc in rows.docs:
-        lens += document_sequences(b.real_len(doc), b.padded_len(doc) - b.real_len(doc))
+        lens += document_sequences(b.real_len(doc), b.padded_len(doc) - b.real_len(doc), chunk)
     lens += document_sequences(0, P * m - int((received >= 0).sum()))  # the padding slots, as padding
     exchange = A2APlan(perm.to(device) if perm is not None else None,
                        torch.argsort(perm).to(device) if perm is not None else None,
@@ -243,9 +245,11 @@ def _varlen(lens: list[tuple[int, int]]) -> Varlen:
 def split_plan(call: CPCall) -> SplitPlan:
     """The cached split plan of this rank."""
     balance = call.options["balance"]
-    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.causal, call.window, balance, str(call.device))
+    key = ("a2a split", call.P, call.rank, call.layout, call.heads[:2], call.causal, call.window, balance, str(call.device),
+           call.chunk)  # fmt: skip
     return call.plan(key, lambda: build_split_plan(call.bounds, call.P, call.rank, call.layout, call.heads[0],
-                                                   call.heads[1], call.causal, call.window, call.device, balance))  # fmt: skip
+                                                   call.heads[1], call.causal, call.window, call.device, balance,
+                                                   call.chunk))  # fmt: skip
 
 
 class SplitUlyssesFunc(torch.autograd.Function):
@@ -253,16 +257,22 @@ class SplitUlyssesFunc(torch.autograd.Function):
     head groups, the own rows' call after their posts, when `groups > 1`: `cpref.modes.ulysses_pipeline`)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, plan: SplitPlan, comm: Collectives, kernel, causal: bool, scale: float, groups: int = 1):
-        """The own rows' call with all heads; the shared rows' exchange, call and exchange back; one output."""
+    def forward(ctx: Any, q, k, v, plan: SplitPlan, comm: Collectives, kernel, causal: bool, scale: float, groups: int = 1,
+                sinks=None):  # fmt: skip
+        """The own rows' call with all heads; the shared rows' exchange, call and exchange back; one output. Every
+        call sees whole rows: the sinks enter each (all heads for the own rows, this rank's for the shared)."""
         ex, m, window = plan.exchange, plan.rows, plan.exchange.window
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # (T_l, Hq, Dv): every row own or shared
         own = [x.index_select(0, plan.own) for x in (q, k, v)]  # (n_own, H, X) each
         saved = [None, None]
+        acc = None if sinks is None else compute_dtype(q.dtype)
 
         def own_rows() -> None:  # 1) the documents held here: all heads, no communication
             if len(plan.own):
-                saved[:] = kernel.forward(*own, plan.own_seqs, causal=causal, window=window, scale=scale)
+                saved[:] = kernel.forward(*own, plan.own_seqs, causal=causal, window=window, scale=scale, out_dtype=acc)
+                if sinks is not None:
+                    saved[:] = add_sinks(*saved, sinks)
+                    saved[0] = saved[0].to(q.dtype)
                 out.index_copy_(0, plan.own, saved[0])
 
         if m and groups > 1:  # 2) the shared documents in head groups, the own rows' call while the first travel
@@ -276,10 +286,13 @@ class SplitUlyssesFunc(torch.autograd.Function):
             qg = a2a_gather(padded_rows(q, plan.shared, m), ex, comm)  # (P m, Hq/P, D)
             kg = a2a_gather(replicate(padded_rows(k, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, D)
             vg = a2a_gather(replicate(padded_rows(v, plan.shared, m), ex.replicas), ex, comm)  # (P m, Hkv'/P, Dv)
-            out_g, lse_g = kernel.forward(qg, kg, vg, ex.attend, causal=causal, window=window, scale=scale)
+            out_g, lse_g = kernel.forward(qg, kg, vg, ex.attend, causal=causal, window=window, scale=scale, out_dtype=acc)
+            if sinks is not None:
+                out_g, lse_g = add_sinks(out_g, lse_g, head_slice(sinks, comm.rank, comm.size))
+                out_g = out_g.to(q.dtype)
             out.index_copy_(0, plan.shared, a2a_scatter(out_g, ex, comm)[: len(plan.shared)])
             saved += [qg, kg, vg, out_g, lse_g]
-        ctx.save_for_backward(*own, *saved)
+        ctx.save_for_backward(*own, sinks, *saved)
         ctx.plan, ctx.comm, ctx.kernel, ctx.causal, ctx.scale, ctx.dtypes = plan, comm, kernel, causal, scale, (k.dtype, v.dtype)
         ctx.shapes, ctx.groups = (q.shape, k.shape, v.shape), groups
         return out
@@ -290,14 +303,18 @@ class SplitUlyssesFunc(torch.autograd.Function):
         no_double_backward()
         plan, comm, kernel, m = ctx.plan, ctx.comm, ctx.kernel, ctx.plan.rows
         ex, window = plan.exchange, plan.exchange.window
-        q_o, k_o, v_o, out_o, lse_o, *gathered = ctx.saved_tensors
+        q_o, k_o, v_o, sinks, out_o, lse_o, *gathered = ctx.saved_tensors
         dq, dk, dv = (dout.new_empty(shape, dtype=t.dtype) for shape, t in zip(ctx.shapes, (q_o, k_o, v_o)))
+        dsinks = None if sinks is None else torch.zeros_like(sinks)  # (Hq,): the own rows' and this rank's heads'
 
         def own_rows() -> None:  # 1) the own rows: one backward call
             if len(plan.own):
-                grads = kernel.backward(dout.index_select(0, plan.own).contiguous(), q_o, k_o, v_o, out_o, lse_o,
+                dout_o = dout.index_select(0, plan.own).contiguous()
+                grads = kernel.backward(dout_o, q_o, k_o, v_o, out_o, lse_o,
                                         plan.own_seqs, causal=ctx.causal, window=window, scale=ctx.scale,
                                         full_rows=True)  # fmt: skip
+                if sinks is not None:
+                    dsinks.add_(sinks_grad(dout_o, out_o, lse_o, sinks))
                 for g, own_grad in zip((dq, dk, dv), grads):
                     g.index_copy_(0, plan.own, own_grad.to(g.dtype))
 
@@ -314,6 +331,9 @@ class SplitUlyssesFunc(torch.autograd.Function):
             grads = list(kernel.backward(dout_g, qg, kg, vg, out_g, lse_g, ex.attend, causal=ctx.causal, window=window,
                                          scale=ctx.scale, full_rows=True, grad_dtype=kv_grad_dtype(ex, kg.dtype)))  # fmt: skip
             grads[0] = grads[0].to(qg.dtype)
+            if sinks is not None:
+                dsinks.add_(on_all_heads(sinks_grad(dout_g, out_g, lse_g, head_slice(sinks, comm.rank, comm.size)),
+                                         comm.rank, comm.size))  # fmt: skip
             for g, shared_grad in zip((dq, dk, dv), scatter_grads(grads, ex, comm, ctx.dtypes)):
                 g.index_copy_(0, plan.shared, shared_grad[: len(plan.shared)].to(g.dtype))
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, dsinks
