@@ -84,6 +84,11 @@ def drops_window(q, k, v, sharding, *, process_group, window, **kwargs) -> torch
     return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
 
 
+def drops_variants(q, k, v, sharding, *, process_group, softcap=None, chunk=None, **kwargs) -> torch.Tensor:
+    """Wrong with soft-capping or chunks: calls cpref.attention without them (TE's CP paths hard-code no cap)."""
+    return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
 def raises_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     """Fault: rank 1 raises before any collective, rank 0 waits for it in the first one."""
     if _comm(process_group).rank == 1:

@@ -99,6 +99,14 @@ the oracle; the table gains a `window` column. Only the modes whose declaration 
 naming such a mode in `--mode` is an error. `--window -1,4` (a value starting with a minus) is
 read as `--window=-1,4`.
 
+**Attention variants.** `--softcap C` (logit soft-capping, Gemma 2's 50) and `--chunk C`
+(chunked attention, Llama 4's 8192) are `cpref.attention`'s `softcap=` and `chunk=`
+([the variants][sim.oracle]); like the window they reach every call alike (the ranks, their run
+without CP, the simulated cluster, the oracle), every mode takes them, and the run's description
+and every case's label name them. `--baseline sdpa` and `eager` attend without them and are
+refused with them; where an `--impl` raises at CP size 1, a case with variants has no fallback
+baseline and fails.
+
 ## Running it
 
 | where | command |
@@ -142,7 +150,8 @@ It gets this rank's shards (`sharding.shard(x, rank)`) on the rank's device, req
 and the batch's [`cpref.Sharding`][cpref.batch.sharding.Sharding] (the real and padded boundaries,
 `sharding.cp_size` and `sharding.layout`), and returns this rank's output shard; the harness
 backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` without
-`--window`), `options` holds the mode options (`a2a_size`); `--kernel` applies to cpref only.
+`--window`), `options` holds the mode options (`a2a_size`) and, given, `softcap` and `chunk`;
+`--kernel` applies to cpref only.
 `--impl` may be repeated; `--impl cpref` is cpref itself. `tests/backends/verify_impls.py` has
 a correct example (a `TorchComm` over the group, then `cpref.attention`) and wrong ones, and a
 plain-torch CP attention with the bugs CP implementations have. Adapters of well-known
@@ -176,9 +185,9 @@ from typing import Any, Sequence
 import cpref
 from cpref.api import check_mode
 from cpref.kernels.contract import NO_WINDOW, check_window
-from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positives, seconds
+from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positive_float, positives, seconds
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
-from sim.tools.verify.baselines import BASELINES, EAGER, label
+from sim.tools.verify.baselines import BASELINES, EAGER, VARIANTS, label
 from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths
 from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
 from sim.tools.verify.truth import KEY, Report, check
@@ -332,6 +341,10 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
     p.add_argument("--window", type=_window, default=NO_WINDOW, metavar="LEFT,RIGHT",
                    help="sliding window (-1: unbounded; causal: RIGHT 0), for the modes that take one: "
                    f"{', '.join(_window_modes())}; --mode all skips the others (default -1,-1: none)")  # fmt: skip
+    p.add_argument("--softcap", type=positive_float, metavar="C",
+                   help="logit soft-capping: every score C tanh(S / C) (Gemma 2: 50); every mode takes it")
+    p.add_argument("--chunk", type=positive, metavar="C",
+                   help="chunked attention: a query sees only its chunk of C positions (Llama 4: 8192); every mode")
     p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")
     p.add_argument("--impl", action="append", metavar="package.module:function", help="verify this function (repeatable)")
     p.add_argument("--baseline", default="auto", metavar="NAME", help="the run without CP of the vs P=1 column: auto "
@@ -356,6 +369,11 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
         args.dtypes = _names(",".join(dtype_name(x) for x in args.dtype.split(",")), list(DTYPES), "dtype")
         if args.baseline not in BASELINES and ":" not in args.baseline:
             raise ValueError(f"--baseline {args.baseline!r}: expected {', '.join(BASELINES)} or package.module:function")
+        args.variants = {name: getattr(args, name) for name in VARIANTS if getattr(args, name) is not None}
+        if args.variants and args.baseline in ("sdpa", "eager"):
+            flags = " ".join(f"--{name} {value:g}" for name, value in args.variants.items())
+            raise ValueError(f"--baseline {args.baseline} with {flags}: {args.baseline} attends without the variants; "
+                             "use --baseline auto (cpref's kernel, or your implementation on one rank) or kernel")  # fmt: skip
         baseline = EAGER if args.baseline == "eager" else args.baseline  # eager is a function, named as yours is
         args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel, baseline)
         if ":" in baseline:
@@ -370,7 +388,8 @@ def cases_from_args(args: argparse.Namespace, world: int) -> list[Case]:
     cp = args.cp or world
     return build_cases(args.modes, args.layouts, args.dtypes, cp=cp, strided=args.cp_ranks == "strided",
                        padded=(args.padded,), causal=args.causal, impls=args.impl or ("cpref",),
-                       a2a_size=args.a2a_size, window=args.window, options=dict(args.option))  # fmt: skip
+                       a2a_size=args.a2a_size, window=args.window, options=dict(args.option),
+                       variants=args.variants)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> int:
@@ -383,6 +402,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
     except ValueError as exc:
         return fail(prog, str(exc))
     s, window = args.setup, "" if args.window == NO_WINDOW else f", window {_pair(args.window)}"
+    window += "".join(f", {name} {value:g}" for name, value in args.variants.items())
     if printer and args.skipped:
         print(f"note: --window {_pair(args.window)} skips mode {', '.join(args.skipped)} (no sliding window); "
               f"the modes that take one: {', '.join(_window_modes())}", flush=True)  # fmt: skip

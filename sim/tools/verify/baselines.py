@@ -46,6 +46,7 @@ __all__ = ["BASELINES", "EAGER", "FALLBACK", "eager", "label", "packed_sdpa", "r
 
 BASELINES = ("auto", "impl", "sdpa", "eager", "kernel")  # or package.module:function
 EAGER = "sim.tools.verify.baselines:eager"  # `--baseline eager`: a local attention, named as the user's is
+VARIANTS = ("softcap", "chunk")  # the attention variants a case may take; sdpa and eager take none
 FALLBACK = ("sdpa", EAGER)  # where the implementation raises at CP size 1: each tensor held to the looser of these
 
 
@@ -128,8 +129,9 @@ def run_baseline(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     holds `mode`, `causal`, `window` and the mode options, as the implementation receives them.
     """
     if name == "kernel":
+        variants = {key: call[key] for key in VARIANTS if key in call}  # the kernel's calls take them as the ranks' do
         return cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=call["causal"],
-                               window=call["window"], kernel=kernel)  # fmt: skip
+                               window=call["window"], kernel=kernel, **variants)  # fmt: skip
     if name == "sdpa":
         return packed_sdpa(q, k, v, whole, causal=call["causal"], window=call["window"])
     if name == "impl":

@@ -104,6 +104,8 @@ class Case:
             default, for none); only the modes with `cpref.MODES[mode].windows` take one.
         impl: `"cpref"` (`cpref.attention` over `TorchComm`) or `"package.module:function"`.
         options: mode options, e.g. `(("a2a_size", 2),)`.
+        variants: the attention variants of `cpref.attention` every call of the case takes, e.g.
+            `(("softcap", 30.0), ("chunk", 512))` (`--softcap`, `--chunk`).
     """
 
     mode: str
@@ -116,6 +118,7 @@ class Case:
     impl: str = "cpref"
     options: tuple[tuple[str, Any], ...] = field(default=())
     window: tuple[int, int] = NO_WINDOW
+    variants: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", check_window(self.window, self.causal))  # a CPInputError (ValueError) if bad
@@ -127,10 +130,11 @@ class Case:
 
     @property
     def label(self) -> str:
-        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/window=L,R][/options][/impl]`."""
+        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/window=L,R][/variants][/options][/impl]`."""
         parts = [self.mode, self.layout, self.dtype] + (["pad"] if self.padded else []) + [f"cp{self.cp}"]
         parts += (["strided"] if self.strided else []) + ([] if self.causal else ["full"])
         parts += ["window={},{}".format(*self.window)] if self.windowed else []
+        parts += [f"{k}={v:g}" for k, v in self.variants]
         parts += [f"{k}={v}" for k, v in self.options] + ([] if self.impl == "cpref" else [self.impl])
         return "/".join(parts)
 
@@ -216,14 +220,14 @@ def cp_groups(world_size: int, cp: int, strided: bool) -> list[list[int]]:
 def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[str], *, cp: int, strided: bool = False,
                 padded: Sequence[bool] = (False,), causal: bool = True, impls: Sequence[str] = ("cpref",),
                 a2a_size: int | None = None, window: tuple[int, int] = NO_WINDOW,
-                options: Mapping[str, Any] | None = None) -> list[Case]:  # fmt: skip
+                options: Mapping[str, Any] | None = None, variants: Mapping[str, Any] | None = None) -> list[Case]:  # fmt: skip
     """The product of the choices, as cases.
 
     `a2a_size` goes only to the modes whose options take it (the hierarchical mode); left
     None, they get 2 for an even `cp` (2 x 2 at `cp = 4`) and 1 (the ring) for an odd one.
     Each of `options` (e.g. `{"overlap": True}`) likewise goes only to the modes that declare it.
     `window` goes to every case: a mode without `cpref.MODES[mode].windows` is refused by
-    `sim.tools.verify.run` (the command line skips or refuses it first).
+    `sim.tools.verify.run` (the command line skips or refuses it first); so do `variants`.
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
@@ -238,5 +242,6 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
             for layout in layouts:
                 for dtype in dtypes:
                     for pad in padded:
-                        cases.append(Case(mode, layout, dtype, cp, pad, strided, causal, impl, options, window))
+                        cases.append(Case(mode, layout, dtype, cp, pad, strided, causal, impl, options, window,
+                                          tuple((variants or {}).items())))  # fmt: skip
     return cases

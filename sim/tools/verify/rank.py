@@ -131,7 +131,7 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     shard = lambda t: sharding.shard(t, comm.rank).to(device)  # noqa: E731
     q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
-    kwargs = dict(mode=case.mode, causal=case.causal, window=case.window, **dict(case.options))
+    kwargs = dict(mode=case.mode, causal=case.causal, window=case.window, **dict(case.variants), **dict(case.options))
     # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
     if case.impl == "cpref":
         out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
@@ -156,7 +156,7 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     sized = cpref.MODES[case.mode].example_options(1)  # the options chosen by the CP size take their values at P = 1
     options = {key: sized.get(key, value) if key in cpref.MODES[case.mode].example_options(case.cp) else value
                for key, value in case.options}  # fmt: skip
-    call = dict(mode=case.mode, causal=case.causal, window=case.window, **options)
+    call = dict(mode=case.mode, causal=case.causal, window=case.window, **dict(case.variants), **options)
     impl = None if case.impl == "cpref" else load_impl(case.impl)
 
     def once(attempt: str) -> Result:
@@ -168,7 +168,7 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     try:
         return (once(name),), label(name), ""
     except Exception as exc:
-        if name != "impl":
+        if name != "impl" or case.variants:  # the fallback attends without the variants: no baseline for them
             raise
         note = (f"the implementation raised at CP size 1 ({type(exc).__name__}: {exc}); baseline {label(FALLBACK)}: "
                 "each tensor held to the looser of sdpa and eager")  # fmt: skip

@@ -199,8 +199,9 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}" if x < 1000 else f"{x:.1e}"
 
 
-def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WINDOW) -> tuple[torch.Tensor, ...]:
-    """The oracle's `(out, dq, dk, dv)` over the padded stream, one document and KV head at a time."""
+def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WINDOW, **variants) -> tuple[torch.Tensor, ...]:
+    """The oracle's `(out, dq, dk, dv)` over the padded stream, one document and KV head at a time (`variants`:
+    `softcap`, `chunk`, whose positions count from the document's start, as the oracle's do)."""
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))
     G = q.shape[1] // k.shape[1]  # query heads per KV head
     full = [torch.zeros_like(dout), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
@@ -211,7 +212,7 @@ def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WIND
         for h in range(k.shape[1]):
             qh, kh = slice(h * G, (h + 1) * G), slice(h, h + 1)  # its G query heads and its KV head
             qkv = q[rows, qh], k[rows, kh], v[rows, kh]  # (m, G, D), (m, 1, D), (m, 1, D)
-            parts = oracle_padded(*qkv, dout[rows, qh], doc, causal=causal, window=window)
+            parts = oracle_padded(*qkv, dout[rows, qh], doc, causal=causal, window=window, **variants)
             for t, part, heads in zip(full, parts, (qh, qh, kh, kh)):
                 t[rows, heads] = part  # (m, G or 1, D)
         start += m
@@ -225,10 +226,10 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))  # the same values, upcast
     sharding = batch.sharding  # the case's CP size, layout and padding
     simulated, _ = run_attention(q, k, v, dout, sharding, mode=case.mode, causal=case.causal, window=case.window,
-                                 **dict(case.options))  # fmt: skip
-    key = (dp, case.dtype, case.causal, case.window, batch.real, batch.padded)  # the oracle: the batch and mask only
+                                 **dict(case.variants), **dict(case.options))  # fmt: skip
+    key = (dp, case.dtype, case.causal, case.window, case.variants, batch.real, batch.padded)  # the batch and mask only
     if key not in oracle_cache:
-        oracle_cache[key] = blocked_oracle(batch, case.causal, case.window)
+        oracle_cache[key] = blocked_oracle(batch, case.causal, case.window, **dict(case.variants))
     shards = None if without_cp is None else [[[sharding.shard(t, r) for t in one] for r in range(case.cp)] for one in without_cp]
     return simulated, [[sharding.shard(t, r) for t in oracle_cache[key]] for r in range(case.cp)], shards
 
