@@ -27,7 +27,7 @@ import torch
 
 from sim.tools.cli import Parser
 
-BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts")
+BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts", "variants")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -281,6 +281,21 @@ quick run.
 
 {{ results layouts }}
 
+## 10. Attention variants (`bench/variants.py`)
+
+What the variants of [Attention variants](variants.md) cost and save. On one rank, a packed batch of
+16384 tokens through `cpref.attention` (one kernel call and the mode's Function around it),
+forward + backward: without a variant, with learnable sinks, with soft-capping at 50, and the
+explicit kernel path without a variant, which soft-capping takes (PyTorch's fused attention has
+no cap), timed in alternation; goals: sinks at most 1.02 times the plain step, soft-capping at
+most 1.3 times. At CP = 2 on the simulated cluster, one 32768-token document with chunks of 8192
+against full causal, zigzag and contiguous: the step's time and the bytes each rank sent (goals:
+at least 3 times faster; the bytes within the chunks' halo, which here is none: every chunk lies on
+one rank). And the zigzag window halo, counted: the rows the direct schedule sends against a
+one-way relay of the back chunks' halo. `python -m bench.variants --quick` is a quick run.
+
+{{ results variants }}
+
 ## Measured while this page was built
 
 **CPU, the machine that built this site** · *when this page was built*
@@ -295,7 +310,7 @@ import re
 
 import torch
 
-from bench import all_gather, collectives, kernel, layouts, memory, overhead, scaling, window
+from bench import all_gather, collectives, kernel, layouts, memory, overhead, scaling, variants, window
 from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
@@ -344,6 +359,7 @@ RENDER = {
     "all_gather": lambda r: r["title"] + ".\n\n" + all_gather.markdown(r),
     "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),
     "window": lambda r: r["title"] + ".\n\n" + window.report(r["times"], r["counts"]),
+    "variants": lambda r: r["title"] + ".\n\n" + variants.report(r),
     "layouts": lambda r: "\n\n".join(
         [r["title"] + ". Per pack (open each below), every `P`: each layout's padding, busiest rank's causal work over the mean and "
          "shared rows, and the bytes the busiest rank sends in each mode, forward + backward (the full tables, with "
@@ -382,6 +398,7 @@ WHERE = {
     "all_gather": "CPU",
     "collectives": "CPU, gloo processes",
     "layouts": "simulated cluster, counted (nothing timed)",
+    "variants": "CPU: one process, and the simulated cluster",
 }
 HEADER = re.compile(r"Measured (?P<date>\S+) (?P<time>\S+) UTC on (?P<machine>.+)\.$")  # `bench.all.header`
 
@@ -451,6 +468,10 @@ def summary_table() -> str:
     goals += [f"each mode's bytes / zigzag's {per_mode[0]['op']} {per_mode[0]['t']}"] if per_mode else []
     measured = "; ".join(f"{m['what']} {m['x']}" for m in found)
     lines.append(f"| **layout {head}**: {', '.join(goals)} | **{_met(found, 'what')}**: {measured} |")
+    found = _verdicts(variants.report(load("variants")["results"]).splitlines(),
+                      r"- (?P<what>[^:]+): .*?\(goal (?P<goal>[<=>]+ [\d.]+)[^)]*\): (?P<verdict>met|not met)")  # fmt: skip
+    goals = "; ".join(f"{m['what']} {m['goal']}" for m in found)
+    lines.append(f"| **variants**: {goals} | **{_met(found, 'what')}** |")
     seconds = sum(load(name)["seconds"] for name in BENCHMARKS)
     lines.append(f"| **`make bench`** under ten minutes | **{mark[seconds < 600]}**: {seconds / 60:.1f} minutes (the "
                  "benchmarks' own times) |")  # fmt: skip

@@ -347,3 +347,22 @@ def test_a_shift_never_awaited_is_refused():
 
     with pytest.raises(ValueError, match="event 0 is never awaited"):
         ring_shifts([("comm", "send_recv_async", 0.1, None), ("compute", "forward", 1.0, None)])
+
+
+def test_the_variants_benchmark_runs_quick_and_counts_what_it_says(capsys):
+    """`bench.variants --quick`: every case of the three parts printed with its goal's verdict; the chunked step
+    sends nothing where every chunk lies on one rank, and the full causal ring sends its whole block forward, again
+    backward, and the block's dK/dV accumulator P = 2 times (on and home); the direct halo is one shift to each reading rank (m_1 + m_P-1 rows),
+    the relay's count m_1 + (P - 1) m_P-1."""
+    from bench import variants
+
+    results = variants.main(["--quick"])
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in variants.NAMES)
+    assert "sinks / plain:" in out and "softcap / plain:" in out and "chunked " in out and "one-way relay" in out
+    for layout, c in results["chunked"].items():
+        assert c["chunked"][1] == [0, 0] and c["halo"] == 0, layout  # chunks of 1024 = the zigzag chunks of 4096 / 4
+        assert c["full"][1] == [4 * 2048 * 4 * 2 * 64 * 4] * 2, layout  # 4 shifts of T/2 rows of K|V or dK|dV, fp32
+    h = results["halo"]
+    assert h["shifts"] == 2 and h["direct"] == h["m_1"] + h["m_back"] and h["relay"] == h["m_1"] + 3 * h["m_back"]
+    assert h["m_1"] == h["m_back"] == 4 * 512  # four documents, a halo of w = 512 rows each

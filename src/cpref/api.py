@@ -173,9 +173,11 @@ def _check_sinks(sinks: Any, q: torch.Tensor) -> torch.Tensor | None:
         raise CPInputError(f"sinks is {type(sinks).__name__}, not a tensor; {fix}")
     if tuple(sinks.shape) != (q.shape[1],) or not sinks.is_floating_point() or sinks.device != q.device:
         raise CPInputError(f"sinks has shape {tuple(sinks.shape)}, dtype {sinks.dtype} on {sinks.device}; {fix}")
-    if torch.is_grad_enabled() and q.requires_grad and not sinks.requires_grad:
+    frozen = isinstance(sinks, torch.nn.Parameter)  # a parameter that does not require grad is frozen on purpose (LoRA)
+    if torch.is_grad_enabled() and q.requires_grad and not sinks.requires_grad and not frozen:
         raise CPInputError("sinks do not require grad while q does: training would leave them untrained without a word; "
-                           "pass a parameter (sinks.requires_grad_()), or run under torch.no_grad() to evaluate")  # fmt: skip
+                           "pass a parameter (sinks.requires_grad_(), or a frozen torch.nn.Parameter), or run under "
+                           "torch.no_grad() to evaluate")  # fmt: skip
     return sinks
 
 

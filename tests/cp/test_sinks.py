@@ -145,3 +145,22 @@ def test_sinks_with_pipelined_head_groups_are_refused_on_every_rank_before_any_c
 
     cluster.run(rank)
     assert only_the_comparison(cluster.trace)
+
+
+def test_frozen_sinks_are_taken_and_get_no_gradient_while_q_does():
+    """A frozen `nn.Parameter` (a LoRA fine-tune freezes the base weights) is taken as it is: q, k, v get the
+    sinked gradients, the sinks none; a plain tensor without grad is refused (`test_variants.py`)."""
+    sharding = cpref.Sharding(cu_from_lengths([16, 8]), cp_size=2)
+    q, k, v, dout = attention_inputs(sharding.total, HEADS)
+    frozen = torch.nn.Parameter(SINKS["large"].clone(), requires_grad=False)
+
+    def rank(comm):
+        ql, kl, vl = (sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v))
+        cpref.attention(ql, kl, vl, sharding, comm=comm, mode="p2p", sinks=frozen).backward(sharding.shard(dout, comm.rank))
+        return ql.grad
+
+    grads = SimCluster(2, timeout=30.0).run(rank)
+    want = oracle_shards(q, k, v, dout, sharding, sinks=SINKS["large"])
+    for r in range(2):
+        assert_close(grads[r], want[r][1], torch.float64, msg=f"rank {r} dq")
+    assert frozen.grad is None

@@ -130,8 +130,8 @@ def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
     assert "{{ goals }}" not in doc and "{total_minutes}" not in doc
     summary = doc.split("## The last run in one screen")[1].split("## What limits each goal")[0]
     # header, rule, the kernel's goal, the CP path's at P = 1, the five of bench.scaling.goals, memory, the balanced
-    # layout's goals and make bench's time
-    assert summary.count("\n| ") == 2 + 10, summary
+    # layout's goals, the attention variants' and make bench's time
+    assert summary.count("\n| ") == 2 + 11, summary
     assert "All on the CPU, none on a GPU" in summary and "{{ figure figures/bench_scaling.png }}" in summary
     for name in BENCHMARKS:  # each section headed by where its benchmark ran (CPU, gloo, simulated cluster) and when
         assert f"### Last run\n\n**{report.WHERE[name]}** · *{json.loads((RESULTS / f'{name}.json').read_text())['measured']}" in doc

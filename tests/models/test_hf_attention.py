@@ -4,7 +4,9 @@ Tiny random models built from configs (nothing downloaded; 2 layers, hidden 64, 
 scaled RoPE (`rope_type: llama3`, positions past `original_max_position_embeddings`), Qwen3 with a
 sliding-window layer and a full one (GQA, `head_dim` 24 != 64 / 4), Mistral with `sliding_window` on
 every layer, and GPT-2 (MHA, learned positions, each layer's scores scaled by the inverse of its
-index: a `scaling` of its own). The reference is Hugging Face's eager attention on
+index: a `scaling` of its own); and the attention variants: Gemma 2 (logit soft-capping on a
+sliding and a full layer), GPT-OSS (learnable sinks, whose gradient is compared too, and MoE),
+Llama 4's text model (a chunked layer and a full NoPE one), Gemma 3 (sliding and full). The reference is Hugging Face's eager attention on
 every document of the pack alone (positions from 0, its own causal and sliding masks); cpref's run
 is the same weights with `attn_implementation="cpref"` on the packed batch, sharded by
 `cpref.get_batch_on_this_cp_rank`, at CP = 1, 2 and 4 on the simulated cluster, every mode at
@@ -45,7 +47,21 @@ MODELS = {  # name -> (config class, model class, config kwargs)
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(**SIZES, sliding_window=W)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                                    scale_attn_by_inverse_layer_idx=True)),  # fmt: skip
+    # the attention variants (issue 45): Gemma 2's logit soft-capping (at 5, so that the random logits reach it) on a
+    # sliding and a full layer; GPT-OSS's sinks (set by `build` to logits as large as the scores') and MoE; Llama 4's
+    # chunked layer (chunks of 6 positions, cutting every document) and a full NoPE one; Gemma 3's sliding and full
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(**SIZES, head_dim=16, sliding_window=W, attn_logit_softcapping=5.0,
+                                                         final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(**SIZES, head_dim=16, sliding_window=W, num_local_experts=4,
+                                                         num_experts_per_tok=2)),  # fmt: skip
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(**SIZES, head_dim=16, intermediate_size_mlp=96,
+                                                             num_local_experts=2, attention_chunk_size=6,
+                                                             layer_types=["chunked_attention", "full_attention"],
+                                                             no_rope_layers=[1, 0], attn_temperature_tuning=False)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(**SIZES, head_dim=16, sliding_window=W,
+                                                            layer_types=["sliding_attention", "full_attention"])),
 }
+SINKS = torch.tensor([4.0, -3.0, 6.0, 0.5])  # GPT-OSS's sinks per head, each layer: as large as the scores or more
 MODES = sorted(cpref.MODES)
 CASES = [(name, 1, "p2p", "zigzag") for name in MODELS] + [
     (name, P, mode, cpref.LAYOUTS[(i + j + P) % len(cpref.LAYOUTS)])
@@ -58,7 +74,12 @@ def build(name: str, implementation: str):
     config_cls, model_cls, kw = MODELS[name]
     config = getattr(transformers, config_cls)(**COMMON, **kw)
     config._attn_implementation = implementation
-    return random_hf_model(model_cls, config)
+    model = random_hf_model(model_cls, config)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(getattr(layer, "sinks", None), torch.nn.Parameter):
+                layer.sinks.copy_(SINKS)
+    return model
 
 
 def pack(seed: int = 0):
@@ -152,8 +173,6 @@ def _call(**kw):
     (dict(key=torch.zeros(1, 2, 6, 8), value=torch.zeros(1, 2, 6, 8)), "use_cache=False"),
     (dict(attention_mask=torch.zeros(1, 1, 4, 4)), "call the model without attention_mask"),
     (dict(attention_mask=torch.ones(1, 4, dtype=torch.bool)), r"mask of shape \(1, 4\) reached the layer"),
-    (dict(softcap=50.0), r"soft-capping \(softcap=50.0\)"),
-    (dict(s_aux=torch.zeros(2)), "attention sinks"),
 ])  # fmt: skip
 def test_what_cpref_cannot_do_is_refused_by_name(change, match):
     with pytest.raises(cpref.CPInputError, match=match):

@@ -36,9 +36,7 @@ ROWS = {
                  ("_supports_attention_backend = False), so", "`_supports_attention_backend = False`"),
                  ("its head ({head})", "a head that reads tokens by index"),
                  ("layer_types holds layer kinds", "a `layer_types` entry"),
-                 ("attn_logit_softcapping={cap!r}", "`attn_logit_softcapping` (Gemma 2)"),
                  ("attention temperature tuning", "`attn_temperature_tuning`"),
-                 ("attention sinks ({name}.sinks", "attention sinks (a `sinks` parameter"),
                  ("its pooler ({name})", "a pooler of the first token")],
     "guard.py": [("needs the CP arguments", "no `cp=cpref.hf.CP(...)`"),
                  ("cp= must be a cpref.hf.CP", "no `cp=cpref.hf.CP(...)`"),
@@ -49,7 +47,7 @@ ROWS = {
                  ("was given {x.shape[1]} tokens", "no `input_ids` (nor `inputs_embeds`)"),
                  ("is not supported under CP: cpref.hf runs text", "`logits_to_keep`, image or audio inputs"),
                  ("logits_to_keep={keep!r}", "`logits_to_keep`, image or audio inputs"),
-                 ("({key}=) is not supported by cpref", "`softcap=` or `s_aux=` passed to the model"),
+                 ("({key}=) passed to the model would reach", "`softcap=` or `s_aux=` passed to the model"),
                  ("differs from its layers' own", "`is_causal=` passed to the model"),
                  ("are not the batch's document boundaries", "`cu_seq_lens_q`/`_k` that are not the sharding's"),
                  ("integer labels (1, T_l)", "`labels` or `shift_labels` that are not"),
@@ -77,7 +75,6 @@ ROWS = {
                  ("a key/value cache is not \"", "a key/value cache (more keys than queries"),
                  ("use_cache=True in training", "a key/value cache (more keys than queries"),
                  ("attention dropout {dropout}", "attention dropout in training"),
-                 ("{what_it_is} ({name}=", "logit soft-capping (`softcap`), attention sinks (`s_aux`) passed to the"),
                  ("reached the layer", "an attention mask that reaches the layer"),
                  ("without a causal mask", "a sliding window without a causal mask")],
     "batch.py": [("a batch with an input_ids tensor", "no `input_ids` tensor"),
@@ -208,13 +205,12 @@ def test_a_layers_refusal_is_raised_on_every_rank_alike_before_its_collectives(h
 
 @pytest.mark.parametrize("how, match", [
     ("pooler", "its pooler (model.pooler) reads the first token"),
-    ("sinks", "attention sinks (model.layers.0.self_attn.sinks"),
-    ("softcap", "logit soft-capping (softcap=) is not supported"),
+    ("softcap", "logit soft-capping (softcap=) passed to the model would reach every layer"),
     ("is_causal", "is_causal=False differs from its layers' own (is_causal [True])"),
     ("positional", "the call does not match its forward: too many positional arguments"),
 ])  # fmt: skip
 def test_a_first_forward_refusal_of_one_rank_is_raised_on_every_rank(how, match):
-    """Rank 1 alone: its model has a pooler or sinks (refused at the first forward, before the row on main), or its
+    """Rank 1 alone: its model has a pooler (refused at the first forward, before the row on main), or its
     call passes `softcap=` (on main refused at the layer) or one positional argument too many."""
 
     def go(model, b, cp, comm):
@@ -222,8 +218,6 @@ def test_a_first_forward_refusal_of_one_rank_is_raised_on_every_rank(how, match)
         if comm.rank == 1:
             if how == "pooler":
                 model.model.pooler = torch.nn.Identity()
-            elif how == "sinks":
-                model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
             elif how == "softcap":
                 kw["softcap"] = 30.0
             elif how == "is_causal":  # SDPA would attend bidirectionally; cpref's layers would not: never silently

@@ -29,8 +29,9 @@ attention implementation can be used ([`cpref.hf.admit`][cpref.hf.admit]). A mod
 cpref's name is refused there, naming its class and why, when cpref would compute something
 else: attention layers that do not pass the forward's arguments on (StableLm), heads that read a
 token by its index in the sequence (sequence classification), and layer kinds cpref does not
-run (Llama 4's chunked layers and its attention temperature tuning, linear attention,
-convolutions, logit soft-capping). Other models get a check of every forward.
+run (Llama 4's attention temperature tuning, linear attention, convolutions). Other models get a
+check of every forward. Gemma 2's logit soft-capping, GPT-OSS's attention sinks and Llama 4's
+chunked layers run ([Attention variants](variants.md)).
 
 ## Every forward: positions, masks, labels
 
@@ -80,10 +81,8 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | `register()` | a `transformers` without `PreTrainedModel._check_and_adjust_attn_implementation` (before 5) | that is where the models built with cpref's name are checked |
 | built | a class with `_supports_attention_backend = False` (StableLm) | its layers drop `cp=` |
 | built | a head that reads tokens by index (`...ForSequenceClassification`, `...ForQuestionAnswering`, multiple choice, next sentence, pre-training) | the index is the shard's |
-| built | a `layer_types` entry but `full_attention` and `sliding_attention` (Llama 4's `chunked_attention`, ...) | cpref runs causal, full and sliding-window layers |
-| built | `attn_logit_softcapping` (Gemma 2) | not in the kernel contract |
+| built | a `layer_types` entry but `full_attention`, `sliding_attention` and `chunked_attention` (linear attention, ...) | cpref runs causal, full, sliding-window and chunked layers |
 | built | `attn_temperature_tuning` with NoPE layers (Llama 4) | it scales a query by its index in the shard |
-| first forward | attention sinks (a `sinks` parameter: GPT-OSS) | not in the kernel contract |
 | first forward | a pooler of the first token (BERT's: build with `add_pooling_layer=False`) | the first token is the shard's |
 | forward | no `cp=cpref.hf.CP(...)`, or not a `CP` (at a layer too) | the layers cannot know the CP group or the documents |
 | forward | extra positional arguments, or arguments the forward does not take | the checks read the arguments by name |
@@ -93,7 +92,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | an `attention_mask` that is not a `(1, T / P)` padding mask (a 4-D mask), holds values other than 0 and 1, or marks a real token as padding | the padding is the sharding's |
 | forward | `cu_seq_lens_q`/`_k` that are not the sharding's boundaries | the documents are the sharding's |
 | forward | `logits_to_keep`, image or audio inputs | they read the shard's last tokens, or are not text |
-| forward | `softcap=` or `s_aux=` passed to the model | not in the kernel contract |
+| forward | `softcap=` or `s_aux=` passed to the model | it would reach layers whose own attention has none; a layer that has them gives its own |
 | forward | `is_causal=` passed to the model that is not every layer's own `is_causal` | the layers attend with their own |
 | forward | `labels` or `shift_labels` that are not this rank's `T / P` integer labels | they label the shard's tokens |
 | forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
@@ -103,7 +102,6 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | layer | a layer reached without the model-level checks (called on its own, or the model's forward pre-hook removed) | its positions, masks and labels were not checked |
 | layer | a key/value cache (more keys than queries, `use_cache=True` in training) | a rank's keys are not its queries' keys |
 | layer | attention dropout in training | cpref's kernels have none; set `attention_dropout=0.0` |
-| layer | logit soft-capping (`softcap`), attention sinks (`s_aux`) passed to the layer | not in the kernel contract |
 | layer | an attention mask that reaches the layer (one the model makes of its own) | the padding is the sharding's |
 | layer | a sliding window without a causal mask | models differ in what it means |
 | layer | a mask function of the model's own (`or_mask_function`, e.g. image tokens) | cpref's masks are the sharding's |

@@ -14,14 +14,17 @@ Refused when the model is built:
    StableLm, and models that never call the interface): `cp=` would never reach them;
 2. a head that reads a token by its index in the sequence (sequence classification, multiple
    choice, next-sentence prediction, question answering): under CP the index is the shard's;
-3. a layer kind cpref does not run: any `layer_types` entry other than `full_attention` and
-   `sliding_attention` (Llama 4's `chunked_attention`, linear attention, convolutions,
-   recurrences), logit soft-capping (`attn_logit_softcapping`, Gemma 2), and Llama 4's attention
-   temperature tuning on its NoPE layers (it scales a query by its index in the tensor).
+3. a layer kind cpref does not run: any `layer_types` entry other than `full_attention`,
+   `sliding_attention` and `chunked_attention` (Llama 4's; linear attention, convolutions,
+   recurrences), and Llama 4's attention temperature tuning on its NoPE layers (it scales a
+   query by its index in the tensor).
+
+Logit soft-capping (Gemma 2), attention sinks (GPT-OSS's `sinks` parameter) and chunked layers
+run: the layer hands them to `cpref.attention` ([`cpref.hf.layer`][cpref.hf.layer]).
 
 Refused at the first forward (the layers exist then; every rank alike, before any
-communication): attention sinks (a `sinks` parameter, GPT-OSS), and a pooler that reads the
-shard's first token (BERT's: build the model with `add_pooling_layer=False`).
+communication): a pooler that reads the shard's first token (BERT's: build the model with
+`add_pooling_layer=False`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from cpref.hf.layer import NAMES
 
 __all__ = ["install", "admit", "check_config", "check_modules", "RUNS", "INDEXED_HEADS"]
 
-RUNS = ("full_attention", "sliding_attention")  # the layer_types cpref runs
+RUNS = ("full_attention", "sliding_attention", "chunked_attention")  # the layer_types cpref runs
 INDEXED_HEADS = ("ForSequenceClassification", "ForMultipleChoice", "ForNextSentencePrediction", "ForPreTraining",
                  "ForQuestionAnswering")  # fmt: skip
 
@@ -104,10 +107,6 @@ def check_config(config: Any, what: str) -> None:
             shown = "; ".join(f"{kind!r} (layers {', '.join(map(str, ids))})" for kind, ids in layers.items())
             raise CPInputError(f"{what}: layer_types holds layer kinds cpref does not run: {shown}; cpref runs "
                                f"{' and '.join(RUNS)} layers, so computing these would give other results")  # fmt: skip
-        cap = getattr(c, "attn_logit_softcapping", None)
-        if cap is not None:
-            raise CPInputError(f"{what}: logit soft-capping (attn_logit_softcapping={cap!r}) is not supported by cpref; "
-                               "it is not in the kernel contract")  # fmt: skip
         nope = [i for i, rope in enumerate(getattr(c, "no_rope_layers", None) or []) if not rope]
         if getattr(c, "attn_temperature_tuning", False) and nope:
             raise CPInputError(f"{what}: attention temperature tuning (attn_temperature_tuning=True, on the NoPE layers "
@@ -118,10 +117,7 @@ def check_config(config: Any, what: str) -> None:
 def check_modules(model: torch.nn.Module) -> None:
     """Refuse the layers of a built model that cpref does not run (the module docstring's last paragraph)."""
     what = type(model).__name__
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
-            raise CPInputError(f"{what}: attention sinks ({name}.sinks of {type(module).__name__}) are not supported "
-                               "by cpref; they are not in the kernel contract")  # fmt: skip
+    for name, _ in model.named_modules():
         if name.rsplit(".", 1)[-1] == "pooler":
             raise CPInputError(f"{what}: its pooler ({name}) reads the first token of the sequence, which under CP is "
                                "the first of this rank's shard; build the model with add_pooling_layer=False")  # fmt: skip

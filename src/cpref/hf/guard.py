@@ -70,7 +70,7 @@ __all__ = ["guard", "LOSS_KEYS", "MULTIMODAL", "ROW"]
 
 LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")  # the loss arguments the ranks must pass alike
 MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_embeds", "input_features", "input_values")
-LAYER_ONLY = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}  # what a layer refuses, if passed
+LAYER_ONLY = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}  # what a layer gives itself, from its config
 # step 4's row after "inputs valid": what the ranks must pass alike (the layers' refusals read the middle ones)
 ROW = (*LOSS_KEYS, "use_cache", "training", "activation checkpointing", "autograd", "cached tokens", "the position_ids' start")
 
@@ -173,7 +173,9 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
             raise CPInputError(f"{what}: {key}= is not supported under CP: cpref.hf runs text models")
     for key, what_it_is in LAYER_ONLY.items():
         if call.get(key) is not None:
-            raise CPInputError(f"{what}: {what_it_is} ({key}=) is not supported by cpref; call the model without it")
+            raise CPInputError(f"{what}: {what_it_is} ({key}=) passed to the model would reach every layer, also those "
+                               "whose own attention has none (a layer that has it gives its own, from the config: "
+                               "attn_logit_softcapping, a sinks parameter); call the model without it")  # fmt: skip
     _check_is_causal(model, call.get("is_causal"), what)
     keep = call.get("logits_to_keep")
     if isinstance(keep, torch.Tensor) or (keep is not None and keep != 0):

@@ -121,9 +121,16 @@ def _refuse(module, query, key, attention_mask, dropout, kwargs) -> None:
         raise CPInputError(f"{what}: an attention mask of shape {tuple(attention_mask.shape)} reached the layer: "
                            "cpref's masks are the sharding's documents and padding; pass the padding to "
                            "cpref.hf.shard_batch, and call the model without attention_mask")  # fmt: skip
-    for name, what_it_is in (("softcap", "logit soft-capping"), ("s_aux", "attention sinks")):
-        if kwargs.get(name) is not None:
-            raise CPInputError(f"{what}: {what_it_is} ({name}={kwargs[name]!r}) is not supported by cpref")
+
+
+def chunk_of(module: torch.nn.Module) -> int | None:
+    """The layer's chunk size if its kind is `chunked_attention` (Llama 4: `config.layer_types[layer_idx]`, chunks
+    of `config.attention_chunk_size` positions), else None."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if index is None or not 0 <= index < len(kinds) or kinds[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -139,6 +146,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         raise CPInputError(f"{type(module).__name__}: a sliding window without a causal mask (sliding_window={window}) "
                            "is not supported: its convention differs between models")  # fmt: skip
     window = NO_WINDOW if window is None else (int(window) - 1, 0)  # W keys a query sees, itself included
+    # the layer's variants: Gemma 2's soft-capping, GPT-OSS's sinks (s_aux, a parameter), Llama 4's chunked layers
+    variants = dict(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), chunk=chunk_of(module))
     out = cp_attention(q, k, v, cp.sharding, comm=cp.comm, mode=cp.mode, causal=causal, window=window,
-                       softmax_scale=None if scaling is None else float(scaling), **cp.options)  # fmt: skip
+                       softmax_scale=None if scaling is None else float(scaling), **variants, **cp.options)  # fmt: skip
     return out[None], None  # (1, T_l, Hq, Dv)
