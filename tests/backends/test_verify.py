@@ -127,24 +127,30 @@ def test_a_window_reaches_every_rank_the_run_without_cp_and_the_truth(capsys):
 
 @pytest.mark.full
 def test_variants_reach_every_rank_the_run_without_cp_and_the_truth(capsys):
-    """`--softcap 5 --chunk 16` on 2 gloo ranks, every mode, padded: cpref passes against the capped, chunked truth,
-    and an `--impl` that drops both fails on every rank."""
-    argv = ["--nproc", "2", "--layout", "zigzag", "--padded", "--softcap", "5", "--chunk", "16", *SMALL, "--impl", "cpref",
-            "--impl", f"{IMPLS}:drops_variants"]  # fmt: skip
+    """`--softcap 5 --chunk 16 --sinks 20` on 2 gloo ranks, every mode, padded, fp32 and bf16: cpref passes against
+    the capped, chunked, sinked truth, the sinks' gradient summed over the group a fifth column, and an `--impl` that
+    drops them fails on every rank."""
+    argv = ["--nproc", "2", "--layout", "zigzag", "--padded", "--softcap", "5", "--chunk", "16", "--sinks", "20",
+            "--dtype", "fp32,bf16", *SMALL, "--impl", "cpref", "--impl", f"{IMPLS}:drops_variants"]  # fmt: skip
     assert verify.main(argv) == 1
     out = capsys.readouterr().out
-    assert "causal, softcap 5, chunk 16, seed 0" in out  # the run's description names them
+    assert "causal, softcap 5, chunk 16, sinks 20, seed 0" in out  # the run's description names them
+    head = next(line for line in out.splitlines() if line.startswith("impl "))
+    assert head.split()[-9:] == ["dq", "dk", "dv", "dsinks", "tol", "vs", "P=1", "oracle", "result"], head
     rows = [line.split() for line in out.splitlines() if line.startswith(("cpref ", IMPLS))]
-    assert len(rows) == 2 * len(MODES) * 2  # impls x modes x ranks
+    assert len(rows) == 2 * len(MODES) * 2 * 2  # impls x modes x dtypes x ranks
     assert all(row[-1] == ("pass" if row[0] == "cpref" else "FAIL") for row in rows), out
 
 
 def test_variant_flags_reach_every_case_and_bad_ones_are_refused(capsys):
-    cases = cases_from_args(parse_args(["--softcap", "30", "--chunk", "512", "--layout", "zigzag"]), world=2)
-    assert [c.mode for c in cases] == MODES and {c.variants for c in cases} == {(("softcap", 30.0), ("chunk", 512))}
-    assert all(c.label.endswith("/softcap=30/chunk=512" + ("/a2a_size=2" if c.mode == "a2a+p2p" else "")) for c in cases)
+    cases = cases_from_args(parse_args(["--softcap", "30", "--chunk", "512", "--sinks", "20", "--layout", "zigzag"]), world=2)
+    assert [c.mode for c in cases] == MODES
+    assert {c.variants for c in cases} == {(("softcap", 30.0), ("chunk", 512), ("sinks", 20.0))}
+    tail = "/softcap=30/chunk=512/sinks=20"
+    assert all(c.label.endswith(tail + ("/a2a_size=2" if c.mode == "a2a+p2p" else "")) for c in cases)
     for argv, message in ((["--chunk", "0"], "argument --chunk"), (["--softcap", "-1"], "argument --softcap"),
                           (["--softcap", "nan"], "expected a finite number > 0, got 'nan'"),
+                          (["--sinks", "0"], "argument --sinks"),
                           (["--softcap", "5", "--baseline", "sdpa"], "--baseline sdpa with --softcap 5: sdpa attends "
                                                                      "without the variants")):  # fmt: skip
         with pytest.raises(SystemExit) as info:

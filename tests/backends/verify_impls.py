@@ -84,8 +84,9 @@ def drops_window(q, k, v, sharding, *, process_group, window, **kwargs) -> torch
     return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
 
 
-def drops_variants(q, k, v, sharding, *, process_group, softcap=None, chunk=None, **kwargs) -> torch.Tensor:
-    """Wrong with soft-capping or chunks: calls cpref.attention without them (TE's CP paths hard-code no cap)."""
+def drops_variants(q, k, v, sharding, *, process_group, softcap=None, chunk=None, sinks=None, **kwargs) -> torch.Tensor:
+    """Wrong with soft-capping, chunks or sinks: calls cpref.attention without them (TE's CP paths hard-code no cap,
+    and TE's p2p ignored the sink: its gradient exactly 0)."""
     return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
 
 

@@ -25,7 +25,7 @@ from cpref.base.errors import CPInputError
 from cpref.kernels import AttentionKernel, NpuKernel, TorchKernel, Varlen
 from cpref.kernels.npu_plan import UNBOUNDED
 from sim import oracle
-from sim.cluster.harness import oracle_shards, run_attention
+from sim.cluster.harness import oracle_padded, oracle_shards, run_attention
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 from tests.kernels.double_helpers import check_global_lse_share, one_thread, run  # noqa: F401 (one_thread: autouse)
 from tests.kernels.npu_double import NpuOpsDouble
@@ -393,3 +393,27 @@ def test_windowed_modes_run_on_the_npu_kernel_rank_by_rank(mode, causal, window,
     for r, (got, want) in enumerate(zip(results, refs)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert_close(a, b, torch.float64, msg=f"{mode} {layout} window={window} rank {r} {name}")
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("mode", sorted(cpref.MODES))
+def test_sinks_and_chunks_run_on_the_npu_kernel_rank_by_rank(mode, layout):
+    """Learnable sinks and chunked attention ask nothing of a kernel (the modes add a sink to a row's lse once, and
+    cut their sequences at the chunks): through NpuKernel and the double, every mode matches the FP64 oracle rank by
+    rank, the sinks' gradient summed over the ranks included. Soft-capping, which the op lacks, is refused by name
+    (`tests/cp/test_variants.py`)."""
+    P = 4
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths([5, 17, 2, 11]), cp_size=P, layout=layout)
+    q, k, v = random_qkv(sharding.total, 4, 2, 8, seed=3)
+    dout = random_qkv(sharding.total, 4, 4, 8, seed=4)[0]
+    sinks = torch.tensor([20.0, -2.0, 5.0, 0.5], dtype=torch.float64)
+    kernels = [NpuKernel(ops=NpuOpsDouble()) for _ in range(P)]
+    results, _ = run_attention(q, k, v, dout, sharding, mode=mode, kernels=kernels, chunk=6, sinks=sinks,
+                               **cpref.MODES[mode].example_options(P))  # fmt: skip
+    refs = oracle_shards(q, k, v, dout, sharding, chunk=6, sinks=sinks)
+    for r, (got, want) in enumerate(zip(results, refs)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, torch.float64, msg=f"{mode} {layout} rank {r} {name}")
+    dsinks = oracle_padded(q, k, v, dout, sharding, chunk=6, sinks=sinks)[4]
+    assert_close(sum(res[4] for res in results), dsinks, torch.float64, msg=f"{mode} {layout} dsinks")

@@ -134,3 +134,32 @@ def test_cp_options_that_collide_with_a_layers_own_are_refused_by_name(options, 
 def test_a_cp_of_wrong_parts_is_refused_when_made(args, match):
     with pytest.raises(cpref.CPInputError, match=match):
         cpref.hf.CP(*args)
+
+
+def test_ranks_that_load_at_once_leave_weight_tying_on(tmp_path):
+    """`from_pretrained` turns tying off by replacing `PreTrainedModel.tie_weights` for its duration; four threads
+    loading at once (a simulated cluster's ranks) used to leave it replaced for good, and every model built afterwards
+    in the process with an untied output layer (tests/models/test_hf_parity failed after the docs' example ran).
+    With cpref.hf registered, loading is serialized: tying is on afterwards, and the loaded and new models are tied."""
+    import threading
+
+    from transformers import PreTrainedModel
+
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=16)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    cpref.hf.register()
+    tie, loaded = PreTrainedModel.tie_weights, []
+
+    def load():
+        for _ in range(3):
+            loaded.append(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+            loaded.append(transformers.GPT2LMHeadModel(config))  # built directly while the others load
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert PreTrainedModel.tie_weights is tie
+    new = transformers.GPT2LMHeadModel(config)
+    assert all(m.lm_head.weight is m.transformer.wte.weight for m in [*loaded, new])

@@ -99,11 +99,16 @@ the oracle; the table gains a `window` column. Only the modes whose declaration 
 naming such a mode in `--mode` is an error. `--window -1,4` (a value starting with a minus) is
 read as `--window=-1,4`.
 
-**Attention variants.** `--softcap C` (logit soft-capping, Gemma 2's 50) and `--chunk C`
-(chunked attention, Llama 4's 8192) are `cpref.attention`'s `softcap=` and `chunk=`
-([the variants][sim.oracle]); like the window they reach every call alike (the ranks, their run
-without CP, the simulated cluster, the oracle), every mode takes them, and the run's description
-and every case's label name them. `--baseline sdpa` and `eager` attend without them and are
+**Attention variants.** `--softcap C` (logit soft-capping, Gemma 2's 50), `--chunk C`
+(chunked attention, Llama 4's 8192) and `--sinks S` (learnable sinks $S \cdot
+\mathrm{linspace}(-1, 1, H_q)$, a float32 parameter; GPT-OSS's are about 20) are
+`cpref.attention`'s `softcap=`, `chunk=` and `sinks=` ([the variants][sim.oracle]); like the window
+they reach every call alike (the ranks, their run without CP, the simulated cluster, the oracle),
+every mode takes them, and the run's description and every case's label name them. With
+`--sinks` each rank has its own copy of the sinks, as of every weight, and the table gains a
+`dsinks` column: the sinks' gradient summed over the CP group (what a DP x CP step's all-reduce
+sums; each rank's share is the implementation's business, the sum is the contract) against the
+simulated cluster's sum. `--baseline sdpa` and `eager` attend without them and are
 refused with them; where an `--impl` raises at CP size 1, a case with variants has no fallback
 baseline and fails.
 
@@ -343,6 +348,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                    f"{', '.join(_window_modes())}; --mode all skips the others (default -1,-1: none)")  # fmt: skip
     p.add_argument("--softcap", type=positive_float, metavar="C",
                    help="logit soft-capping: every score C tanh(S / C) (Gemma 2: 50); every mode takes it")
+    p.add_argument("--sinks", type=positive_float, metavar="S",
+                   help="learnable sinks of S linspace(-1, 1, Hq) (GPT-OSS's are about 20); every mode; the sinks' "
+                        "gradient, summed over the CP group, is a fifth column")  # fmt: skip
     p.add_argument("--chunk", type=positive, metavar="C",
                    help="chunked attention: a query sees only its chunk of C positions (Llama 4: 8192); every mode")
     p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")

@@ -46,7 +46,7 @@ __all__ = ["BASELINES", "EAGER", "FALLBACK", "eager", "label", "packed_sdpa", "r
 
 BASELINES = ("auto", "impl", "sdpa", "eager", "kernel")  # or package.module:function
 EAGER = "sim.tools.verify.baselines:eager"  # `--baseline eager`: a local attention, named as the user's is
-VARIANTS = ("softcap", "chunk")  # the attention variants a case may take; sdpa and eager take none
+VARIANTS = ("softcap", "chunk", "sinks")  # the attention variants a case may take; sdpa and eager take none
 FALLBACK = ("sdpa", EAGER)  # where the implementation raises at CP size 1: each tensor held to the looser of these
 
 

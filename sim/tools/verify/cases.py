@@ -193,6 +193,26 @@ def make_batch(setup: Setup, case: Case, dp: int) -> Batch:
     return Batch(q, k, v, dout, cu, cu_padded, real, padded, sharding)
 
 
+def sinks_of(scale: float, hq: int, dtype: str) -> torch.Tensor:
+    """`--sinks S`: the sink logits `S linspace(-1, 1, Hq)` (large and small, positive and negative: a sink of 0
+    changes little), a float32 parameter (float64 in fp64 cases), as mixed precision keeps a model's weights.
+
+    Example:
+        >>> sinks_of(20.0, 5, "bf16").tolist()
+        [-20.0, -10.0, 0.0, 10.0, 20.0]
+    """
+    return scale * torch.linspace(-1.0, 1.0, hq, dtype=torch.float64 if dtype == "fp64" else torch.float32)
+
+
+def call_variants(case: Case, hq: int, dtype: str | None = None, device: Any = None, grad: bool = False) -> dict:
+    """The case's variants as `cpref.attention` takes them: `sinks` made the tensor of `sinks_of` (in `dtype`'s,
+    default the case's; a leaf requiring grad with `grad`), the others as they are."""
+    given = dict(case.variants)
+    if "sinks" in given:
+        given["sinks"] = sinks_of(given["sinks"], hq, dtype or case.dtype).to(device).requires_grad_(grad)
+    return given
+
+
 def placement(world_rank: int, world_size: int, cp: int, strided: bool) -> tuple[int, int]:
     """`(dp, r)`: the CP group (DP index) of a world rank and its rank in that group.
 

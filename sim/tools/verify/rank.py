@@ -38,7 +38,7 @@ from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
 from sim.tools.progress import Progress
 from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
-from sim.tools.verify.cases import Case, Setup, cp_groups, make_batch, placement
+from sim.tools.verify.cases import Case, Setup, call_variants, cp_groups, make_batch, placement
 
 __all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
 
@@ -124,14 +124,16 @@ def make_groups(plan: Plan) -> dict[Any, tuple[TorchComm, int]]:
 
 
 def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.device, kernel: Any) -> Result:
-    """One case on this rank: shard, forward, backward; `(out, dq, dk, dv)` on the CPU."""
+    """One case on this rank: shard, forward, backward; `(out, dq, dk, dv)` on the CPU, and with `--sinks` the
+    sinks' gradient summed over the CP group (what a DP x CP step's all-reduce sums: the reduction contract)."""
     # 1) this CP group's batch, and this rank's shard of it on the rank's device
     batch = make_batch(setup, case, dp)
     sharding = batch.sharding  # over comm.size = case.cp ranks, the case's layout
     shard = lambda t: sharding.shard(t, comm.rank).to(device)  # noqa: E731
     q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
-    kwargs = dict(mode=case.mode, causal=case.causal, window=case.window, **dict(case.variants), **dict(case.options))
+    variants = call_variants(case, setup.heads[0], device=device, grad=True)  # the sinks: this rank's own leaf
+    kwargs = dict(mode=case.mode, causal=case.causal, window=case.window, **variants, **dict(case.options))
     # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
     if case.impl == "cpref":
         out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
@@ -140,7 +142,11 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     # 3) backward with the upstream gradient
     out.backward(dout)
     grads = (None if t.grad is None else t.grad.detach().cpu() for t in (q, k, v))
-    return (out.detach().cpu(), *grads)
+    sinks = variants.get("sinks")
+    if sinks is None:
+        return (out.detach().cpu(), *grads)
+    share = torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach().clone()
+    return (out.detach().cpu(), *grads, comm.all_reduce(share).cpu())
 
 
 def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kernel: Any, solo: Any = None) -> Baseline:
@@ -156,14 +162,19 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     sized = cpref.MODES[case.mode].example_options(1)  # the options chosen by the CP size take their values at P = 1
     options = {key: sized.get(key, value) if key in cpref.MODES[case.mode].example_options(case.cp) else value
                for key, value in case.options}  # fmt: skip
-    call = dict(mode=case.mode, causal=case.causal, window=case.window, **dict(case.variants), **options)
+    call = dict(mode=case.mode, causal=case.causal, window=case.window, **options)
     impl = None if case.impl == "cpref" else load_impl(case.impl)
 
     def once(attempt: str) -> Result:
         q, k, v = (t.to(device, copy=True).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
-        out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call)
+        variants = call_variants(case, setup.heads[0], device=device, grad=True)
+        out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call, **variants)
         out.backward(batch.dout.to(device))
-        return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
+        result = (out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu())
+        sinks = variants.get("sinks")
+        if sinks is None:
+            return result
+        return (*result, (torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach()).cpu())  # none: 0
 
     try:
         return (once(name),), label(name), ""

@@ -74,12 +74,13 @@ import cpref
 from cpref.kernels.contract import NO_WINDOW
 from sim.cluster.harness import oracle_padded, run_attention
 from sim.tools.progress import Progress
-from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, cp_groups, make_batch
+from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, call_variants, cp_groups, make_batch
 
 __all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "precision_ratio", "shard_ratio",
            "rms_ratio", "relative_error", "vs_without_cp", "check"]  # fmt: skip
 
 NAMES = ("out", "dq", "dk", "dv")
+SINKS = "dsinks"  # the fifth column with --sinks: the sinks' gradient summed over the CP group
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 RATIO_LIMIT = 2.0  # a CP result at most this many times as far from the truth as the kernel without CP (MagiAttention)
 
@@ -169,13 +170,14 @@ class Report:
             cols += [("baseline", lambda c: baselines.get(id(c), "-"))]
         widths = [max([len(name)] + [len(get(c)) for c in cases]) for name, get in cols]
         head = "  ".join(f"{n:<{w}}" for (n, _), w in zip(cols, widths))
-        head += f"  {'cp':>2} {'rank':>4} {'dp':>3} {'r':>3}" + "".join(f"{n:>10}" for n in NAMES) + f"{'tol':>9}{'vs P=1':>12}"
+        names = NAMES + ((SINKS,) if any("sinks" in dict(c.variants) for c in cases) else ())
+        head += f"  {'cp':>2} {'rank':>4} {'dp':>3} {'r':>3}" + "".join(f"{n:>10}" for n in names) + f"{'tol':>9}{'vs P=1':>12}"
         head += f"{'oracle':>10}  result"
         lines = [head, "-" * len(head)]
         for row in self.rows:
             line = "  ".join(f"{get(row.case):<{w}}" for (_, get), w in zip(cols, widths))
             line += f"  {row.case.cp:>2} {row.rank:>4} {row.dp:>3} {row.cp_rank:>3}"
-            line += "".join(f"{row.errors.get(n, float('nan')):>10.2e}" for n in NAMES) + f"{row.tol:>9.1e}"
+            line += "".join(f"{row.errors[n]:>10.2e}" if n in row.errors else f"{'-':>10}" for n in names) + f"{row.tol:>9.1e}"
             line += f"{'-':>8} {'':>3}" if row.ratio is None else f" {_ratio(row.ratio):>7} {'<=2' if row.ratio_ok else '>2':>3}"
             line += f"{row.oracle:>10.2e}"
             lines.append(f"{line}  {row.status}" + (f" ({row.note})" if row.note else ""))
@@ -191,6 +193,7 @@ KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = wh
   (the baseline: the implementation itself at CP size 1 for --impl, or where it raises there sdpa/eager, each
   tensor held to the looser of the two; cpref's kernel for cpref; the baseline column shows it when it is not the
   kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the dense FP64 oracle itself.
+  dsinks (with --sinks) = the sinks' gradient summed over the CP group, on every rank's row alike.
   A note in parentheses after the result: why a baseline fell back (CP rank 0), a missing gradient or a wrong shape."""
 
 
@@ -201,10 +204,13 @@ def _ratio(x: float) -> str:
 
 def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WINDOW, **variants) -> tuple[torch.Tensor, ...]:
     """The oracle's `(out, dq, dk, dv)` over the padded stream, one document and KV head at a time (`variants`:
-    `softcap`, `chunk`, whose positions count from the document's start, as the oracle's do)."""
+    `softcap`, `chunk`, whose positions count from the document's start, as the oracle's do; `sinks`, the sinks of
+    each KV head's query heads, whose gradient, summed over the documents, comes fifth)."""
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))
     G = q.shape[1] // k.shape[1]  # query heads per KV head
+    sinks = variants.pop("sinks", None)
     full = [torch.zeros_like(dout), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    full += [] if sinks is None else [torch.zeros(q.shape[1], dtype=torch.float64)]
     start = 0
     for n, m in zip(batch.real, batch.padded):
         rows = slice(start, start + m)  # the document, padding included
@@ -212,9 +218,12 @@ def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WIND
         for h in range(k.shape[1]):
             qh, kh = slice(h * G, (h + 1) * G), slice(h, h + 1)  # its G query heads and its KV head
             qkv = q[rows, qh], k[rows, kh], v[rows, kh]  # (m, G, D), (m, 1, D), (m, 1, D)
-            parts = oracle_padded(*qkv, dout[rows, qh], doc, causal=causal, window=window, **variants)
+            own = {} if sinks is None else {"sinks": sinks[qh].double()}  # (G,): its query heads' sinks
+            parts = oracle_padded(*qkv, dout[rows, qh], doc, causal=causal, window=window, **variants, **own)
             for t, part, heads in zip(full, parts, (qh, qh, kh, kh)):
                 t[rows, heads] = part  # (m, G or 1, D)
+            if sinks is not None:
+                full[4][qh] += parts[4]  # (G,): the document's share of the sinks' gradient
         start += m
     return tuple(full)
 
@@ -225,19 +234,28 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     batch = make_batch(setup, case, dp)
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))  # the same values, upcast
     sharding = batch.sharding  # the case's CP size, layout and padding
+    variants = call_variants(case, q.shape[1], "fp64")  # the sinks in float64, of the same values
     simulated, _ = run_attention(q, k, v, dout, sharding, mode=case.mode, causal=case.causal, window=case.window,
-                                 **dict(case.variants), **dict(case.options))  # fmt: skip
+                                 **variants, **dict(case.options))  # fmt: skip
+    if "sinks" in variants:  # every rank's row holds the group's sum of the shares
+        total = sum(result[4] for result in simulated)
+        simulated = [(*result[:4], total) for result in simulated]
     key = (dp, case.dtype, case.causal, case.window, case.variants, batch.real, batch.padded)  # the batch and mask only
     if key not in oracle_cache:
-        oracle_cache[key] = blocked_oracle(batch, case.causal, case.window, **dict(case.variants))
-    shards = None if without_cp is None else [[[sharding.shard(t, r) for t in one] for r in range(case.cp)] for one in without_cp]
-    return simulated, [[sharding.shard(t, r) for t in oracle_cache[key]] for r in range(case.cp)], shards
+        oracle_cache[key] = blocked_oracle(batch, case.causal, case.window, **variants)
+
+    def cut(tensors, r: int) -> list:
+        """Rank r's shards of `(out, dq, dk, dv)`; the sinks' gradient, which no rank holds a part of, whole."""
+        return [sharding.shard(t, r) for t in tensors[:4]] + list(tensors[4:])
+
+    shards = None if without_cp is None else [[cut(one, r) for r in range(case.cp)] for one in without_cp]
+    return simulated, [cut(oracle_cache[key], r) for r in range(case.cp)], shards
 
 
 def compare(got, want, tol: float) -> tuple[dict[str, float], bool, str]:
     """`(largest |got - want| per tensor, all within atol = rtol = tol, note)`."""
     errors, ok, notes = {}, True, []
-    for name, g, w in zip(NAMES, got, want):
+    for name, g, w in zip(NAMES + (SINKS,), got, want):
         if g is None or g.shape != w.shape:
             errors[name], ok = float("nan"), False
             notes.append(f"{name}: {'no gradient' if g is None else f'shape {tuple(g.shape)} != {tuple(w.shape)}'}")

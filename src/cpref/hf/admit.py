@@ -25,11 +25,21 @@ run: the layer hands them to `cpref.attention` ([`cpref.hf.layer`][cpref.hf.laye
 Refused at the first forward (the layers exist then; every rank alike, before any
 communication): a pooler that reads the shard's first token (BERT's: build the model with
 `add_pooling_layer=False`).
+
+**Loading on several threads.** `transformers`' `from_pretrained` turns weight tying off for its
+duration by replacing `PreTrainedModel.tie_weights` on the class
+(`transformers.initialization.no_tie_weights`) and putting back what it found. Two threads that
+load at once (the ranks of the simulated cluster, each loading its replica) interleave: the
+second saves the first's replacement and puts it back last, so tying stays off in the process,
+and every model built after it has an output layer of its own instead of the tied embedding,
+silently (its checkpoint's logits differ). `install` serializes `from_pretrained` and
+`post_init` (where a model built directly ties its weights) with one lock.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import torch
@@ -42,11 +52,13 @@ __all__ = ["install", "admit", "check_config", "check_modules", "RUNS", "INDEXED
 RUNS = ("full_attention", "sliding_attention", "chunked_attention")  # the layer_types cpref runs
 INDEXED_HEADS = ("ForSequenceClassification", "ForMultipleChoice", "ForNextSentencePrediction", "ForPreTraining",
                  "ForQuestionAnswering")  # fmt: skip
+LOADING = threading.RLock()  # held by from_pretrained and post_init (the module docstring: loading on several threads)
 
 
 def install(hook: Callable) -> None:
     """Wrap `PreTrainedModel._check_and_adjust_attn_implementation` once (imports `transformers`): a model given
-    one of cpref's names is admitted, `hook` its forward pre-hook (`cpref.hf.guard.guard`)."""
+    one of cpref's names is admitted, `hook` its forward pre-hook (`cpref.hf.guard.guard`); and serialize loading
+    (the module docstring)."""
     from transformers import PreTrainedModel
 
     original = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
@@ -55,8 +67,31 @@ def install(hook: Callable) -> None:
 
         raise ImportError(f"cpref.hf needs transformers' PreTrainedModel._check_and_adjust_attn_implementation, which "
                           f"transformers {transformers.__version__} lacks; use transformers 5 (tested: 5.24.0)")  # fmt: skip
-    if getattr(original, "cpref", False):
-        return
+    with LOADING:  # every rank of a simulated cluster may register at once
+        if not getattr(original, "cpref", False):
+            _wrap_check(PreTrainedModel, original, hook)
+            _serialize_loading(PreTrainedModel)
+
+
+def _serialize_loading(cls: Any) -> None:
+    """`from_pretrained` and `post_init` of `cls` (`PreTrainedModel`) under `LOADING`."""
+    load, post_init = cls.from_pretrained.__func__, cls.post_init
+
+    @functools.wraps(load)
+    def from_pretrained(klass, *args: Any, **kwargs: Any):
+        with LOADING:
+            return load(klass, *args, **kwargs)
+
+    @functools.wraps(post_init)
+    def locked_post_init(self, *args: Any, **kwargs: Any):
+        with LOADING:
+            return post_init(self, *args, **kwargs)
+
+    cls.from_pretrained, cls.post_init = classmethod(from_pretrained), locked_post_init
+
+
+def _wrap_check(cls: Any, original: Callable, hook: Callable) -> None:
+    """`cls._check_and_adjust_attn_implementation` that admits (`admit`) the models given one of cpref's names."""
 
     @functools.wraps(original)
     def checked(self, *args: Any, **kwargs: Any) -> str:
@@ -66,7 +101,7 @@ def install(hook: Callable) -> None:
         return chosen
 
     checked.cpref = True
-    PreTrainedModel._check_and_adjust_attn_implementation = checked
+    cls._check_and_adjust_attn_implementation = checked
 
 
 def admit(model: torch.nn.Module, hook: Callable) -> None:

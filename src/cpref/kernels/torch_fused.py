@@ -66,7 +66,10 @@ backward dO and O, are zero-padded to $D$; the padded columns of O and dV are 0 
 unchanged. float16/bfloat16 inputs are upcast once to float32, as in the explicit path, so
 `out_dtype` and `grad_dtype` receive float32 accumulators. With `full_rows` in
 float16/bfloat16, $\Delta$ must not come from the rounded `out`; the backward then recomputes
-the float32 output (one more forward) and passes that to the op.
+the float32 output (one more forward) and passes that to the op. A row's `lse` may hold more
+than the call's keys (a learnable sink, [`cpref.kernels.sinks`][cpref.kernels.sinks]): the
+recomputed output, normalized over the call's keys alone, is then scaled by
+$e^{\mathrm{lse}_\text{call} - \mathrm{lse}}$, the share of the row's softmax the keys hold.
 
 **Memory.** The op keeps its scores in tiles of at most $256 \times 512$ per thread (one in the
 forward, two in the backward) whatever the length; everything else is $O(T)$ (with a window,
@@ -248,7 +251,10 @@ def fused_backward(dout, q, k, v, out, lse, seqs: Varlen, *, causal: bool, scale
     qc, kc, vc = _prepared(q, cdt), _prepared(k, cdt), _prepared(v, cdt, d)
     doc = _prepared(dout, cdt, d)  # (T, Hq, D)
     if full_rows and q.dtype != cdt:  # Delta from the float32 output, not from `out` rounded to the input dtype
-        oc = fused_forward(q, k, v, seqs, causal=causal, scale=scale, window=window, padded=True)[0]  # (T, Hq, D)
+        oc, own = fused_forward(q, k, v, seqs, causal=causal, scale=scale, window=window, padded=True)  # (T, Hq, D)
+        # the row's lse may hold a sink beyond the call's keys: their share of the softmax, e^(own - lse)
+        share = torch.where(torch.isneginf(own), 0.0, torch.exp(own - lse.to(cdt)))  # (T, Hq)
+        oc = oc * share.unsqueeze(-1)
     else:
         oc = _prepared(out, cdt, d)  # (T, Hq, D)
     lse, runs = lse.to(cdt), _runs(seqs, causal, window)
