@@ -73,3 +73,25 @@ def test_a_bad_variant_is_refused_on_every_rank_before_any_communication(bad, ma
 
     assert re.search(match, results[1]), results[1]
     assert only_the_comparison(cluster.trace), cluster.trace
+
+
+@pytest.mark.parametrize("theirs", [dict(chunk=4), dict(softcap=30.0), dict(sinks=torch.zeros(8, dtype=torch.float64))],
+                         ids=["chunk", "softcap", "sinks"])  # fmt: skip
+def test_ranks_that_pass_different_variants_are_named_before_any_communication(theirs):
+    """Rank 1 alone chunks, caps or adds sinks: every rank raises naming the variants' column, before the mode
+    communicates (a rank that computed another attention would run other collectives, or none of them wrong)."""
+    sharding = cpref.Sharding(cu_from_lengths([16, 8]), cp_size=2)
+    q, k, v, _ = attention_inputs(sharding.total, HEADS["gqa"])
+    cluster = SimCluster(2, timeout=30.0)
+
+    def rank(comm):
+        ql, kl, vl = (sharding.shard(t, comm.rank) for t in (q, k, v))
+        try:
+            cpref.attention(ql, kl, vl, sharding, comm=comm, mode="p2p", **(theirs if comm.rank == 1 else {}))
+        except CPInputError as exc:
+            return str(exc)
+        return "ran"
+
+    results = cluster.run(rank)
+    assert all("variants (softcap, chunk, sinks): rank 0: digest" in r for r in results), results
+    assert only_the_comparison(cluster.trace), cluster.trace
