@@ -156,7 +156,12 @@ PROBE = r"""() => {
   // the first figure (an image) of the content column: how far down the column it starts
   const figure = [...column.querySelectorAll("figure, img")].find((f) => f.getBoundingClientRect().height > 0);
   const firstFigure = figure ? Math.round(figure.getBoundingClientRect().top - column.getBoundingClientRect().top) : null;
+  // a generator's placeholder left in the prose ({{ figure ... }}): the page was not filled in; code may show one
+  const prose = column.cloneNode(true);
+  prose.querySelectorAll("pre, code, script, style").forEach((e) => e.remove());
+  const placeholders = [...new Set(prose.textContent.match(/\{\{[^{}]{1,80}\}\}/g) || [])];
   return {
+    placeholders: placeholders.slice(0, 5),
     math_cut: cutMath.slice(0, 5),
     math_cut_count: cutMath.length,
     math_stray: strayMath.slice(0, 5),
@@ -225,6 +230,7 @@ def problems_from_probe(found: dict) -> list[str]:
     out += [f"formula drawn over its neighbours (a part outside its box): {t!r}" for t in found.get("math_stray", [])]
     out += [f"TeX left in a formula's MathML (the converter lost it): {t!r}" for t in found.get("math_tex", [])]
     out += [f"KaTeX error: {t!r}" for t in found.get("katex_errors", [])]
+    out += [f"placeholder left in the text (the page was not filled in): {t!r}" for t in found.get("placeholders", [])]
     for img in found["images"]:
         if not img["ok"]:
             out.append(f"image does not load: {img['src']}")

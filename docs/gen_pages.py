@@ -498,6 +498,13 @@ def quickstart_page() -> str:
 PLACEHOLDER = re.compile(r"\{\{ (?:output (?P<output>[\w/.-]+\.py)|figure (?P<figure>[\w/.-]+)|(?P<name>\w+)) \}\}")
 
 
+def filled_pages() -> list[str]:
+    """The hand-written pages whose placeholders the build fills (`hand_page`): the home page, the Learn path and
+    every page with figures of its own (`HAND_FIGURES`); `tests/docs/test_placeholders.py` holds every page with a
+    placeholder to this list."""
+    return list(dict.fromkeys(["index.md", *(page for page, _ in LEARN), *HAND_FIGURES]))
+
+
 def hand_page(page: str) -> str:
     """A hand-written page with its placeholders filled: `{{ figure PATH }}` (a figure of `HAND_FIGURES`, linked
     relative to the page), `{{ output examples/learn/x.py }}` (what the example prints, run now) and `{{ name }}`
@@ -560,8 +567,8 @@ def main() -> None:
     # 0) The quickstart, with outputs produced now.
     with mkdocs_gen_files.open("quickstart.md", "w") as f:
         f.write(quickstart_page())
-    # 0b) The home page and the Learn path, their figures placed and their numbers computed now.
-    for page in ["index.md", *(page for page, _ in LEARN)]:
+    # 0b) The home page, the Learn path and every hand page with figures: figures placed, numbers computed now.
+    for page in filled_pages():
         with mkdocs_gen_files.open(page, "w") as f:
             f.write(hand_page(page))
 
