@@ -18,7 +18,7 @@ from cpref.base.errors import CPInputError
 from sim.cluster.harness import trace_split
 from sim.cluster.simcluster import SimCluster
 from tests.cp.conftest import CountingKernel, oracle_shards, run_cp
-from tests.helpers import assert_close, attention_inputs, cu_from_lengths, only_the_comparison
+from tests.helpers import assert_close, attention_inputs, cu_from_lengths, expected_costs, only_the_comparison
 
 HEADS = (8, 2, 8, 8)  # (Hq, Hkv, D, Dv): GQA, split by a2a at P = 2, 4, 8
 NAMES = ("out", "dq", "dk", "dv")
@@ -103,6 +103,14 @@ def test_the_ring_sends_a_rank_only_the_keys_its_chunks_read(layout, chunk, caus
         (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
         assert fwd == sum(sizes.values()) * ROW and fwd_ops == ({"send_recv": len(sizes)} if sizes else {}), r
         assert bwd == 2 * fwd and bwd_ops == ({"send_recv": 2 * len(sizes)} if sizes else {}), r
+        want = expected_costs("p2p", sharding, (4, 2, 8, 8), torch.float64, causal, rank=r, chunk=chunk)
+        assert (want.forward_bytes, want.backward_bytes) == (fwd, bwd), r  # what cpref.api.mode_costs says
+
+
+def test_mode_costs_refuses_a_bad_chunk_by_name():
+    sharding = cpref.Sharding(cu_from_lengths([16, 8]), cp_size=2)
+    with pytest.raises(CPInputError, match="chunk=0 must be an int >= 1"):
+        expected_costs("p2p", sharding, (4, 2, 8, 8), torch.float64, chunk=0)
 
 
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)

@@ -8,6 +8,8 @@ the ring's off-diagonal steps, fails here). Padded documents: padding rows get 0
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -41,6 +43,24 @@ def test_soft_capping_in_every_mode_matches_the_oracle_rank_by_rank(mode, P, lay
             assert_close(a, b, torch.float64, msg=f"{mode} P={P} {layout} window={window} rank {r} {name}")
 
 
+def rank_1_alone(extra: dict, *, grad: bool) -> tuple[list[str], SimCluster]:
+    """`cpref.attention` (p2p) on 2 simulated ranks, rank 1 alone passing `extra`: `(each rank's error or "ran",
+    cluster)`; `grad`: the shards require grad."""
+    sharding = cpref.Sharding(cu_from_lengths([16, 8]), cp_size=2)
+    q, k, v, _ = attention_inputs(sharding.total, HEADS["gqa"])
+    cluster = SimCluster(2, timeout=30.0)
+
+    def rank(comm):
+        ql, kl, vl = (sharding.shard(t, comm.rank).requires_grad_(grad) for t in (q, k, v))
+        try:
+            cpref.attention(ql, kl, vl, sharding, comm=comm, mode="p2p", **(extra if comm.rank == 1 else {}))
+        except CPInputError as exc:
+            return str(exc)
+        return "ran"
+
+    return cluster.run(rank), cluster
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(softcap=0.0), "softcap=0.0 must be a finite number > 0"),
     (dict(softcap=float("nan")), "softcap=nan must be a finite number > 0"),
@@ -55,22 +75,8 @@ def test_soft_capping_in_every_mode_matches_the_oracle_rank_by_rank(mode, P, lay
 def test_a_bad_variant_is_refused_on_every_rank_before_any_communication(bad, match):
     """One rank alone passes it: that rank names the value, the others name that rank; nothing but the ranks'
     comparison was communicated."""
-    sharding = cpref.Sharding(cu_from_lengths([16, 8]), cp_size=2)
-    q, k, v, _ = attention_inputs(sharding.total, HEADS["gqa"])
-    cluster = SimCluster(2, timeout=30.0)
-
-    def rank(comm):
-        ql, kl, vl = (sharding.shard(t, comm.rank).requires_grad_() for t in (q, k, v))
-        try:
-            cpref.attention(ql, kl, vl, sharding, comm=comm, mode="p2p", **(bad if comm.rank == 1 else {}))
-        except CPInputError as exc:
-            return str(exc)
-        return "ran"
-
-    results = cluster.run(rank)
+    results, cluster = rank_1_alone(bad, grad=True)
     assert "rank 1" in results[0] and match.split(" ")[0].split("=")[0] in results[1], results
-    import re
-
     assert re.search(match, results[1]), results[1]
     assert only_the_comparison(cluster.trace), cluster.trace
 
@@ -80,18 +86,6 @@ def test_a_bad_variant_is_refused_on_every_rank_before_any_communication(bad, ma
 def test_ranks_that_pass_different_variants_are_named_before_any_communication(theirs):
     """Rank 1 alone chunks, caps or adds sinks: every rank raises naming the variants' column, before the mode
     communicates (a rank that computed another attention would run other collectives, or none of them wrong)."""
-    sharding = cpref.Sharding(cu_from_lengths([16, 8]), cp_size=2)
-    q, k, v, _ = attention_inputs(sharding.total, HEADS["gqa"])
-    cluster = SimCluster(2, timeout=30.0)
-
-    def rank(comm):
-        ql, kl, vl = (sharding.shard(t, comm.rank) for t in (q, k, v))
-        try:
-            cpref.attention(ql, kl, vl, sharding, comm=comm, mode="p2p", **(theirs if comm.rank == 1 else {}))
-        except CPInputError as exc:
-            return str(exc)
-        return "ran"
-
-    results = cluster.run(rank)
+    results, cluster = rank_1_alone(theirs, grad=False)
     assert all("variants (softcap, chunk, sinks): rank 0: digest" in r for r in results), results
     assert only_the_comparison(cluster.trace), cluster.trace
