@@ -18,9 +18,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpref.base.errors import CPInputError
-from cpref.kernels import AttentionKernel, TorchKernel, Varlen
+from cpref.kernels import AttentionKernel, TorchKernel, Varlen, torch_kernel
 from sim import oracle
 from tests.helpers import assert_close, cu_from_lengths, random_qkv
 
@@ -257,6 +258,74 @@ def test_max_block_elements_bounds_the_working_memory(causal):
     assert max(fwd, bwd) <= max(budget, inputs)
     unbounded = TorchKernel(fast=False)  # the default budget fits the whole 256 x 256 x 4 score block
     assert largest_allocation(lambda: unbounded.forward(q, k, v, seqs, causal=causal, scale=0.5)) >= n * n * hq // 2
+
+
+def block_rows(kernel: TorchKernel, n: int, hq: int, device: str) -> list[int]:
+    """The query rows of each block of the explicit path's plan for one causal document of `n` tokens."""
+    q = torch.empty(1, hq, 8, device=device)  # the plan reads only the head count and the device
+    blocks, _ = kernel._blocks(q, Varlen([0, n]), True, (-1, -1))
+    return [b.rows.stop - b.rows.start for b in blocks]
+
+
+def test_on_a_cpu_the_explicit_blocks_are_cache_sized():
+    """Within the default budget (2**24 scores: 1024 rows of a 4096-token document with 4 heads), a CPU block holds
+    2**20 scores (64 rows), not fewer than 16 rows however long the document; another device keeps the budget's."""
+    kernel = TorchKernel(fast=False)
+    assert set(block_rows(kernel, 4096, 4, "cpu")) == {torch_kernel.CACHE_BLOCK_ELEMENTS // (4096 * 4)} == {64}
+    assert set(block_rows(kernel, 4096, 4, "meta")) == {1024}
+    assert set(block_rows(kernel, 2**16, 4, "cpu")) == {torch_kernel.MIN_CACHE_ROWS} == {16}
+    assert set(block_rows(TorchKernel(fast=False, max_block_elements=2**16), 2**16, 4, "cpu")) == {1}  # the budget rules
+
+
+class ScoreOps(TorchDispatchMode):
+    """Counts the ops that compute on a tensor of at least `size` elements (a block's scores), by name: not views,
+    not allocations."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.counts = size, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [x for x in (*args, *(kwargs or {}).values(), out) if isinstance(x, torch.Tensor)]
+        if not func.is_view and func.overloadpacket.__name__ != "empty" and any(t.numel() >= self.size for t in tensors):
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return out
+
+
+def test_soft_capping_costs_one_tanh_pass_each_way():
+    """One block of 64 x 64 scores x 2 heads: capped, the forward makes exactly one more pass over the scores than
+    uncapped (the tanh: the cap's factor joins the pass that subtracts the maximum) and the backward four (the tanh,
+    the slope 1 - t^2 in two, its product with dS); a kernel that scaled the scores in a pass of their own, or took
+    tanh twice, would count more."""
+    n, hq = 64, 2
+    q, k, v = random_qkv(n, hq, hq, 4, dtype=torch.float32)
+    kernel, seqs = TorchKernel(fast=False, block_size=n), Varlen([0, n])
+
+    def passes(softcap):
+        capped = {} if softcap is None else {"softcap": softcap}
+        kernel.forward(q, k, v, seqs, causal=True, scale=0.5, **capped)  # the plan and its masks, once per Varlen
+        with ScoreOps(n * n * hq // 2) as fwd:
+            out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=0.5, **capped)
+        with ScoreOps(n * n * hq // 2) as bwd:
+            kernel.backward(out, q, k, v, out, lse, seqs, causal=True, scale=0.5, **capped)
+        return fwd.counts, bwd.counts
+
+    (fwd, bwd), (cfwd, cbwd) = passes(None), passes(3.0)
+    assert sum(cfwd.values()) == sum(fwd.values()) + 1 and cfwd["tanh_"] == 1
+    assert sum(cbwd.values()) == sum(bwd.values()) + 4 and cbwd["tanh_"] == 1
+
+
+def test_tanh_keeps_small_capped_logits_relative_where_two_sigmoid_minus_one_does_not():
+    """Why the cap takes PyTorch's tanh and not the three times faster 2 sigmoid(2y) - 1: in float32 the latter rounds
+    c tanh(y) to about c eps absolutely, so at c = 50 logits near 1 lose four bits."""
+    c, s = 50.0, torch.linspace(-3.0, 3.0, 10001, dtype=torch.float64)
+    exact = c * torch.tanh(s / c)
+    y = (s / c).float()
+    err_tanh = (c * torch.tanh(y)).double().sub(exact).abs().max()
+    err_sigmoid = (c * (2 * torch.sigmoid(2 * y) - 1)).double().sub(exact).abs().max()
+    assert err_sigmoid > 8 * err_tanh
 
 
 def test_blocks_and_masks_are_built_once_per_varlen(monkeypatch):

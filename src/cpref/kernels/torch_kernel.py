@@ -14,7 +14,10 @@ columns of the prefix form the triangle that needs a mask. Without `causal` ever
 all $n_k$ keys. Either way a block's keys are one contiguous range, so the block's scores are
 one batched matrix product and its softmax is *exact*: no online rescaling is needed.
 $R$ is chosen so that a block's score matrix, $R \cdot n_b \cdot H_q$ elements for its $n_b$ keys,
-stays under `max_block_elements`.
+stays under `max_block_elements`, and on a CPU under `CACHE_BLOCK_ELEMENTS` ($2^{20}$, 4 MiB in
+float32) as well, unless that leaves fewer than `MIN_CACHE_ROWS` (16) rows: every elementwise pass
+over a block (mask, maximum, `exp2`, sum; in the backward the same and $dS$) then reads it from
+the cache rather than from memory.
 
 Rows $x < -\delta$ see no key at all (more queries than keys). They are never computed:
 their `out` stays 0, their `lse` stays $-\infty$ and their gradients stay 0, so no NaN can
@@ -35,6 +38,12 @@ $$ S_2 = s_2\, Q K^\top, \quad m = \max_y S_{2,y}, \quad \tilde P = 2^{S_2 - m},
    \ell = \textstyle\sum_y \tilde P_y, \quad O = \tilde P V / \ell, \quad
    \mathrm{lse} = \ln 2\, (m + \log_2 \ell). $$
 
+The lse is summed in float64 and rounded to float32 once: under CP a row's partial results
+meet only through their lse (the ring's merge weights $\sigma(\mathrm{lse}_a - \mathrm{lse}_b)$), so
+its rounding at $|\mathrm{lse}|\,\epsilon$ is the floor of a split row's error; two float32
+roundings put the ring's output error at 2.2 times the unsplit call's with logits soft-capped at
+50 and saturated (`tests/cp/test_variants_precision.py`, P = 4), one keeps it at 1.5.
+
 **Backward** recomputes $P = 2^{S_2 - \mathrm{lse}_2}$ from the saved lse (which, under
 context parallelism, is the lse of the *whole* row, not of this block) and, with
 $\Delta = \mathrm{rowsum}(dO \circ O)$ computed once for all rows (FlashAttention-2,
@@ -44,8 +53,13 @@ $$ dV \leftarrow dV + P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP 
    dQ = s\, dS\, K, \quad dK \leftarrow dK + s\, dS^\top Q. $$
 
 **Soft-capping.** With `softcap` $= c$ the logits are $c \tanh(S / c)$ before the mask; the block
-keeps $t = \tanh(S / c)$, and the backward multiplies $dS$ by $\partial (c \tanh(S/c)) / \partial S
-= 1 - t^2$ before $dQ$ and $dK$. The fused path has no soft-capping, so a soft-capped call takes
+holds $t = \tanh(S / c)$ and takes the factor $c \log_2 e$ in the pass that subtracts the row's
+maximum (forward) or lse (backward), so the cap costs one `tanh` pass over the scores each way
+(the backward three more: the slope and its product with $dS$). The backward keeps the slope $\partial (c \tanh(S/c)) / \partial S = 1 - t^2$ and
+multiplies $dS$ by it before $dQ$ and $dK$. The `tanh` is PyTorch's, accurate to its last bits;
+a $2\sigma(2y) - 1$ in its place is about three times faster on a CPU but rounds the logits
+absolutely, to $c\,\epsilon$ rather than $|S|\,\epsilon$, which the fp32 tolerance of the
+kernel tests does not take. The fused path has no soft-capping, so a soft-capped call takes
 this explicit path.
 
 With `full_rows=True` (the caller guarantees that each row's keys are all in this call) a
@@ -83,6 +97,8 @@ __all__ = ["TorchKernel"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+CACHE_BLOCK_ELEMENTS = 2**20  # on a CPU, a block's scores (4 MiB in float32) stay in a last-level cache
+MIN_CACHE_ROWS = 16  # ... but not fewer query rows than this: thinner blocks starve the matrix products
 
 
 class _Block(NamedTuple):
@@ -114,22 +130,26 @@ def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor, softcap: float | None = None,
-            tanh_buf: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Masked base-2 logits `S2 = s2 Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`; soft-capped,
-    `S2 = c log2(e) tanh(s Q K^T / c)`, and `tanh(s Q K^T / c)` kept in `tanh_buf` where one is given."""
+            slope_buf: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Masked base-2 logits `S2 = s2 Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`.
+
+    Soft-capped, the block holds `t = tanh(s Q K^T / c)` instead (the capped logits are `S2 = c log2(e) t`; the caller
+    scales `t` in the pass that subtracts the row's maximum or lse), and the slope `1 - t^2` is kept in `slope_buf`
+    where one is given.
+    """
     hkv, n = qb.shape[0], kb.shape[1]
     s = _take(buf, hkv, qb.shape[1], n)  # (Hkv, R*G, L)
     if softcap is None:
         # S2 = s2 Q K^T
         torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
     else:
-        # t = tanh(s Q K^T / c), S2 = c log2(e) t  (s2 = s log2(e))
-        torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2 / (LOG2E * softcap), out=s).tanh_()  # (Hkv, R*G, L)
-        if tanh_buf is not None:
-            _take(tanh_buf, *s.shape).copy_(s)
-        s.mul_(softcap * LOG2E)
+        # t = tanh(s Q K^T / c)  (s2 = s log2(e))
+        torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2 / (LOG2E * softcap), out=s).tanh_()
+        if slope_buf is not None:
+            # 1 - t^2, before the mask: finite on every key
+            _take(slope_buf, *s.shape).fill_(1.0).addcmul_(s, s, value=-1.0)  # (Hkv, R*G, L)
     if blk.mask is not None:
-        # S2_jt = -inf where row j does not see key t: causal hides only among the last R keys, a window among all
+        # -inf where row j does not see key t: causal hides only among the last R keys, a window among all
         rows, cols = blk.mask.shape[0], blk.mask.shape[2]
         s.view(hkv, rows, -1, n)[..., n - cols :].masked_fill_(blk.mask, float("-inf"))  # (Hkv, R, G, M)
     return s
@@ -140,17 +160,21 @@ def _forward_block(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(O (Hkv, R*G, Dv), lse (Hkv, R*G))` of one block; `buf` holds its scores."""
-    # 1) S2 = s2 Q K^T (soft-capped), masked
+    # 1) S2 = s2 Q K^T, masked (soft-capped: t, S2 = c log2(e) t)
     s = _logits(qb, kb, blk, s2, buf, softcap)  # (Hkv, R*G, L)
-    # 2) m = max_y S2_y
-    m = s.amax(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
-    # 3) P~ = 2^(S2 - m), in place; l = sum_y P~_y
-    p = s.sub_(m).exp2_()  # (Hkv, R*G, L)
+    # 2) m = max_y S2_y; 3) P~ = 2^(S2 - m), in place; l = sum_y P~_y
+    if softcap is None:
+        m = s.amax(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
+        p = s.sub_(m).exp2_()  # (Hkv, R*G, L)
+    else:
+        # m = c log2(e) max_y t_y; S2 - m = c log2(e) t - m in one pass
+        m = s.amax(dim=-1, keepdim=True).mul_(softcap * LOG2E)  # (Hkv, R*G, 1)
+        p = torch.add(m.neg(), s, alpha=softcap * LOG2E, out=s).exp2_()  # (Hkv, R*G, L)
     el = p.sum(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
     # 4) O = P~ V / l
     o = torch.bmm(p, vb).div_(el)  # (Hkv, R*G, L) x (Hkv, L, Dv) -> (Hkv, R*G, Dv)
-    # 5) lse = ln2 (m + log2 l)
-    lse = m.add_(el.log2_()).mul_(LN2)  # (Hkv, R*G, 1)
+    # 5) lse = ln2 (m + log2 l), in float64, rounded once
+    lse = m.double().add_(el.log2_()).mul_(LN2).to(m.dtype)  # (Hkv, R*G, 1)
     return o, lse.squeeze(-1)
 
 
@@ -169,12 +193,16 @@ def _backward_block(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dQ (Hkv, R*G, D), dK (Hkv, L, D), dV (Hkv, L, Dv))` of one block.
 
-    `bufs` are the flat workspaces for `(S, dP, dK, dV)` (and, soft-capped, `tanh`); `dK` and `dV` live in them.
-    `deltab` None: the block holds whole rows, Delta = rowsum(P o dP).
+    `bufs` are the flat workspaces for `(S, dP, dK, dV)` (and, soft-capped, the slope `1 - t^2`); `dK` and `dV` live
+    in them. `deltab` None: the block holds whole rows, Delta = rowsum(P o dP).
     """
     hkv, n = kb.shape[0], kb.shape[1]
-    # 1) P = 2^(S2 - lse2), recomputed in place (soft-capped: t = tanh(S / c) kept)
-    p = _logits(qb, kb, blk, s2, bufs[0], softcap, bufs[4] if softcap else None).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
+    # 1) P = 2^(S2 - lse2), recomputed in place (soft-capped: S2 = c log2(e) t, the slope 1 - t^2 kept)
+    if softcap is None:
+        p = _logits(qb, kb, blk, s2, bufs[0]).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
+    else:
+        t = _logits(qb, kb, blk, s2, bufs[0], softcap, bufs[4])  # (Hkv, R*G, L)
+        p = torch.add(lse2b.neg(), t, alpha=softcap * LOG2E, out=t).exp2_()  # (Hkv, R*G, L)
     # 2) dV = P^T dO
     dv = torch.bmm(p.transpose(1, 2), dob, out=_take(bufs[3], hkv, n, dob.shape[2]))  # (Hkv, L, R*G) x (Hkv, R*G, Dv)
     # 3) dP = dO V^T
@@ -185,8 +213,7 @@ def _backward_block(
     ds = dp.sub_(deltab).mul_(p)  # (Hkv, R*G, L)
     if softcap is not None:
         # d(c tanh(S / c)) / dS = 1 - t^2
-        t = _take(bufs[4], *ds.shape)  # (Hkv, R*G, L)
-        ds.mul_(t.mul_(t).neg_().add_(1.0))
+        ds.mul_(_take(bufs[4], *ds.shape))
     # 5) dQ = s dS K
     dq = torch.bmm(ds, kb).mul_(scale)  # (Hkv, R*G, L) x (Hkv, L, D) -> (Hkv, R*G, D)
     # 6) dK = s dS^T Q
@@ -203,8 +230,9 @@ class TorchKernel:
             the budget decides).
         max_block_elements: memory budget of one block, in elements of the compute dtype:
             query rows are chosen so that `rows * kv_len * Hq` stays under it (at least one
-            row). Forward holds one such buffer, backward two. The default `2**24` is 64 MiB
-            per float32 buffer. The fast path's blocks are the fused op's tiles, taken only
+            row). Forward holds one such buffer, backward two (three soft-capped). The default
+            `2**24` is 64 MiB per float32 buffer; on a CPU the blocks are cache-sized within it
+            (`CACHE_BLOCK_ELEMENTS`). The fast path's blocks are the fused op's tiles, taken only
             when the budget holds one per thread (`torch_fused.FUSED_TILE_ELEMENTS`).
         fast: on a CPU, run the fused path (`cpref.kernels.torch_fused`); `False`: always
             the explicit path, the readable reference.
@@ -305,7 +333,7 @@ class TorchKernel:
         qh, kh, vh, doh = (_heads_major(x, hkv, cdt) for x in (q, k, v, dout))  # (Hkv, T*G|T', .)
         delta = None if full_rows else _heads_major((dout.to(cdt) * out.to(cdt)).sum(-1, keepdim=True), hkv, cdt)
         lse2 = _heads_major(lse.unsqueeze(-1), hkv, cdt).mul_(LOG2E)  # (Hkv, T*G, 1)
-        sizes = (size, size, k.numel(), v.numel(), size if softcap else 0)  # S, dP, dK, dV of a block; tanh
+        sizes = (size, size, k.numel(), v.numel(), size if softcap else 0)  # S, dP, dK, dV of a block; 1 - t^2
         bufs = [torch.empty(n, dtype=cdt, device=q.device) for n in sizes]
         # 2) rows that see no key keep zero gradients
         dq = torch.zeros(q.shape, dtype=grad_dtype or q.dtype, device=q.device)  # (T, Hq, D)
@@ -349,7 +377,7 @@ class TorchKernel:
                 continue
             first, last = rows_seeing[0], rows_seeing[-1] + 1
             span = max(hi - lo for lo, hi in seen[first:last])  # keys of the widest row
-            rows = max(1, min(self.max_block_elements // (span * hq), self.block_size or last))
+            rows = max(1, min(self._budget_rows(span * hq, device), self.block_size or last))
             while rows > 1 and rows * (span + rows - 1) * hq > self.max_block_elements:  # R rows see at most span + R - 1 keys
                 rows -= 1
             for a in range(first, last, rows):
@@ -365,11 +393,20 @@ class TorchKernel:
                 size = max(size, (b - a) * hq * (hi - lo))
         return blocks, size
 
+    def _budget_rows(self, row_elements: int, device: torch.device) -> int:
+        """Query rows per block for rows of `row_elements` scores: within `max_block_elements`, and on a CPU within
+        `CACHE_BLOCK_ELEMENTS` too (but at least `MIN_CACHE_ROWS`), so that a block's elementwise passes read it from
+        the cache."""
+        rows = self.max_block_elements // row_elements
+        if device.type == "cpu":
+            rows = min(rows, max(MIN_CACHE_ROWS, CACHE_BLOCK_ELEMENTS // row_elements))
+        return rows
+
     def _plan_triangles(self, seqs: Varlen, hq: int, causal: bool, device: torch.device) -> tuple[list[_Block], int]:
         masks: dict[int, torch.Tensor] = {}
         blocks, size = [], 0
         for q0, q1, k0, k1 in seqs.pairs():
-            budget_rows = self.max_block_elements // max(1, (k1 - k0) * hq)
+            budget_rows = self._budget_rows(max(1, (k1 - k0) * hq), device)
             rows = max(1, min(budget_rows, self.block_size or budget_rows))
             for a, b, hi in _sequence_blocks(q1 - q0, k1 - k0, rows, causal):
                 if causal and b - a not in masks:
