@@ -86,8 +86,10 @@ gather, the `index_select`, the `index_add_` and the backward's re-gather (see
 
 ## 3. Strong scaling on real process groups (`bench/scaling.py`)
 
-Every mode at CP = 2 in the zigzag and balanced layouts over gloo (two processes, one thread each)
-against CP = 1 (one
+Every mode at CP = 2 in the zigzag and balanced layouts over gloo (two processes, one thread each),
+each also predicted by [the planner](planner.md) (`python -m sim plan` with the `this-machine`
+profile it calibrates at the start of the same run; goals: every prediction within 15%, the modes
+ranked as measured), against CP = 1 (one
 process, one thread), on one causal document of 16384 tokens and on a packed mix of four,
 with each rank's step split into compute (inside kernel calls), waiting for communication
 (inside collectives and ring-shift waits) and the rest. For the ring (`p2p`) every step is
@@ -311,7 +313,7 @@ import re
 
 import torch
 
-from bench import all_gather, collectives, kernel, layouts, memory, overhead, scaling, variants, window
+from bench import all_gather, collectives, kernel, layouts, memory, overhead, predicted, scaling, variants, window
 from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
@@ -355,7 +357,11 @@ RENDER = {
                                        + ["The overlapped paths beside their modes' defaults, from the same run:"]
                                        + [f"**{b['name']}**\n\n" + scaling.paths_markdown(b)
                                           for b in r["batches"] if any(row["path"] for row in b["rows"])]
-                                       + [r["paths_verdict"]]),
+                                       + [r["paths_verdict"]]
+                                       + ["The planner's predictions of every row, from the same run (`python -m sim plan` "
+                                          "with the this-machine profile calibrated at its start, `bench/predicted.py`):"]
+                                       + [f"**{b['title'].split(': ', 1)[1].split(' (')[0]}**\n\n" + predicted.markdown(b["predicted"])
+                                          for b in r["batches"] if b.get("predicted")]),
     "memory": lambda r: "\n\n".join([r["title"] + ".", "{{ figure figures/bench_memory.png }}", memory.markdown(r)]),
     "all_gather": lambda r: r["title"] + ".\n\n" + all_gather.markdown(r),
     "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),
@@ -454,6 +460,20 @@ def summary_table() -> str:
                  f"worst {worst['x']}x (`{worst['mode']}`) |")  # fmt: skip
     for g in scaling.goals(load("scaling")["results"]["batches"]):
         lines.append(f"| **CP = 2, gloo**: {g['goal']} | **{mark.get(g['met']) or g['why']}**: {g['measured']} |")
+    batches_ = [b for b in load("scaling")["results"]["batches"] if b.get("predicted")]
+    if batches_:
+        verdicts = {}  # goal -> the batches that missed it
+        for b in batches_:
+            for m in _verdicts(predicted.markdown(b["predicted"]).splitlines(),
+                               r"- (?P<what>predictions within|modes ranked as measured).*: (?P<verdict>met|not met)"):  # fmt: skip
+                missed = verdicts.setdefault(m["what"], [])
+                if m["verdict"] != "met":
+                    missed.append(b["title"].split(": ", 1)[1].split(" (")[0])
+        cells = [f"{what} on {len(batches_) - len(missed)} of {len(batches_)} batches" + (f" (not: {'; '.join(missed)})" if missed else "")
+                 for what, missed in verdicts.items()]  # fmt: skip
+        met = "met" if not any(verdicts.values()) else "not met"
+        lines.append(f"| **planner** (`python -m sim plan`, CP = 2 here): every step within +/-15% of the measured, the modes "
+                     f"ranked as measured | **{met}**: {'; '.join(cells)} |")  # fmt: skip
     rows = load("memory")["results"]["rows"]
     top = max(r["P"] for r in rows)
     saved = {r["mode"]: r["saved"] for r in rows if r["P"] == top}

@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,6 +86,8 @@ from cpref.kernels import Varlen
 from cpref.modes.ring_window import build_window_ring_plan
 from sim.tools.cli import Parser, positive
 from sim.tools.launch import launch
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 TARGET = 0.95  # efficiency against the machine, for zigzag and balanced
 TARGET_LAYOUTS = ("zigzag", "balanced")
@@ -341,6 +344,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.heads % (2 * P):
         parser.error(f"--heads {args.heads}: Ulysses in head groups over {P} ranks needs a multiple of 2 x {P} = {2 * P} "
                      f"heads (2 groups or more)")  # fmt: skip
+    from bench import predicted
+    from sim.plan.calibrate import calibrate
+    from sim.plan.profile import load_profile
+
+    calibrate(RESULTS / "this-machine.json", nproc=P)  # the planner's profile of this machine, measured in this run
+    profile = load_profile(RESULTS / "this-machine.json")
     batches_run = []
     for window, (name, lengths) in ((w, batch) for w in windows for batch in batches(args.tokens, P).items()):
         shape = (lengths, args.heads, args.head_dim, args.repeats, window)
@@ -357,6 +366,9 @@ def main(argv: list[str] | None = None) -> dict:
         batch = {"title": title, "name": name, "window": list(window), **summary(t1, t_pair, per_rank),
                  "schedule": [what for _, what, _ in sorted(ranks[0]["rounds"], key=lambda r: r[2])]}  # rank 0's steps in time order
         print(markdown(batch))
+        batch["predicted"] = predicted.rows(batch, lengths, window, args.heads, args.head_dim, profile)
+        print(f"\nPredicted by `python -m sim plan` (the this-machine profile, calibrated at the start of this run):\n\n"
+              f"{predicted.markdown(batch['predicted'])}")
         if any(r["path"] for r in batch["rows"]):
             print(f"\nThe overlapped paths beside the defaults:\n\n{paths_markdown(batch)}")
         print(f"\n(load average now {os.getloadavg()[0]:.2f})\n", flush=True)

@@ -78,6 +78,13 @@ GUIDE = [
     ("backend-facts.md", "What each backend can do", "cpref.comm.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
     ("performance.md", "Performance", "bench.report"),
+    ("planner.md", "Which mode? The planner", "sim.plan.planner"),
+    ("sim-plan.md", "python -m sim plan", "sim.tools.plan"),
+    ("plan-model.md", "The planner's time model", "sim.plan.model"),
+    ("plan-profiles.md", "Hardware profiles", "sim.plan.profile"),
+    ("plan-dry-run.md", "The dry run: a step counted", "sim.plan.dry"),
+    ("plan-links.md", "Link levels", "sim.plan.links"),
+    ("plan-calibrate.md", "Calibrating this machine", "sim.plan.calibrate"),
 ]
 
 # Figures of a guide page: page -> [(figure path, caption)], each placed where its marker line `{{ figure PATH }}`
@@ -321,6 +328,8 @@ SECTIONS = [
     ("Learn CP", [page for page, _ in LEARN]),
     ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "data.md",
                    "which-mode.md"]),
+    ("Plan a run", ["planner.md", "sim-plan.md", "plan-model.md", "plan-profiles.md", "plan-dry-run.md", "plan-links.md",
+                    "plan-calibrate.md"]),
     ("The modes", ["merge.md", "all-gather.md", "metadata.md", "all-gather-overlap.md", "ring.md", "ring-window.md",
                    "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
     ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "verify-your-implementation.md", "consistency.md",

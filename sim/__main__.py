@@ -15,6 +15,7 @@ from typing import Sequence
 COMMANDS = {
     "verify": ("sim.tools.verify", "rank-by-rank verification of CP attention on real process groups"),
     "train": ("sim.tools.train", "train a GPT-2, LLaMA or Qwen3 style model with CP on packed documents"),
+    "plan": ("sim.tools.plan", "which CP mode, layout and options: each one's step predicted from its own plan"),
 }
 
 

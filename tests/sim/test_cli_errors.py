@@ -57,7 +57,7 @@ def test_a_bad_argument_is_one_line_and_status_2(tool, argv, capsys):
 def test_the_dispatcher_and_its_unknown_command_as_a_process():
     out = subprocess.run([sys.executable, "-m", "sim", "tarin", "--cp", "2"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["python -m sim: error: unknown command 'tarin'; choose from verify, train "
+    assert out.stderr.strip().splitlines() == ["python -m sim: error: unknown command 'tarin'; choose from verify, train, plan "
                                                "(python -m sim --help)"]  # fmt: skip
 
 

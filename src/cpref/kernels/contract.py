@@ -288,15 +288,22 @@ class Varlen:
         return list(zip(self.cu_q[:-1], self.cu_q[1:], self.cu_kv[:-1], self.cu_kv[1:]))
 
     def work(self, causal: bool, window: tuple[int, int] = (-1, -1)) -> int:
-        """Score entries the call computes per query head (masked entries not counted)."""
-        total = 0
+        """Score entries the call computes per query head (masked entries not counted): the sum over every row of
+        the keys `visible` gives it, in closed form per sequence (`_visible_sum`), not row by row."""
+        return self._visible(causal, window)[1]
+
+    def rows_seeing(self, causal: bool, window: tuple[int, int] = (-1, -1)) -> int:
+        """Query rows that see at least one key (the rest are never computed), in closed form as `work`."""
+        return self._visible(causal, window)[0]
+
+    def _visible(self, causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+        left, right = window
+        right = 0 if causal else right
+        rows = total = 0
         for i, (q0, q1, k0, k1) in enumerate(self.pairs()):
-            n_q, n_k = q1 - q0, k1 - k0
-            if not causal and window == (-1, -1) and self.shifts is None:
-                total += n_q * n_k
-            else:  # row x sees the keys [lo, hi) of `visible`, when that is not empty
-                total += sum(max(0, hi - lo) for lo, hi in (self.visible(i, x, causal, window) for x in range(n_q)))
-        return total
+            n, w = _visible_sum(self.shift(i), q1 - q0, k1 - k0, left, right)
+            rows, total = rows + n, total + w
+        return rows, total
 
     def cached(self, key: Hashable, build: Callable[[], V]) -> V:
         """`build()` once per `key` for this `Varlen` (thread-safe); kernels keep derived data here."""
@@ -359,3 +366,38 @@ class AttentionKernel(Protocol):
         `full_rows`, `softcap`: see the module docstring.
         """
         ...
+
+
+def _visible_sum(shift: int, n_q: int, n_k: int, left: int, right: int) -> tuple[int, int]:
+    """`(rows, sum)`: the rows with `hi(p) > lo(p)` and `sum_x max(0, hi(p) - lo(p))` over the rows `x < n_q` at key
+    positions `p = x + shift`, with
+    `lo(p) = max(0, p - left)` (0 for `left < 0`) and `hi(p) = min(n_k, p + right + 1)` (`n_k` for `right < 0`):
+    `Varlen.visible`'s row widths. Both ends are piecewise linear in `p` with slopes 0 and 1, so the width is linear
+    between their kinks; each linear piece's positive part is an arithmetic series."""
+    a, b = shift, shift + n_q  # positions [a, b)
+    inner = ([left] if left >= 0 else []) + ([n_k - right - 1] if right >= 0 else [])  # where lo or hi bends
+    kinks = sorted({a, b, *(k for k in inner if a < k < b)})
+
+    def width(p: int) -> int:  # hi - lo, without the clip at 0
+        lo = 0 if left < 0 else max(0, p - left)
+        hi = n_k if right < 0 else min(n_k, p + right + 1)
+        return hi - lo
+
+    rows = total = 0
+    for u, v in zip(kinks, kinks[1:]):  # width is linear on [u, v): w(u) + s (p - u)
+        w0, s = width(u), (width(v - 1) - width(u)) // max(1, v - 1 - u)
+        if s == 0:
+            total += max(0, w0) * (v - u)
+            rows += (v - u) if w0 > 0 else 0
+            continue
+        # the integers p in [u, v) where w0 + s (p - u) > 0
+        if s > 0:
+            first, last = max(u, u + (-w0) // s + 1), v - 1
+        else:
+            first, last = u, min(v - 1, u + (w0 - 1) // (-s))
+        if first <= last:
+            n = last - first + 1
+            total += n * (w0 + s * (first - u)) + s * n * (n - 1) // 2
+            rows += n
+    return rows, total
+

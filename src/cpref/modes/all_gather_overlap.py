@@ -99,7 +99,7 @@ def build_overlap_plan(plan: AllGatherPlan, rank: int, local_tokens: int, causal
         ValueError: for a plan with a window or (causal) explicit shifts, or a diagonal key not held here (no such plan
             is made by `cpref`: the split would be wrong).
     """
-    seqs, rows = plan.seqs, plan.kv_index.tolist()
+    seqs, rows = plan.seqs, plan.kv_rows.tolist()  # the host copy: no read back from the device
     if plan.window != (-1, -1) or (causal and not seqs.bottom_right):  # shifts mean nothing without a mask
         raise ValueError(f"all-gather overlap: needs a plan without a window or shifts, got window {plan.window}")
     pieces = plan.shared is not None  # rows index the shard, then the gathered rows; else the rank-major buffer

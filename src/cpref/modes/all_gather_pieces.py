@@ -92,5 +92,6 @@ def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, c
                 n_k = sum(len(x) for x in keys_of)
                 keys += keys_of
                 q_lens.append(count), kv_lens.append(n_k), shifts.append(d if d is not None and n_k else n_k - count)
-    kv_index = (torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)).to(device)  # (sum kv_len,)
-    return AllGatherPlan(kv_index, Varlen.from_lengths(q_lens, kv_lens, shifts), window, shared[rank].to(device), m)
+    kv_rows = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)  # (sum kv_len,), on the host
+    return AllGatherPlan(kv_rows.to(device), Varlen.from_lengths(q_lens, kv_lens, shifts), window, shared[rank].to(device),
+                         m, kv_rows)  # fmt: skip

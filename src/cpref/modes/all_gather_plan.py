@@ -107,6 +107,8 @@ class AllGatherPlan:
             are gathered, zero-padded to `gathered_rows` on every rank; `kv_index` then points into the local
             shard followed by the gathered rows, rank-major (`cpref.modes.all_gather_pieces`).
         gathered_rows: the rows every rank contributes to the all-gather (with `shared`).
+        kv_rows: `kv_index` on the host, as the plan built it (the overlap's split reads it there: no copy back
+            from a device, and none from the planner's meta tensors, `sim.plan.dry`).
     """
 
     kv_index: torch.Tensor | None
@@ -114,6 +116,7 @@ class AllGatherPlan:
     window: tuple[int, int] = NO_WINDOW
     shared: torch.Tensor | None = None
     gathered_rows: int = 0
+    kv_rows: torch.Tensor | None = None
 
     def as_mapping(self, P: int) -> Mapping[str, Any]:
         """A read-only view with the MindSpeed RFC's keys (of a selecting plan, over `P` ranks)."""
@@ -192,8 +195,9 @@ def build_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal:
             add(sum(real), prefix(o_i, c_i, n) if sum(real) else [])
             add(m * c_i - sum(real), [])
         o_i += m * c_i
-    kv_index = (torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)).to(device)  # (sum kv_len,)
+    kv_rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)  # (sum kv_len,), on the host
+    kv_index = kv_rows.to(device)
     # --8<-- [end:kv_index]
 
     seqs = Varlen.from_lengths(q_lens, kv_lens, shifts if window != NO_WINDOW else None)
-    return AllGatherPlan(kv_index, seqs, window)
+    return AllGatherPlan(kv_index, seqs, window, kv_rows=kv_rows)

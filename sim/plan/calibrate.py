@@ -1,0 +1,158 @@
+r"""`this-machine`: a profile measured here, by `python -m sim plan --calibrate`.
+
+Two gloo processes of one thread each (as `bench/scaling.py` runs CP = 2) measure, in about a
+minute:
+
+* **the link**: the fastest of several blocking ring shifts (`send_recv`) and all-gathers of
+  float32 tensors from 4 KiB to 16 MiB; a least-squares line $t = \alpha + n / B$ through each gives
+  the latency and the rate (the shift's as `send_recv_bandwidth_GBps`). One machine is one node:
+  `ranks_per_node` is the processes' count and the inter-node link is given the intra-node figures
+  (no rank reaches it).
+* **the kernel**: `TorchKernel` forward and backward calls on single causal documents of 256 to
+  8192 tokens (4 heads, head dim 64, float32), both processes computing at once, as CP ranks do;
+  each call's rate (FLOPs as [`KernelCall.flops`][sim.plan.dry.KernelCall.flops] counts
+  them, over its time) is a point of the curve, which the time model interpolates; a line
+  (relative least squares) through each length's forward + backward pair,
+  $t_f + t_b = (F_f + F_b + 2 F_{1/2}) / R_\infty$, gives the two-number summary beside it.
+  Windowed calls (4096 tokens under a window of 256, 8192 under 1024) give `band_rows`: the masked
+  keys a row the kernel's band tiles compute beyond the call's work (their median).
+
+The file records what was measured where: the CPU, torch's version and the date, next to each
+figure, as a published profile records its sources.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from sim.plan.dry import KernelCall
+from sim.plan.profile import PROFILES, Compute
+
+__all__ = ["calibrate", "fit_line"]
+
+SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
+LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
+BANDS = [(4096, 256), (8192, 1024)]  # (tokens, window): windowed calls, for band_rows
+HEADS, DIM = 4, 64
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """`(a, b)` of the line `y = a + b x` with the least *relative* squared error, `sum ((a + b x - y) / y)^2`
+    (weights `1 / y^2`: a small call's or message's time counts as much as a large one's), `a` at least 1e-9."""
+    w = [1 / y**2 for y in ys]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx, sxy = sum(wi * x * x for wi, x in zip(w, xs)), sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    return max((sy - b * sx) / sw, 1e-9), b
+
+
+def _fastest(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _link(comm, nbytes: int) -> tuple[float, float]:
+    """The fastest blocking ring shift and all-gather of `nbytes` bytes of float32."""
+    x = torch.zeros(nbytes // 4)
+    comm.send_recv(x), comm.all_gather(x)  # warm
+    return _fastest(lambda: comm.send_recv(x)), _fastest(lambda: comm.all_gather(x))
+
+
+def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator) -> tuple[int, float, float]:
+    """`(work, forward seconds, backward seconds)` of one causal document of `n` tokens under `window`."""
+    from cpref.kernels import Varlen
+
+    q, k, v, do = (torch.randn(n, HEADS, DIM, generator=g) for _ in range(4))
+    seqs, scale = Varlen([0, n]), DIM**-0.5
+    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window)
+    t_f = _fastest(lambda: kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window), 3)
+    t_b = _fastest(lambda: kernel.backward(do, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window), 3)
+    return seqs.work(True, window), t_f, t_b
+
+
+def _measure_rank() -> dict:
+    """Run on each of the two processes: link and kernel timings."""
+    from cpref.comm import TorchComm
+    from cpref.kernels import TorchKernel
+
+    comm, kernel = TorchComm(), TorchKernel()
+    times = [_link(comm, nbytes) for nbytes in SIZES]
+    link = {"send_recv": [(n, t[0]) for n, t in zip(SIZES, times)], "all_gather": [(n, t[1]) for n, t in zip(SIZES, times)]}
+    g, calls, banded = torch.Generator().manual_seed(comm.rank), [], []
+    for n in LENGTHS:
+        work, t_f, t_b = _calls(kernel, n, (-1, -1), g)
+        calls += [(KernelCall(d, work, n, n, HEADS, HEADS, DIM, DIM).flops, t) for d, t in (("forward", t_f), ("backward", t_b))]
+    for n, w in BANDS:
+        work, t_f, t_b = _calls(kernel, n, (w, 0), g)
+        banded += [(d, work, n, t) for d, t in (("forward", t_f), ("backward", t_b))]
+    return {"link": link, "calls": calls, "banded": banded}
+
+
+def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) -> dict:
+    """Measure this machine (module docstring), write the profile to `out`, return it as data."""
+    from sim.tools.launch import launch
+
+    ranks = launch(_measure_rank, nproc, check_calls=False, timeout=600.0)
+    slowest = lambda key: [max(r["link"][key][i][1] for r in ranks) for i in range(len(SIZES))]  # noqa: E731
+    where = (f"measured by python -m sim plan --calibrate on {datetime.date.today()}, {platform.processor() or platform.machine()}, "
+             f"{nproc} gloo processes of 1 thread, torch {torch.__version__}")  # fmt: skip
+    fits = {key: fit_line([float(s) for s in SIZES], slowest(key)) for key in ("send_recv", "all_gather")}
+    (alpha, per_byte), (alpha_sr, per_byte_sr) = fits["all_gather"], fits["send_recv"]
+    link = {"bandwidth_GBps": round(1 / per_byte / 1e9, 4), "send_recv_bandwidth_GBps": round(1 / per_byte_sr / 1e9, 4),
+            "latency_us": round(max(alpha, alpha_sr) * 1e6, 3),
+            "source": where + ": least squares over blocking all_gathers and ring shifts of 4 KiB to 16 MiB"}  # fmt: skip
+    # each length's forward and backward call as one pair (every mode makes a backward call per forward call): a line
+    # t_f + t_b = (F_f + F_b + 2 F_half) / R through the pairs, both processes computing at once (the slower's time)
+    calls = [[max(r["calls"][i][1] for r in ranks) for i in range(len(ranks[0]["calls"]))], ranks[0]["calls"]]
+    pairs = [(calls[1][i][0] + calls[1][i + 1][0], calls[0][i] + calls[0][i + 1]) for i in range(0, len(calls[0]), 2)]
+    overhead, per_flop = fit_line([f for f, _ in pairs], [t for _, t in pairs])
+    peak, overhead = 1 / per_flop, overhead / 2
+    points = sorted([round(f / 1e9, 6), round(f / t / 1e12, 6)] for t, (f, _) in zip(calls[0], calls[1]))
+    curve = Compute(peak, overhead * peak, tuple((f * 1e9, r * 1e12) for f, r in points))
+    band_rows = _band_rows(curve, [[max(r["banded"][i][3] for r in ranks), *ranks[0]["banded"][i][:3]]
+                                   for i in range(len(ranks[0]["banded"]))])  # fmt: skip
+    profile = {
+        "name": "this-machine",
+        "description": f"this machine: {nproc} processes of one thread on one node ({platform.node()})",
+        "ranks_per_node": nproc,
+        "links": {"intra": link, "inter": {**link, "source": "one node: no rank reaches another node; the intra figures"}},
+        "compute": {"float32": {"peak_tflops": round(peak / 1e12, 6), "half_size_gflop": round(overhead * peak / 1e9, 6),
+                                "points": points, "band_rows": band_rows,
+                                "source": where + f": TorchKernel forward and backward, one causal document of "
+                                          f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}"}},
+        "memory_GB": round(_memory_bytes() / 1e9, 1),
+        "memory_source": "this machine's physical memory (os.sysconf)",
+    }  # fmt: skip
+    Path(out).write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
+def _band_rows(curve: Compute, banded: list) -> float:
+    """`R`: the masked keys a row that windowed calls computed beyond their work, the median over the calls of
+    `(t / t_curve - 1) w / n_q` (`t_curve`: the call's time on the curve at its work alone), at least 0."""
+    per_call = []
+    for t, direction, work, n in banded:
+        call = KernelCall(direction, work, n, n, HEADS, HEADS, DIM, DIM, band=True, rows_seeing=n)
+        per_call.append((t / curve.seconds(call.flops) - 1) * work / n)
+    per_call.sort()
+    return round(max(0.0, per_call[len(per_call) // 2]), 1)
+
+
+def _memory_bytes() -> float:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 16e9

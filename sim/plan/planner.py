@@ -1,0 +1,251 @@
+r"""The planner: every mode, layout and option priced on every rank, ranked, the deciding term named.
+
+[`plan`][sim.plan.planner.plan] takes a batch (document lengths), the model's heads, a dtype,
+the CP size and a [profile][sim.plan.profile]; for each layer kind (full causal, a window, a
+chunk) it dry-runs every candidate on every rank ([`sim.plan.dry`][sim.plan.dry]), prices each
+rank's timeline ([`sim.plan.model`][sim.plan.model]) and ranks the candidates by the slowest
+rank's step. A candidate the mode refuses (heads that do not split, an `a2a_size` that does not
+divide P, an overlap under a window) is listed with the refusal, as `cpref.attention` words it.
+
+The candidates: `p2p`; `all_gather`, and with `overlap=True`; `a2a`, and in head groups of 2 and
+4; `a2a+p2p` for every `a2a_size` that divides P strictly between 1 and P, and with head groups
+of 2; each in the four layouts. Documents are padded at their end as each layout needs
+([`Sharding.eod_padded`][cpref.batch.sharding.Sharding.eod_padded]), as a user's batch would be.
+
+**The deciding term.** Between the winner and the best candidate of another mode, the term of the slowest rank's step
+(compute, or exposed communication) by which the runner-up loses most is named: "exposed
+communication" means the winner hides or avoids traffic the other waits for; "compute" that it
+spreads the work better or makes fewer, larger calls.
+
+**What it answers, and from what.** Each prediction is built from the counts of the mode's own
+code (the dry run: every kernel call's work, every collective's bytes, group and peer, the order
+of posts, waits and calls, the saved tensors), so a plan's traffic and work equal the simulated
+cluster's (`tests/plan/test_dry_run.py`); what is modelled is only their *time*, by the
+[time model][sim.plan.model] and a [profile][sim.plan.profile]. On this machine the model is held
+to the measurement by `bench/scaling.py`, which calibrates the `this-machine` profile and prints
+each mode's predicted step beside its measured one ([Performance](performance.md), scaling).
+
+**What it leaves out.** Time outside kernel calls and collectives (argument checks, plan lookups,
+merges, copies: a few percent of a long step, more of a short one); a collective's wait for a peer
+that is still computing (each rank is priced alone; the layer's step is the slowest rank's);
+contention between a rank's communication and its compute for the same cores or memory; and its
+cost grows with P: every rank of every candidate is dry-run, seconds at P = 8 and a 128k-token
+batch (`python -m sim plan --help`), not yet the thousand ranks a cluster-wide plan needs.
+
+Example:
+    >>> from sim.plan import plan
+    >>> result = plan([4096, 2048, 2048], heads=(8, 2, 64, 64), dtype="bfloat16", P=4, profile="h100-sxm",
+    ...               modes=["p2p", "a2a"], layouts=["zigzag"])
+    >>> [p.name for p in result.kinds["full"].ranked]
+    ['a2a zigzag', 'p2p zigzag']
+    >>> result.kinds["full"].decided_by  # the ring's eight kernel calls pay the curve's per-call cost eight times
+    'compute: 0.127 ms against 0.306 ms for p2p zigzag'
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from cpref.base.errors import CPInputError
+from cpref.batch.seqlens import LAYOUTS
+from sim.plan.dry import dry_run
+from sim.plan.model import RankTime, rank_time
+from sim.plan.profile import Profile, load_profile
+
+__all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "candidates", "plan"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A mode, a layout and the mode's options."""
+
+    mode: str
+    layout: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        """`mode layout option=value ...`."""
+        return " ".join([self.mode, self.layout, *(f"{k}={v}" for k, v in self.options)])
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate priced on every rank (`ranks`), or refused (`refused`: the reason)."""
+
+    candidate: Candidate
+    ranks: tuple[RankTime, ...] = ()
+    refused: str = ""
+
+    @property
+    def name(self) -> str:
+        """The candidate's name."""
+        return self.candidate.name
+
+    @property
+    def slowest(self) -> RankTime:
+        """The rank whose step is the layer's."""
+        return max(self.ranks, key=lambda r: r.step)
+
+    @property
+    def step(self) -> float:
+        """The layer's step: the slowest rank's, in seconds."""
+        return self.slowest.step
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        """The most bytes a rank saves for the backward."""
+        return max(r.saved_bytes for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class KindPlan:
+    """One layer kind's candidates: `ranked` (fastest first), `refused`, and what decided the winner."""
+
+    kind: str
+    ranked: tuple[Prediction, ...]
+    refused: tuple[Prediction, ...]
+    decided_by: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: per layer kind (`"full"`, `"window ..."`, `"chunk ..."`), its `KindPlan`."""
+
+    P: int
+    profile: Profile
+    heads: tuple[int, int, int, int]
+    dtype: str
+    lengths: tuple[int, ...]
+    kinds: dict[str, KindPlan] = field(default_factory=dict)
+
+
+def candidates(P: int, modes: Sequence[str], layouts: Sequence[str], a2a_size: int | None = None) -> list[Candidate]:
+    """Every candidate of the module docstring for CP size `P`, in `modes` and `layouts` (`a2a+p2p` with `a2a_size`
+    alone where one is given)."""
+    sizes = [a2a_size] if a2a_size is not None else [a for a in range(2, P) if P % a == 0]
+    per_mode = {"p2p": [()], "all_gather": [(), (("overlap", True),)],
+                "a2a": [(), (("head_groups", 2),), (("head_groups", 4),)],
+                "a2a+p2p": [(("a2a_size", a),) + hg for a in sizes for hg in ((), (("head_groups", 2),))]}  # fmt: skip
+    return [Candidate(m, la, o) for m in modes for la in layouts for o in per_mode[m]]
+
+
+@functools.lru_cache(maxsize=16)
+def _sharding(lengths: tuple[int, ...], P: int, layout: str):
+    """The batch padded as `layout` needs; one object per (batch, P, layout), so that candidates share its plans."""
+    from cpref.batch.sharding import Sharding
+
+    return Sharding.eod_padded([0, *itertools.accumulate(lengths)], cp_size=P, layout=layout)
+
+
+def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, P: int, profile: Profile,
+            mask: dict[str, Any]) -> Prediction:  # fmt: skip
+    """`candidate` dry-run on every rank and priced, or refused."""
+    compute = profile.kernel(dtype)
+    sharding = _sharding(tuple(lengths), P, candidate.layout)
+    try:
+        runs = [dry_run(candidate.mode, sharding, r, heads=heads, dtype=DTYPES[dtype], **mask,
+                        **dict(candidate.options)) for r in range(P)]  # fmt: skip
+    except CPInputError as refused:
+        return Prediction(candidate, refused=str(refused))
+    return Prediction(candidate, tuple(rank_time(run, profile, compute) for run in runs))
+
+
+def _order(p: Prediction) -> tuple:
+    """Fastest first; at equal steps, fewer bytes moved, less memory, then the simpler mode (`cpref.MODES` order)."""
+    from cpref import MODES
+
+    moved = sum(sum(r.bytes.values()) for r in p.ranks)
+    return p.step, moved, p.peak_saved_bytes, MODES[p.candidate.mode].order, LAYOUTS.index(p.candidate.layout)
+
+
+def _decided_by(ranked: Sequence[Prediction]) -> str:
+    """The term by which the best candidate of another mode (else the next one) loses to the winner."""
+    if len(ranked) < 2:
+        return "the only candidate"
+    rival = next((p for p in ranked[1:] if p.candidate.mode != ranked[0].candidate.mode), ranked[1])
+    if rival.step == ranked[0].step:
+        mine, theirs = _order(ranked[0]), _order(rival)
+        why = next(w for w, a, b in zip(("", "fewer bytes moved", "less memory saved", "the simpler mode", "the simpler layout"),
+                                        mine, theirs) if a != b)  # fmt: skip
+        return f"a tie in step time with {rival.name} ({ranked[0].step * 1e3:.3f} ms), broken by {why}"
+    win, other = ranked[0].slowest, rival.slowest
+    terms = {"compute": (win.compute, other.compute), "exposed communication": (win.exposed, other.exposed)}
+    name, (w, o) = max(terms.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    return f"{name}: {w * 1e3:.3f} ms against {o * 1e3:.3f} ms for {rival.name}"
+
+
+def _check(lengths, heads, dtype, P, modes, layouts, a2a_size) -> None:
+    from cpref import MODES
+
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise CPInputError(f"lengths={list(lengths)!r}: give the documents' token counts, positive ints")
+    if not (isinstance(heads, (tuple, list)) and len(heads) == 4 and all(isinstance(h, int) and h > 0 for h in heads)):
+        raise CPInputError(f"heads={heads!r}: give (Hq, Hkv, D, Dv), positive ints")
+    if heads[0] % heads[1]:
+        raise CPInputError(f"heads={tuple(heads)!r}: Hq = {heads[0]} is not a multiple of Hkv = {heads[1]}")
+    if dtype not in DTYPES:
+        raise CPInputError(f"dtype={dtype!r}: give one of {sorted(DTYPES)}")
+    if isinstance(P, bool) or not isinstance(P, int) or P < 1:
+        raise CPInputError(f"P={P!r}: give the CP size, a positive int")
+    if a2a_size is not None and (isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1
+                                 or P % a2a_size):  # fmt: skip
+        raise CPInputError(f"a2a_size={a2a_size!r} does not divide P = {P}: give a divisor of P (the ranks of one "
+                           "a2a group, typically a node's), or none to try every divisor")  # fmt: skip
+    for name, given, known in (("mode", modes, list(MODES)), ("layout", layouts, list(LAYOUTS))):
+        unknown = [x for x in given if x not in known]
+        if unknown:
+            raise CPInputError(f"unknown {name} {unknown[0]!r}: give some of {known}")
+
+
+def plan(lengths: Sequence[int], *, heads: tuple[int, int, int, int], dtype: str, P: int,
+         profile: str | Profile, window: int | None = None, chunk: int | None = None,
+         modes: Sequence[str] | None = None, layouts: Sequence[str] | None = None,
+         a2a_size: int | None = None) -> Plan:  # fmt: skip
+    """Rank every candidate for a batch, per layer kind (module docstring).
+
+    Args:
+        lengths: the batch's documents, in tokens.
+        heads: `(Hq, Hkv, D, Dv)`.
+        dtype: `"bfloat16"`, `"float16"` or `"float32"`.
+        P: the CP size.
+        profile: a shipped profile's name, a file, or a loaded `Profile`.
+        window: a causal sliding window of this many keys: a layer kind of its own beside full causal.
+        chunk: chunked attention of this many positions: a layer kind of its own.
+        modes: the modes to consider (default: all).
+        layouts: the layouts to consider (default: all).
+        a2a_size: `a2a+p2p`'s group size (default: every divisor of P strictly between 1 and P).
+
+    Raises:
+        CPInputError: for an unknown mode, layout, profile or dtype, bad lengths, heads or P, an `a2a_size` that does
+            not divide P, or a layer kind no candidate can run (all refused: their first reason), naming the value.
+    """
+    from cpref import MODES
+
+    modes, layouts = list(modes or MODES), list(layouts or LAYOUTS)
+    _check(lengths, heads, dtype, P, modes, layouts, a2a_size)
+    profile = profile if isinstance(profile, Profile) else load_profile(profile)
+    profile.kernel(dtype)
+    kinds = {"full": {}}
+    if window is not None:
+        kinds[f"window {window}"] = {"window": (int(window), 0)}
+    if chunk is not None:
+        kinds[f"chunk {chunk}"] = {"chunk": chunk}
+    result = Plan(P, profile, tuple(heads), dtype, tuple(lengths))
+    for kind, mask in kinds.items():
+        preds = [predict(c, lengths, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask)
+                 for c in candidates(P, modes, layouts, a2a_size)]  # fmt: skip
+        ranked = tuple(sorted((p for p in preds if not p.refused), key=_order))
+        refused = tuple(p for p in preds if p.refused)
+        if not ranked:
+            raise CPInputError(f"no candidate runs {kind} layers at P = {P} with heads {tuple(heads)}: "
+                               f"{refused[0].name}: {refused[0].refused}")  # fmt: skip
+        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked))
+    return result

@@ -1,0 +1,210 @@
+r"""Hardware profiles: the numbers the time model takes, one JSON file per machine.
+
+A profile says how ranks sit on nodes, how fast each link level moves bytes, and how fast the
+attention kernel computes, per dtype. Every number is a *measured or published achieved rate*,
+not a line rate or a datasheet peak, and carries its source next to it in the file:
+
+```json
+{
+  "name": "h100-sxm",
+  "description": "one line: what machine and layout",
+  "ranks_per_node": 8,
+  "links": {
+    "intra": {"bandwidth_GBps": 370, "latency_us": 3, "source": "where the figures come from"},
+    "inter": {"bandwidth_GBps": 46, "latency_us": 10, "source": "..."}
+  },
+  "compute": {
+    "bfloat16": {"peak_tflops": 335, "half_size_gflop": 20, "source": "..."}
+  },
+  "memory_GB": 80,
+  "memory_source": "..."
+}
+```
+
+* `bandwidth_GBps`: GB/s ($10^9$ bytes) one rank sends in one direction over that level in a large
+  collective; `latency_us`: one message's time. A link level may add `send_recv_bandwidth_GBps`
+  where one peer-to-peer stream reaches less than a collective that drives every link at once
+  (the 910B's HCCS: one direct link per peer, no switch).
+* `peak_tflops` and `half_size_gflop` are the kernel's throughput curve: a call of $F$ FLOPs
+  (forward and backward counted as [`KernelCall.flops`][sim.plan.dry.KernelCall.flops] counts
+  them) runs at $R(F) = R_\infty F / (F + F_{1/2})$, so it takes
+  $F / R(F) = (F + F_{1/2}) / R_\infty$: small calls are slower, as if each carried $F_{1/2}$
+  FLOPs more. A measured profile may give the curve as `"points": [[gflop, tflops], ...]` instead,
+  interpolated linearly in the logarithm of the size (`this-machine` does: a CPU's rate keeps
+  growing with the call's size, which two numbers do not follow). `band_rows` ($R$, default 0) prices
+  a windowed call's tiles: a kernel that computes a band in tiles computes up to $R$ masked keys a
+  row at its edges, so a call of work $w$ over $n_q$ rows costs as $w + R\, n_q$ would.
+
+Shipped profiles live in this package's `profiles/` folder and are named by their file name
+(`h100-sxm`, `ascend-910b`; `this-machine` once `python -m sim plan --calibrate` has measured it there);
+a user's own is a path to a file written the same way. [`load_profile`][sim.plan.profile.load_profile]
+refuses a file with a missing, non-numeric, zero or negative number, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cpref.base.errors import CPInputError
+
+__all__ = ["Link", "Compute", "Profile", "PROFILES", "load_profile", "profile_names"]
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+GB, US, TFLOP, GFLOP = 1e9, 1e-6, 1e12, 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link level: bytes per second one rank sends, a message's latency in seconds."""
+
+    bandwidth: float
+    latency: float
+    send_recv_bandwidth: float
+
+    def seconds(self, nbytes: float, messages: int = 1, send_recv: bool = False) -> float:
+        """`messages` latencies plus `nbytes` at the level's rate (a ring shift's, for `send_recv`)."""
+        return messages * self.latency + nbytes / (self.send_recv_bandwidth if send_recv else self.bandwidth)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """The kernel's throughput curve in one dtype: `R(F) = peak F / (F + half_size)` FLOP/s, or, where `points` are
+    given (`(FLOPs, FLOP/s)` measured, by size), their rate interpolated linearly in `log F` (held at the ends)."""
+
+    peak: float
+    half_size: float
+    points: tuple[tuple[float, float], ...] = ()
+    band_rows: float = 0.0
+
+    def call_seconds(self, call) -> float:
+        """A kernel call's time: its FLOPs on the curve; a banded (windowed) call's widened by `band_rows` keys a row,
+        the masked keys its kernel computes at the band's edges: `F (w + R n) / w` for work `w` and `n` rows that
+        see a key."""
+        flops = call.flops
+        if call.band and call.work and self.band_rows:
+            flops = flops * (call.work + self.band_rows * call.rows_seeing) / call.work
+        return self.seconds(flops)
+
+    def rate(self, flops: float) -> float:
+        """FLOP/s of a call of `flops` FLOPs."""
+        if not self.points:
+            return self.peak * flops / (flops + self.half_size)
+        (f0, r0), (f1, r1) = self.points[0], self.points[-1]
+        if flops <= f0 or flops >= f1:
+            return r0 if flops <= f0 else r1
+        for (fa, ra), (fb, rb) in zip(self.points, self.points[1:]):
+            if fa <= flops <= fb:
+                u = math.log(flops / fa) / math.log(fb / fa)
+                return ra + u * (rb - ra)
+        raise AssertionError("the points cover [f0, f1]")  # pragma: no cover
+
+    def seconds(self, flops: float) -> float:
+        """A call of `flops` FLOPs: `flops / rate(flops)` (`(flops + half_size) / peak` on the two-number curve), 0
+        for a call with no work."""
+        return flops / self.rate(flops) if flops > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A machine: `ranks_per_node`, `links` by level (`intra`, `inter`), `compute` by dtype name, device memory."""
+
+    name: str
+    description: str
+    ranks_per_node: int
+    links: dict[str, Link]
+    compute: dict[str, Compute]
+    memory_bytes: float
+    path: Path
+
+    def kernel(self, dtype_name: str) -> Compute:
+        """The throughput curve of `dtype_name` (`"bfloat16"`, ...), refused by name where the profile has none."""
+        if dtype_name not in self.compute:
+            raise CPInputError(f"profile {self.name!r} ({self.path}) has no compute figures for {dtype_name}; it has "
+                               f"{sorted(self.compute)}: add a 'compute.{dtype_name}' entry or choose one of those")  # fmt: skip
+        return self.compute[dtype_name]
+
+
+def profile_names() -> list[str]:
+    """The shipped profiles, by name."""
+    return sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
+def _number(data: Any, path: str, where: Path, what: str) -> float:
+    """The positive finite number at dotted `path` of `data`, else a `CPInputError` naming it."""
+    value = data
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise CPInputError(f"profile {where}: {path} is missing; give {what}")
+        value = value[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CPInputError(f"profile {where}: {path} is {value!r}; give {what}, a positive number")
+    return float(value)
+
+
+def _positive(value: Any, name: str, where: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CPInputError(f"profile {where}: {name} is {value!r}; give a positive number")
+    return float(value)
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """The profile named `name_or_path` (a shipped one) or in that file.
+
+    Raises:
+        CPInputError: for an unknown name or a file that is not there, not JSON, or has a missing or
+            non-positive number (each named, with what it should be).
+    """
+    path = Path(name_or_path)
+    if not path.is_file():
+        shipped = PROFILES / f"{name_or_path}.json"
+        if not shipped.is_file() and str(name_or_path) == "this-machine":
+            raise CPInputError("profile 'this-machine' is not measured yet: run python -m sim plan --calibrate (about 15 "
+                               "seconds) to write it")  # fmt: skip
+        if not shipped.is_file():
+            raise CPInputError(f"unknown profile {str(name_or_path)!r}: not a file, and not one of the shipped profiles "
+                               f"{profile_names()}; give one of those or the path of a JSON file written as "
+                               "sim.plan.profile describes")  # fmt: skip
+        path = shipped
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CPInputError(f"profile {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CPInputError(f"profile {path}: holds {type(data).__name__}, not a JSON object")
+    rpn = _number(data, "ranks_per_node", path, "the ranks (GPUs, NPUs) of one node")
+    if rpn != int(rpn):
+        raise CPInputError(f"profile {path}: ranks_per_node is {rpn:g}; give a whole number")
+    links = {}
+    for lv in ("intra", "inter"):
+        bw = _number(data, f"links.{lv}.bandwidth_GBps", path, "GB/s one rank sends over the level")
+        lat = _number(data, f"links.{lv}.latency_us", path, "one message's latency in microseconds")
+        sr = bw
+        if "send_recv_bandwidth_GBps" in data["links"][lv]:
+            sr = _number(data, f"links.{lv}.send_recv_bandwidth_GBps", path, "GB/s of one ring shift")
+        links[lv] = Link(bw * GB, lat * US, sr * GB)
+    compute = {}
+    if not isinstance(data.get("compute"), dict) or not data["compute"]:
+        raise CPInputError(f"profile {path}: compute is missing; give one entry per dtype, e.g. 'bfloat16'")
+    for dtype_name in data["compute"]:
+        peak = _number(data, f"compute.{dtype_name}.peak_tflops", path, "the kernel's TFLOP/s on large calls")
+        half = _number(data, f"compute.{dtype_name}.half_size_gflop", path, "the call size (GFLOP) at half that rate")
+        points = data["compute"][dtype_name].get("points", [])
+        if not isinstance(points, list) or any(not isinstance(p, list) or len(p) != 2 for p in points):
+            raise CPInputError(f"profile {path}: compute.{dtype_name}.points must be [[gflop, tflops], ...]")
+        curve = tuple((_positive(f, f"compute.{dtype_name}.points[{i}][0]", path) * GFLOP,
+                       _positive(r, f"compute.{dtype_name}.points[{i}][1]", path) * TFLOP)
+                      for i, (f, r) in enumerate(points))  # fmt: skip
+        if any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+            raise CPInputError(f"profile {path}: compute.{dtype_name}.points must be in increasing call size")
+        band = data["compute"][dtype_name].get("band_rows", 0)
+        if isinstance(band, bool) or not isinstance(band, (int, float)) or not math.isfinite(band) or band < 0:
+            raise CPInputError(f"profile {path}: compute.{dtype_name}.band_rows is {band!r}; give the masked keys a "
+                               "windowed call computes per row, a number >= 0")  # fmt: skip
+        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, float(band))
+    memory = _number(data, "memory_GB", path, "the device memory in GB")
+    return Profile(str(data.get("name", path.stem)), str(data.get("description", "")), int(rpn), links, compute,
+                   memory * GB, path)  # fmt: skip

@@ -1,0 +1,144 @@
+r"""`python -m sim plan`: which CP mode, layout and options, predicted for a batch, a model and a cluster.
+
+Prints, per layer kind (full causal; `--window W`; `--chunk C`), every candidate of
+[`sim.plan`][sim.plan.planner] ranked by its predicted step (the slowest rank's): its compute,
+the communication it leaves exposed and all its communication, the bytes the slowest rank sends
+inside its node and across nodes, and the bytes it saves for the backward; then the winner and the
+term that decided it, and the candidates the modes refuse with the reason. `--json` prints the same
+as one JSON object.
+
+    python -m sim plan --lengths 8192x16 --heads 32,8,128,128 --dtype bf16 --cp 8 --profile h100-sxm --window 4096
+
+`--lengths` takes the documents' token counts, comma-separated, `NxM` for `M` documents of `N`.
+`--calibrate` measures this machine instead and writes the `this-machine` profile
+([`sim.plan.calibrate`][sim.plan.calibrate]). `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
+file written as [`sim.plan.profile`][sim.plan.profile] describes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Sequence
+
+from sim.tools.cli import DTYPE_ALIASES, Parser, fail, positive
+
+SHORT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def lengths_arg(value: str) -> tuple[int, ...]:
+    """Document lengths: `4096,2048,...`, with `NxM` for `M` documents of `N` tokens."""
+    out: list[int] = []
+    try:
+        for part in value.split(","):
+            n, _, m = part.partition("x")
+            out += [positive(n)] * (positive(m) if m else 1)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected document lengths such as 4096,2048 or 8192x16, got {value!r}") from None
+    return tuple(out)
+
+
+def heads_arg(value: str) -> tuple[int, int, int, int]:
+    """`Hq,Hkv,D,Dv` (or `Hq,Hkv,D` for Dv = D)."""
+    try:
+        parts = tuple(positive(x) for x in value.split(","))
+    except argparse.ArgumentTypeError:
+        parts = ()
+    if len(parts) == 3:
+        parts = (*parts, parts[2])
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"expected Hq,Hkv,D[,Dv] as whole numbers >= 1, got {value!r}")
+    return parts
+
+
+def names(value: str) -> tuple[str, ...]:
+    """Comma-separated names."""
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def parser(prog: str) -> Parser:
+    """The command's options."""
+    p = Parser(prog=prog, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p.add_argument("--lengths", type=lengths_arg, default=None, help="documents' tokens: 4096,2048 or 8192x16 (required)")
+    p.add_argument("--heads", type=heads_arg, default=None, help="Hq,Hkv,D[,Dv] (required)")
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
+    p.add_argument("--cp", type=positive, default=None, help="the CP size P (required)")
+    p.add_argument("--profile", default="h100-sxm", help="a shipped profile's name or a JSON file")
+    p.add_argument("--window", type=positive, default=None, help="also plan layers with a causal window of W keys")
+    p.add_argument("--chunk", type=positive, default=None, help="also plan chunked layers of C positions")
+    p.add_argument("--modes", type=names, default=None, help="comma-separated modes (default: all)")
+    p.add_argument("--layouts", type=names, default=None, help="comma-separated layouts (default: all)")
+    p.add_argument("--a2a-size", type=positive, default=None, help="a2a+p2p's group size (default: every divisor of P)")
+    p.add_argument("--top", type=positive, default=12, help="candidates shown per layer kind")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about 15 s) and write the "
+                   "this-machine profile to --out")
+    p.add_argument("--out", default=None, help="where --calibrate writes (default: the shipped profiles' folder)")
+    return p
+
+
+def as_json(result) -> dict:
+    """The plan as plain data."""
+
+    def rank(r):
+        return {"rank": r.rank, "compute_s": r.compute, "comm_s": r.comm, "exposed_s": r.exposed, "step_s": r.step,
+                "bytes": r.bytes, "saved_bytes": r.saved_bytes, "kernel_calls": r.calls, "flops": r.flops}  # fmt: skip
+
+    return {"P": result.P, "profile": result.profile.name, "heads": list(result.heads), "dtype": result.dtype,
+            "lengths": list(result.lengths),
+            "kinds": {kind: {"decided_by": kp.decided_by,
+                             "ranked": [{"candidate": p.name, "step_s": p.step, "ranks": [rank(r) for r in p.ranks]}
+                                        for p in kp.ranked],
+                             "refused": [{"candidate": p.name, "reason": p.refused} for p in kp.refused]}
+                      for kind, kp in result.kinds.items()}}  # fmt: skip
+
+
+def table(result, top: int) -> str:
+    """The plan as Markdown tables, one per layer kind."""
+    mib = 2**20
+    lines = [f"P = {result.P} on {result.profile.name} ({result.profile.ranks_per_node} ranks per node), heads "
+             f"{result.heads}, {result.dtype}, {len(result.lengths)} documents, {sum(result.lengths)} tokens"]  # fmt: skip
+    for kind, kp in result.kinds.items():
+        lines += ["", f"## {kind}", "",
+                  "| # | candidate | step ms | compute ms | exposed comm ms | comm ms | sent intra MiB | sent inter MiB | saved MiB |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for i, p in enumerate(kp.ranked[:top], 1):
+            s = p.slowest
+            lines.append(f"| {i} | {p.name} | {p.step * 1e3:.3f} | {s.compute * 1e3:.3f} | {s.exposed * 1e3:.3f} | "
+                         f"{s.comm * 1e3:.3f} | {s.bytes['intra'] / mib:.1f} | {s.bytes['inter'] / mib:.1f} | "
+                         f"{p.peak_saved_bytes / mib:.1f} |")  # fmt: skip
+        if kp.ranked:
+            lines += ["", f"best: **{kp.ranked[0].name}**; decided by {kp.decided_by}"]
+        if kp.refused:
+            lines += ["", f"refused ({len(kp.refused)}): " + "; ".join(
+                f"{p.name} ({p.refused.split(';')[0]})" for p in kp.refused[:4]) + (" ..." if len(kp.refused) > 4 else "")]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") -> int:
+    """Plan, print the tables (or JSON); 2 with a one-line error for bad input."""
+    from cpref.base.errors import CPInputError
+    from sim.plan import plan
+
+    args = parser(prog).parse_args(argv)
+    if args.calibrate:
+        from sim.plan.calibrate import calibrate
+        from sim.plan.profile import PROFILES
+
+        out = args.out or PROFILES / "this-machine.json"
+        profile = calibrate(out)
+        intra, kernel = profile["links"]["intra"], profile["compute"]["float32"]
+        print(f"wrote {out}: link {intra['bandwidth_GBps']} GB/s (a ring shift {intra['send_recv_bandwidth_GBps']} GB/s), "
+              f"latency {intra['latency_us']} us; TorchKernel float32 up to {kernel['peak_tflops'] * 1e3:.1f} GFLOP/s")
+        return 0
+    missing = [f"--{name}" for name in ("lengths", "heads", "cp") if getattr(args, name) is None]
+    if missing:
+        return fail(prog, f"{', '.join(missing)} required (or --calibrate)")
+    dtype = SHORT.get(DTYPE_ALIASES.get(args.dtype, args.dtype), args.dtype)
+    try:
+        result = plan(args.lengths, heads=args.heads, dtype=dtype, P=args.cp, profile=args.profile, window=args.window,
+                      chunk=args.chunk, modes=args.modes, layouts=args.layouts, a2a_size=args.a2a_size)  # fmt: skip
+    except CPInputError as exc:
+        return fail(prog, str(exc))
+    print(json.dumps(as_json(result), indent=1) if args.json else table(result, args.top))
+    return 0

@@ -1,0 +1,112 @@
+"""The planner end to end: candidates priced from their dry runs, ranked, the deciding term named; its bad input.
+
+What each test would catch: a ranking that ignores the slowest rank (layouts that put a long document on one rank
+win when they should lose), a deciding term that compares a candidate with itself, a layer kind that forgets its
+mask (the window kind priced as full), refusals lost instead of listed, and the command line's one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cpref.base.errors import CPInputError
+from sim.plan import load_profile, plan
+from sim.plan.dry import dry_run
+from sim.plan.model import rank_time
+from sim.plan.planner import _sharding
+from sim.tools import plan as cli
+
+HEADS = (8, 2, 64, 64)
+
+
+def test_every_candidate_is_its_ranks_dry_runs_priced_and_the_slowest_rank_is_its_step():
+    result = plan([1024, 512, 512], heads=HEADS, dtype="bfloat16", P=4, profile="h100-sxm", modes=["p2p"])
+    profile = load_profile("h100-sxm")
+    for p in result.kinds["full"].ranked:
+        sharding = _sharding((1024, 512, 512), 4, p.candidate.layout)
+        want = [rank_time(dry_run("p2p", sharding, r, heads=HEADS, dtype=torch.bfloat16), profile,
+                          profile.kernel("bfloat16")) for r in range(4)]  # fmt: skip
+        assert list(p.ranks) == want and p.step == max(r.step for r in want)
+    steps = [p.step for p in result.kinds["full"].ranked]
+    assert steps == sorted(steps)
+
+
+def test_the_contiguous_layouts_imbalance_loses_on_one_long_document():
+    """The ring over one causal document: contiguous gives the last rank most of the work, zigzag balances it."""
+    result = plan([8192], heads=HEADS, dtype="bfloat16", P=4, profile="h100-sxm", modes=["p2p"],
+                  layouts=["contiguous", "zigzag"])  # fmt: skip
+    ranked = [p.candidate.layout for p in result.kinds["full"].ranked]
+    assert ranked == ["zigzag", "contiguous"]
+    contiguous = result.kinds["full"].ranked[1]
+    assert contiguous.slowest.rank == 3 and contiguous.slowest.compute > 1.5 * min(r.compute for r in contiguous.ranks)
+
+
+def test_each_layer_kind_is_priced_with_its_own_mask_and_the_winner_named_against_another_mode():
+    result = plan([4096, 4096], heads=HEADS, dtype="bfloat16", P=2, profile="h100-sxm", window=256, chunk=1024,
+                  layouts=["zigzag"])  # fmt: skip
+    assert list(result.kinds) == ["full", "window 256", "chunk 1024"]
+    full, window, chunked = (result.kinds[k].ranked[0].slowest for k in result.kinds)
+    assert window.flops < full.flops / 4 and chunked.flops < full.flops / 2 and window.compute < full.compute
+    for kind in result.kinds.values():
+        winner = kind.ranked[0]
+        assert winner.name not in kind.decided_by
+        assert kind.decided_by.startswith(("compute: ", "exposed communication: ", "a tie in step time with "))
+    assert any(p.name == "all_gather zigzag overlap=True" for p in result.kinds["window 256"].refused)
+
+
+def test_bad_input_is_one_error_naming_the_value():
+    with pytest.raises(CPInputError, match=r"unknown mode 'ring'"):
+        plan([64], heads=HEADS, dtype="bfloat16", P=2, profile="h100-sxm", modes=["ring"])
+    with pytest.raises(CPInputError, match=r"unknown profile 'tpu'"):
+        plan([64], heads=HEADS, dtype="bfloat16", P=2, profile="tpu")
+    with pytest.raises(CPInputError, match=r"a2a_size=3 does not divide P = 8"):
+        plan([64], heads=HEADS, dtype="bfloat16", P=8, profile="h100-sxm", a2a_size=3)
+    with pytest.raises(CPInputError, match=r"no candidate runs full layers at P = 16 .*Hq = 8"):
+        plan([256], heads=HEADS, dtype="bfloat16", P=16, profile="h100-sxm", modes=["a2a"])
+    with pytest.raises(CPInputError, match=r"dtype='fp8'"):
+        plan([64], heads=HEADS, dtype="fp8", P=2, profile="h100-sxm")
+    with pytest.raises(CPInputError, match=r"lengths=\[64, 0\]"):
+        plan([64, 0], heads=HEADS, dtype="bfloat16", P=2, profile="h100-sxm")
+
+
+def test_the_command_line_prints_the_ranking_or_json_and_refuses_in_one_line(capsys):
+    argv = ["--lengths", "2048x2,1024", "--heads", "8,2,64", "--cp", "2", "--layouts", "zigzag", "--window", "128"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "## full" in out and "## window 128" in out and out.count("best: **") == 2
+    assert cli.main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["lengths"] == [2048, 2048, 1024] and data["heads"] == [8, 2, 64, 64]
+    assert data["kinds"]["full"]["ranked"][0]["ranks"][0]["kernel_calls"] > 0
+    assert cli.main([*argv, "--a2a-size", "3", "--cp", "4"]) == 2  # refused by the planner
+    err = capsys.readouterr().err
+    assert "a2a_size=3 does not divide P = 4" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as parse:  # refused by the parser
+        cli.main([*argv, "--lengths", "2048y2"])
+    err = capsys.readouterr().err
+    assert parse.value.code == 2 and "expected document lengths" in err and err.count("\n") == 1
+
+
+@pytest.mark.full
+def test_calibrate_writes_a_profile_the_planner_takes(tmp_path, capsys):
+    """`--calibrate` measures this machine (two gloo processes, about 15 s) into a file that loads and plans."""
+    out = tmp_path / "here.json"
+    assert cli.main(["--calibrate", "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    profile = load_profile(out)
+    curve = profile.kernel("float32")
+    assert curve.points and all(r > 0 for _, r in curve.points) and curve.band_rows >= 0
+    assert profile.links["intra"].bandwidth > 0 and profile.ranks_per_node == 2
+    result = plan([2048, 1024], heads=(4, 4, 64, 64), dtype="float32", P=2, profile=out, layouts=["zigzag"])
+    assert result.kinds["full"].ranked[0].step > 0
+
+
+def test_this_machine_before_calibration_says_how_to_measure_it(monkeypatch, tmp_path):
+    from sim.plan import profile as module
+
+    monkeypatch.setattr(module, "PROFILES", tmp_path)
+    with pytest.raises(CPInputError, match=r"'this-machine' is not measured yet: run python -m sim plan --calibrate"):
+        load_profile("this-machine")
