@@ -378,6 +378,7 @@ def _load_docs_module(name: str):
 
 
 SOURCES = _load_docs_module("source_pages")
+DOCSTRINGS = _load_docs_module("docstring_examples")
 
 
 SNIPPET = re.compile(r'^--8<-- "[^"]+\.py(:[\w-]+)?"\s*$')
@@ -415,7 +416,7 @@ def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_
     lines = inspect.cleandoc(module.__doc__).splitlines()
     if not lines[0].startswith("#"):
         lines[0] = "# " + lines[0].strip().rstrip(".")
-    lines = fence_python_snippets(lines)
+    lines = DOCSTRINGS.fence_examples(fence_python_snippets(lines))
     # An autorefs anchor, so that `[cpref.comm.protocol][]` in any docstring links to this page: the
     # module's reference page lists its members only.
     lines.insert(1, f"\n[](){{#{module_name}}}")

@@ -366,7 +366,27 @@ def train_output() -> str:
             f"machine's):\n\n```text\n{err.getvalue().strip()}\n{out.getvalue().strip()}\n```")
 
 
+def planner_output() -> str:
+    """`python -m sim plan` on a 128k-token packed batch at P = 16 on the H100 profile, run at build."""
+    import contextlib
+    import io
+
+    from sim.tools.plan import main
+
+    argv = ["--lengths", "32768,16384x3,8192x6", "--heads", "32,8,128", "--dtype", "bf16", "--cp", "16",
+            "--profile", "h100-sxm", "--layouts", "zigzag", "--window", "4096", "--top", "6"]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    if status:
+        raise RuntimeError(f"sim plan {' '.join(argv)} exited {status}: {err.getvalue()}")
+    text = out.getvalue().strip().replace("\n## ", "\n#### ")
+    return (f"`python -m sim plan {' '.join(argv)}` (Llama-3-8B-like heads, 128k tokens in ten documents, two nodes of "
+            f"eight H100s), run when this site was built:\n\n{text}")
+
+
 TABLES = {
+    "planner.md": [("An example: 128k tokens on two H100 nodes", planner_output)],
     "train.md": [("What the command printed", train_output)],
     "mode-spec.md": [("The modes, as they declare themselves", mode_declarations)],
     "layout.md": [("Balance under a sliding window", window_balance)],
