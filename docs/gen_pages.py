@@ -85,6 +85,7 @@ GUIDE = [
     ("plan-dry-run.md", "The dry run: a step counted", "sim.plan.dry"),
     ("plan-links.md", "Link levels", "sim.plan.links"),
     ("plan-calibrate.md", "Calibrating this machine", "sim.plan.calibrate"),
+    ("plan-batches.md", "Sampled batches", "sim.plan.batches"),
 ]
 
 # Figures of a guide page: page -> [(figure path, caption)], each placed where its marker line `{{ figure PATH }}`
@@ -329,7 +330,7 @@ SECTIONS = [
     ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "data.md",
                    "which-mode.md"]),
     ("Plan a run", ["planner.md", "sim-plan.md", "plan-model.md", "plan-profiles.md", "plan-dry-run.md", "plan-links.md",
-                    "plan-calibrate.md"]),
+                    "plan-calibrate.md", "plan-batches.md"]),
     ("The modes", ["merge.md", "all-gather.md", "metadata.md", "all-gather-overlap.md", "ring.md", "ring-window.md",
                    "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
     ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "verify-your-implementation.md", "consistency.md",

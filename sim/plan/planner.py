@@ -15,7 +15,8 @@ of 2; each in the four layouts. Documents are padded at their end as each layout
 **The deciding term.** Between the winner and the best candidate of another mode, the term of the slowest rank's step
 (compute, or exposed communication) by which the runner-up loses most is named: "exposed
 communication" means the winner hides or avoids traffic the other waits for; "compute" that it
-spreads the work better or makes fewer, larger calls.
+spreads the work better or makes fewer, larger calls. With several batches (`sim.plan.batches`) a
+candidate's step is its mean over them, and its terms are those of its slowest batch.
 
 **What it answers, and from what.** Each prediction is built from the counts of the mode's own
 code (the dry run: every kernel call's work, every collective's bytes, group and peer, the order
@@ -83,6 +84,7 @@ class Prediction:
     candidate: Candidate
     ranks: tuple[RankTime, ...] = ()
     refused: str = ""
+    batch_steps: tuple[float, ...] = ()  # with several batches: each one's step; `ranks` are the slowest batch's
 
     @property
     def name(self) -> str:
@@ -96,8 +98,8 @@ class Prediction:
 
     @property
     def step(self) -> float:
-        """The layer's step: the slowest rank's, in seconds."""
-        return self.slowest.step
+        """The layer's step: the slowest rank's, in seconds (with several batches, the mean over them)."""
+        return sum(self.batch_steps) / len(self.batch_steps) if self.batch_steps else self.slowest.step
 
     @property
     def peak_saved_bytes(self) -> int:
@@ -125,6 +127,7 @@ class Plan:
     dtype: str
     lengths: tuple[int, ...]
     kinds: dict[str, KindPlan] = field(default_factory=dict)
+    batches: tuple[tuple[int, ...], ...] = ()
 
 
 def candidates(P: int, modes: Sequence[str], layouts: Sequence[str], a2a_size: int | None = None) -> list[Candidate]:
@@ -156,6 +159,14 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
     except CPInputError as refused:
         return Prediction(candidate, refused=str(refused))
     return Prediction(candidate, tuple(rank_time(run, profile, compute) for run in runs))
+
+
+def _over_batches(preds: list[Prediction]) -> Prediction:
+    """One batch's prediction as it is; several batches' as one: their mean step, the slowest batch's ranks."""
+    if len(preds) == 1 or any(p.refused for p in preds):
+        return next((p for p in preds if p.refused), preds[0])
+    worst = max(preds, key=lambda p: p.step)
+    return Prediction(worst.candidate, worst.ranks, batch_steps=tuple(p.step for p in preds))
 
 
 def _order(p: Prediction) -> tuple:
@@ -205,14 +216,15 @@ def _check(lengths, heads, dtype, P, modes, layouts, a2a_size) -> None:
             raise CPInputError(f"unknown {name} {unknown[0]!r}: give some of {known}")
 
 
-def plan(lengths: Sequence[int], *, heads: tuple[int, int, int, int], dtype: str, P: int,
+def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, int, int, int], dtype: str, P: int,
          profile: str | Profile, window: int | None = None, chunk: int | None = None,
          modes: Sequence[str] | None = None, layouts: Sequence[str] | None = None,
          a2a_size: int | None = None) -> Plan:  # fmt: skip
     """Rank every candidate for a batch, per layer kind (module docstring).
 
     Args:
-        lengths: the batch's documents, in tokens.
+        lengths: the batch's documents, in tokens; or several batches (a list of such lists, `sim.plan.batches`),
+            each candidate then ranked by its mean step over them.
         heads: `(Hq, Hkv, D, Dv)`.
         dtype: `"bfloat16"`, `"float16"` or `"float32"`.
         P: the CP size.
@@ -230,7 +242,10 @@ def plan(lengths: Sequence[int], *, heads: tuple[int, int, int, int], dtype: str
     from cpref import MODES
 
     modes, layouts = list(modes or MODES), list(layouts or LAYOUTS)
-    _check(lengths, heads, dtype, P, modes, layouts, a2a_size)
+    several = bool(lengths) and all(isinstance(b, (list, tuple)) for b in lengths)
+    batches = [list(b) for b in lengths] if several else [list(lengths)]
+    for batch in batches:
+        _check(batch, heads, dtype, P, modes, layouts, a2a_size)
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
     profile.kernel(dtype)
     kinds = {"full": {}}
@@ -238,9 +253,10 @@ def plan(lengths: Sequence[int], *, heads: tuple[int, int, int, int], dtype: str
         kinds[f"window {window}"] = {"window": (int(window), 0)}
     if chunk is not None:
         kinds[f"chunk {chunk}"] = {"chunk": chunk}
-    result = Plan(P, profile, tuple(heads), dtype, tuple(lengths))
+    result = Plan(P, profile, tuple(heads), dtype, tuple(batches[0]), batches=tuple(tuple(b) for b in batches))
     for kind, mask in kinds.items():
-        preds = [predict(c, lengths, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask)
+        preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask)
+                                for batch in batches])
                  for c in candidates(P, modes, layouts, a2a_size)]  # fmt: skip
         ranked = tuple(sorted((p for p in preds if not p.refused), key=_order))
         refused = tuple(p for p in preds if p.refused)

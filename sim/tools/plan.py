@@ -9,7 +9,9 @@ as one JSON object.
 
     python -m sim plan --lengths 8192x16 --heads 32,8,128,128 --dtype bf16 --cp 8 --profile h100-sxm --window 4096
 
-`--lengths` takes the documents' token counts, comma-separated, `NxM` for `M` documents of `N`.
+`--lengths` takes the documents' token counts, comma-separated, `NxM` for `M` documents of `N`;
+`--sample lognormal:4096,1.0 --tokens 131072 --batches 4` draws them instead
+([`sim.plan.batches`][sim.plan.batches]), and ranks by the mean step over the batches.
 `--calibrate` measures this machine instead and writes the `this-machine` profile
 ([`sim.plan.calibrate`][sim.plan.calibrate]). `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
 file written as [`sim.plan.profile`][sim.plan.profile] describes.
@@ -60,6 +62,11 @@ def parser(prog: str) -> Parser:
     """The command's options."""
     p = Parser(prog=prog, description=__doc__.splitlines()[0].split(": ", 1)[1])
     p.add_argument("--lengths", type=lengths_arg, default=None, help="documents' tokens: 4096,2048 or 8192x16 (required)")
+    p.add_argument("--sample", default=None, help="instead of --lengths: documents drawn from a distribution, "
+                   "lognormal:MEDIAN,SPREAD, uniform:LO,HI or fixed:N, packed into --batches batches of --tokens tokens")
+    p.add_argument("--tokens", type=positive, default=131072, help="tokens per sampled batch")
+    p.add_argument("--batches", type=positive, default=4, help="sampled batches (candidates ranked by their mean step)")
+    p.add_argument("--seed", type=positive, default=1, help="the sampling's seed")
     p.add_argument("--heads", type=heads_arg, default=None, help="Hq,Hkv,D[,Dv] (required)")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
     p.add_argument("--cp", type=positive, default=None, help="the CP size P (required)")
@@ -85,9 +92,10 @@ def as_json(result) -> dict:
                 "bytes": r.bytes, "saved_bytes": r.saved_bytes, "kernel_calls": r.calls, "flops": r.flops}  # fmt: skip
 
     return {"P": result.P, "profile": result.profile.name, "heads": list(result.heads), "dtype": result.dtype,
-            "lengths": list(result.lengths),
+            "lengths": list(result.lengths), "batches": [list(b) for b in result.batches],
             "kinds": {kind: {"decided_by": kp.decided_by,
-                             "ranked": [{"candidate": p.name, "step_s": p.step, "ranks": [rank(r) for r in p.ranks]}
+                             "ranked": [{"candidate": p.name, "step_s": p.step, "batch_steps_s": list(p.batch_steps),
+                                         "ranks": [rank(r) for r in p.ranks]}
                                         for p in kp.ranked],
                              "refused": [{"candidate": p.name, "reason": p.refused} for p in kp.refused]}
                       for kind, kp in result.kinds.items()}}  # fmt: skip
@@ -96,8 +104,12 @@ def as_json(result) -> dict:
 def table(result, top: int) -> str:
     """The plan as Markdown tables, one per layer kind."""
     mib = 2**20
+    batches = result.batches or (result.lengths,)
+    what = (f"{len(batches[0])} documents, {sum(batches[0])} tokens" if len(batches) == 1 else
+            f"{len(batches)} sampled batches of {sum(batches[0])} tokens ({', '.join(str(len(b)) for b in batches)} "
+            "documents; step: the mean over them, the other columns the slowest batch's)")  # fmt: skip
     lines = [f"P = {result.P} on {result.profile.name} ({result.profile.ranks_per_node} ranks per node), heads "
-             f"{result.heads}, {result.dtype}, {len(result.lengths)} documents, {sum(result.lengths)} tokens"]  # fmt: skip
+             f"{result.heads}, {result.dtype}, {what}"]  # fmt: skip
     for kind, kp in result.kinds.items():
         lines += ["", f"## {kind}", "",
                   "| # | candidate | step ms | compute ms | exposed comm ms | comm ms | sent intra MiB | sent inter MiB | saved MiB |",
@@ -131,12 +143,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
         print(f"wrote {out}: link {intra['bandwidth_GBps']} GB/s (a ring shift {intra['send_recv_bandwidth_GBps']} GB/s), "
               f"latency {intra['latency_us']} us; TorchKernel float32 up to {kernel['peak_tflops'] * 1e3:.1f} GFLOP/s")
         return 0
-    missing = [f"--{name}" for name in ("lengths", "heads", "cp") if getattr(args, name) is None]
+    missing = [f"--{name}" for name in ("heads", "cp") if getattr(args, name) is None]
+    if (args.lengths is None) == (args.sample is None):
+        missing.insert(0, "one of --lengths and --sample")
     if missing:
         return fail(prog, f"{', '.join(missing)} required (or --calibrate)")
     dtype = SHORT.get(DTYPE_ALIASES.get(args.dtype, args.dtype), args.dtype)
     try:
-        result = plan(args.lengths, heads=args.heads, dtype=dtype, P=args.cp, profile=args.profile, window=args.window,
+        batch = args.lengths
+        if args.sample is not None:
+            from sim.plan.batches import sample
+
+            batch = sample(args.sample, tokens=args.tokens, batches=args.batches, seed=args.seed)
+        result = plan(batch, heads=args.heads, dtype=dtype, P=args.cp, profile=args.profile, window=args.window,
                       chunk=args.chunk, modes=args.modes, layouts=args.layouts, a2a_size=args.a2a_size)  # fmt: skip
     except CPInputError as exc:
         return fail(prog, str(exc))

@@ -110,3 +110,37 @@ def test_this_machine_before_calibration_says_how_to_measure_it(monkeypatch, tmp
     monkeypatch.setattr(module, "PROFILES", tmp_path)
     with pytest.raises(CPInputError, match=r"'this-machine' is not measured yet: run python -m sim plan --calibrate"):
         load_profile("this-machine")
+
+
+def test_sampled_batches_are_the_same_for_the_same_seed_and_fill_every_batch():
+    from sim.plan.batches import sample
+
+    a = sample("lognormal:4096,1.0", tokens=65536, batches=3, seed=7)
+    assert a == sample("lognormal:4096,1.0", tokens=65536, batches=3, seed=7) != sample("lognormal:4096,1.0",
+                                                                                        tokens=65536, batches=3, seed=8)  # fmt: skip
+    assert [sum(b) for b in a] == [65536] * 3 and all(n >= 1 for b in a for n in b)
+    assert sample("fixed:1000", tokens=2500, batches=1) == [[1000, 1000, 500]]  # the last document cut to fit
+    for spec, message in (("gamma:1,2", "unknown distribution 'gamma:1,2'"), ("uniform:5", "uniform takes 2 positive"),
+                          ("uniform:9,3", "needs LO <= HI"), ("lognormal:-1,1", "lognormal takes 2 positive")):  # fmt: skip
+        with pytest.raises(CPInputError, match=message):
+            sample(spec, tokens=100)
+
+
+def test_several_batches_rank_by_the_mean_step_of_each_candidate():
+    batches = [[1024, 512, 512], [2048]]
+    both = plan(batches, heads=HEADS, dtype="bfloat16", P=2, profile="h100-sxm", layouts=["zigzag"], modes=["p2p", "a2a"])
+    alone = [plan(b, heads=HEADS, dtype="bfloat16", P=2, profile="h100-sxm", layouts=["zigzag"], modes=["p2p", "a2a"])
+             for b in batches]  # fmt: skip
+    for p in both.kinds["full"].ranked:
+        steps = [next(q.step for q in r.kinds["full"].ranked if q.name == p.name) for r in alone]
+        assert p.batch_steps == tuple(steps) and p.step == pytest.approx(sum(steps) / 2)
+        assert p.slowest.step == max(steps)  # the columns: the slowest batch's
+
+
+def test_the_command_line_samples_batches(capsys):
+    argv = ["--sample", "uniform:500,3000", "--tokens", "8192", "--batches", "2", "--heads", "8,2,64", "--cp", "2",
+            "--layouts", "zigzag", "--modes", "p2p,a2a"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert "2 sampled batches of 8192 tokens" in capsys.readouterr().out
+    assert cli.main(["--heads", "8,2,64", "--cp", "2"]) == 2
+    assert "one of --lengths and --sample required" in capsys.readouterr().err
