@@ -13,7 +13,9 @@ minute:
   each call's rate (FLOPs as [`KernelCall.flops`][sim.plan.dry.KernelCall.flops] counts
   them, over its time) is a point of the curve, which the time model interpolates; a line
   (relative least squares) through each length's forward + backward pair,
-  $t_f + t_b = (F_f + F_b + 2 F_{1/2}) / R_\infty$, gives the two-number summary beside it.
+  $t_f + t_b = (F_f + F_b + 2 F_{1/2}) / R_\infty$, gives the two-number summary beside it ($F_{1/2}$
+  at least $10^{-6}$ GFLOP: on a busy machine the line can pass through the origin, and a profile's
+  numbers are positive).
   Windowed calls (4096 tokens under a window of 256, 8192 under 1024) give `band_rows`: the masked
   keys a row the kernel's band tiles compute beyond the call's work (their median).
 
@@ -127,7 +129,7 @@ def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) 
         "description": f"this machine: {nproc} processes of one thread on one node ({platform.node()})",
         "ranks_per_node": nproc,
         "links": {"intra": link, "inter": {**link, "source": "one node: no rank reaches another node; the intra figures"}},
-        "compute": {"float32": {"peak_tflops": round(peak / 1e12, 6), "half_size_gflop": round(overhead * peak / 1e9, 6),
+        "compute": {"float32": {"peak_tflops": round(peak / 1e12, 6), "half_size_gflop": max(round(overhead * peak / 1e9, 6), 1e-6),
                                 "points": points, "band_rows": band_rows,
                                 "source": where + f": TorchKernel forward and backward, one causal document of "
                                           f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}"}},
