@@ -1,7 +1,7 @@
 r"""`this-machine`: a profile measured here, by `python -m sim plan --calibrate`.
 
-Two gloo processes of one thread each (as `bench/scaling.py` runs CP = 2) measure, in about a
-minute:
+Two gloo processes of one thread each (as `bench/scaling.py` runs CP = 2) measure, in about 15
+seconds here:
 
 * **the link**: the fastest of several blocking ring shifts (`send_recv`) and all-gathers of
   float32 tensors from 4 KiB to 16 MiB; a least-squares line $t = \alpha + n / B$ through each gives

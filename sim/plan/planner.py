@@ -29,9 +29,9 @@ each mode's predicted step beside its measured one ([Performance](performance.md
 **What it leaves out.** Time outside kernel calls and collectives (argument checks, plan lookups,
 merges, copies: a few percent of a long step, more of a short one); a collective's wait for a peer
 that is still computing (each rank is priced alone; the layer's step is the slowest rank's);
-contention between a rank's communication and its compute for the same cores or memory; and its
-cost grows with P: every rank of every candidate is dry-run, seconds at P = 8 and a 128k-token
-batch (`python -m sim plan --help`), not yet the thousand ranks a cluster-wide plan needs.
+contention between a rank's communication and its compute for the same cores or memory. And its
+own cost grows with P: every rank of every candidate is dry-run, the ring's P steps on each of P
+ranks, so a plan for a thousand ranks is out of its reach for now.
 
 Example:
     >>> from sim.plan import plan
@@ -119,15 +119,20 @@ class KindPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's answer: per layer kind (`"full"`, `"window ..."`, `"chunk ..."`), its `KindPlan`."""
+    """The planner's answer: per layer kind (`"full"`, `"window ..."`, `"chunk ..."`), its `KindPlan`; `batches`, the
+    batches it was asked about (one, or several sampled)."""
 
     P: int
     profile: Profile
     heads: tuple[int, int, int, int]
     dtype: str
-    lengths: tuple[int, ...]
+    batches: tuple[tuple[int, ...], ...]
     kinds: dict[str, KindPlan] = field(default_factory=dict)
-    batches: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The (first) batch's documents."""
+        return self.batches[0]
 
 
 def candidates(P: int, modes: Sequence[str], layouts: Sequence[str], a2a_size: int | None = None) -> list[Candidate]:
@@ -253,7 +258,7 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         kinds[f"window {window}"] = {"window": (int(window), 0)}
     if chunk is not None:
         kinds[f"chunk {chunk}"] = {"chunk": chunk}
-    result = Plan(P, profile, tuple(heads), dtype, tuple(batches[0]), batches=tuple(tuple(b) for b in batches))
+    result = Plan(P, profile, tuple(heads), dtype, tuple(tuple(b) for b in batches))
     for kind, mask in kinds.items():
         preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask)
                                 for batch in batches])

@@ -140,14 +140,13 @@ def _number(data: Any, path: str, where: Path, what: str) -> float:
         if not isinstance(value, dict) or key not in value:
             raise CPInputError(f"profile {where}: {path} is missing; give {what}")
         value = value[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise CPInputError(f"profile {where}: {path} is {value!r}; give {what}, a positive number")
-    return float(value)
+    return _positive(value, path, where, f"{what}, a positive number")
 
 
-def _positive(value: Any, name: str, where: Path) -> float:
+def _positive(value: Any, name: str, where: Path, what: str = "a positive number") -> float:
+    """`value` as a float if it is a finite number > 0, else a `CPInputError` naming `name` and `what` to give."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise CPInputError(f"profile {where}: {name} is {value!r}; give a positive number")
+        raise CPInputError(f"profile {where}: {name} is {value!r}; give {what}")
     return float(value)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 from typing import Sequence
 
 from sim.tools.cli import DTYPE_ALIASES, Parser, fail, positive
@@ -104,7 +106,7 @@ def as_json(result) -> dict:
 def table(result, top: int) -> str:
     """The plan as Markdown tables, one per layer kind."""
     mib = 2**20
-    batches = result.batches or (result.lengths,)
+    batches = result.batches
     what = (f"{len(batches[0])} documents, {sum(batches[0])} tokens" if len(batches) == 1 else
             f"{len(batches)} sampled batches of {sum(batches[0])} tokens ({', '.join(str(len(b)) for b in batches)} "
             "documents; step: the mean over them, the other columns the slowest batch's)")  # fmt: skip
@@ -137,8 +139,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
         from sim.plan.calibrate import calibrate
         from sim.plan.profile import PROFILES
 
-        out = args.out or PROFILES / "this-machine.json"
-        profile = calibrate(out)
+        out = Path(args.out) if args.out else PROFILES / "this-machine.json"
+        if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # before 15 s of measuring, not after
+            return fail(prog, f"cannot write the profile to {out}: {out.parent} is not a writable folder; give --out a "
+                              "file in one")  # fmt: skip
+        try:
+            profile = calibrate(out)
+        except OSError as exc:  # the folder is missing or not writable
+            return fail(prog, f"cannot write the profile to {out}: {exc.strerror or exc}; give --out a writable file")
         intra, kernel = profile["links"]["intra"], profile["compute"]["float32"]
         print(f"wrote {out}: link {intra['bandwidth_GBps']} GB/s (a ring shift {intra['send_recv_bandwidth_GBps']} GB/s), "
               f"latency {intra['latency_us']} us; TorchKernel float32 up to {kernel['peak_tflops'] * 1e3:.1f} GFLOP/s")

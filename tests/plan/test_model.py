@@ -197,3 +197,15 @@ def test_a_calibration_whose_line_passes_through_the_origin_still_writes_a_posit
     out = tmp_path / "p.json"
     module.calibrate(out)
     assert load_profile(out).kernel("float32").half_size > 0
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"band_rows": -1}, r"compute.bfloat16.band_rows is -1; give the masked keys a windowed call computes per row"),
+    ({"points": [[1, 2, 3]]}, r"compute.bfloat16.points must be \[\[gflop, tflops\], ...\]"),
+    ({"points": "fast"}, r"compute.bfloat16.points must be"),
+])  # fmt: skip
+def test_a_curves_bad_band_or_points_are_refused_naming_them(tmp_path, entry, message):
+    data = json.loads(json.dumps(GOOD))
+    data["compute"]["bfloat16"].update(entry)
+    with pytest.raises(CPInputError, match=message):
+        load_profile(write(tmp_path, data))

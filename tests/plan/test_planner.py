@@ -144,3 +144,10 @@ def test_the_command_line_samples_batches(capsys):
     assert "2 sampled batches of 8192 tokens" in capsys.readouterr().out
     assert cli.main(["--heads", "8,2,64", "--cp", "2"]) == 2
     assert "one of --lengths and --sample required" in capsys.readouterr().err
+
+
+def test_calibrate_into_a_folder_that_is_not_there_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sim.plan.calibrate.calibrate", lambda out: pytest.fail("measured before checking --out"))
+    assert cli.main(["--calibrate", "--out", str(tmp_path / "no" / "such.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a writable folder; give --out a file in one" in err and err.count("\n") == 1
