@@ -27,7 +27,8 @@ import torch
 
 from sim.tools.cli import Parser
 
-BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts", "variants")
+BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts", "variants",
+              "plan")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -299,6 +299,16 @@ one-way relay of the back chunks' halo. `python -m bench.variants --quick` is a 
 
 {{ results variants }}
 
+## 11. The planner at scale (`bench/plan.py`)
+
+What [`sim.plan.scale`][sim.plan.scale] buys the planner, on the 128k-token batch of [Which mode, from 8 to 1024
+ranks](mode-study.md) (Llama-3-8B-like heads, the H100 profile). Side by side in one run at P = 4, 8 and 16: the
+candidates it covers priced twice, every rank dry-run on meta tensors and every rank built at once, with whether
+the two agree on every rank's step. Then the whole planner at P = 64, 256 and 1024 with the study's candidates.
+Goal: P = 1024 in under ten seconds. `python -m bench.plan --quick` is a quick run.
+
+{{ results plan }}
+
 ## Measured while this page was built
 
 **CPU, the machine that built this site** · *when this page was built*
@@ -313,7 +323,7 @@ import re
 
 import torch
 
-from bench import all_gather, collectives, kernel, layouts, memory, overhead, predicted, scaling, variants, window
+from bench import all_gather, collectives, kernel, layouts, memory, overhead, plan, predicted, scaling, variants, window
 from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
@@ -367,6 +377,7 @@ RENDER = {
     "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),
     "window": lambda r: r["title"] + ".\n\n" + window.report(r["times"], r["counts"]),
     "variants": lambda r: r["title"] + ".\n\n" + variants.report(r),
+    "plan": lambda r: r["title"] + ".\n\n" + plan.report(r),
     "layouts": lambda r: "\n\n".join(
         [r["title"] + ". Per pack (open each below), every `P`: each layout's padding, busiest rank's causal work over the mean and "
          "shared rows, and the bytes the busiest rank sends in each mode, forward + backward (the full tables, with "
@@ -406,6 +417,7 @@ WHERE = {
     "collectives": "CPU, gloo processes",
     "layouts": "simulated cluster, counted (nothing timed)",
     "variants": "CPU: one process, and the simulated cluster",
+    "plan": "CPU, one process (plans counted and priced, nothing run)",
 }
 HEADER = re.compile(r"Measured (?P<date>\S+) (?P<time>\S+) UTC on (?P<machine>.+)\.$")  # `bench.all.header`
 
@@ -493,6 +505,10 @@ def summary_table() -> str:
                       r"- (?P<what>[^:]+): .*?\(goal (?P<goal>[<=>]+ [\d.]+)[^)]*\): (?P<verdict>met|not met)")  # fmt: skip
     goals = "; ".join(f"{m['what']} {m['goal']}" for m in found)
     lines.append(f"| **variants**: {goals} | **{_met(found, 'what')}** |")
+    found = _verdicts(plan.report(load("plan")["results"]).splitlines(),
+                      r"- the planner at P = (?P<P>\d+): (?P<s>[\d.]+) s \(goal < (?P<t>[\d.]+) s\): (?P<verdict>met|not met)")
+    lines.append(f"| **planner at scale**: P = {found[0]['P']} in under {found[0]['t']} s | **{_met(found, 'P')}**: "
+                 f"{found[0]['s']} s |")  # fmt: skip
     seconds = sum(load(name)["seconds"] for name in BENCHMARKS)
     lines.append(f"| **`make bench`** under ten minutes | **{mark[seconds < 600]}**: {seconds / 60:.1f} minutes (the "
                  "benchmarks' own times) |")  # fmt: skip

@@ -79,6 +79,8 @@ GUIDE = [
     ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
     ("performance.md", "Performance", "bench.report"),
     ("planner.md", "Which mode? The planner", "sim.plan.planner"),
+    ("mode-study.md", "Which mode, from 8 to 1024 ranks", "sim.plan.study"),
+    ("plan-scale.md", "Plans at scale", "sim.plan.scale"),
     ("sim-plan.md", "python -m sim plan", "sim.tools.plan"),
     ("plan-model.md", "The planner's time model", "sim.plan.model"),
     ("plan-profiles.md", "Hardware profiles", "sim.plan.profile"),
@@ -93,6 +95,13 @@ GUIDE = [
 # figure appears once. A caption is inline Markdown (it renders in <figcaption>); its alt text is the
 # caption without backticks.
 PAGE_FIGURES = {
+    "mode-study.md": [
+        ("figures/study_h100.png", "Eight H100s a node (NVLink inside, InfiniBand across): each mode's best candidate "
+         "at every P, its step for one layer's forward and backward on a 128k-token packed batch, predicted by the "
+         "planner when this site was built. Ringed: the winner; dotted: where the winner changes; dashed: every FLOP "
+         "split evenly at the profile's peak."),
+        ("figures/study_910b.png", "The same on eight Ascend 910Bs a node (HCCS inside, RoCE across)."),
+    ],
     "layout.md": [
         ("figures/layouts.png", "Which rank holds which chunk of each document (contiguous, zigzag), or which "
          "piece of the stream (stream: documents straddle ranks, none is padded), or which whole document or "
@@ -329,7 +338,8 @@ SECTIONS = [
     ("Learn CP", [page for page, _ in LEARN]),
     ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "data.md",
                    "which-mode.md"]),
-    ("Plan a run", ["planner.md", "sim-plan.md", "plan-model.md", "plan-profiles.md", "plan-dry-run.md", "plan-links.md",
+    ("Plan a run", ["planner.md", "mode-study.md", "sim-plan.md", "plan-model.md", "plan-profiles.md", "plan-dry-run.md",
+                    "plan-scale.md", "plan-links.md",
                     "plan-calibrate.md", "plan-batches.md"]),
     ("The modes", ["merge.md", "all-gather.md", "metadata.md", "all-gather-overlap.md", "ring.md", "ring-window.md",
                    "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md"]),
@@ -610,7 +620,8 @@ def main() -> None:
     # 4) Figures, each checked for labels readable at the column width and for empty panels.
     figures = _load_docs_module("figures")
     drawn = {**figures.FIGURES, **_load_docs_module("mode_figures").FIGURES, **_load_docs_module("train_figures").FIGURES,
-             **_load_docs_module("bench_figures").FIGURES, **_load_docs_module("learn_figures").FIGURES}
+             **_load_docs_module("bench_figures").FIGURES, **_load_docs_module("learn_figures").FIGURES,
+             **_load_docs_module("plan_figures").FIGURES}
     used = [path for entries in (*PAGE_FIGURES.values(), *HAND_FIGURES.values()) for path, _ in entries]
     if sorted(used) != sorted(drawn):
         raise RuntimeError(f"every figure must appear exactly once: drawn {sorted(drawn)}, used {sorted(used)}")

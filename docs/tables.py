@@ -385,7 +385,43 @@ def planner_output() -> str:
             f"eight H100s), run when this site was built:\n\n{text}")
 
 
+def study_winners() -> str:
+    """The winner of every P of `sim.plan.study`, per profile and model, and what decided each crossover."""
+    from sim.plan.study import MODELS, PROFILES, curves
+
+    runs = {(prof, model): curves(prof, heads) for prof in PROFILES for model, heads in MODELS.items()}
+    first = next(iter(runs.values()))
+    lines = ["| P | " + " | ".join(f"{prof}, {model}" for prof, model in runs) + " |",
+             "| ---: |" + " --- |" * len(runs)]  # fmt: skip
+    for i, P in enumerate(first.Ps):
+        cells = []
+        for c in runs.values():
+            best = next(p for p in c.points[c.winners[i]] if p is not None and p.P == P)
+            cells.append(f"{best.name} ({best.step * 1e3:.1f} ms)")
+        lines.append(f"| {P} | " + " | ".join(cells) + " |")
+    lines += ["", "Each crossover, with the planner's deciding term at the larger P:", ""]
+    for (prof, model), c in runs.items():
+        for p0, p1, w0, w1 in c.crossovers:
+            lines.append(f"* {prof}, {model}: {w0} at {p0} ranks, {w1} at {p1}: {c.decided_by[c.Ps.index(p1)]}")
+    return "\n".join(lines)
+
+
+def study_single_documents() -> str:
+    """One long document instead of the packed batch: each mode's best step at a few P (H100s, 8B-like heads)."""
+    from sim.plan.study import MODELS, MODES_SHOWN, best_per_mode
+
+    lines = ["| document | P | " + " | ".join(MODES_SHOWN) + " |", "| --- | ---: |" + " ---: |" * len(MODES_SHOWN)]
+    for n in (131072, 1048576):
+        for P in (8, 16, 64, 128):
+            best = best_per_mode((n,), MODELS["Llama-3-8B-like"], "h100-sxm", P)
+            cells = [f"{best[m].step * 1e3:.1f} ms" if m in best else "-" for m in MODES_SHOWN]
+            lines.append(f"| {n // 1024}k tokens | {P} | " + " | ".join(cells) + " |")
+    return ("The planner on one document of 128k and of 1M tokens, the H100 profile, Llama-3-8B-like heads (each "
+            "mode's best candidate; `-`: none runs):\n\n" + "\n".join(lines))
+
+
 TABLES = {
+    "mode-study.md": [("The winner at every P", study_winners), ("One long document", study_single_documents)],
     "planner.md": [("An example: 128k tokens on two H100 nodes", planner_output)],
     "train.md": [("What the command printed", train_output)],
     "mode-spec.md": [("The modes, as they declare themselves", mode_declarations)],

@@ -2,12 +2,15 @@
 
 * [`sim.plan.dry`][sim.plan.dry]: one rank's step as its mode runs it, counted (the one
   source of every count);
+* [`sim.plan.scale`][sim.plan.scale]: the same counts for every rank at once where the plans are
+  regular, held to the dry run: a thousand ranks in a second;
 * [`sim.plan.links`][sim.plan.links]: the bytes of each collective per link level, from the
   ranks' placement on nodes;
 * [`sim.plan.profile`][sim.plan.profile]: hardware profiles, one JSON file per machine;
 * [`sim.plan.model`][sim.plan.model]: the time model, a rank's counted step priced by a profile;
 * [`sim.plan.planner`][sim.plan.planner]: every candidate ranked, the deciding term named;
-* [`sim.plan.calibrate`][sim.plan.calibrate]: the `this-machine` profile, measured here.
+* [`sim.plan.calibrate`][sim.plan.calibrate]: the `this-machine` profile, measured here;
+* [`sim.plan.study`][sim.plan.study]: which mode wins from 8 to 1024 ranks, on the published profiles.
 """
 
 from sim.plan.planner import Plan, plan

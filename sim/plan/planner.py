@@ -29,9 +29,15 @@ each mode's predicted step beside its measured one ([Performance](performance.md
 **What it leaves out.** Time outside kernel calls and collectives (argument checks, plan lookups,
 merges, copies: a few percent of a long step, more of a short one); a collective's wait for a peer
 that is still computing (each rank is priced alone; the layer's step is the slowest rank's);
-contention between a rank's communication and its compute for the same cores or memory. And its
-own cost grows with P: every rank of every candidate is dry-run, the ring's P steps on each of P
-ranks, so a plan for a thousand ranks is out of its reach for now.
+contention between a rank's communication and its compute for the same cores or memory.
+
+**At scale.** Dry-running every rank costs a ring of $P$ ranks $P^2$ steps: seconds at $P = 8$,
+minutes at 64. Where [`sim.plan.scale`][sim.plan.scale] covers a candidate (full causal `p2p`,
+`all_gather` and `a2a+p2p` in the contiguous and zigzag layouts) it builds every rank's calls and
+collectives as arrays and plays all timelines at once, equal to the dry run rank by rank (tested at
+P = 2 to 8), about a second at $P = 1024$; `a2a`, whose ranks all do the same in those layouts, is
+dry-run on rank 0 alone. Other candidates are dry-run up to `dry_run_limit` ranks (32) and listed as
+not priced above it.
 
 Example:
     >>> from sim.plan import plan
@@ -54,6 +60,7 @@ import torch
 
 from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import LAYOUTS
+from sim.plan import scale
 from sim.plan.dry import dry_run
 from sim.plan.model import RankTime, rank_time
 from sim.plan.profile import Profile, load_profile
@@ -61,6 +68,8 @@ from sim.plan.profile import Profile, load_profile
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+UNSCALED = ("only the dry run prices it (windows, chunks, the stream and balanced layouts, overlap, head_groups), "
+            "one rank at a time; raise dry_run_limit to wait for it")
 
 
 @dataclass(frozen=True)
@@ -79,11 +88,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A candidate priced on every rank (`ranks`), or refused (`refused`: the reason)."""
+    """A candidate priced on every rank (`ranks`), refused by its mode (`refused`: the reason), or not priced at this
+    P (`unpriced`: why)."""
 
     candidate: Candidate
     ranks: tuple[RankTime, ...] = ()
     refused: str = ""
+    unpriced: str = ""
     batch_steps: tuple[float, ...] = ()  # with several batches: each one's step; `ranks` are the slowest batch's
 
     @property
@@ -109,12 +120,13 @@ class Prediction:
 
 @dataclass(frozen=True)
 class KindPlan:
-    """One layer kind's candidates: `ranked` (fastest first), `refused`, and what decided the winner."""
+    """One layer kind's candidates: `ranked` (fastest first), `refused`, `unpriced`, and what decided the winner."""
 
     kind: str
     ranked: tuple[Prediction, ...]
     refused: tuple[Prediction, ...]
     decided_by: str
+    unpriced: tuple[Prediction, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,13 +166,25 @@ def _sharding(lengths: tuple[int, ...], P: int, layout: str):
 
 
 def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, P: int, profile: Profile,
-            mask: dict[str, Any]) -> Prediction:  # fmt: skip
-    """`candidate` dry-run on every rank and priced, or refused."""
+            mask: dict[str, Any], dry_run_limit: int = 32) -> Prediction:  # fmt: skip
+    """`candidate` priced on every rank, or refused: built at scale where `sim.plan.scale` covers it, else dry-run
+    (on rank 0 alone where every rank does the same), else, above `dry_run_limit` ranks, not priced."""
     compute = profile.kernel(dtype)
     sharding = _sharding(tuple(lengths), P, candidate.layout)
+    options = dict(candidate.options)
     try:
-        runs = [dry_run(candidate.mode, sharding, r, heads=heads, dtype=DTYPES[dtype], **mask,
-                        **dict(candidate.options)) for r in range(P)]  # fmt: skip
+        if scale.covers(candidate.mode, candidate.layout, options, P, mask):
+            built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **options)
+            return Prediction(candidate, built.price(profile, compute))
+        if scale.a2a_alike(candidate.mode, candidate.layout, mask):
+            runs = scale.alike_runs(dry_run(candidate.mode, sharding, 0, heads=heads, dtype=DTYPES[dtype], **mask,
+                                            **options), P)  # fmt: skip
+        elif P > dry_run_limit:
+            scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})  # refused, or not priced
+            return Prediction(candidate, unpriced=f"P = {P} > dry_run_limit = {dry_run_limit}: {UNSCALED}")
+        else:
+            runs = [dry_run(candidate.mode, sharding, r, heads=heads, dtype=DTYPES[dtype], **mask, **options)
+                    for r in range(P)]  # fmt: skip
     except CPInputError as refused:
         return Prediction(candidate, refused=str(refused))
     return Prediction(candidate, tuple(rank_time(run, profile, compute) for run in runs))
@@ -168,8 +192,8 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
 
 def _over_batches(preds: list[Prediction]) -> Prediction:
     """One batch's prediction as it is; several batches' as one: their mean step, the slowest batch's ranks."""
-    if len(preds) == 1 or any(p.refused for p in preds):
-        return next((p for p in preds if p.refused), preds[0])
+    if len(preds) == 1 or any(p.refused or p.unpriced for p in preds):
+        return next((p for p in preds if p.refused or p.unpriced), preds[0])
     worst = max(preds, key=lambda p: p.step)
     return Prediction(worst.candidate, worst.ranks, batch_steps=tuple(p.step for p in preds))
 
@@ -224,7 +248,7 @@ def _check(lengths, heads, dtype, P, modes, layouts, a2a_size) -> None:
 def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, int, int, int], dtype: str, P: int,
          profile: str | Profile, window: int | None = None, chunk: int | None = None,
          modes: Sequence[str] | None = None, layouts: Sequence[str] | None = None,
-         a2a_size: int | None = None) -> Plan:  # fmt: skip
+         a2a_size: int | None = None, dry_run_limit: int = 32) -> Plan:  # fmt: skip
     """Rank every candidate for a batch, per layer kind (module docstring).
 
     Args:
@@ -239,6 +263,8 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         modes: the modes to consider (default: all).
         layouts: the layouts to consider (default: all).
         a2a_size: `a2a+p2p`'s group size (default: every divisor of P strictly between 1 and P).
+        dry_run_limit: above this many ranks, a candidate that only the dry run prices is listed as not priced
+            (`sim.plan.scale` builds the others at any P).
 
     Raises:
         CPInputError: for an unknown mode, layout, profile or dtype, bad lengths, heads or P, an `a2a_size` that does
@@ -260,13 +286,16 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         kinds[f"chunk {chunk}"] = {"chunk": chunk}
     result = Plan(P, profile, tuple(heads), dtype, tuple(tuple(b) for b in batches))
     for kind, mask in kinds.items():
-        preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask)
+        preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask,
+                                        dry_run_limit=dry_run_limit)
                                 for batch in batches])
                  for c in candidates(P, modes, layouts, a2a_size)]  # fmt: skip
-        ranked = tuple(sorted((p for p in preds if not p.refused), key=_order))
+        ranked = tuple(sorted((p for p in preds if p.ranks), key=_order))
         refused = tuple(p for p in preds if p.refused)
+        unpriced = tuple(p for p in preds if p.unpriced)
         if not ranked:
-            raise CPInputError(f"no candidate runs {kind} layers at P = {P} with heads {tuple(heads)}: "
-                               f"{refused[0].name}: {refused[0].refused}")  # fmt: skip
-        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked))
+            first = (refused or unpriced)[0]
+            raise CPInputError(f"no candidate {'runs' if refused else 'is priced for'} {kind} layers at P = {P} with "
+                               f"heads {tuple(heads)}: {first.name}: {first.refused or first.unpriced}")  # fmt: skip
+        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked), unpriced)
     return result

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cpref.base.errors import CPInputError
 
 __all__ = ["Link", "Compute", "Profile", "PROFILES", "load_profile", "profile_names"]
@@ -106,6 +108,12 @@ class Compute:
         """A call of `flops` FLOPs: `flops / rate(flops)` (`(flops + half_size) / peak` on the two-number curve), 0
         for a call with no work."""
         return flops / self.rate(flops) if flops > 0 else 0.0
+
+    def seconds_array(self, flops: np.ndarray) -> np.ndarray:
+        """`seconds` of every entry of `flops` (`sim.plan.scale`'s thousands of calls): each distinct size priced
+        once, by `seconds` itself, so that both agree to the bit."""
+        sizes, where = np.unique(flops, return_inverse=True)
+        return np.array([self.seconds(float(x)) for x in sizes])[where].reshape(flops.shape)
 
 
 @dataclass(frozen=True)

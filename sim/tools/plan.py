@@ -15,6 +15,10 @@ as one JSON object.
 `--calibrate` measures this machine instead and writes the `this-machine` profile
 ([`sim.plan.calibrate`][sim.plan.calibrate]). `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
 file written as [`sim.plan.profile`][sim.plan.profile] describes.
+
+Any P: full causal `p2p`, `all_gather` and `a2a+p2p` in the contiguous and zigzag layouts are built for every
+rank at once ([`sim.plan.scale`][sim.plan.scale]; `--cp 1024` takes seconds), `a2a` from one rank; the other
+candidates are dry-run rank by rank up to `--dry-run-limit` ranks (32) and listed as not priced above it.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ def parser(prog: str) -> Parser:
     p.add_argument("--modes", type=names, default=None, help="comma-separated modes (default: all)")
     p.add_argument("--layouts", type=names, default=None, help="comma-separated layouts (default: all)")
     p.add_argument("--a2a-size", type=positive, default=None, help="a2a+p2p's group size (default: every divisor of P)")
+    p.add_argument("--dry-run-limit", type=positive, default=32, metavar="P",
+                   help="above this CP size, candidates only the dry run prices are listed as not priced (default 32)")
     p.add_argument("--top", type=positive, default=12, help="candidates shown per layer kind")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about 15 s) and write the "
@@ -99,7 +105,8 @@ def as_json(result) -> dict:
                              "ranked": [{"candidate": p.name, "step_s": p.step, "batch_steps_s": list(p.batch_steps),
                                          "ranks": [rank(r) for r in p.ranks]}
                                         for p in kp.ranked],
-                             "refused": [{"candidate": p.name, "reason": p.refused} for p in kp.refused]}
+                             "refused": [{"candidate": p.name, "reason": p.refused} for p in kp.refused],
+                             "not_priced": [{"candidate": p.name, "reason": p.unpriced} for p in kp.unpriced]}
                       for kind, kp in result.kinds.items()}}  # fmt: skip
 
 
@@ -126,6 +133,9 @@ def table(result, top: int) -> str:
         if kp.refused:
             lines += ["", f"refused ({len(kp.refused)}): " + "; ".join(
                 f"{p.name} ({p.refused.split(';')[0]})" for p in kp.refused[:4]) + (" ..." if len(kp.refused) > 4 else "")]
+        if kp.unpriced:
+            lines += ["", f"not priced ({len(kp.unpriced)}: {', '.join(p.name for p in kp.unpriced[:4])}"
+                          f"{' ...' if len(kp.unpriced) > 4 else ''}): {kp.unpriced[0].unpriced}"]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -164,7 +174,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
 
             batch = sample(args.sample, tokens=args.tokens, batches=args.batches, seed=args.seed)
         result = plan(batch, heads=args.heads, dtype=dtype, P=args.cp, profile=args.profile, window=args.window,
-                      chunk=args.chunk, modes=args.modes, layouts=args.layouts, a2a_size=args.a2a_size)  # fmt: skip
+                      chunk=args.chunk, modes=args.modes, layouts=args.layouts, a2a_size=args.a2a_size,
+                      dry_run_limit=args.dry_run_limit)  # fmt: skip
     except CPInputError as exc:
         return fail(prog, str(exc))
     print(json.dumps(as_json(result), indent=1) if args.json else table(result, args.top))

@@ -130,8 +130,9 @@ def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
     assert "{{ goals }}" not in doc and "{total_minutes}" not in doc
     summary = doc.split("## The last run in one screen")[1].split("## What limits each goal")[0]
     # header, rule, the kernel's goal, the CP path's at P = 1, the five of bench.scaling.goals, the planner's (from
-    # the same run), memory, the balanced layout's goals, the attention variants' and make bench's time
-    assert summary.count("\n| ") == 2 + 12, summary
+    # the same run), memory, the balanced layout's goals, the attention variants', the planner at scale and make
+    # bench's time
+    assert summary.count("\n| ") == 2 + 13, summary
     assert "| **planner** (`python -m sim plan`, CP = 2 here)" in summary
     assert "All on the CPU, none on a GPU" in summary and "{{ figure figures/bench_scaling.png }}" in summary
     for name in BENCHMARKS:  # each section headed by where its benchmark ran (CPU, gloo, simulated cluster) and when

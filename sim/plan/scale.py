@@ -1,0 +1,400 @@
+r"""Plans at scale: every rank of a thousand-rank ring priced in a second, held to the dry run.
+
+The [dry run][sim.plan.dry] runs a mode's own code for one rank, on meta tensors: exact, but a
+ring of $P$ ranks makes $P$ kernel calls and $3P$ shifts on each of $P$ ranks, each a few
+meta-tensor operations, and at $P = 1024$ that is a million steps. This module builds the same
+counts for the plans whose structure is regular, **without running the mode**:
+
+* the **timeline** of a rank (posts, waits, calls, in program order) from the mode's schedule,
+  the same for every rank of the candidate ([`ring_template`][sim.plan.scale.ring_template]);
+* the **kernel calls'** work, rows and keys for every rank and step at once, from the documents'
+  real rows per chunk, as numpy arrays ([`ring_steps`][sim.plan.scale.ring_steps],
+  [`all_gather_calls`][sim.plan.scale.all_gather_calls]);
+* the **collectives** as the dry run records them (op, group, shape, dtype, shift), one of each
+  kind per rank, priced by the time model's own
+  [`collective_seconds`][sim.plan.model.collective_seconds];
+* the **saved bytes** from the mode's declared costs
+  ([`mode_costs`][cpref.api.mode_costs]);
+
+and plays every rank's timeline at once, the two clocks of [`rank_time`][sim.plan.model.rank_time]
+as arrays over the ranks ([`Schedule.price`][sim.plan.scale.Schedule.price]).
+
+**Covered:** full causal attention (no window, no chunk) in the contiguous and zigzag layouts,
+for `p2p`, `all_gather` (without `overlap` or `save_gathered_kv`) and `a2a+p2p` (without
+`head_groups`): the chunked layouts, whose plans are sums over each document's chunks. There, with
+every document cut into $2P$ (zigzag) or $P$ (contiguous) chunks of $c_i$ rows of which
+$R_i[j] = \min(c_i, \max(0, n_i - j c_i))$ are real, the ring's step $t$ on rank $r$ holds the
+block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$, $b = 2P - 1 - r$):
+
+| step | work (visible pairs per head) | rows that see a key |
+| --- | --- | --- |
+| $s < r$ | $(R[f] + R[b]) R[s]$ | $(R[f] + R[b]) [R[s] > 0]$ |
+| $s > r$ | $R[b] (R[s] + R[2P - 1 - s])$ | $R[b] [R[s] + R[2P-1-s] > 0]$ |
+| $s = r$ | $\binom{R[f] + 1}{2} + R[b] R[f] + \binom{R[b] + 1}{2}$ | $R[f] + R[b]$ |
+
+(contiguous: $R[r] R[s]$ for $s < r$, $\binom{R[r] + 1}{2}$ for $s = r$, nothing after). These
+are the sums of the ring plan's sequences ([`cpref.modes.ring_plan`][cpref.modes.ring_plan]); the
+hierarchical mode's ring is the same ring over $P / a$ ranks with chunks $a$ times larger. Other
+candidates are dry-run; `a2a`, whose ranks are all alike in these layouts (every rank attends
+the whole batch on its heads), is dry-run on one rank ([`alike_runs`][sim.plan.scale.alike_runs]).
+
+**Held to the dry run.** Nothing here is a second source of truth:
+`tests/plan/test_scale.py` compares, for every covered candidate at P = 2 to 8 on random batches,
+each rank's whole [`RankRun`][sim.plan.dry.RankRun] ([`Schedule.run`][sim.plan.scale.Schedule.run])
+with the dry run's, event by event and call by call, and the priced steps with
+[`rank_time`][sim.plan.model.rank_time]'s. A change to a mode's schedule fails there first.
+
+Example:
+    >>> import torch, cpref
+    >>> from sim.plan.scale import ring_steps
+    >>> b = cpref.Sharding.eod_padded([0, 40, 64], cp_size=2, layout="zigzag").bounds
+    >>> work, rows, kv = ring_steps(b, 2, "zigzag")
+    >>> work.tolist()  # rank x step: zigzag gives both ranks the same work at every step
+    [[288, 272], [288, 272]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpref.batch.seqlens import Boundaries
+from cpref.kernels.contract import compute_dtype
+from sim.plan.dry import Collective, Event, KernelCall, RankRun
+from sim.plan.links import LEVELS, link_bytes
+from sim.plan.model import RankTime, collective_seconds
+from sim.plan.profile import Compute, Profile
+
+__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "ring_template", "schedule", "covers", "alike_runs",
+           "a2a_alike", "validate", "SCALED_LAYOUTS"]  # fmt: skip
+
+SCALED_LAYOUTS = ("contiguous", "zigzag")
+
+
+# --8<-- [start:reals]
+def _reals(b: Boundaries, nchunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(R, c)`: the real rows of every chunk `(docs, nchunks)`, and each document's chunk size `(docs,)`."""
+    c = np.array([b.padded_len(i) // nchunks for i in range(b.num_docs)], dtype=np.int64)
+    n = np.array([b.real_len(i) for i in range(b.num_docs)], dtype=np.int64)
+    j = np.arange(nchunks, dtype=np.int64)
+    return np.clip(n[:, None] - j[None, :] * c[:, None], 0, c[:, None]), c
+# --8<-- [end:reals]
+
+
+def _tri(x: np.ndarray) -> np.ndarray:
+    """x (x + 1) / 2: a chunk's causal work against itself."""
+    return x * (x + 1) // 2
+
+
+def ring_steps(b: Boundaries, P: int, layout: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The classic ring's kernel calls under a causal mask, every rank `r` and step `t` at once (module docstring).
+
+    Returns:
+        `(work, rows_seeing, kv_rows)`, int64 arrays `(P, P)` indexed `[r, t]`; a step with no work makes no call.
+    """
+    zigzag = layout == "zigzag"
+    R, c = _reals(b, 2 * P if zigzag else P)
+    local = int(c.sum()) * (2 if zigzag else 1)  # T_l: the block as it arrives
+    r = np.arange(P)[:, None]
+    s = (r - np.arange(P)[None, :]) % P  # the block's source at step t
+    before, same = s < r, s == r
+    work = np.zeros((P, P), dtype=np.int64)
+    rows = np.zeros((P, P), dtype=np.int64)
+    selected = np.zeros(P, dtype=np.int64)  # zigzag's own step: the front chunk read twice
+    overlaps = np.zeros(P, dtype=bool)
+    for Ri, ci in zip(R, c):  # (P,) per document
+        if not zigzag:
+            mine, theirs = Ri[r], Ri[s]
+            work += np.where(before, mine * theirs, np.where(same, _tri(mine), 0))
+            rows += np.where(before, mine * (theirs > 0), np.where(same, mine, 0))
+            continue
+        front, back = Ri[r], Ri[2 * P - 1 - r]
+        sf, sb = Ri[s], Ri[2 * P - 1 - s]
+        work += np.where(before, (front + back) * sf,
+                         np.where(same, _tri(front) + back * front + _tri(back), back * (sf + sb)))  # fmt: skip
+        rows += np.where(before, (front + back) * (sf > 0), np.where(same, front + back, back * (sf + sb > 0)))
+        selected += front[:, 0] + np.where(back[:, 0] > 0, ci + back[:, 0], 0)
+        overlaps |= back[:, 0] > 0
+    kv = np.where(same & overlaps[:, None], selected[:, None], local)  # the block as it arrives, else the selection
+    return work, rows, kv
+
+
+def all_gather_calls(b: Boundaries, P: int, layout: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """all_gather's one call per rank under a causal mask: each local chunk `j` of `R[j]` real rows against its
+    document's prefix through its last real row, `j c + R[j]` keys (`cpref.modes.all_gather_plan`).
+
+    Returns:
+        `(work, rows_seeing, kv_rows)`, int64 arrays `(P,)`.
+    """
+    zigzag = layout == "zigzag"
+    R, c = _reals(b, 2 * P if zigzag else P)
+    r = np.arange(P)
+    work, rows, kv = (np.zeros(P, dtype=np.int64) for _ in range(3))
+    for Ri, ci in zip(R, c):
+        for j in (r, 2 * P - 1 - r) if zigzag else (r,):
+            real = Ri[j]
+            work += real * (j * ci) + _tri(real)
+            rows += real
+            kv += np.where(real > 0, j * ci + real, 0)
+    return work, rows, kv
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A kernel call's place in the template: its direction, heads and dims (its amounts are per rank)."""
+
+    direction: str
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+
+
+class _Template:
+    """A timeline being written: `post(kind)` returns the post's index, `wait(index)`, `call(slot)`."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int, int]] = []  # (kind, phase, post index or slot, collective kind)
+        self.posts = 0
+        self.phase = "forward"
+
+    def post(self, kind: int) -> int:
+        self.events.append(("post", self.phase, self.posts, kind))
+        self.posts += 1
+        return self.posts - 1
+
+    def wait(self, index: int) -> None:
+        self.events.append(("wait", self.phase, index, -1))
+
+    def blocking(self, kind: int) -> None:
+        self.wait(self.post(kind))
+
+    def call(self, slot: int) -> None:
+        self.events.append(("call", self.phase, slot, -1))
+
+
+def ring_template(tl: _Template, p: int, kv: int, dkv: int, first_slot: int, phase: str) -> None:
+    """The ring's schedule (`cpref.modes.ring`), `p` steps in slots `first_slot ..`: forward, the shift of the next
+    block posted before each call and waited after it; backward, the K/V shift likewise and the dK/dV accumulator's
+    shift after each call, waited for one step later, with one more to bring it home."""
+    if phase == "forward":
+        for t in range(p - 1):
+            index = tl.post(kv)
+            tl.call(first_slot + t)
+            tl.wait(index)
+        tl.call(first_slot + p - 1)
+        return
+    grads = -1
+    for t in range(p):
+        shift = tl.post(kv) if t < p - 1 else -1
+        tl.call(first_slot + t)
+        if grads >= 0:
+            tl.wait(grads)
+        grads = tl.post(dkv)
+        if shift >= 0:
+            tl.wait(shift)
+    tl.wait(grads)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every rank of one candidate: the shared timeline, each rank's collectives by kind, its calls' amounts.
+
+    Attributes:
+        P: the ranks.
+        events: the timeline, `(kind, phase, post index or slot, collective kind)` per event.
+        kinds: `kinds[r][k]`: rank `r`'s collective of kind `k`, as the dry run records it.
+        slots: the calls' directions, heads and dims.
+        work, q_rows, kv_rows, rows_seeing: `(P, slots)` int64: each rank's amounts per call.
+        present: `(P, slots)` bool: the rank makes the call (a ring step with no work makes none).
+        saved_bytes: `(P,)`: bytes each rank saves for the backward.
+    """
+
+    P: int
+    events: tuple[tuple[str, str, int, int], ...]
+    kinds: tuple[tuple[Collective, ...], ...]
+    slots: tuple[Slot, ...]
+    work: np.ndarray
+    q_rows: np.ndarray
+    kv_rows: np.ndarray
+    rows_seeing: np.ndarray
+    present: np.ndarray
+    saved_bytes: np.ndarray
+
+    def _call(self, r: int, s: int) -> KernelCall:
+        slot = self.slots[s]
+        return KernelCall(slot.direction, int(self.work[r, s]), int(self.q_rows[r, s]), int(self.kv_rows[r, s]),
+                          slot.hq, slot.hkv, slot.d, slot.dv, False, int(self.rows_seeing[r, s]))  # fmt: skip
+
+    def run(self, r: int) -> RankRun:
+        """Rank `r`'s run as the dry run records it (for the tests; `price` needs none)."""
+        collectives, timeline = [], []
+        for kind, phase, arg, k in self.events:
+            if kind == "post":
+                collectives.append(self.kinds[r][k])
+                timeline.append(Event("post", phase, arg))
+            elif kind == "wait":
+                timeline.append(Event("wait", phase, arg))
+            elif self.present[r, arg]:
+                timeline.append(Event("call", phase, call=self._call(r, arg)))
+        return RankRun(self.kinds[r][0].group[self.kinds[r][0].rank], tuple(collectives), tuple(timeline),
+                       int(self.saved_bytes[r]))  # fmt: skip
+
+    def price(self, profile: Profile, compute: Compute) -> tuple[RankTime, ...]:
+        """Every rank's `RankTime`, as `rank_time` prices its run: the same two clocks, as arrays over the ranks."""
+        P, posts = self.P, [k for kind, _, _, k in self.events if kind == "post"]
+        per_kind = np.bincount(posts, minlength=len(self.kinds[0]))
+        durations = np.array([[collective_seconds(c, profile) for c in row] for row in self.kinds])  # (P, kinds)
+        per_pair = np.array([s.d + s.dv if s.direction == "forward" else 3 * s.d + 2 * s.dv for s in self.slots])
+        heads = np.array([s.hq for s in self.slots])
+        flops = np.where(self.present, 2 * self.work * heads * per_pair, 0)  # (P, slots)
+        seconds = compute.seconds_array(flops.astype(np.float64))
+        t, comm, exposed, busy = (np.zeros(P) for _ in range(4))
+        done: dict[int, np.ndarray] = {}
+        for kind, _, arg, k in self.events:
+            if kind == "post":
+                comm = np.maximum(t, comm) + durations[:, k]
+                done[arg] = comm
+            elif kind == "wait":
+                late = done[arg] > t
+                exposed = np.where(late, exposed + (done[arg] - t), exposed)
+                t = np.where(late, done[arg], t)
+            else:
+                busy, t = busy + seconds[:, arg], t + seconds[:, arg]
+        sent = [{lv: 0 for lv in LEVELS} for _ in range(P)]
+        for r, row in enumerate(self.kinds):
+            for k, c in enumerate(row):
+                for lv, n in link_bytes(c, profile.ranks_per_node).items():
+                    sent[r][lv] += int(per_kind[k]) * n
+        total_comm = durations @ per_kind
+        calls, total_flops = self.present.sum(axis=1), flops.sum(axis=1)
+        return tuple(RankTime(self.kinds[r][0].group[self.kinds[r][0].rank], float(busy[r]), float(total_comm[r]),
+                              float(exposed[r]), float(t[r]), sent[r], int(self.saved_bytes[r]), int(calls[r]),
+                              int(total_flops[r])) for r in range(P))  # fmt: skip
+
+
+def covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
+    """Whether `schedule` builds this candidate (the module docstring's list)."""
+    if P < 2 or layout not in SCALED_LAYOUTS or mask:
+        return False
+    if mode == "p2p":
+        return not options
+    if mode == "all_gather":
+        return not any(options.get(o) for o in ("overlap", "save_gathered_kv"))
+    if mode == "a2a+p2p":
+        return options.get("head_groups", 1) == 1 and 1 < options["a2a_size"] < P
+    return False
+
+
+def validate(mode: str, sharding: Any, heads: tuple[int, int, int, int], dtype: torch.dtype, options: dict) -> None:
+    """Refuse as `cpref.attention` refuses (the same checks, on meta tensors, nothing run)."""
+    from cpref.api import prepare
+    from sim.plan.dry import DryComm, TallyKernel, _Recorder
+
+    hq, hkv, d, dv = heads
+    t = sharding.local_tokens
+    q, k, v = (torch.empty(t, h, x, dtype=dtype, device="meta") for h, x in ((hq, d), (hkv, d), (hkv, dv)))
+    recorder = _Recorder()
+    prepare(q, k, v, sharding, comm=DryComm(0, range(sharding.cp_size), recorder), mode=mode,
+            kernel=TallyKernel(recorder), **options)  # fmt: skip
+
+
+def _saved(mode: str, P: int, local: int, heads, dtype: torch.dtype, options: dict) -> int:
+    from cpref.api import mode_costs
+
+    return mode_costs(mode, None, P=P, local_tokens=local, heads=tuple(heads), dtype=dtype, **options).saved_bytes
+
+
+def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
+             **options: Any) -> Schedule:  # fmt: skip
+    """Every rank of a covered candidate (`covers`), full causal.
+
+    Raises:
+        CPInputError: as `cpref.attention` refuses the call, naming the value.
+    """
+    validate(mode, sharding, heads, dtype, options)
+    b, P, layout, local = sharding.bounds, sharding.cp_size, sharding.layout, sharding.local_tokens
+    hq, hkv, d, dv = heads
+    f = compute_dtype(dtype)
+    ranks = range(P)
+    tl = _Template()
+    if mode == "all_gather":
+        group = tuple(ranks)
+        kinds = tuple((Collective("all_gather", group, r, (local, hkv, d), dtype),
+                       Collective("all_gather", group, r, (local, hkv, dv), dtype),
+                       Collective("reduce_scatter", group, r, (P * local, hkv, d), f),
+                       Collective("reduce_scatter", group, r, (P * local, hkv, dv), f)) for r in ranks)  # fmt: skip
+        for phase in ("forward", "backward"):
+            tl.phase = phase
+            tl.blocking(0)
+            tl.blocking(1)
+            tl.call(0 if phase == "forward" else 1)
+        tl.blocking(2)
+        tl.blocking(3)
+        slots = (Slot("forward", hq, hkv, d, dv), Slot("backward", hq, hkv, d, dv))
+        work, rows, kv = (np.repeat(x[:, None], 2, axis=1) for x in all_gather_calls(b, P, layout))
+        present = np.ones((P, 2), dtype=bool)
+        q_rows = np.full((P, 2), local, dtype=np.int64)
+    else:  # p2p, a2a+p2p: a ring of p ranks (after an exchange inside groups of a)
+        a = options.get("a2a_size", 1) if mode == "a2a+p2p" else 1
+        p = P // a
+        replicas = 1 if hkv % a == 0 else a // hkv
+        h_kv, h_q, rows_a = hkv * replicas // a, hq // a, a * local  # per rank after the exchange
+        grad_kv = f if replicas > 1 else dtype
+
+        def kinds_of(r: int) -> tuple[Collective, ...]:
+            g, j = divmod(r, a)
+            ring = tuple(j + a * i for i in range(p))
+            shifts = (Collective("send_recv", ring, g, (rows_a, h_kv, d + dv), dtype, 1),
+                      Collective("send_recv", ring, g, (rows_a, h_kv, d + dv), f, 1))  # fmt: skip
+            if a == 1:
+                return shifts
+            team = tuple(range(g * a, g * a + a))
+            exchange = [Collective("all_to_all", team, j, (rows_a, h, x), dt)
+                        for h, x, dt in ((h_q, d, dtype), (h_kv, d, dtype), (h_kv, dv, dtype), (h_q, dv, dtype),
+                                         (h_q, d, dtype), (h_kv, d, grad_kv), (h_kv, dv, grad_kv))]  # fmt: skip
+            return (*shifts, *exchange)  # kinds: 0, 1 the ring; 2 q, 3 k, 4 v, 5 out / dout, 6 dq, 7 dk, 8 dv
+
+        kinds = tuple(kinds_of(r) for r in ranks)
+        if a > 1:
+            for k in (2, 3, 4):
+                tl.blocking(k)
+        ring_template(tl, p, 0, 1, 0, "forward")
+        if a > 1:
+            tl.blocking(5)
+        tl.phase = "backward"
+        if a > 1:
+            tl.blocking(5)
+        ring_template(tl, p, 0, 1, p, "backward")
+        if a > 1:
+            for k in (6, 7, 8):
+                tl.blocking(k)
+        slots = (Slot("forward", h_q, h_kv, d, dv),) * p + (Slot("backward", h_q, h_kv, d, dv),) * p
+        w, rs, kvr = ring_steps(b, p, layout)
+        g = np.arange(P) // a  # each rank's place in its ring
+        work, rows, kv = (np.concatenate([x[g], x[g]], axis=1) for x in (w, rs, kvr))
+        present = work > 0
+        q_rows = np.full((P, 2 * p), rows_a, dtype=np.int64)
+    saved = np.full(P, _saved(mode, P, local, heads, dtype, options), dtype=np.int64)
+    return Schedule(P, tuple(tl.events), kinds, slots, work, q_rows, kv, rows, present, saved)
+
+
+def alike_runs(run: RankRun, P: int) -> list[RankRun]:
+    """Every rank's run from rank 0's, for a candidate whose ranks all do the same (`a2a` in the chunked layouts):
+    the same timeline and calls, each collective at the rank's own place in its group."""
+
+    def moved(c: Collective, r: int) -> Collective:
+        return replace(c, rank=c.group.index(r))
+
+    return [run if r == 0 else RankRun(r, tuple(moved(c, r) for c in run.collectives), run.timeline, run.saved_bytes)
+            for r in range(P)]  # fmt: skip
+
+
+def a2a_alike(mode: str, layout: str, mask: dict[str, Any]) -> bool:
+    """Whether every rank of the candidate does what rank 0 does: `a2a` in a chunked layout, with any mask (every rank
+    attends the whole batch on its heads, over the whole group)."""
+    return mode == "a2a" and layout in SCALED_LAYOUTS
+

@@ -1,0 +1,186 @@
+r"""Which mode? Every mode's predicted step from 8 to 1024 ranks, and where the best one changes.
+
+The [planner][sim.plan.planner] answers for one batch and one cluster. This page asks it the
+question a team sizing a long-context run asks first: **as the CP group grows, which mode wins,
+and where does that change?** It runs the planner for a 128k-token packed batch at
+$P = 8, 16, \dots, 1024$ on the two published [profiles][sim.plan.profile] (eight H100s per node
+over NVLink with InfiniBand across; eight Ascend 910Bs per node over HCCS with RoCE across), with
+the heads of a Llama-3-8B-like layer ($H_q = 32$, $H_{kv} = 8$, $D = 128$) and a Llama-3-70B-like
+one ($H_q = 64$, $H_{kv} = 8$), and keeps each mode's best candidate (its best layout and
+options) at every $P$. Everything below is computed when this site is built
+([`curves`][sim.plan.study.curves]); at $P = 1024$ the plans are [built at
+scale][sim.plan.scale], every rank of every candidate.
+
+{{ figure figures/study_h100.png }}
+
+{{ figure figures/study_910b.png }}
+
+## What the curves say
+
+* **Inside one node ($P = 8$) the fabric decides.** On the H100s the ring (`p2p`) wins, narrowly:
+  NVLink carries each shift behind its step, where Ulysses' (`a2a`) four blocking all-to-alls
+  each way stay exposed. On the 910Bs Ulysses wins by far: a ring shift goes over one HCCS link
+  (19 GB/s, the profile's `send_recv_bandwidth_GBps`), too slow to hide.
+* **From the first node boundary on ($P \ge 16$) `a2a+p2p` wins**, on both machines and for
+  both head counts, with `a2a_size` = 8 (the ranks of one node, USP's advice) or 4 up to 128
+  ranks: the all-to-alls stay inside a node and the ring across nodes has $P / a$ steps on
+  blocks $a$ times larger. Past 128 ranks larger groups win, spanning nodes: with a few hundred
+  tokens a rank, a ring of $P / 8$ steps pays each kernel call's fixed cost too often.
+* **Ulysses alone** is second from 16 ranks on (its all-to-alls cross nodes) and stops where
+  the heads do: at $P = H_q$ = 32 (8B-like) or 64 (70B-like).
+* **The ring and all-gather gain nothing past the first node boundary.** From 16 to 1024 ranks
+  their step never falls below four fifths of what it is at 16, where perfect scaling falls
+  64-fold. On a packed batch a ring step's work falls as $\sum_i L_i^2 / P^2$ (attention stays
+  inside documents) while every shift still moves $T / P$ tokens' K/V, now over InfiniBand or
+  RoCE; all-gather moves the whole stream's K/V each way whatever $P$ is.
+* **Nothing scales past about 64 ranks for 128k tokens.** The best step levels off (about 6 to
+  7.5 ms a layer on the H100s, 14 to 18 on the 910Bs) while perfect scaling keeps falling: at 2k
+  tokens a rank and fewer, the calls and messages are too small for their fixed costs. A longer
+  batch moves every crossover to the right.
+
+## Against published results
+
+* **USP** (Fang and Zhao 2024, [arXiv 2405.07719](https://arxiv.org/abs/2405.07719), section 3)
+  advises, for Llama-3-8B at 16-way sequence parallelism, "set the Ulysses degree to 8 and the
+  ring degree to 2". The planner's winner at 16 ranks for the 8B-like heads, on both machines,
+  is `a2a+p2p` with `a2a_size=8`: **agrees** (for the 70B-like heads on the H100s it picks 4).
+* **Ulysses against the ring inside one NVLink node.** The USP repository's README ("If the
+  head number is enough, Ulysses outperforms Ring-Attention", 8 A100s), EasyContext
+  ([issue 37](https://github.com/jzhang38/EasyContext/issues/37): Ulysses about 15 % faster on
+  8 A100s) and yunchang
+  ([issue 40](https://github.com/feifeibear/long-context-attention/issues/40): 60 ms against
+  over 100 ms, 8 heads) all put Ulysses first. The planner puts the ring a few percent ahead on
+  the H100s at $P = 8$: **disagrees**. What it leaves out is the ring's: each step's merge of
+  the partial output (an elementwise pass over the rank's output, $P$ times), host time
+  between the $2P$ calls, and the kernel's lower efficiency on split blocks (the zigzag ring at
+  about 85 % of the unsplit kernel in ring-flash-attention's benchmark on 8 H800s, as the USP
+  README quotes it); any one is larger than the margin. On the 910Bs, whose ring shifts are
+  slow, it puts Ulysses first.
+* **Megatron's guidance** (Megatron-Bridge's performance guide, "Long Sequence Training"):
+  `p2p` for small and medium CP, and for strong scaling at large CP "`a2a+p2p` ought to be the
+  preferred choice", where chunks become too short to hide the ring's transfers. **Agrees**:
+  `a2a+p2p` wins every P from two nodes on, and for one long document (the table below) the
+  ring ties it up to 16 ranks.
+* **Llama 3** ([arXiv 2407.21783](https://arxiv.org/abs/2407.21783), section 3.3.2) chose
+  all-gather CP for its 128k training: with GQA the exposed all-gather is small against
+  attention's $O(S^2)$. For one 128k document on eight H100s the planner puts all four modes
+  within 3 % of each other: **agrees**. It also shows where the argument stops: across nodes
+  (the all-gather over InfiniBand) and on packed batches, whose attention is $\sum_i L_i^2$, not
+  $T^2$, while the all-gather still moves all $T$ tokens.
+* **Meta's million-token inference** ([arXiv 2411.01783](https://arxiv.org/abs/2411.01783))
+  ran a pass-KV ring over 128 H100s in 16 nodes at 93 % parallel efficiency for a 1M-token
+  prefill. The planner's ring on one 1M document (forward and backward) keeps within a few
+  percent of perfect scaling from 8 to 128 ranks: **agrees**, as a ceiling (no host time, no
+  contention in the model).
+* **Head limits.** TransformerEngine's `a2a` needs the CP size to divide the key/value heads
+  (Megatron-Bridge's hierarchical-CP guide: "8 KV heads ... at most CP=8"); cpref replicates
+  key/value heads when the a2a group is a multiple of $H_{kv}$, so its Ulysses runs up to
+  $H_q$ ranks. The curves' `a2a` past 8 ranks, and `a2a+p2p` groups larger than 8, have no
+  TransformerEngine counterpart.
+* **Not compared:** NVIDIA's long-sequence tables (NeMo, Llama-2-7B in FP8 on H100s, CP up to
+  32, 536 to 610 TFLOP/s per GPU from 32k to 1M tokens) measure a whole model's step with
+  tensor parallelism and FP8, neither of which the planner models.
+
+## Assumptions
+
+* One packed batch of 131 072 tokens, documents drawn from `lognormal:8192,1.0`
+  ([`sim.plan.batches`][sim.plan.batches], seed 0); every layout pads each document to its
+  multiple ($2P$ tokens for zigzag: at $P = 1024$ a document of a few hundred tokens is padded
+  to 2048), as a real run would.
+* Full causal attention, bf16, forward and backward of one layer; the step is the slowest
+  rank's (the others wait for it at the next collective).
+* The candidates are those [built at scale][sim.plan.scale] at every $P$: `p2p`, `all_gather`
+  and `a2a+p2p` (every `a2a_size` dividing $P$) in the contiguous and zigzag layouts, and `a2a`
+  with and without head groups. `all_gather(overlap=True)`, `a2a+p2p` in head groups, and the
+  stream and balanced layouts are left out at every $P$, so that each curve compares the same
+  candidates throughout (the planner prices them by the dry run up to 32 ranks).
+* The [time model][sim.plan.model] and the profiles' published rates: no contention between a
+  rank's communication and its compute, no host time outside kernels and collectives, a
+  collective priced by the slowest link it crosses (at the node boundary of a ring, the
+  InfiniBand or RoCE hop), kernel calls on the profile's throughput curve.
+
+Example:
+    >>> from sim.plan.study import curves
+    >>> c = curves("h100-sxm", (32, 8, 128, 128), Ps=(8, 16))
+    >>> c.winners, c.crossovers
+    (('p2p', 'a2a+p2p'), ((8, 16, 'p2p', 'a2a+p2p'),))
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from sim.plan.batches import sample
+from sim.plan.planner import plan
+
+__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "curves", "best_per_mode",
+           "MODES_SHOWN"]
+
+STUDY_P = (8, 16, 32, 64, 128, 256, 512, 1024)
+MODELS = {"Llama-3-8B-like": (32, 8, 128, 128), "Llama-3-70B-like": (64, 8, 128, 128)}
+PROFILES = ("h100-sxm", "ascend-910b")
+MODES_SHOWN = ("a2a", "a2a+p2p", "p2p", "all_gather")
+
+
+def study_batch() -> tuple[int, ...]:
+    """The 128k-token packed batch of the study (module docstring)."""
+    return tuple(sample("lognormal:8192,1.0", tokens=131072, batches=1, seed=0)[0])
+
+
+@dataclass(frozen=True)
+class Point:
+    """A mode's best candidate at one P: its name, step, and the slowest rank's compute and exposed communication
+    (seconds); `decided_by`: the planner's words for the winner at this P."""
+
+    P: int
+    name: str
+    step: float
+    compute: float
+    exposed: float
+
+
+@dataclass(frozen=True)
+class Curves:
+    """Per mode, its best `Point` at each P of `Ps` (None: no candidate of the mode runs there); the winning mode per
+    P; `crossovers`: `(P before, P after, mode before, mode after)` where the winner changes; `decided_by` per P."""
+
+    profile: str
+    heads: tuple[int, int, int, int]
+    Ps: tuple[int, ...]
+    points: dict[str, tuple[Point | None, ...]]
+    winners: tuple[str, ...]
+    decided_by: tuple[str, ...]
+
+    @property
+    def crossovers(self) -> tuple[tuple[int, int, str, str], ...]:
+        """Where the winning mode changes between consecutive P."""
+        return tuple((p0, p1, w0, w1) for p0, p1, w0, w1 in zip(self.Ps, self.Ps[1:], self.winners, self.winners[1:])
+                     if w0 != w1)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def curves(profile: str, heads: tuple[int, int, int, int], Ps: tuple[int, ...] = STUDY_P) -> Curves:
+    """The study's curves for one profile and one head configuration (module docstring); cached, so that the page's
+    figures and table share one run."""
+    batch, points, winners, decided = study_batch(), {m: [] for m in MODES_SHOWN}, [], []
+    for P in Ps:
+        result = plan(batch, heads=heads, dtype="bfloat16", P=P, profile=profile, layouts=["contiguous", "zigzag"],
+                      dry_run_limit=1).kinds["full"]  # fmt: skip
+        for mode in MODES_SHOWN:
+            best = next((p for p in result.ranked if p.candidate.mode == mode), None)
+            points[mode].append(best and Point(P, best.name, best.step, best.slowest.compute, best.slowest.exposed))
+        winners.append(result.ranked[0].candidate.mode)
+        decided.append(result.decided_by)
+    return Curves(profile, tuple(heads), tuple(Ps), {m: tuple(v) for m, v in points.items()}, tuple(winners),
+                  tuple(decided))  # fmt: skip
+
+
+def best_per_mode(lengths: tuple[int, ...], heads: tuple[int, int, int, int], profile: str, P: int) -> dict[str, Point]:
+    """Each mode's best candidate for one batch at one P, with the study's candidates (fastest first)."""
+    result = plan(list(lengths), heads=heads, dtype="bfloat16", P=P, profile=profile, layouts=["contiguous", "zigzag"],
+                  dry_run_limit=1).kinds["full"]  # fmt: skip
+    best: dict[str, Point] = {}
+    for p in result.ranked:
+        best.setdefault(p.candidate.mode, Point(P, p.name, p.step, p.slowest.compute, p.slowest.exposed))
+    return best

@@ -1,0 +1,184 @@
+"""The plans at scale are the dry run's, rank by rank: `sim.plan.scale` against `sim.plan.dry` and the modes' plans.
+
+For every covered candidate (p2p, all_gather, a2a+p2p over contiguous and zigzag, full causal), P = 2 to 8, padded
+random batches, GQA and replicated key/value heads, bf16 and fp32: each rank's whole run (every post, wait and kernel
+call in order, every collective, the saved bytes) equals the dry run's, its priced step equals `rank_time`'s, and a
+refusal is the mode's own. The kernel calls' amounts equal the modes' own plans at larger P too. The planner builds
+these at any P without a dry run (counted), prices `a2a` from rank 0 alone (counted), and lists what it cannot price.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpref
+from cpref.base.errors import CPInputError
+from cpref.modes.all_gather_plan import build_all_gather_plan
+from cpref.modes.ring_plan import build_ring_plan
+from sim.plan import planner, scale
+from sim.plan.dry import dry_run
+from sim.plan.model import rank_time
+from sim.plan.profile import Compute, load_profile
+
+PROFILE = load_profile("h100-sxm")
+CASES = [(P, mode, options) for P in (2, 3, 4, 6, 8)
+         for mode, options in [("p2p", {}), ("all_gather", {})] + [("a2a+p2p", {"a2a_size": a}) for a in range(2, P)
+                                                                    if P % a == 0]]  # fmt: skip
+
+
+def batch(seed: int) -> tuple[int, ...]:
+    """One to four documents of 1 to 90 tokens: most need padding, some chunks hold none."""
+    rng = random.Random(seed)
+    return tuple(rng.randint(1, 90) for _ in range(rng.randint(1, 4)))
+
+
+def same_price(a, b) -> bool:
+    """Two `RankTime`s: equal counts, and times equal up to the order of a sum."""
+    return (a.rank, a.bytes, a.saved_bytes, a.calls, a.flops) == (b.rank, b.bytes, b.saved_bytes, b.calls, b.flops) and all(
+        math.isclose(getattr(a, f), getattr(b, f), rel_tol=1e-12, abs_tol=1e-18) for f in ("compute", "comm", "exposed", "step"))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [(8, 4, 16, 8), (4, 1, 8, 8), (8, 8, 8, 16)])
+@pytest.mark.parametrize("layout", scale.SCALED_LAYOUTS)
+@pytest.mark.parametrize("P, mode, options", CASES, ids=[f"P{P}-{m}-{o}" for P, m, o in CASES])
+def test_every_rank_runs_and_prices_as_the_dry_run(P, mode, options, layout, heads, dtype):
+    compute = PROFILE.kernel("bfloat16")
+    for seed in range(3):
+        sharding = planner._sharding(batch(seed), P, layout)
+        assert scale.covers(mode, layout, options, P, {})
+        try:
+            built = scale.schedule(mode, sharding, heads=heads, dtype=dtype, **options)
+        except CPInputError as refused:
+            with pytest.raises(CPInputError) as dry:
+                dry_run(mode, sharding, 0, heads=heads, dtype=dtype, **options)
+            assert str(refused) == str(dry.value)
+            continue
+        priced = built.price(PROFILE, compute)
+        for r in range(P):
+            run = dry_run(mode, sharding, r, heads=heads, dtype=dtype, **options)
+            assert built.run(r) == run, (seed, r)
+            assert same_price(priced[r], rank_time(run, PROFILE, compute)), (seed, r)
+
+
+def test_the_batches_reach_every_case_of_the_formulas():
+    """The sweep's batches reach what the formulas tell apart: zigzag steps without work, own steps that read the
+    front chunk twice and own steps that read the block as it is, padded and unpadded documents."""
+    seen = set()
+    for seed in range(3):
+        for P in (2, 3, 4, 6, 8):
+            b = planner._sharding(batch(seed), P, "zigzag").bounds
+            work, _, kv = scale.ring_steps(b, P, "zigzag")
+            own_whole = kv[:, 0] == b.total // P
+            seen |= {("no work", (work == 0).any()), ("selected", (~own_whole).any()), ("whole", own_whole.any()),
+                     ("padded", b.is_padded)}  # fmt: skip
+    assert {(what, True) for what in ("no work", "selected", "whole", "padded")} | {("padded", False)} <= seen
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=6), P=st.integers(2, 16),
+       layout=st.sampled_from(scale.SCALED_LAYOUTS))  # fmt: skip
+def test_the_call_amounts_are_the_modes_plans(lengths, P, layout):
+    """At up to 16 ranks, against the plans the modes run: every ring step's work, rows that see a key, key rows and
+    whether it makes a call; all_gather's one call."""
+    b = planner._sharding(tuple(lengths), P, layout).bounds
+    work, rows, kv = scale.ring_steps(b, P, layout)
+    for r in range(P):
+        for t, step in enumerate(build_ring_plan(b, P, r, layout, True, torch.device("cpu")).steps):
+            assert len(step.calls) == (work[r, t] > 0)
+            for call in step.calls:
+                assert (call.work, call.seqs.rows_seeing(call.causal)) == (work[r, t], rows[r, t])
+                assert kv[r, t] == (len(call.kv_index) if call.kv_index is not None else b.total // P)
+    work, rows, kv = scale.all_gather_calls(b, P, layout)
+    for r in range(P):
+        plan = build_all_gather_plan(b, P, r, layout, True, torch.device("cpu"))
+        assert (plan.seqs.work(True), plan.seqs.rows_seeing(True), len(plan.kv_rows)) == (work[r], rows[r], kv[r])
+
+
+@pytest.mark.parametrize("layout", scale.SCALED_LAYOUTS)
+@pytest.mark.parametrize("mask", [{}, {"window": (20, 0)}, {"chunk": 24}])
+@pytest.mark.parametrize("options", [{}, {"head_groups": 2}])
+def test_a2a_ranks_are_alike(layout, mask, options):
+    """Every rank of a2a runs rank 0's timeline, its collectives at its own place."""
+    sharding = planner._sharding(batch(2), 4, layout)
+    runs = scale.alike_runs(dry_run("a2a", sharding, 0, heads=(8, 8, 8, 8), dtype=torch.bfloat16, **mask, **options), 4)
+    assert scale.a2a_alike("a2a", layout, mask)
+    for r in range(4):
+        assert runs[r] == dry_run("a2a", sharding, r, heads=(8, 8, 8, 8), dtype=torch.bfloat16, **mask, **options)
+
+
+def test_a2a_is_not_alike_where_documents_stay_home():
+    assert not scale.a2a_alike("a2a", "stream", {}) and not scale.a2a_alike("a2a", "balanced", {})
+    assert not scale.a2a_alike("p2p", "zigzag", {})
+
+
+@pytest.mark.parametrize("mode, layout, options, mask", [
+    ("p2p", "stream", {}, {}), ("p2p", "zigzag", {}, {"window": (8, 0)}), ("p2p", "zigzag", {}, {"chunk": 8}),
+    ("all_gather", "zigzag", {"overlap": True}, {}), ("all_gather", "zigzag", {"save_gathered_kv": True}, {}),
+    ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {}), ("a2a", "zigzag", {}, {})])  # fmt: skip
+def test_what_is_not_covered(mode, layout, options, mask):
+    assert not scale.covers(mode, layout, options, 4, mask)
+
+
+def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
+    """At P = 1024 the covered candidates are built, none dry-run (counted); the rest are listed as not priced."""
+    calls = []
+    monkeypatch.setattr(planner, "dry_run", lambda *a, **k: calls.append(a) or pytest.fail("dry-run at P = 1024"))
+    result = planner.plan([8192] * 16, heads=(32, 8, 128, 128), dtype="bfloat16", P=1024, profile="h100-sxm",
+                          layouts=["zigzag", "stream"], modes=["p2p", "all_gather", "a2a+p2p"])  # fmt: skip
+    full = result.kinds["full"]
+    assert calls == []
+    assert {p.name for p in full.ranked} == {"p2p zigzag", "all_gather zigzag", "a2a+p2p zigzag a2a_size=2",
+                                             "a2a+p2p zigzag a2a_size=4", "a2a+p2p zigzag a2a_size=8",
+                                             "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32"}  # fmt: skip
+    assert all(len(p.ranks) == 1024 for p in full.ranked)
+    by_name = {c.name: c for c in planner.candidates(1024, ["p2p", "all_gather", "a2a+p2p"], ["zigzag", "stream"])}
+    listed = [p.name for p in full.ranked + full.refused + full.unpriced]
+    assert sorted(listed) == sorted(by_name)
+    for p in full.unpriced:
+        c = by_name[p.name]
+        assert not scale.covers(c.mode, c.layout, dict(c.options), 1024, {})
+    assert full.refused and all("cannot" in p.refused for p in full.refused)  # heads a2a_size 64 .. 512 cannot split
+    assert all("dry_run_limit = 32" in p.unpriced for p in full.unpriced)
+
+
+def test_a2a_at_scale_is_one_dry_run(monkeypatch):
+    calls = []
+    real = planner.dry_run
+    monkeypatch.setattr(planner, "dry_run", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    result = planner.plan([4096] * 4, heads=(256, 256, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
+                          layouts=["zigzag"], modes=["a2a"])  # fmt: skip
+    assert calls == [0, 0, 0]  # a2a, head groups 2 and 4: rank 0 each
+    assert [len(p.ranks) for p in result.kinds["full"].ranked] == [64, 64, 64]
+
+
+def test_nothing_priced_is_one_line():
+    with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
+        planner.plan([4096] * 4, heads=(8, 8, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
+                     layouts=["stream"], modes=["p2p"])  # fmt: skip
+
+
+@pytest.mark.parametrize("curve", [Compute(300e12, 2e10), Compute(1e12, 0, ((1e6, 1e10), (1e8, 5e10), (1e11, 8e10)))])
+def test_seconds_array_is_seconds(curve):
+    flops = np.array([[0, 1e5, 1e6, 3e7], [1e8, 2.5e9, 1e11, 7e12]])
+    assert curve.seconds_array(flops).tolist() == [[curve.seconds(x) for x in row] for row in flops.tolist()]
+
+
+def test_ring_steps_by_hand():
+    """One document of 10 real tokens padded to 12, zigzag over P = 2 (chunks of 3: 3, 3, 3, 1 real rows)."""
+    b = cpref.Sharding([0, 10], cp_size=2, layout="zigzag", cu_seqlens_padded=[0, 12]).bounds
+    work, rows, kv = scale.ring_steps(b, 2, "zigzag")
+    # rank 0 holds chunks 0 (3 real) and 3 (1 real); rank 1 chunks 1 and 2 (3 + 3)
+    # rank 0, own: 6 + 1 * 3 + 1 = 10; from rank 1 (s > r): the back (1 row) against chunks 1, 2: 6
+    # rank 1, own: 6 + 3 * 3 + 6 = 21; from rank 0 (s < r): both chunks (6 rows) against chunk 0: 18
+    assert work.tolist() == [[10, 6], [21, 18]]
+    assert rows.tolist() == [[4, 1], [6, 6]]
+    assert kv.tolist() == [[3 + 3 + 1, 6], [3 + 3 + 3, 6]]

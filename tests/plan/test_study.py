@@ -1,0 +1,81 @@
+"""What the "Which mode?" page says of its curves holds for the curves (`sim.plan.study`, as the site builds them).
+
+Each test is one bullet of the page's "What the curves say", checked on the four runs (two profiles, two models).
+The runs take half a minute, so the tests are `full` (make test-all); the module's doctest runs two P in make test.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sim.plan.study import MODELS, PROFILES, STUDY_P, curves
+
+pytestmark = pytest.mark.full
+RUNS = [(prof, model) for prof in PROFILES for model in MODELS]
+
+
+def run(prof: str, model: str):
+    return curves(prof, MODELS[model])
+
+
+def step(c, mode: str, P: int) -> float:
+    return c.points[mode][c.Ps.index(P)].step
+
+
+def a2a_size(name: str) -> int:
+    return int(re.search(r"a2a_size=(\d+)", name).group(1))
+
+
+@pytest.mark.parametrize("prof, model", RUNS)
+def test_inside_one_node_the_fabric_decides(prof, model):
+    c = run(prof, model)
+    assert c.Ps[0] == 8 and c.winners[0] == {"h100-sxm": "p2p", "ascend-910b": "a2a"}[prof]
+
+
+@pytest.mark.parametrize("prof, model", RUNS)
+def test_from_the_first_node_boundary_a2a_p2p_wins(prof, model):
+    c = run(prof, model)
+    assert all(w == "a2a+p2p" for w in c.winners[1:])
+    for P, point in zip(c.Ps, c.points["a2a+p2p"]):
+        if 16 <= P <= 128:
+            assert a2a_size(point.name) in (4, 8), point.name
+        elif P > 128:
+            assert a2a_size(point.name) > 8, point.name
+
+
+@pytest.mark.parametrize("prof, model", RUNS)
+def test_ulysses_is_second_and_stops_where_the_heads_do(prof, model):
+    c = run(prof, model)
+    hq = MODELS[model][0]
+    assert [P for P, p in zip(c.Ps, c.points["a2a"]) if p is not None] == [P for P in STUDY_P if P <= hq]
+    for P in (P for P in c.Ps if 16 <= P <= hq):
+        assert step(c, "a2a+p2p", P) < step(c, "a2a", P) < min(step(c, "p2p", P), step(c, "all_gather", P))
+
+
+@pytest.mark.parametrize("prof, model", RUNS)
+def test_the_ring_and_all_gather_gain_nothing_past_the_node_boundary(prof, model):
+    c = run(prof, model)
+    for mode in ("p2p", "all_gather"):
+        assert all(step(c, mode, P) >= 0.8 * step(c, mode, 16) for P in c.Ps if P >= 16), mode
+
+
+@pytest.mark.parametrize("prof, model", RUNS)
+def test_nothing_scales_past_64_ranks(prof, model):
+    c = run(prof, model)
+    best = [step(c, w, P) * 1e3 for P, w in zip(c.Ps, c.winners) if P >= 64]
+    low, high = {"h100-sxm": (6, 7.5), "ascend-910b": (13.5, 18)}[prof]  # the page's "about 6 to 7.5", "14 to 18"
+    assert all(low <= ms <= high for ms in best), best
+
+
+@pytest.mark.parametrize("prof", PROFILES)
+def test_usp_advice_at_16_ranks(prof):
+    c = run(prof, "Llama-3-8B-like")
+    assert a2a_size(c.points["a2a+p2p"][c.Ps.index(16)].name) == 8 and c.winners[c.Ps.index(16)] == "a2a+p2p"
+
+
+def test_the_ring_a_few_percent_ahead_of_ulysses_on_one_h100_node():
+    for model in MODELS:
+        c = run("h100-sxm", model)
+        assert 1.0 < step(c, "a2a", 8) / step(c, "p2p", 8) < 1.06
