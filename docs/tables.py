@@ -415,13 +415,31 @@ def study_single_documents() -> str:
         for P in (8, 16, 64, 128):
             best = best_per_mode((n,), MODELS["Llama-3-8B-like"], "h100-sxm", P)
             cells = [f"{best[m].step * 1e3:.1f} ms" if m in best else "-" for m in MODES_SHOWN]
-            lines.append(f"| {n // 1024}k tokens | {P} | " + " | ".join(cells) + " |")
+            size = f"{n // 1024}k" if n < 2**20 else f"{n // 2**20}M"
+            lines.append(f"| {size} tokens | {P} | " + " | ".join(cells) + " |")
     return ("The planner on one document of 128k and of 1M tokens, the H100 profile, Llama-3-8B-like heads (each "
             "mode's best candidate; `-`: none runs):\n\n" + "\n".join(lines))
 
 
+def study_whole_documents() -> str:
+    """Each mode's best in the chunked layouts against its best in stream or balanced, at 8 and 16 ranks."""
+    from sim.plan.study import MODELS, MODES_SHOWN, documents_kept_whole
+
+    lines = ["| P | mode | best in contiguous or zigzag | best in stream or balanced |", "| ---: | --- | --- | --- |"]
+    for P in (8, 16):
+        pairs = documents_kept_whole("h100-sxm", MODELS["Llama-3-8B-like"], P)
+        for mode in MODES_SHOWN:
+            if mode in pairs:
+                a, b = pairs[mode]
+                lines.append(f"| {P} | {mode} | {a.name} ({a.step * 1e3:.1f} ms) | {b.name} ({b.step * 1e3:.1f} ms) |")
+        lines.append(f"| {P} | **winner** | **{pairs['winner'][0].name}** ({pairs['winner'][0].step * 1e3:.1f} ms) | |")
+    return ("The planner with every layout on the study's batch (the H100 profile, Llama-3-8B-like heads), the stream "
+            "and balanced candidates dry-run on every rank:\n\n" + "\n".join(lines))
+
+
 TABLES = {
-    "mode-study.md": [("The winner at every P", study_winners), ("One long document", study_single_documents)],
+    "mode-study.md": [("The winner at every P", study_winners), ("One long document", study_single_documents),
+                      ("Documents kept whole, at 8 and 16 ranks", study_whole_documents)],
     "planner.md": [("An example: 128k tokens on two H100 nodes", planner_output)],
     "train.md": [("What the command printed", train_output)],
     "mode-spec.md": [("The modes, as they declare themselves", mode_declarations)],

@@ -17,6 +17,9 @@ scale][sim.plan.scale], every rank of every candidate.
 
 ## What the curves say
 
+In the contiguous and zigzag layouts (the [next section](#documents-kept-whole) says what the
+layouts that keep documents whole change):
+
 * **Inside one node ($P = 8$) the fabric decides.** On the H100s the ring (`p2p`) wins, narrowly:
   NVLink carries each shift behind its step, where Ulysses' (`a2a`) four blocking all-to-alls
   each way stay exposed. On the 910Bs Ulysses wins by far: a ring shift goes over one HCCS link
@@ -37,6 +40,22 @@ scale][sim.plan.scale], every rank of every candidate.
   7.5 ms a layer on the H100s, 14 to 18 on the 910Bs) while perfect scaling keeps falling: at 2k
   tokens a rank and fewer, the calls and messages are too small for their fixed costs. A longer
   batch moves every crossover to the right.
+
+## Documents kept whole
+
+The stream and balanced layouts keep most documents on one rank, so the modes move only the
+documents that span ranks ([`cpref.batch.balanced`][cpref.batch.balanced]). Their plans are
+built rank by rank, so the curves above leave them out; the planner prices them by the dry run
+up to 32 ranks. At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below,
+H100s, 8B-like heads), each mode's best candidate in them against its best in contiguous or
+zigzag:
+
+* inside one node, `all_gather` over balanced with `overlap=True` is the fastest candidate of
+  all: it gathers only the shared rows, behind the local call;
+* at 16 ranks `a2a+p2p` still wins, and faster over balanced than over zigzag;
+* the ring over balanced takes at most half its zigzag step at 16 ranks: it sends only the rows
+  of the documents that span ranks, so the "gain nothing past the node boundary" above is the
+  chunked layouts' verdict, not the ring's.
 
 ## Against published results
 
@@ -115,12 +134,13 @@ from sim.plan.batches import sample
 from sim.plan.planner import plan
 
 __all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "curves", "best_per_mode",
-           "MODES_SHOWN"]
+           "documents_kept_whole", "MODES_SHOWN", "WHOLE_LAYOUTS"]
 
 STUDY_P = (8, 16, 32, 64, 128, 256, 512, 1024)
 MODELS = {"Llama-3-8B-like": (32, 8, 128, 128), "Llama-3-70B-like": (64, 8, 128, 128)}
 PROFILES = ("h100-sxm", "ascend-910b")
 MODES_SHOWN = ("a2a", "a2a+p2p", "p2p", "all_gather")
+WHOLE_LAYOUTS = ("stream", "balanced")
 
 
 def study_batch() -> tuple[int, ...]:
@@ -184,3 +204,20 @@ def best_per_mode(lengths: tuple[int, ...], heads: tuple[int, int, int, int], pr
     for p in result.ranked:
         best.setdefault(p.candidate.mode, Point(P, p.name, p.step, p.slowest.compute, p.slowest.exposed))
     return best
+
+
+@functools.lru_cache(maxsize=4)
+def documents_kept_whole(profile: str, heads: tuple[int, int, int, int], P: int) -> dict[str, tuple[Point, Point]]:
+    """Per mode, its best candidate in the chunked layouts and its best in `WHOLE_LAYOUTS`, on the study's batch at
+    `P` with every candidate (dry-run where `sim.plan.scale` does not cover it): `(chunked, whole)`; the winner
+    overall under the key `"winner"` (both entries the same point)."""
+    result = plan(list(study_batch()), heads=heads, dtype="bfloat16", P=P, profile=profile).kinds["full"]
+    out: dict[str, tuple[Point, Point]] = {}
+    for mode in MODES_SHOWN:
+        pair = [next((p for p in result.ranked if p.candidate.mode == mode and (p.candidate.layout in WHOLE_LAYOUTS) == whole),
+                     None) for whole in (False, True)]  # fmt: skip
+        if all(pair):
+            out[mode] = tuple(Point(P, p.name, p.step, p.slowest.compute, p.slowest.exposed) for p in pair)
+    w = result.ranked[0]
+    out["winner"] = (Point(P, w.name, w.step, w.slowest.compute, w.slowest.exposed),) * 2
+    return out

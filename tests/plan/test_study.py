@@ -79,3 +79,16 @@ def test_the_ring_a_few_percent_ahead_of_ulysses_on_one_h100_node():
     for model in MODELS:
         c = run("h100-sxm", model)
         assert 1.0 < step(c, "a2a", 8) / step(c, "p2p", 8) < 1.06
+
+
+def test_documents_kept_whole_at_8_and_16_ranks():
+    """The page's "Documents kept whole": all_gather balanced with overlap wins inside a node; at 16 ranks a2a+p2p
+    wins, faster over balanced than zigzag; the ring over balanced takes at most half its zigzag step."""
+    from sim.plan.study import documents_kept_whole
+
+    heads = MODELS["Llama-3-8B-like"]
+    at8, at16 = (documents_kept_whole("h100-sxm", heads, P) for P in (8, 16))
+    assert at8["winner"][0].name == "all_gather balanced overlap=True"
+    assert at16["winner"][0].name.startswith("a2a+p2p balanced")
+    assert at16["a2a+p2p"][1].step < at16["a2a+p2p"][0].step
+    assert at16["p2p"][1].name == "p2p balanced" and at16["p2p"][1].step <= 0.5 * at16["p2p"][0].step
