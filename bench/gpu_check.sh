@@ -11,7 +11,10 @@
 #   4. `bench.determinism` on the GPU in bf16 and fp16: every mode and layout on the simulated
 #      cluster at CP = 2 and 4 (the ranks share the GPU, flash per rank) against the FP64 oracle,
 #      two steps with deterministic=True bitwise equal, and what the flag costs;
-#   5. last, on the machine's CPU cores (not the GPU): `bench.scaling` at CP = 4 over gloo, four
+#   5. the planner's H100 profile against this GPU: `python -m sim plan --check-kernel h100-sxm` times CudaKernel
+#      in bf16 on single causal documents (32 heads of 128, 1k to 16k tokens), each call beside the profile's
+#      prediction, and the fitted curve beside the profile's (sim.plan.calibrate);
+#   6. last, on the machine's CPU cores (not the GPU): `bench.scaling` at CP = 4 over gloo, four
 #      processes of one thread, one 8k document and a packed mix, full causal: the performance
 #      goals that two cores cannot judge (efficiency against the machine, comm wait, each ring
 #      shift with a call to hide behind, the hierarchy in head groups). Skipped below 8 cores.
@@ -37,6 +40,7 @@ step kernel-bf16 "$PY" -m bench.kernel --device cuda --dtype bf16
 step kernel-fp16 "$PY" -m bench.kernel --device cuda --dtype fp16
 step determinism-bf16 "$PY" -m bench.determinism --device cuda --dtype bf16
 step determinism-fp16 "$PY" -m bench.determinism --device cuda --dtype fp16
+step plan-kernel "$PY" -m sim plan --check-kernel h100-sxm --device cuda --dtype bf16
 if [ "$(nproc)" -ge 8 ]; then
   step scaling-cp4 "$PY" -m bench.scaling --cp 4 --heads 8 --tokens 8192 --window none
 else

@@ -21,11 +21,21 @@ seconds here:
 
 The file records what was measured where: the CPU, torch's version and the date, next to each
 figure, as a published profile records its sources.
+
+**A profile's kernel, checked on its device.** A published profile's curve comes from papers; on
+the machine it describes, `python -m sim plan --check-kernel h100-sxm --device cuda --dtype bf16`
+([`check_kernel`][sim.plan.calibrate.check_kernel]) times the device's default kernel
+(`CudaKernel` on a GPU) on single causal documents with a model's heads (32 heads of 128 by
+default, 1024 to 16384 tokens), forward and backward, and prints each call's measured time beside
+the one the profile predicts for it, their ratio, and the line the measured pairs fit
+($R_\infty$, $F_{1/2}$, as above) beside the profile's. `bench/gpu_check.sh` runs it. On a CPU
+it runs `TorchKernel` the same way.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import platform
 import time
@@ -36,7 +46,7 @@ import torch
 from sim.plan.dry import KernelCall
 from sim.plan.profile import PROFILES, Compute
 
-__all__ = ["calibrate", "fit_line"]
+__all__ = ["calibrate", "fit_line", "kernel_points", "check_kernel"]
 
 SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
 LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
@@ -62,6 +72,67 @@ def _fastest(fn, repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _timed(fn, device: torch.device, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs of `fn`, the device's queue drained before and after each (a GPU's calls are
+    asynchronous)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def kernel_points(kernel, *, device: str | torch.device, dtype: torch.dtype, heads: int, dim: int,
+                  lengths: list[int], repeats: int = 3, seed: int = 0) -> list[tuple[KernelCall, float]]:  # fmt: skip
+    """`(call, seconds)` of `kernel`'s forward and backward on one causal document of each length, with `heads` heads of
+    `dim` (the fastest of `repeats`, after one warm-up call each way), in `dtype` on `device`."""
+    from cpref.kernels import Varlen
+
+    device, out_points = torch.device(device), []
+    g = torch.Generator(device=device).manual_seed(seed)
+    for n in lengths:
+        q, k, v, do = (torch.randn(n, heads, dim, generator=g, device=device, dtype=dtype) for _ in range(4))
+        seqs, scale = Varlen([0, n]), dim**-0.5
+        out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale)
+        forward = functools.partial(kernel.forward, q, k, v, seqs, causal=True, scale=scale)
+        backward = functools.partial(kernel.backward, do, q, k, v, out, lse, seqs, causal=True, scale=scale)
+        backward()  # warm, as the forward above
+        t_f, t_b = _timed(forward, device, repeats), _timed(backward, device, repeats)
+        work = seqs.work(True)
+        out_points += [(KernelCall(d, work, n, n, heads, heads, dim, dim), t) for d, t in (("forward", t_f), ("backward", t_b))]
+    return out_points
+
+
+def check_kernel(profile: str, *, device: str = "cuda", dtype: str = "bfloat16", heads: int = 32, dim: int = 128,
+                 lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384), repeats: int = 3) -> dict:  # fmt: skip
+    """The device's default kernel timed against `profile`'s curve in `dtype` (module docstring).
+
+    Returns:
+        `{"rows": [{"tokens", "direction", "gflop", "measured_s", "predicted_s", "ratio"}], "fit": {"peak_tflops",
+        "half_size_gflop"}, "profile": {the same two of the profile}}`; `ratio` = measured / predicted.
+    """
+    from cpref.base.errors import CPInputError
+    from cpref.kernels.cuda_kernel import default_kernel
+    from sim.plan.profile import load_profile
+
+    if len(set(lengths)) < 2:
+        raise CPInputError(f"lengths={list(lengths)}: give two lengths or more, through which the curve's line is fitted")
+    compute = load_profile(profile).kernel(dtype)
+    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    points = kernel_points(default_kernel(torch.device(device)), device=device, dtype=dt, heads=heads, dim=dim,
+                           lengths=list(lengths), repeats=repeats)  # fmt: skip
+    rows = [{"tokens": c.q_rows, "direction": c.direction, "gflop": c.flops / 1e9, "measured_s": t,
+             "predicted_s": compute.call_seconds(c), "ratio": t / compute.call_seconds(c)} for c, t in points]  # fmt: skip
+    pairs = [(points[i][0].flops + points[i + 1][0].flops, points[i][1] + points[i + 1][1]) for i in range(0, len(points), 2)]
+    overhead, per_flop = fit_line([f for f, _ in pairs], [t for _, t in pairs])
+    return {"rows": rows, "fit": {"peak_tflops": 1 / per_flop / 1e12, "half_size_gflop": overhead / 2 / per_flop / 1e9},
+            "profile": {"peak_tflops": compute.peak / 1e12, "half_size_gflop": compute.half_size / 1e9}}
 
 
 def _link(comm, nbytes: int) -> tuple[float, float]:

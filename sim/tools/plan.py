@@ -13,7 +13,8 @@ as one JSON object.
 `--sample lognormal:4096,1.0 --tokens 131072 --batches 4` draws them instead
 ([`sim.plan.batches`][sim.plan.batches]), and ranks by the mean step over the batches.
 `--calibrate` measures this machine instead and writes the `this-machine` profile
-([`sim.plan.calibrate`][sim.plan.calibrate]). `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
+([`sim.plan.calibrate`][sim.plan.calibrate]); `--check-kernel PROFILE --device cuda` times the device's kernel against
+a profile's curve. `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
 file written as [`sim.plan.profile`][sim.plan.profile] describes.
 
 Any P: full causal `p2p`, `all_gather` and `a2a+p2p` in the contiguous and zigzag layouts are built for every
@@ -89,6 +90,9 @@ def parser(prog: str) -> Parser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about 15 s) and write the "
                    "this-machine profile to --out")
     p.add_argument("--out", default=None, help="where --calibrate writes (default: the shipped profiles' folder)")
+    p.add_argument("--check-kernel", metavar="PROFILE", default=None, help="instead: time the default kernel on "
+                   "--device against PROFILE's curve in --dtype (the heads of --heads, default 32,32,128)")
+    p.add_argument("--device", default="cuda", help="--check-kernel's device (default cuda)")
     return p
 
 
@@ -139,6 +143,33 @@ def table(result, top: int) -> str:
     return "\n".join(lines)
 
 
+def _check_kernel(prog: str, args) -> int:
+    """`--check-kernel PROFILE`: each call's measured time beside the profile's prediction, and the fitted curve."""
+    import torch
+
+    from cpref.base.errors import CPInputError
+    from sim.plan.calibrate import check_kernel
+
+    dtype = SHORT.get(DTYPE_ALIASES.get(args.dtype, args.dtype), args.dtype)
+    hq, _, d, _ = args.heads or (32, 32, 128, 128)
+    try:
+        torch.empty(0, device=args.device)
+        result = check_kernel(args.check_kernel, device=args.device, dtype=dtype, heads=hq, dim=d)
+    except (CPInputError, RuntimeError, KeyError) as exc:
+        return fail(prog, f"--check-kernel {args.check_kernel} on --device {args.device} in {dtype}: {exc}")
+    lines = [f"{args.check_kernel}'s {dtype} curve against the default kernel on {args.device} ({hq} heads of {d}, one "
+             "causal document a call)", "", "| tokens | pass | GFLOP | measured ms | predicted ms | measured / predicted |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(f"| {r['tokens']} | {r['direction']} | {r['gflop']:.2f} | {r['measured_s'] * 1e3:.3f} | "
+                     f"{r['predicted_s'] * 1e3:.3f} | {r['ratio']:.2f} |")  # fmt: skip
+    fit, prof = result["fit"], result["profile"]
+    lines += ["", f"fitted: peak {fit['peak_tflops']:.3g} TFLOP/s, half size {fit['half_size_gflop']:.3g} GFLOP a call; "
+                  f"the profile: {prof['peak_tflops']:.3g} TFLOP/s, {prof['half_size_gflop']:.3g} GFLOP"]  # fmt: skip
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") -> int:
     """Plan, print the tables (or JSON); 2 with a one-line error for bad input."""
     from cpref.base.errors import CPInputError
@@ -161,6 +192,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
         print(f"wrote {out}: link {intra['bandwidth_GBps']} GB/s (a ring shift {intra['send_recv_bandwidth_GBps']} GB/s), "
               f"latency {intra['latency_us']} us; TorchKernel float32 up to {kernel['peak_tflops'] * 1e3:.1f} GFLOP/s")
         return 0
+    if args.check_kernel:
+        return _check_kernel(prog, args)
     missing = [f"--{name}" for name in ("heads", "cp") if getattr(args, name) is None]
     if (args.lengths is None) == (args.sample is None):
         missing.insert(0, "one of --lengths and --sample")

@@ -170,3 +170,40 @@ def test_the_command_line_lists_what_it_did_not_price_and_takes_the_limit(capsys
     with pytest.raises(SystemExit) as parse:
         cli.main([*argv, "--dry-run-limit", "0"])
     assert parse.value.code == 2 and "--dry-run-limit" in capsys.readouterr().err
+
+
+def test_check_kernel_times_each_call_beside_the_profiles_prediction():
+    """`check_kernel` on the CPU (the GPU runs the same code with CudaKernel): one forward and one backward call per
+    length, each with the time the profile predicts for exactly that call, the ratio, and the fitted curve."""
+    from sim.plan.calibrate import check_kernel
+    from sim.plan.dry import KernelCall
+    from sim.plan.profile import load_profile
+
+    result = check_kernel("h100-sxm", device="cpu", dtype="float32", heads=2, dim=16, lengths=(64, 128), repeats=1)
+    compute = load_profile("h100-sxm").kernel("float32")
+    assert [(r["tokens"], r["direction"]) for r in result["rows"]] == [(64, "forward"), (64, "backward"),
+                                                                        (128, "forward"), (128, "backward")]  # fmt: skip
+    for r in result["rows"]:
+        n = r["tokens"]
+        call = KernelCall(r["direction"], n * (n + 1) // 2, n, n, 2, 2, 16, 16)
+        assert r["predicted_s"] == compute.call_seconds(call) and r["gflop"] == call.flops / 1e9
+        assert r["measured_s"] > 0 and r["ratio"] == r["measured_s"] / r["predicted_s"]
+    assert result["profile"] == {"peak_tflops": 15.0, "half_size_gflop": 2.5}
+    assert result["fit"]["peak_tflops"] > 0
+    with pytest.raises(CPInputError, match=r"lengths=\[64\]: give two lengths or more"):
+        check_kernel("h100-sxm", device="cpu", dtype="float32", lengths=(64,))
+
+
+def test_check_kernel_on_the_command_line_and_its_refusals(capsys, monkeypatch):
+    from sim.plan import calibrate
+
+    real = calibrate.check_kernel
+    monkeypatch.setattr(calibrate, "check_kernel", lambda *a, **k: real(*a, **{**k, "lengths": (64, 96), "repeats": 1}))
+    assert cli.main(["--check-kernel", "h100-sxm", "--device", "cpu", "--dtype", "fp32", "--heads", "2,2,16"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64 | forward |" in out and "| 64 | backward |" in out and "the profile: 15 TFLOP/s, 2.5 GFLOP" in out
+    assert cli.main(["--check-kernel", "h100-sxm", "--device", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert "--device nowhere" in err and err.count("\n") == 1
+    assert cli.main(["--check-kernel", "tpu", "--device", "cpu"]) == 2
+    assert "unknown profile 'tpu'" in capsys.readouterr().err
