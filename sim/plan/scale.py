@@ -20,8 +20,8 @@ and plays every rank's timeline at once, the two clocks of [`rank_time`][sim.pla
 as arrays over the ranks ([`Schedule.price`][sim.plan.scale.Schedule.price]).
 
 **Covered:** full causal attention (no window, no chunk) in the contiguous and zigzag layouts,
-for `p2p`, `all_gather` (without `overlap` or `save_gathered_kv`) and `a2a+p2p` (without
-`head_groups`): the chunked layouts, whose plans are sums over each document's chunks. There, with
+for `p2p`, `all_gather` (without `overlap` or `save_gathered_kv`) and `a2a+p2p` (with or
+without `head_groups`): the chunked layouts, whose plans are sums over each document's chunks. There, with
 every document cut into $2P$ (zigzag) or $P$ (contiguous) chunks of $c_i$ rows of which
 $R_i[j] = \min(c_i, \max(0, n_i - j c_i))$ are real, the ring's step $t$ on rank $r$ holds the
 block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$, $b = 2P - 1 - r$):
@@ -199,6 +199,31 @@ def ring_template(tl: _Template, p: int, kv: int, dkv: int, first_slot: int, pha
     tl.wait(grads)
 
 
+def _grouped_template(tl: _Template, n: int, p: int) -> None:
+    """`a2a+p2p` in `n` head groups (`cpref.modes.hierarchical`): every group's q, k, v exchange posted at once; each
+    group waited for, its ring run, its output posted; then every output waited for. Backward: every group's dout
+    posted; each waited for, its ring backward run, its dq, dk, dv posted; then waited for, dq's of every group
+    first, then dk's, then dv's."""
+    posted = [[tl.post(k) for k in (2, 3, 4)] for _ in range(n)]
+    outs = []
+    for c in range(n):
+        for index in posted[c]:
+            tl.wait(index)
+        ring_template(tl, p, 0, 1, c * p, "forward")
+        outs.append(tl.post(5))
+    for index in outs:
+        tl.wait(index)
+    tl.phase = "backward"
+    douts, grads = [tl.post(5) for _ in range(n)], []
+    for c in range(n):
+        tl.wait(douts[c])
+        ring_template(tl, p, 0, 1, (n + c) * p, "backward")
+        grads.append([tl.post(k) for k in (6, 7, 8)])
+    for kind in range(3):
+        for c in range(n):
+            tl.wait(grads[c][kind])
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Every rank of one candidate: the shared timeline, each rank's collectives by kind, its calls' amounts.
@@ -285,7 +310,7 @@ def covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[s
     if mode == "all_gather":
         return not any(options.get(o) for o in ("overlap", "save_gathered_kv"))
     if mode == "a2a+p2p":
-        return options.get("head_groups", 1) == 1 and 1 < options["a2a_size"] < P
+        return 1 < options["a2a_size"] < P
     return False
 
 
@@ -338,11 +363,12 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
         work, rows, kv = (np.repeat(x[:, None], 2, axis=1) for x in all_gather_calls(b, P, layout))
         present = np.ones((P, 2), dtype=bool)
         q_rows = np.full((P, 2), local, dtype=np.int64)
-    else:  # p2p, a2a+p2p: a ring of p ranks (after an exchange inside groups of a)
+    else:  # p2p, a2a+p2p: a ring of p ranks (after an exchange inside groups of a), in n head groups
         a = options.get("a2a_size", 1) if mode == "a2a+p2p" else 1
+        n = options.get("head_groups", 1) if mode == "a2a+p2p" else 1
         p = P // a
         replicas = 1 if hkv % a == 0 else a // hkv
-        h_kv, h_q, rows_a = hkv * replicas // a, hq // a, a * local  # per rank after the exchange
+        h_kv, h_q, rows_a = hkv * replicas // (a * n), hq // (a * n), a * local  # per rank and head group
         grad_kv = f if replicas > 1 else dtype
 
         def kinds_of(r: int) -> tuple[Collective, ...]:
@@ -359,25 +385,28 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
             return (*shifts, *exchange)  # kinds: 0, 1 the ring; 2 q, 3 k, 4 v, 5 out / dout, 6 dq, 7 dk, 8 dv
 
         kinds = tuple(kinds_of(r) for r in ranks)
-        if a > 1:
-            for k in (2, 3, 4):
-                tl.blocking(k)
-        ring_template(tl, p, 0, 1, 0, "forward")
-        if a > 1:
-            tl.blocking(5)
-        tl.phase = "backward"
-        if a > 1:
-            tl.blocking(5)
-        ring_template(tl, p, 0, 1, p, "backward")
-        if a > 1:
-            for k in (6, 7, 8):
-                tl.blocking(k)
-        slots = (Slot("forward", h_q, h_kv, d, dv),) * p + (Slot("backward", h_q, h_kv, d, dv),) * p
+        if n == 1:  # every exchange blocking, around one ring
+            if a > 1:
+                for k in (2, 3, 4):
+                    tl.blocking(k)
+            ring_template(tl, p, 0, 1, 0, "forward")
+            if a > 1:
+                tl.blocking(5)
+            tl.phase = "backward"
+            if a > 1:
+                tl.blocking(5)
+            ring_template(tl, p, 0, 1, p, "backward")
+            if a > 1:
+                for k in (6, 7, 8):
+                    tl.blocking(k)
+        else:
+            _grouped_template(tl, n, p)
+        slots = (Slot("forward", h_q, h_kv, d, dv),) * (n * p) + (Slot("backward", h_q, h_kv, d, dv),) * (n * p)
         w, rs, kvr = ring_steps(b, p, layout)
         g = np.arange(P) // a  # each rank's place in its ring
-        work, rows, kv = (np.concatenate([x[g], x[g]], axis=1) for x in (w, rs, kvr))
+        work, rows, kv = (np.concatenate([x[g]] * (2 * n), axis=1) for x in (w, rs, kvr))
         present = work > 0
-        q_rows = np.full((P, 2 * p), rows_a, dtype=np.int64)
+        q_rows = np.full((P, 2 * n * p), rows_a, dtype=np.int64)
     saved = np.full(P, _saved(mode, P, local, heads, dtype, options), dtype=np.int64)
     return Schedule(P, tuple(tl.events), kinds, slots, work, q_rows, kv, rows, present, saved)
 

@@ -109,10 +109,11 @@ zigzag:
 * Full causal attention, bf16, forward and backward of one layer; the step is the slowest
   rank's (the others wait for it at the next collective).
 * The candidates are those [built at scale][sim.plan.scale] at every $P$: `p2p`, `all_gather`
-  and `a2a+p2p` (every `a2a_size` dividing $P$) in the contiguous and zigzag layouts, and `a2a`
-  with and without head groups. `all_gather(overlap=True)`, `a2a+p2p` in head groups, and the
+  and `a2a+p2p` (every `a2a_size` dividing $P$, with and without head groups) in the contiguous
+  and zigzag layouts, and `a2a` with and without head groups. `all_gather(overlap=True)` and the
   stream and balanced layouts are left out at every $P$, so that each curve compares the same
-  candidates throughout (the planner prices them by the dry run up to 32 ranks).
+  candidates throughout (the planner prices them by the dry run up to 32 ranks; the section
+  "Documents kept whole" compares them at 8 and 16).
 * The [time model][sim.plan.model] and the profiles' published rates: no contention between a
   rank's communication and its compute, no host time outside kernels and collectives, a
   collective priced by the slowest link it crosses (at the node boundary of a ring, the

@@ -29,8 +29,9 @@ from sim.plan.profile import Compute, load_profile
 
 PROFILE = load_profile("h100-sxm")
 CASES = [(P, mode, options) for P in (2, 3, 4, 6, 8)
-         for mode, options in [("p2p", {}), ("all_gather", {})] + [("a2a+p2p", {"a2a_size": a}) for a in range(2, P)
-                                                                    if P % a == 0]]  # fmt: skip
+         for mode, options in [("p2p", {}), ("all_gather", {})] + [("a2a+p2p", {"a2a_size": a, **hg})
+                                                                    for a in range(2, P) if P % a == 0
+                                                                    for hg in ({}, {"head_groups": 2})]]  # fmt: skip
 
 
 def batch(seed: int) -> tuple[int, ...]:
@@ -123,7 +124,7 @@ def test_a2a_is_not_alike_where_documents_stay_home():
 @pytest.mark.parametrize("mode, layout, options, mask", [
     ("p2p", "stream", {}, {}), ("p2p", "zigzag", {}, {"window": (8, 0)}), ("p2p", "zigzag", {}, {"chunk": 8}),
     ("all_gather", "zigzag", {"overlap": True}, {}), ("all_gather", "zigzag", {"save_gathered_kv": True}, {}),
-    ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {}), ("a2a", "zigzag", {}, {})])  # fmt: skip
+    ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {"window": (8, 0)}), ("a2a", "zigzag", {}, {})])  # fmt: skip
 def test_what_is_not_covered(mode, layout, options, mask):
     assert not scale.covers(mode, layout, options, 4, mask)
 
@@ -138,7 +139,9 @@ def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     assert calls == []
     assert {p.name for p in full.ranked} == {"p2p zigzag", "all_gather zigzag", "a2a+p2p zigzag a2a_size=2",
                                              "a2a+p2p zigzag a2a_size=4", "a2a+p2p zigzag a2a_size=8",
-                                             "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32"}  # fmt: skip
+                                             "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32",
+                                             "a2a+p2p zigzag a2a_size=2 head_groups=2",
+                                             "a2a+p2p zigzag a2a_size=4 head_groups=2"}  # fmt: skip
     assert all(len(p.ranks) == 1024 for p in full.ranked)
     by_name = {c.name: c for c in planner.candidates(1024, ["p2p", "all_gather", "a2a+p2p"], ["zigzag", "stream"])}
     listed = [p.name for p in full.ranked + full.refused + full.unpriced]
