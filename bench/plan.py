@@ -20,7 +20,6 @@ import time
 import torch
 
 from cpref.base.errors import CPInputError
-
 from sim.plan import scale
 from sim.plan.dry import dry_run
 from sim.plan.model import rank_time

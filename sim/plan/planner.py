@@ -293,9 +293,12 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         ranked = tuple(sorted((p for p in preds if p.ranks), key=_order))
         refused = tuple(p for p in preds if p.refused)
         unpriced = tuple(p for p in preds if p.unpriced)
+        if not ranked and unpriced:
+            raise CPInputError(f"no candidate is priced for {kind} layers at P = {P} with heads {tuple(heads)} "
+                               f"({len(refused)} refused by their modes, {len(unpriced)} not priced): "
+                               f"{unpriced[0].name}: {unpriced[0].unpriced}")  # fmt: skip
         if not ranked:
-            first = (refused or unpriced)[0]
-            raise CPInputError(f"no candidate {'runs' if refused else 'is priced for'} {kind} layers at P = {P} with "
-                               f"heads {tuple(heads)}: {first.name}: {first.refused or first.unpriced}")  # fmt: skip
+            raise CPInputError(f"no candidate runs {kind} layers at P = {P} with heads {tuple(heads)}: "
+                               f"{refused[0].name}: {refused[0].refused}")  # fmt: skip
         result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked), unpriced)
     return result

@@ -130,11 +130,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from sim.plan.batches import sample
 from sim.plan.planner import plan
+from sim.plan.profile import Profile, load_profile
 
-__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "curves", "best_per_mode",
+__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "scan", "curves", "best_per_mode",
            "documents_kept_whole", "MODES_SHOWN", "WHOLE_LAYOUTS"]
 
 STUDY_P = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -180,21 +182,37 @@ class Curves:
                      if w0 != w1)  # fmt: skip
 
 
+def scan(lengths, *, heads: tuple[int, int, int, int], dtype: str, Ps: tuple[int, ...], profile: str | Profile,
+         **planner: Any) -> dict[str, Curves]:  # fmt: skip
+    """Each layer kind's `Curves` over `Ps`: the planner (`sim.plan.plan`, its other arguments in `planner`) at every
+    P, each mode's best candidate kept. A P where no candidate of a kind runs, or a P the planner refuses, raises
+    as the planner does; a mode none of whose candidates runs at a P has None there.
+
+    Raises:
+        CPInputError: as `plan` refuses, naming the value (and the P).
+    """
+    profile = profile if isinstance(profile, Profile) else load_profile(profile)
+    rows: dict[str, list] = {}
+    for P in Ps:
+        for kind, kp in plan(lengths, heads=heads, dtype=dtype, P=P, profile=profile, **planner).kinds.items():
+            best = {mode: next((p for p in kp.ranked if p.candidate.mode == mode), None) for mode in MODES_SHOWN}
+            rows.setdefault(kind, []).append((best, kp.ranked[0].candidate.mode, kp.decided_by))
+    out = {}
+    for kind, per_P in rows.items():
+        points = {mode: tuple(b[mode] and Point(P, b[mode].name, b[mode].step, b[mode].slowest.compute,
+                                                b[mode].slowest.exposed) for P, (b, _, _) in zip(Ps, per_P))
+                  for mode in MODES_SHOWN}  # fmt: skip
+        out[kind] = Curves(profile.name, tuple(heads), tuple(Ps), points, tuple(w for _, w, _ in per_P),
+                           tuple(d for _, _, d in per_P))  # fmt: skip
+    return out
+
+
 @functools.lru_cache(maxsize=8)
 def curves(profile: str, heads: tuple[int, int, int, int], Ps: tuple[int, ...] = STUDY_P) -> Curves:
-    """The study's curves for one profile and one head configuration (module docstring); cached, so that the page's
-    figures and table share one run."""
-    batch, points, winners, decided = study_batch(), {m: [] for m in MODES_SHOWN}, [], []
-    for P in Ps:
-        result = plan(batch, heads=heads, dtype="bfloat16", P=P, profile=profile, layouts=["contiguous", "zigzag"],
-                      dry_run_limit=1).kinds["full"]  # fmt: skip
-        for mode in MODES_SHOWN:
-            best = next((p for p in result.ranked if p.candidate.mode == mode), None)
-            points[mode].append(best and Point(P, best.name, best.step, best.slowest.compute, best.slowest.exposed))
-        winners.append(result.ranked[0].candidate.mode)
-        decided.append(result.decided_by)
-    return Curves(profile, tuple(heads), tuple(Ps), {m: tuple(v) for m, v in points.items()}, tuple(winners),
-                  tuple(decided))  # fmt: skip
+    """The study's curves for one profile and one head configuration (module docstring): `scan` of the study's batch
+    with its candidates; cached, so that the page's figures and table share one run."""
+    return scan(list(study_batch()), heads=heads, dtype="bfloat16", Ps=Ps, profile=profile,
+                layouts=["contiguous", "zigzag"], dry_run_limit=1)["full"]  # fmt: skip
 
 
 def best_per_mode(lengths: tuple[int, ...], heads: tuple[int, int, int, int], profile: str, P: int) -> dict[str, Point]:

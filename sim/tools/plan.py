@@ -17,6 +17,11 @@ as one JSON object.
 a profile's curve. `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
 file written as [`sim.plan.profile`][sim.plan.profile] describes.
 
+`--cp 8,16,32,...` asks for several P at once: per layer kind, each mode's best step at every P, the winner, and
+where it changes ([`sim.plan.study.scan`][sim.plan.study.scan], as the page [Which mode, from 8 to 1024
+ranks](mode-study.md) shows for one batch). `--figure PATH` draws the answer ([`sim.plan.figures`][sim.plan.figures]):
+the best candidates' steps split into compute and exposed communication, or each mode's step against P.
+
 Any P: full causal `p2p`, `all_gather` and `a2a+p2p` in the contiguous and zigzag layouts are built for every
 rank at once ([`sim.plan.scale`][sim.plan.scale]; `--cp 1024` takes seconds), `a2a` from one rank; the other
 candidates are dry-run rank by rank up to `--dry-run-limit` ranks (32) and listed as not priced above it.
@@ -60,6 +65,17 @@ def heads_arg(value: str) -> tuple[int, int, int, int]:
     return parts
 
 
+def cp_arg(value: str) -> tuple[int, ...]:
+    """One CP size, or several comma-separated in increasing order."""
+    try:
+        sizes = tuple(positive(x) for x in value.split(","))
+    except argparse.ArgumentTypeError:
+        sizes = ()
+    if not sizes or list(sizes) != sorted(set(sizes)):
+        raise argparse.ArgumentTypeError(f"expected a CP size or increasing sizes such as 8,16,32, got {value!r}")
+    return sizes
+
+
 def names(value: str) -> tuple[str, ...]:
     """Comma-separated names."""
     return tuple(x.strip() for x in value.split(",") if x.strip())
@@ -76,7 +92,8 @@ def parser(prog: str) -> Parser:
     p.add_argument("--seed", type=positive, default=1, help="the sampling's seed")
     p.add_argument("--heads", type=heads_arg, default=None, help="Hq,Hkv,D[,Dv] (required)")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
-    p.add_argument("--cp", type=positive, default=None, help="the CP size P (required)")
+    p.add_argument("--cp", type=cp_arg, default=None, help="the CP size P (required); several, 8,16,32: each mode's "
+                   "best step at every P and where the winner changes")
     p.add_argument("--profile", default="h100-sxm", help="a shipped profile's name or a JSON file")
     p.add_argument("--window", type=positive, default=None, help="also plan layers with a causal window of W keys")
     p.add_argument("--chunk", type=positive, default=None, help="also plan chunked layers of C positions")
@@ -87,6 +104,8 @@ def parser(prog: str) -> Parser:
                    help="above this CP size, candidates only the dry run prices are listed as not priced (default 32)")
     p.add_argument("--top", type=positive, default=12, help="candidates shown per layer kind")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--figure", default=None, metavar="PATH", help="also draw the answer to PATH (a .png or .svg): "
+                   "the best candidates' steps, or with several --cp each mode's step against P")
     p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about 15 s) and write the "
                    "this-machine profile to --out")
     p.add_argument("--out", default=None, help="where --calibrate writes (default: the shipped profiles' folder)")
@@ -206,10 +225,58 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
             from sim.plan.batches import sample
 
             batch = sample(args.sample, tokens=args.tokens, batches=args.batches, seed=args.seed)
-        result = plan(batch, heads=args.heads, dtype=dtype, P=args.cp, profile=args.profile, window=args.window,
-                      chunk=args.chunk, modes=args.modes, layouts=args.layouts, a2a_size=args.a2a_size,
-                      dry_run_limit=args.dry_run_limit)  # fmt: skip
+        options = dict(profile=args.profile, window=args.window, chunk=args.chunk, modes=args.modes, layouts=args.layouts,
+                       a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit)  # fmt: skip
+        if len(args.cp) > 1:
+            from sim.plan.study import scan
+
+            result = scan(batch, heads=args.heads, dtype=dtype, Ps=args.cp, **options)
+        else:
+            result = plan(batch, heads=args.heads, dtype=dtype, P=args.cp[0], **options)
     except CPInputError as exc:
         return fail(prog, str(exc))
-    print(json.dumps(as_json(result), indent=1) if args.json else table(result, args.top))
+    if len(args.cp) > 1:
+        print(json.dumps(scan_json(result), indent=1) if args.json else scan_table(result, args))
+    else:
+        print(json.dumps(as_json(result), indent=1) if args.json else table(result, args.top))
+    return _figure(prog, args, result) if args.figure else 0
+
+
+def scan_table(curves: dict, args) -> str:
+    """Several P as Markdown: per layer kind, each mode's best step at every P, the winner, and the crossovers."""
+    from sim.plan.study import MODES_SHOWN
+
+    lines = [f"P = {', '.join(map(str, args.cp))} on {next(iter(curves.values())).profile}, heads {tuple(args.heads)}"]
+    for kind, c in curves.items():
+        lines += ["", f"## {kind}", "", "| P | " + " | ".join(f"{m} ms" for m in MODES_SHOWN) + " | winner |",
+                  "| ---: |" + " ---: |" * len(MODES_SHOWN) + " --- |"]  # fmt: skip
+        for i, P in enumerate(c.Ps):
+            cells = [f"{c.points[m][i].step * 1e3:.3f}" if c.points[m][i] else "-" for m in MODES_SHOWN]
+            lines.append(f"| {P} | " + " | ".join(cells) + f" | {c.points[c.winners[i]][i].name} |")
+        lines += [""] + [f"crossover: {w0} at P = {p0}, {w1} at P = {p1}: {c.decided_by[c.Ps.index(p1)]}"
+                         for p0, p1, w0, w1 in c.crossovers] or ["no crossover: one mode wins at every P"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def scan_json(curves: dict) -> dict:
+    """Several P as plain data: per kind, per mode, its best candidate and step at every P (None where none runs)."""
+    return {kind: {"P": list(c.Ps), "winners": list(c.winners), "decided_by": list(c.decided_by),
+                   "modes": {m: [p and {"candidate": p.name, "step_s": p.step, "compute_s": p.compute,
+                                        "exposed_s": p.exposed} for p in pts] for m, pts in c.points.items()}}
+            for kind, c in curves.items()}  # fmt: skip
+
+
+def _figure(prog: str, args, result) -> int:
+    """`--figure PATH`: the answer drawn (sim.plan.figures), or one line saying why it cannot be."""
+    try:
+        from sim.plan.figures import figure
+    except ImportError:  # pragma: no cover - matplotlib is in the dev and docs extras
+        return fail(prog, "--figure needs matplotlib: pip install matplotlib")
+    panels = result if len(args.cp) > 1 else result.kinds
+    title = f"P = {', '.join(map(str, args.cp))}, heads {tuple(args.heads)}, {args.profile}"
+    try:
+        figure(panels, title, args.top).savefig(args.figure, dpi=120)
+    except (OSError, ValueError) as exc:
+        return fail(prog, f"cannot write the figure to {args.figure}: {exc}; give --figure a writable .png or .svg path")
+    print(f"figure: {args.figure}")
     return 0
