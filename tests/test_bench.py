@@ -369,14 +369,14 @@ def test_the_variants_benchmark_runs_quick_and_counts_what_it_says(capsys):
 
 
 def test_the_plan_benchmark_runs_quick_and_prices_both_ways_alike(capsys):
-    """`bench.plan --quick`: at P = 4 the eight covered candidates (p2p, all_gather, a2a+p2p with a2a_size 2, alone and in two head groups, each in
+    """`bench.plan --quick`: at P = 4 the ten covered candidates (p2p, all_gather with and without overlap, a2a+p2p with a2a_size 2, alone and in two head groups, each in
     contiguous and zigzag) priced from the dry run and built at scale agree on every rank; at P = 64 the planner prices
-    the study's candidates on all 64 ranks, and the goal's verdict is printed."""
+    the study's candidates on all 64 ranks, every one built (none left unpriced), and the goal's verdict is printed."""
     from bench import plan
 
     results = plan.main(["--quick"])
     out = capsys.readouterr().out
     (side,), (whole,) = results["side_by_side"], results["whole"]
-    assert side["P"] == 4 and side["candidates"] == 8 and side["agree"]
-    assert whole["P"] == 64 and whole["ranks"] == 64 and whole["priced"] > 0 and whole["unpriced"] > 0
+    assert side["P"] == 4 and side["candidates"] == 10 and side["agree"]
+    assert whole["P"] == 64 and whole["ranks"] == 64 and whole["priced"] > 0 and whole["unpriced"] == 0  # all built
     assert "- the planner at P = 64: " in out and "(goal < 10 s)" in out

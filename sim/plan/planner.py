@@ -29,11 +29,14 @@ each mode's predicted step beside its measured one ([Performance](performance.md
 **What it leaves out.** Time outside kernel calls and collectives (argument checks, plan lookups,
 merges, copies: a few percent of a long step, more of a short one); a collective's wait for a peer
 that is still computing (each rank is priced alone; the layer's step is the slowest rank's);
-contention between a rank's communication and its compute for the same cores or memory.
+contention between a rank's communication and its compute for the same cores or memory; and the
+plans' own building on the host, once per batch (the stream and balanced rings' plans take every
+rank's pieces into account on every rank, a cost that grows as $P^2$ per rank).
 
 **At scale.** Dry-running every rank costs a ring of $P$ ranks $P^2$ steps: seconds at $P = 8$,
 minutes at 64. Where [`sim.plan.scale`][sim.plan.scale] covers a candidate (full causal `p2p`,
-`all_gather` and `a2a+p2p` in the contiguous and zigzag layouts) it builds every rank's calls and
+`all_gather` with or without `overlap`, and `a2a+p2p` with or without head groups, in the contiguous
+and zigzag layouts) it builds every rank's calls and
 collectives as arrays and plays all timelines at once, equal to the dry run rank by rank (tested at
 P = 2 to 8), about a second at $P = 1024$; `a2a`, whose ranks all do the same in those layouts, is
 dry-run on rank 0 alone. Other candidates are dry-run up to `dry_run_limit` ranks (32) and listed as
@@ -68,7 +71,7 @@ from sim.plan.profile import Profile, load_profile
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNSCALED = ("only the dry run prices it (windows, chunks, the stream and balanced layouts, overlap, head_groups), "
+UNSCALED = ("only the dry run prices it (windows, chunks, the stream and balanced layouts, save_gathered_kv), "
             "one rank at a time; raise dry_run_limit to wait for it")
 
 

@@ -20,8 +20,8 @@ and plays every rank's timeline at once, the two clocks of [`rank_time`][sim.pla
 as arrays over the ranks ([`Schedule.price`][sim.plan.scale.Schedule.price]).
 
 **Covered:** full causal attention (no window, no chunk) in the contiguous and zigzag layouts,
-for `p2p`, `all_gather` (without `overlap` or `save_gathered_kv`) and `a2a+p2p` (with or
-without `head_groups`): the chunked layouts, whose plans are sums over each document's chunks. There, with
+for `p2p`, `all_gather` (with or without `overlap`; not `save_gathered_kv`) and `a2a+p2p`
+(with or without `head_groups`): the chunked layouts, whose plans are sums over each document's chunks. There, with
 every document cut into $2P$ (zigzag) or $P$ (contiguous) chunks of $c_i$ rows of which
 $R_i[j] = \min(c_i, \max(0, n_i - j c_i))$ are real, the ring's step $t$ on rank $r$ holds the
 block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$, $b = 2P - 1 - r$):
@@ -68,7 +68,7 @@ from sim.plan.links import LEVELS, link_bytes
 from sim.plan.model import RankTime, collective_seconds
 from sim.plan.profile import Compute, Profile
 
-__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "ring_template", "schedule", "covers", "alike_runs",
+__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_overlap_calls", "ring_template", "schedule", "covers", "alike_runs",
            "a2a_alike", "validate", "SCALED_LAYOUTS"]  # fmt: skip
 
 SCALED_LAYOUTS = ("contiguous", "zigzag")
@@ -140,6 +140,59 @@ def all_gather_calls(b: Boundaries, P: int, layout: str) -> tuple[np.ndarray, np
             rows += real
             kv += np.where(real > 0, j * ci + real, 0)
     return work, rows, kv
+
+
+def _lengths(seqs) -> list[tuple[int, int]]:
+    """A `Varlen`'s `(q_len, kv_len)` per sequence."""
+    return [(b - a, y - x) for a, b, x, y in seqs.pairs()]
+
+
+def _sums(seqs: list[tuple[int, int]], causal: bool) -> tuple[int, int]:
+    """`(work, rows that see a key)` of sequences `(n_q, n_k)` with the kernel contract's masks (`Varlen.work`), in
+    closed form: bottom-right causal, `m = min(n_q, n_k)` rows see `n_k - n_q + x + 1` keys each; else every row
+    sees every key."""
+    work = rows = 0
+    for n_q, n_k in seqs:
+        m = min(n_q, n_k) if causal else (n_q if n_k else 0)
+        work += m * (m + 1) // 2 + m * (n_k - m) if causal else n_q * n_k
+        rows += m
+    return work, rows
+
+
+def all_gather_overlap_calls(b: Boundaries, P: int, layout: str) -> tuple[np.ndarray, ...]:
+    """all_gather with `overlap=True`, causal: each rank's calls in schedule order (forward: local, remote; backward:
+    first half, remote, last half; `cpref.modes.all_gather_overlap`), from each sequence of the selecting plan split
+    into the keys the rank holds (its own chunks before the diagonal, then the diagonal) and the others' keys; the
+    halves by the mode's own `_halves`.
+
+    Returns:
+        `(work, rows_seeing, kv_rows, present)`, arrays `(P, 5)`.
+    """
+    from cpref.modes.all_gather_overlap import _halves
+
+    zigzag = layout == "zigzag"
+    R, c = _reals(b, 2 * P if zigzag else P)
+    out = [np.zeros((P, 5), dtype=np.int64) for _ in range(3)] + [np.zeros((P, 5), dtype=bool)]
+    for r in range(P):
+        lens: list[list[int]] = []  # (n_q, local keys, remote keys) of every sequence, in the plan's order
+        for Ri, ci in zip(R.tolist(), c.tolist()):
+            for slot, j in enumerate((r, 2 * P - 1 - r) if zigzag else (r,)):
+                real = Ri[j]
+                if real:  # the real queries: the diagonal held here, the own front chunk too for the back chunk
+                    lens.append([real, real + ci * slot, j * ci - ci * slot])
+                if ci - real and lens and lens[-1][1] + lens[-1][2] == 0:  # padding beside padding: one sequence
+                    lens[-1][0] += ci - real
+                elif ci - real:
+                    lens.append([ci - real, 0, 0])
+        first, last = (_lengths(v) for v in _halves([(n_q, n_l) for n_q, n_l, _ in lens], True))
+        local, remote = [(n, n_l) for n, n_l, _ in lens], [(n, n_r) for n, _, n_r in lens]
+        n_local, n_remote = sum(x[1] for x in lens), sum(x[2] for x in lens)
+        for s, (seqs, causal, keys) in enumerate(((local, True, n_local), (remote, False, n_remote), (first, True, n_local),
+                                                  (remote, False, n_remote), (last, True, n_local))):  # fmt: skip
+            out[0][r, s], out[1][r, s] = _sums(seqs, causal)
+            out[2][r, s] = keys
+        out[3][r] = [True, out[0][r, 1] > 0, out[0][r, 2] > 0, out[0][r, 3] > 0, out[0][r, 4] > 0]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -308,7 +361,7 @@ def covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[s
     if mode == "p2p":
         return not options
     if mode == "all_gather":
-        return not any(options.get(o) for o in ("overlap", "save_gathered_kv"))
+        return not options.get("save_gathered_kv")
     if mode == "a2a+p2p":
         return 1 < options["a2a_size"] < P
     return False
@@ -352,17 +405,33 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
                        Collective("all_gather", group, r, (local, hkv, dv), dtype),
                        Collective("reduce_scatter", group, r, (P * local, hkv, d), f),
                        Collective("reduce_scatter", group, r, (P * local, hkv, dv), f)) for r in ranks)  # fmt: skip
-        for phase in ("forward", "backward"):
-            tl.phase = phase
-            tl.blocking(0)
-            tl.blocking(1)
-            tl.call(0 if phase == "forward" else 1)
-        tl.blocking(2)
-        tl.blocking(3)
-        slots = (Slot("forward", hq, hkv, d, dv), Slot("backward", hq, hkv, d, dv))
-        work, rows, kv = (np.repeat(x[:, None], 2, axis=1) for x in all_gather_calls(b, P, layout))
-        present = np.ones((P, 2), dtype=bool)
-        q_rows = np.full((P, 2), local, dtype=np.int64)
+        if options.get("overlap"):  # the gathers behind the local call; the reduce-scatters behind the last half
+            for phase, calls in (("forward", (0,)), ("backward", (2,))):
+                tl.phase = phase
+                posted = [tl.post(0), tl.post(1)]
+                tl.call(calls[0])
+                for index in posted:
+                    tl.wait(index)
+                tl.call(1 if phase == "forward" else 3)
+            posted = [tl.post(2), tl.post(3)]
+            tl.call(4)
+            for index in posted:
+                tl.wait(index)
+            slots = tuple(Slot(direction, hq, hkv, d, dv) for direction in ("forward",) * 2 + ("backward",) * 3)
+            work, rows, kv, present = all_gather_overlap_calls(b, P, layout)
+            q_rows = np.full((P, 5), local, dtype=np.int64)
+        else:
+            for phase in ("forward", "backward"):
+                tl.phase = phase
+                tl.blocking(0)
+                tl.blocking(1)
+                tl.call(0 if phase == "forward" else 1)
+            tl.blocking(2)
+            tl.blocking(3)
+            slots = (Slot("forward", hq, hkv, d, dv), Slot("backward", hq, hkv, d, dv))
+            work, rows, kv = (np.repeat(x[:, None], 2, axis=1) for x in all_gather_calls(b, P, layout))
+            present = np.ones((P, 2), dtype=bool)
+            q_rows = np.full((P, 2), local, dtype=np.int64)
     else:  # p2p, a2a+p2p: a ring of p ranks (after an exchange inside groups of a), in n head groups
         a = options.get("a2a_size", 1) if mode == "a2a+p2p" else 1
         n = options.get("head_groups", 1) if mode == "a2a+p2p" else 1

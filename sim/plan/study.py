@@ -20,10 +20,13 @@ scale][sim.plan.scale], every rank of every candidate.
 In the contiguous and zigzag layouts (the [next section](#documents-kept-whole) says what the
 layouts that keep documents whole change):
 
-* **Inside one node ($P = 8$) the fabric decides.** On the H100s the ring (`p2p`) wins, narrowly:
-  NVLink carries each shift behind its step, where Ulysses' (`a2a`) four blocking all-to-alls
-  each way stay exposed. On the 910Bs Ulysses wins by far: a ring shift goes over one HCCS link
-  (19 GB/s, the profile's `send_recv_bandwidth_GBps`), too slow to hide.
+* **Inside one node ($P = 8$) the fabric and the head count decide.** On the H100s the ring
+  (`p2p`) wins for the 8B-like heads, NVLink carrying each shift behind its step, where
+  Ulysses' (`a2a`) blocking all-to-alls stay exposed; for the 70B-like heads the overlapped
+  all-gather (`overlap=True`) edges past it: twice the query heads give its local call twice the
+  work to hide the gather behind. On the 910Bs Ulysses wins for the 8B-like heads and the
+  overlapped all-gather for the 70B-like, and the ring comes last: its shifts go over one HCCS
+  link (19 GB/s, the profile's `send_recv_bandwidth_GBps`), too slow to hide.
 * **From the first node boundary on ($P \ge 16$) `a2a+p2p` wins**, on both machines and for
   both head counts, with `a2a_size` = 8 (the ranks of one node, USP's advice) or 4 up to 128
   ranks: the all-to-alls stay inside a node and the ring across nodes has $P / a$ steps on
@@ -82,10 +85,11 @@ zigzag:
   ring ties it up to 16 ranks.
 * **Llama 3** ([arXiv 2407.21783](https://arxiv.org/abs/2407.21783), section 3.3.2) chose
   all-gather CP for its 128k training: with GQA the exposed all-gather is small against
-  attention's $O(S^2)$. For one 128k document on eight H100s the planner puts all four modes
-  within 3 % of each other: **agrees**. It also shows where the argument stops: across nodes
-  (the all-gather over InfiniBand) and on packed batches, whose attention is $\sum_i L_i^2$, not
-  $T^2$, while the all-gather still moves all $T$ tokens.
+  attention's $O(S^2)$. For one 128k document on eight H100s the planner puts the overlapped
+  all-gather first and all four modes within 1 % of each other: **agrees**. It also shows where
+  the argument stops: across nodes (at 16 ranks the all-gather is a third slower than the best,
+  over InfiniBand) and on packed batches, whose attention is $\sum_i L_i^2$, not $T^2$, while
+  the all-gather still moves all $T$ tokens.
 * **Meta's million-token inference** ([arXiv 2411.01783](https://arxiv.org/abs/2411.01783))
   ran a pass-KV ring over 128 H100s in 16 nodes at 93 % parallel efficiency for a 1M-token
   prefill. The planner's ring on one 1M document (forward and backward) keeps within a few
@@ -110,10 +114,10 @@ zigzag:
   rank's (the others wait for it at the next collective).
 * The candidates are those [built at scale][sim.plan.scale] at every $P$: `p2p`, `all_gather`
   and `a2a+p2p` (every `a2a_size` dividing $P$, with and without head groups) in the contiguous
-  and zigzag layouts, and `a2a` with and without head groups. `all_gather(overlap=True)` and the
-  stream and balanced layouts are left out at every $P$, so that each curve compares the same
-  candidates throughout (the planner prices them by the dry run up to 32 ranks; the section
-  "Documents kept whole" compares them at 8 and 16).
+  and zigzag layouts, `all_gather` with and without `overlap`, and `a2a` with and without head
+  groups. The stream and balanced layouts are left out at every $P$, so that each curve compares
+  the same candidates throughout (the planner prices them by the dry run up to 32 ranks; the
+  section "Documents kept whole" compares them at 8 and 16).
 * The [time model][sim.plan.model] and the profiles' published rates: no contention between a
   rank's communication and its compute, no host time outside kernels and collectives, a
   collective priced by the slowest link it crosses (at the node boundary of a ring, the

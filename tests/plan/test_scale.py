@@ -29,7 +29,7 @@ from sim.plan.profile import Compute, load_profile
 
 PROFILE = load_profile("h100-sxm")
 CASES = [(P, mode, options) for P in (2, 3, 4, 6, 8)
-         for mode, options in [("p2p", {}), ("all_gather", {})] + [("a2a+p2p", {"a2a_size": a, **hg})
+         for mode, options in [("p2p", {}), ("all_gather", {}), ("all_gather", {"overlap": True})] + [("a2a+p2p", {"a2a_size": a, **hg})
                                                                     for a in range(2, P) if P % a == 0
                                                                     for hg in ({}, {"head_groups": 2})]]  # fmt: skip
 
@@ -123,7 +123,7 @@ def test_a2a_is_not_alike_where_documents_stay_home():
 
 @pytest.mark.parametrize("mode, layout, options, mask", [
     ("p2p", "stream", {}, {}), ("p2p", "zigzag", {}, {"window": (8, 0)}), ("p2p", "zigzag", {}, {"chunk": 8}),
-    ("all_gather", "zigzag", {"overlap": True}, {}), ("all_gather", "zigzag", {"save_gathered_kv": True}, {}),
+    ("all_gather", "zigzag", {"overlap": True}, {"window": (8, 0)}), ("all_gather", "zigzag", {"save_gathered_kv": True}, {}),
     ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {"window": (8, 0)}), ("a2a", "zigzag", {}, {})])  # fmt: skip
 def test_what_is_not_covered(mode, layout, options, mask):
     assert not scale.covers(mode, layout, options, 4, mask)
@@ -137,7 +137,8 @@ def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
                           layouts=["zigzag", "stream"], modes=["p2p", "all_gather", "a2a+p2p"])  # fmt: skip
     full = result.kinds["full"]
     assert calls == []
-    assert {p.name for p in full.ranked} == {"p2p zigzag", "all_gather zigzag", "a2a+p2p zigzag a2a_size=2",
+    assert {p.name for p in full.ranked} == {"p2p zigzag", "all_gather zigzag", "all_gather zigzag overlap=True",
+                                             "a2a+p2p zigzag a2a_size=2",
                                              "a2a+p2p zigzag a2a_size=4", "a2a+p2p zigzag a2a_size=8",
                                              "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32",
                                              "a2a+p2p zigzag a2a_size=2 head_groups=2",
@@ -167,6 +168,16 @@ def test_nothing_priced_is_one_line():
     with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
         planner.plan([4096] * 4, heads=(8, 8, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
                      layouts=["stream"], modes=["p2p"])  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=6), causal=st.booleans())
+def test_the_overlap_calls_sums_are_varlens(seqs, causal):
+    """The closed form of the overlap's calls against `Varlen.work` and `rows_seeing` (the kernel contract's)."""
+    from cpref.kernels.contract import Varlen
+
+    varlen = Varlen.from_lengths([q for q, _ in seqs], [k for _, k in seqs])
+    assert scale._sums(seqs, causal) == (varlen.work(causal), varlen.rows_seeing(causal))
 
 
 @pytest.mark.parametrize("curve", [Compute(300e12, 2e10), Compute(1e12, 0, ((1e6, 1e10), (1e8, 5e10), (1e11, 8e10)))])

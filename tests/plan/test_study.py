@@ -29,9 +29,15 @@ def a2a_size(name: str) -> int:
 
 
 @pytest.mark.parametrize("prof, model", RUNS)
-def test_inside_one_node_the_fabric_decides(prof, model):
+def test_inside_one_node_the_fabric_and_the_heads_decide(prof, model):
     c = run(prof, model)
-    assert c.Ps[0] == 8 and c.winners[0] == {"h100-sxm": "p2p", "ascend-910b": "a2a"}[prof]
+    want = {("h100-sxm", "Llama-3-8B-like"): "p2p", ("h100-sxm", "Llama-3-70B-like"): "all_gather",
+            ("ascend-910b", "Llama-3-8B-like"): "a2a", ("ascend-910b", "Llama-3-70B-like"): "all_gather"}
+    assert c.Ps[0] == 8 and c.winners[0] == want[prof, model]
+    if c.winners[0] == "all_gather":
+        assert c.points["all_gather"][0].name.endswith("overlap=True")
+    if prof == "ascend-910b":  # the ring last
+        assert step(c, "p2p", 8) == max(step(c, m, 8) for m in c.points)
 
 
 @pytest.mark.parametrize("prof, model", RUNS)

@@ -7,12 +7,14 @@ from sim.plan.study import MODELS, best_per_mode
 HEADS = MODELS["Llama-3-8B-like"]
 
 
-def test_one_128k_document_inside_a_node_every_mode_within_3_percent():
-    """Llama 3's all-gather argument, on eight H100s; and where it stops: across nodes."""
-    steps = [p.step for p in best_per_mode((131072,), HEADS, "h100-sxm", 8).values()]
-    assert len(steps) == 4 and max(steps) / min(steps) < 1.03
+def test_one_128k_document_inside_a_node_the_overlapped_all_gather_first_every_mode_within_1_percent():
+    """Llama 3's all-gather argument, on eight H100s; and where it stops: across nodes, a third slower."""
+    best = best_per_mode((131072,), HEADS, "h100-sxm", 8)
+    steps = [p.step for p in best.values()]
+    assert len(steps) == 4 and max(steps) / min(steps) < 1.01
+    assert min(best.values(), key=lambda p: p.step).name == "all_gather zigzag overlap=True"
     across = best_per_mode((131072,), HEADS, "h100-sxm", 16)
-    assert across["all_gather"].step > 1.4 * min(p.step for p in across.values())
+    assert across["all_gather"].step > 1.3 * min(p.step for p in across.values())
 
 
 def test_one_million_token_document_the_ring_scales_to_128_ranks():
