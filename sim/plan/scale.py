@@ -68,20 +68,18 @@ from sim.plan.links import LEVELS, link_bytes
 from sim.plan.model import RankTime, collective_seconds
 from sim.plan.profile import Compute, Profile
 
-__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_overlap_calls", "ring_template", "schedule", "covers", "alike_runs",
-           "a2a_alike", "validate", "SCALED_LAYOUTS"]  # fmt: skip
+__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_overlap_calls", "ring_template", "schedule",
+           "covers", "alike_runs", "a2a_alike", "validate", "SCALED_LAYOUTS"]
 
 SCALED_LAYOUTS = ("contiguous", "zigzag")
 
 
-# --8<-- [start:reals]
 def _reals(b: Boundaries, nchunks: int) -> tuple[np.ndarray, np.ndarray]:
     """`(R, c)`: the real rows of every chunk `(docs, nchunks)`, and each document's chunk size `(docs,)`."""
     c = np.array([b.padded_len(i) // nchunks for i in range(b.num_docs)], dtype=np.int64)
     n = np.array([b.real_len(i) for i in range(b.num_docs)], dtype=np.int64)
     j = np.arange(nchunks, dtype=np.int64)
     return np.clip(n[:, None] - j[None, :] * c[:, None], 0, c[:, None]), c
-# --8<-- [end:reals]
 
 
 def _tri(x: np.ndarray) -> np.ndarray:
