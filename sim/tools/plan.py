@@ -19,7 +19,7 @@ file written as [`sim.plan.profile`][sim.plan.profile] describes.
 
 `--cp 8,16,32,...` asks for several P at once: per layer kind, each mode's best step at every P, the winner, and
 where it changes ([`sim.plan.study.scan`][sim.plan.study.scan], as the page [Which mode, from 8 to 1024
-ranks](mode-study.md) shows for one batch). `--figure PATH` draws the answer ([`sim.plan.figures`][sim.plan.figures]):
+ranks][sim.plan.study] shows for one batch). `--figure PATH` draws the answer ([`sim.plan.figures`][sim.plan.figures]):
 the best candidates' steps split into compute and exposed communication, or each mode's step against P.
 
 Any P: full causal `p2p`, `all_gather` and `a2a+p2p` in the contiguous and zigzag layouts are built for every
