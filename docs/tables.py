@@ -374,7 +374,8 @@ def planner_output() -> str:
     from sim.tools.plan import main
 
     argv = ["--lengths", "32768,16384x3,8192x6", "--heads", "32,8,128", "--dtype", "bf16", "--cp", "16",
-            "--profile", "h100-sxm", "--layouts", "zigzag", "--window", "4096", "--top", "6"]  # fmt: skip
+            "--profile", "h100-sxm", "--layouts", "zigzag,balanced", "--window", "4096", "--top", "6", "--layers",
+            "full=8,window=24"]  # fmt: skip
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(argv)
@@ -382,7 +383,7 @@ def planner_output() -> str:
         raise RuntimeError(f"sim plan {' '.join(argv)} exited {status}: {err.getvalue()}")
     text = out.getvalue().strip().replace("\n## ", "\n#### ")
     return (f"`python -m sim plan {' '.join(argv)}` (Llama-3-8B-like heads, 128k tokens in ten documents, two nodes of "
-            f"eight H100s), run when this site was built:\n\n{text}")
+            f"eight H100s, a model of 8 full and 24 windowed layers), run when this site was built:\n\n{text}")
 
 
 def study_winners() -> str:

@@ -12,6 +12,13 @@ The candidates: `p2p`; `all_gather`, and with `overlap=True`; `a2a`, and in head
 of 2; each in the four layouts. Documents are padded at their end as each layout needs
 ([`Sharding.eod_padded`][cpref.batch.sharding.Sharding.eod_padded]), as a user's batch would be.
 
+**A model's layers share one layout.** The batch is sharded once, so a model that interleaves
+window and full layers (or chunked ones) runs one layout in all of them; what may differ per
+layer is the mode and its options (Megatron takes a per-layer `cp_comm_type` list). The best
+candidate of each kind alone may pick different layouts; [`Plan.by_layout`][sim.plan.planner.Plan.by_layout]
+answers for the model: per layout, each kind's best candidate there and the model's step,
+$\sum_k n_k\, t_k$ over its $n_k$ layers of each kind, fastest first (`--layers full=24,window=24`).
+
 **The deciding term.** Between the winner and the best candidate of another mode, the term of the slowest rank's step
 (compute, or exposed communication) by which the runner-up loses most is named: "exposed
 communication" means the winner hides or avoids traffic the other waits for; "compute" that it
@@ -68,7 +75,7 @@ from sim.plan.dry import dry_run
 from sim.plan.model import RankTime, rank_time
 from sim.plan.profile import Profile, load_profile
 
-__all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "candidates", "plan"]
+__all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "LayoutChoice", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 UNSCALED = ("only the dry run prices it (windows, chunks, the stream and balanced layouts, save_gathered_kv), "
@@ -148,6 +155,39 @@ class Plan:
     def lengths(self) -> tuple[int, ...]:
         """The (first) batch's documents."""
         return self.batches[0]
+
+    def by_layout(self, layers: dict[str, int]) -> list["LayoutChoice"]:
+        """A model of `layers[kind]` layers of each kind, over **one** layout: the batch is sharded once, so every
+        layer runs the same layout, each kind with its own best mode and options there (a per-layer mode is what
+        Megatron's list of `cp_comm_type` allows). Per layout every kind of `layers` can run in, its picks and the
+        model's step, the sum of `layers[kind]` times each pick's step; fastest first.
+
+        Raises:
+            CPInputError: for a kind this plan has not priced, or a count that is not a positive int.
+        """
+        for kind, count in layers.items():
+            if kind not in self.kinds:
+                raise CPInputError(f"layers: no {kind!r} layer kind in this plan; its kinds are {list(self.kinds)} (a "
+                                   "window or chunk kind needs window= or chunk=)")  # fmt: skip
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise CPInputError(f"layers[{kind!r}]={count!r}: give the number of such layers, a positive int")
+        out = []
+        for layout in dict.fromkeys(p.candidate.layout for kp in self.kinds.values() for p in kp.ranked):
+            picks = {kind: next((p for p in self.kinds[kind].ranked if p.candidate.layout == layout), None)
+                     for kind in layers}  # fmt: skip
+            if all(picks.values()):
+                out.append(LayoutChoice(layout, picks, sum(layers[k] * picks[k].step for k in layers)))
+        return sorted(out, key=lambda c: (c.step, LAYOUTS.index(c.layout)))
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """One layout for a whole model (`Plan.by_layout`): each layer kind's best candidate in it, and the model's step
+    (seconds: every layer's forward and backward, the slowest rank's)."""
+
+    layout: str
+    picks: dict[str, Prediction]
+    step: float
 
 
 def candidates(P: int, modes: Sequence[str], layouts: Sequence[str], a2a_size: int | None = None) -> list[Candidate]:

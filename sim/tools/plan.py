@@ -76,6 +76,18 @@ def cp_arg(value: str) -> tuple[int, ...]:
     return sizes
 
 
+def layers_arg(value: str) -> dict[str, int]:
+    """`full=24,window=24,chunk=8`: how many layers of each kind the model has."""
+    out = {}
+    for part in value.split(","):
+        kind, _, count = part.partition("=")
+        if kind.strip() not in ("full", "window", "chunk") or not count:
+            raise argparse.ArgumentTypeError(f"expected layer counts such as full=24,window=24 (kinds full, window, "
+                                             f"chunk), got {value!r}")  # fmt: skip
+        out[kind.strip()] = positive(count)
+    return out
+
+
 def names(value: str) -> tuple[str, ...]:
     """Comma-separated names."""
     return tuple(x.strip() for x in value.split(",") if x.strip())
@@ -102,6 +114,9 @@ def parser(prog: str) -> Parser:
     p.add_argument("--a2a-size", type=positive, default=None, help="a2a+p2p's group size (default: every divisor of P)")
     p.add_argument("--dry-run-limit", type=positive, default=32, metavar="P",
                    help="above this CP size, candidates only the dry run prices are listed as not priced (default 32)")
+    p.add_argument("--layers", type=layers_arg, default=None, help="the model's layers of each kind, e.g. "
+                   "full=24,window=24: also the best layout for them all (the batch is sharded once) and each kind's "
+                   "mode there")
     p.add_argument("--top", type=positive, default=12, help="candidates shown per layer kind")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--figure", default=None, metavar="PATH", help="also draw the answer to PATH (a .png or .svg): "
@@ -228,18 +243,46 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
         options = dict(profile=args.profile, window=args.window, chunk=args.chunk, modes=args.modes, layouts=args.layouts,
                        a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit)  # fmt: skip
         if len(args.cp) > 1:
+            if args.layers:
+                raise CPInputError(f"--layers with --cp {','.join(map(str, args.cp))}: give one CP size for a model's plan")
             from sim.plan.study import scan
 
             result = scan(batch, heads=args.heads, dtype=dtype, Ps=args.cp, **options)
         else:
             result = plan(batch, heads=args.heads, dtype=dtype, P=args.cp[0], **options)
+            for kind in ("window", "chunk"):
+                if args.layers and kind in args.layers and getattr(args, kind) is None:
+                    raise CPInputError(f"--layers {kind}={args.layers[kind]} needs --{kind}: the {kind} of those layers")
+            names = {"full": "full", "window": f"window {args.window}", "chunk": f"chunk {args.chunk}"}
+            model = result.by_layout({names[k]: n for k, n in args.layers.items()}) if args.layers else None
     except CPInputError as exc:
         return fail(prog, str(exc))
     if len(args.cp) > 1:
         print(json.dumps(scan_json(result), indent=1) if args.json else scan_table(result, args))
+    elif args.json:
+        data = as_json(result)
+        if model is not None:
+            data["model"] = [{"layout": c.layout, "step_s": c.step, "picks": {k: p.name for k, p in c.picks.items()}}
+                             for c in model]  # fmt: skip
+        print(json.dumps(data, indent=1))
     else:
-        print(json.dumps(as_json(result), indent=1) if args.json else table(result, args.top))
+        print(table(result, args.top) + ("" if model is None else "\n\n" + model_table(model, args.layers)))
     return _figure(prog, args, result) if args.figure else 0
+
+
+def model_table(choices: list, layers: dict[str, int]) -> str:
+    """A model's layers over one layout (`Plan.by_layout`) as Markdown: per layout, each kind's pick and the step."""
+    kinds = list(choices[0].picks) if choices else []
+    what = " + ".join(f"{n} {k}" for k, n in layers.items())
+    lines = [f"## the model: {what} layers, one layout for all (the batch is sharded once)", "",
+             "| layout | model step ms | " + " | ".join(kinds) + " |", "| --- | ---: |" + " --- |" * len(kinds)]  # fmt: skip
+    for c in choices:
+        lines.append(f"| {c.layout} | {c.step * 1e3:.3f} | " + " | ".join(
+            f"{p.name} ({p.step * 1e3:.3f} ms)" for p in c.picks.values()) + " |")  # fmt: skip
+    best = choices[0] if choices else None
+    lines += ["", f"best for the model: **{best.layout}**, " + "; ".join(f"{k}: {p.name}" for k, p in best.picks.items())
+              if best else "no layout runs every kind"]  # fmt: skip
+    return "\n".join(lines)
 
 
 def scan_table(curves: dict, args) -> str:

@@ -207,3 +207,40 @@ def test_check_kernel_on_the_command_line_and_its_refusals(capsys, monkeypatch):
     assert "--device nowhere" in err and err.count("\n") == 1
     assert cli.main(["--check-kernel", "tpu", "--device", "cpu"]) == 2
     assert "unknown profile 'tpu'" in capsys.readouterr().err
+
+
+def test_a_models_layers_share_one_layout():
+    """`Plan.by_layout`: per layout, each kind's best candidate in it and the model's step, the layer counts times
+    the picks' steps; fastest first; a kind the plan has not priced, or a bad count, refused by name."""
+    result = plan([1024, 512, 512], heads=HEADS, dtype="bfloat16", P=4, profile="h100-sxm", window=128,
+                  modes=["p2p", "a2a"], layouts=["zigzag", "stream"])  # fmt: skip
+    choices = result.by_layout({"full": 3, "window 128": 5})
+    assert [c.layout for c in choices] == sorted(["zigzag", "stream"], key=lambda la: next(
+        c.step for c in choices if c.layout == la))  # fmt: skip
+    for c in choices:
+        for kind in ("full", "window 128"):
+            best = next(p for p in result.kinds[kind].ranked if p.candidate.layout == c.layout)
+            assert c.picks[kind] is best
+        assert c.step == pytest.approx(3 * c.picks["full"].step + 5 * c.picks["window 128"].step)
+    with pytest.raises(CPInputError, match=r"no 'chunk 64' layer kind in this plan"):
+        result.by_layout({"chunk 64": 2})
+    with pytest.raises(CPInputError, match=r"layers\['full'\]=0"):
+        result.by_layout({"full": 0})
+
+
+def test_the_command_line_plans_a_models_layers(capsys):
+    argv = ["--lengths", "1024,512x2", "--heads", "8,2,64", "--cp", "4", "--window", "128", "--modes", "p2p,a2a",
+            "--layouts", "zigzag,stream", "--layers", "full=3,window=5"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "## the model: 3 full + 5 window layers, one layout for all" in out and "best for the model: **" in out
+    assert cli.main([*argv, "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert {m["layout"] for m in model} == {"zigzag", "stream"} and set(model[0]["picks"]) == {"full", "window 128"}
+    assert cli.main([*argv[:5], "4,8", *argv[6:]]) == 2
+    assert "give one CP size for a model's plan" in capsys.readouterr().err
+    assert cli.main([*argv[:-1], "full=3,chunk=2"]) == 2  # no --chunk given
+    assert "--layers chunk=2 needs --chunk" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as parse:
+        cli.main([*argv[:-1], "mlp=3"])
+    assert parse.value.code == 2 and "expected layer counts" in capsys.readouterr().err
