@@ -41,8 +41,9 @@ layouts that keep documents whole change):
   RoCE; all-gather moves the whole stream's K/V each way whatever $P$ is.
 * **Nothing scales past about 64 ranks for 128k tokens.** The best step levels off (about 6 to
   7.5 ms a layer on the H100s, 14 to 18 on the 910Bs) while perfect scaling keeps falling: at 2k
-  tokens a rank and fewer, the calls and messages are too small for their fixed costs. A longer
-  batch moves every crossover to the right.
+  tokens a rank and fewer, the calls and messages are too small for their fixed costs. Longer
+  documents move the limit: one document of 1M tokens still scales on the ring to 128 ranks
+  (the table "One long document").
 
 ## Documents kept whole
 

@@ -98,3 +98,15 @@ def test_documents_kept_whole_at_8_and_16_ranks():
     assert at16["winner"][0].name.startswith("a2a+p2p balanced")
     assert at16["a2a+p2p"][1].step < at16["a2a+p2p"][0].step
     assert at16["p2p"][1].name == "p2p balanced" and at16["p2p"][1].step <= 0.5 * at16["p2p"][0].step
+
+
+def test_inside_one_h100_node_the_ring_hides_its_shifts_where_ulysses_waits():
+    """The page's reason for the ring at 8 ranks on the H100s: its exposed communication is smaller than Ulysses'."""
+    for model in MODELS:
+        c = run("h100-sxm", model)
+        assert c.points["p2p"][0].exposed < c.points["a2a"][0].exposed
+
+
+def test_usp_at_16_ranks_the_70b_like_heads_pick_4_on_the_h100s():
+    c = run("h100-sxm", "Llama-3-70B-like")
+    assert a2a_size(c.points["a2a+p2p"][c.Ps.index(16)].name) == 4
