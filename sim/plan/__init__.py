@@ -3,7 +3,7 @@
 * [`sim.plan.dry`][sim.plan.dry]: one rank's step as its mode runs it, counted (the one
   source of every count);
 * [`sim.plan.scale`][sim.plan.scale]: the same counts for every rank at once where the plans are
-  regular, held to the dry run: a thousand ranks in a second;
+  regular, held to the dry run: a thousand ranks in seconds (measured: `bench/plan.py`);
 * [`sim.plan.links`][sim.plan.links]: the bytes of each collective per link level, from the
   ranks' placement on nodes;
 * [`sim.plan.profile`][sim.plan.profile]: hardware profiles, one JSON file per machine;

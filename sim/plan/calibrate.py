@@ -121,10 +121,13 @@ def check_kernel(profile: str, *, device: str = "cuda", dtype: str = "bfloat16",
     from cpref.kernels.cuda_kernel import default_kernel
     from sim.plan.profile import load_profile
 
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise CPInputError(f"dtype={dtype!r}: give one of {sorted(dtypes)}")
     if len(set(lengths)) < 2:
         raise CPInputError(f"lengths={list(lengths)}: give two lengths or more, through which the curve's line is fitted")
     compute = load_profile(profile).kernel(dtype)
-    dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    dt = dtypes[dtype]
     points = kernel_points(default_kernel(torch.device(device)), device=device, dtype=dt, heads=heads, dim=dim,
                            lengths=list(lengths), repeats=repeats)  # fmt: skip
     rows = [{"tokens": c.q_rows, "direction": c.direction, "gflop": c.flops / 1e9, "measured_s": t,

@@ -45,7 +45,7 @@ minutes at 64. Where [`sim.plan.scale`][sim.plan.scale] covers a candidate (full
 `all_gather` with or without `overlap`, and `a2a+p2p` with or without head groups, in the contiguous
 and zigzag layouts) it builds every rank's calls and
 collectives as arrays and plays all timelines at once, equal to the dry run rank by rank (tested at
-P = 2 to 8), about a second at $P = 1024$; `a2a`, whose ranks all do the same in those layouts, is
+P = 2 to 8), the whole plan at $P = 1024$ in seconds (`bench/plan.py` measures it beside the dry run); `a2a`, whose ranks all do the same in those layouts, is
 dry-run on rank 0 alone. Other candidates are dry-run up to `dry_run_limit` ranks (32) and listed as
 not priced above it.
 

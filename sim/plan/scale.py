@@ -1,4 +1,4 @@
-r"""Plans at scale: every rank of a thousand-rank ring priced in a second, held to the dry run.
+r"""Plans at scale: every rank of a thousand-rank ring built at once, held to the dry run.
 
 The [dry run][sim.plan.dry] runs a mode's own code for one rank, on meta tensors: exact, but a
 ring of $P$ ranks makes $P$ kernel calls and $3P$ shifts on each of $P$ ranks, each a few
@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import compute_dtype
 from sim.plan.dry import Collective, Event, KernelCall, RankRun
@@ -389,9 +390,13 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     """Every rank of a covered candidate (`covers`), full causal.
 
     Raises:
-        CPInputError: as `cpref.attention` refuses the call, naming the value.
+        CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate `covers` does not
+            cover (dry-run it instead).
     """
     validate(mode, sharding, heads, dtype, options)
+    if not covers(mode, sharding.layout, options, sharding.cp_size, {}):
+        raise CPInputError(f"mode {mode!r} over {sharding.layout!r} with {options} at P = {sharding.cp_size} is not built "
+                           "at scale (see sim.plan.scale.covers): dry-run it with sim.plan.dry.dry_run")  # fmt: skip
     b, P, layout, local = sharding.bounds, sharding.cp_size, sharding.layout, sharding.local_tokens
     hq, hkv, d, dv = heads
     f = compute_dtype(dtype)

@@ -189,7 +189,7 @@ def _check_kernel(prog: str, args) -> int:
     try:
         torch.empty(0, device=args.device)
         result = check_kernel(args.check_kernel, device=args.device, dtype=dtype, heads=hq, dim=d)
-    except (CPInputError, RuntimeError, KeyError) as exc:
+    except (CPInputError, RuntimeError) as exc:
         return fail(prog, f"--check-kernel {args.check_kernel} on --device {args.device} in {dtype}: {exc}")
     lines = [f"{args.check_kernel}'s {dtype} curve against the default kernel on {args.device} ({hq} heads of {d}, one "
              "causal document a call)", "", "| tokens | pass | GFLOP | measured ms | predicted ms | measured / predicted |",

@@ -193,6 +193,8 @@ def test_check_kernel_times_each_call_beside_the_profiles_prediction():
     assert all(math.isfinite(x) for x in result["fit"].values())  # two timed pairs, noisy here: fitted, not judged
     with pytest.raises(CPInputError, match=r"lengths=\[64\]: give two lengths or more"):
         check_kernel("h100-sxm", device="cpu", dtype="float32", lengths=(64,))
+    with pytest.raises(CPInputError, match=r"dtype='fp8': give one of"):
+        check_kernel("h100-sxm", device="cpu", dtype="fp8")
 
 
 def test_check_kernel_on_the_command_line_and_its_refusals(capsys, monkeypatch):
@@ -208,6 +210,9 @@ def test_check_kernel_on_the_command_line_and_its_refusals(capsys, monkeypatch):
     assert "--device nowhere" in err and err.count("\n") == 1
     assert cli.main(["--check-kernel", "tpu", "--device", "cpu"]) == 2
     assert "unknown profile 'tpu'" in capsys.readouterr().err
+    assert cli.main(["--check-kernel", "h100-sxm", "--device", "cpu", "--dtype", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "dtype='fp8'" in err and err.count("\n") == 1
 
 
 def test_a_models_layers_share_one_layout():

@@ -127,6 +127,10 @@ def test_a2a_is_not_alike_where_documents_stay_home():
     ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {"window": (8, 0)}), ("a2a", "zigzag", {}, {})])  # fmt: skip
 def test_what_is_not_covered(mode, layout, options, mask):
     assert not scale.covers(mode, layout, options, 4, mask)
+    if not mask:  # schedule refuses it by name, rather than build another mode's schedule
+        with pytest.raises(CPInputError, match="is not built at scale"):
+            scale.schedule(mode, planner._sharding(batch(0), 4, layout), heads=(8, 8, 8, 8), dtype=torch.bfloat16,
+                           **options)  # fmt: skip
 
 
 def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
