@@ -30,8 +30,10 @@ import ast
 import doctest
 import importlib
 import inspect
+import os
 import re
 import textwrap
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -196,17 +198,26 @@ def _model():
     return CausalLM(config, seed=0)
 
 
+_SAVING = threading.Lock()
+
+
 def _checkpoint(tmp: Path) -> str:
-    """A tiny random Llama, saved as `save_pretrained` does."""
+    """A tiny random Llama, saved as `save_pretrained` does.
+
+    A block given `comm` builds its names on every rank's thread: the first saves, under a lock, into a side folder
+    renamed into place, so no rank reads a half-written config (a race CI once hit)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     path = tmp / "llama"
-    if not path.exists():
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
-                                          pad_token_id=0)  # fmt: skip
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    with _SAVING:
+        if not path.exists():
+            config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2, bos_token_id=0,
+                                              eos_token_id=0, pad_token_id=0)  # fmt: skip
+            torch.manual_seed(0)
+            side = tmp / f"llama.saving-{os.getpid()}"
+            transformers.LlamaForCausalLM(config).save_pretrained(side)
+            os.replace(side, path)
     return str(path)
 
 
