@@ -258,7 +258,10 @@ causal attention, the explicit path with the window, and
 times it prints the scores each computes, counted: the ideal saving over full causal (visible
 scores, about $16\times$), the planned one (the tiles' scores, at most $w + R$ a row, about
 $13\times$) and the measured one. The dense mask takes about a minute at 32k; `python -m bench.window
---tokens 4096 --window 256` is a quick run.
+--tokens 4096 --window 256` is a quick run. Then the planner's premise for windowed calls: four
+calls timed in alternation, the same window on 8192 and 2048 tokens and on two and four heads,
+and a window an eighth as wide; a windowed call's rate follows its band's width (the last row),
+not its size or its heads (the middle two, near 1).
 
 
 {{ results window }}
@@ -375,7 +378,8 @@ RENDER = {
     "memory": lambda r: "\n\n".join([r["title"] + ".", "{{ figure figures/bench_memory.png }}", memory.markdown(r)]),
     "all_gather": lambda r: r["title"] + ".\n\n" + all_gather.markdown(r),
     "collectives": lambda r: r["title"] + ".\n\n" + collectives.markdown(r),
-    "window": lambda r: r["title"] + ".\n\n" + window.report(r["times"], r["counts"]),
+    "window": lambda r: r["title"] + ".\n\n" + window.report(r["times"], r["counts"]) + "\n\n"
+    + window.band_report(r["band"], *r["band_shape"]),
     "variants": lambda r: r["title"] + ".\n\n" + variants.report(r),
     "plan": lambda r: r["title"] + ".\n\n" + plan.report(r),
     "layouts": lambda r: "\n\n".join(

@@ -22,6 +22,13 @@ the measured ratio of times. The cases are timed in alternation as in `bench.ker
 fastest of `--repeats` rounds kept (default one: the dense mask takes about a minute at 32k); the
 window's plan and masks are built once, untimed, before the rounds. Nothing is asserted.
 
+**A windowed call's rate is set by its band's width** (the planner's `band` curve,
+`sim.plan.profile`): after the four cases, the fused path's forward + backward rate (FLOPs as
+[`KernelCall.flops`][sim.plan.dry.KernelCall.flops] counts them, over the time) on calls that
+share a window of `--window` keys but not their size (a quarter of `--tokens`, and all of it) or
+their heads (half of `--heads`), and on one under a window an eighth as wide; their ratios,
+printed side by side.
+
 Run it with `python -m bench.window`; `--tokens 4096 --window 256` is a quick run.
 """
 
@@ -90,6 +97,41 @@ def measure(tokens: int, window: int, heads: int, dim: int, repeats: int) -> dic
     return fastest(steps, repeats, warmup=0)
 
 
+def band_rates(tokens: int, window: int, heads: int, dim: int, repeats: int) -> dict[str, float]:
+    """GFLOP/s of the fused path's forward + backward on one document under a causal window, for four calls: `(tokens,
+    heads, window)`, a quarter of the tokens, half the heads, an eighth of the window (`BAND_CASES`)."""
+    from sim.plan.dry import KernelCall
+
+    kernel, steps, flops = TorchKernel(), {}, {}
+    shapes = {"as above": (tokens, heads, window), "a quarter of the tokens": (tokens // 4, heads, window),
+              "half the heads": (tokens, max(1, heads // 2), window),
+              "an eighth of the window": (tokens, heads, max(1, window // 8))}  # fmt: skip
+    for name, (n, h, w) in shapes.items():
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(n, h, dim, generator=g) for _ in range(4))  # (T, H, D)
+        seqs, scale = Varlen([0, n]), dim**-0.5
+
+        def step(q=q, k=k, v=v, dout=dout, seqs=seqs, scale=scale, w=w) -> object:
+            out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=(w, 0))
+            return kernel.backward(dout, q, k, v, out, lse, seqs, causal=True, scale=scale, window=(w, 0))
+
+        work = seqs.work(True, (w, 0))
+        steps[name] = step
+        flops[name] = sum(KernelCall(d, work, n, n, h, h, dim, dim).flops for d in ("forward", "backward"))
+    times = fastest(steps, max(repeats, 3), warmup=1)  # in alternation: load drift hits all four alike
+    return {name: flops[name] / times[name] / 1e9 for name in shapes}
+
+
+def band_report(rates: dict[str, float], tokens: int, window: int, heads: int) -> str:
+    """The four calls' rates and each one's ratio to the first."""
+    shapes = {"as above": f"{tokens} tokens, {heads} heads, window {window}",
+              "a quarter of the tokens": f"{tokens // 4} tokens", "half the heads": f"{max(1, heads // 2)} heads",
+              "an eighth of the window": f"window {max(1, window // 8)}"}  # fmt: skip
+    lines = ["| call | shape | GFLOP/s | / the first |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| {name} | {shapes[name]} | {r:.1f} | {r / rates['as above']:.2f} |" for name, r in rates.items()]
+    return "\n".join(lines)
+
+
 def report(times: dict[str, float], counts: dict[str, int]) -> str:
     """The times as a Markdown table, then the window's saving over full causal: ideal, planned, measured."""
     lines = ["| case | time | time / window |", "| --- | ---: | ---: |"]
@@ -119,8 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
     times = measure(args.tokens, args.window, args.heads, args.dim, args.repeats)
     counts = scores(args.tokens, args.window)
     print(report(times, counts))
+    rates = band_rates(args.tokens // 4, args.window, args.heads, args.dim, args.repeats)
+    print(f"\nA windowed call's rate by its band's width, not its size or heads (forward + backward):\n\n"
+          f"{band_report(rates, args.tokens // 4, args.window, args.heads)}")
     print(f"(load average now {os.getloadavg()[0]:.2f})")
-    return {"title": title, "times": times, "counts": counts}
+    return {"title": title, "times": times, "counts": counts, "band": rates, "band_shape": [args.tokens // 4, args.window,
+                                                                                           args.heads]}
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,9 @@ seconds here:
   $t_f + t_b = (F_f + F_b + 2 F_{1/2}) / R_\infty$, gives the two-number summary beside it ($F_{1/2}$
   at least $10^{-6}$ GFLOP: on a busy machine the line can pass through the origin, and a profile's
   numbers are positive).
-  Windowed calls (4096 tokens under a window of 256, 8192 under 1024) give `band_rows`: the masked
-  keys a row the kernel's band tiles compute beyond the call's work (their median).
+  Windowed calls, one document of $\max(4096, 2W)$ tokens under causal windows of $W$ = 128 to
+  4096 keys, give the `band` curve: each width's rate, forward and backward as one pair (every
+  mode makes a backward call per forward call), by the band's width.
 
 The file records what was measured where: the CPU, torch's version and the date, next to each
 figure, as a published profile records its sources.
@@ -34,6 +35,7 @@ it runs `TorchKernel` the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -44,13 +46,13 @@ from pathlib import Path
 import torch
 
 from sim.plan.dry import KernelCall
-from sim.plan.profile import PROFILES, Compute
+from sim.plan.profile import PROFILES
 
 __all__ = ["calibrate", "fit_line", "kernel_points", "check_kernel"]
 
 SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
 LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
-BANDS = [(4096, 256), (8192, 1024)]  # (tokens, window): windowed calls, for band_rows
+WIDTHS = [128, 256, 512, 1024, 2048, 4096]  # causal windows of W keys before each row: the band curve
 HEADS, DIM = 4, 64
 
 
@@ -145,16 +147,24 @@ def _link(comm, nbytes: int) -> tuple[float, float]:
     return _fastest(lambda: comm.send_recv(x)), _fastest(lambda: comm.all_gather(x))
 
 
-def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator) -> tuple[int, float, float]:
-    """`(work, forward seconds, backward seconds)` of one causal document of `n` tokens under `window`."""
+def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator) -> tuple[KernelCall, float, float]:
+    """`(forward call, forward seconds, backward seconds)` of one causal document of `n` tokens under `window`."""
     from cpref.kernels import Varlen
+    from sim.plan.dry import band_width
 
     q, k, v, do = (torch.randn(n, HEADS, DIM, generator=g) for _ in range(4))
     seqs, scale = Varlen([0, n]), DIM**-0.5
     out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window)
     t_f = _fastest(lambda: kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window), 3)
     t_b = _fastest(lambda: kernel.backward(do, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window), 3)
-    return seqs.work(True, window), t_f, t_b
+    band = window != (-1, -1)
+    call = KernelCall("forward", seqs.work(True, window), n, n, HEADS, HEADS, DIM, DIM, band, n,
+                      band_width(seqs, True, window) if band else 0)  # fmt: skip
+    return call, t_f, t_b
+
+
+def _backward(call: KernelCall) -> KernelCall:
+    return dataclasses.replace(call, direction="backward")
 
 
 def _measure_rank() -> dict:
@@ -167,11 +177,11 @@ def _measure_rank() -> dict:
     link = {"send_recv": [(n, t[0]) for n, t in zip(SIZES, times)], "all_gather": [(n, t[1]) for n, t in zip(SIZES, times)]}
     g, calls, banded = torch.Generator().manual_seed(comm.rank), [], []
     for n in LENGTHS:
-        work, t_f, t_b = _calls(kernel, n, (-1, -1), g)
-        calls += [(KernelCall(d, work, n, n, HEADS, HEADS, DIM, DIM).flops, t) for d, t in (("forward", t_f), ("backward", t_b))]
-    for n, w in BANDS:
-        work, t_f, t_b = _calls(kernel, n, (w, 0), g)
-        banded += [(d, work, n, t) for d, t in (("forward", t_f), ("backward", t_b))]
+        call, t_f, t_b = _calls(kernel, n, (-1, -1), g)
+        calls += [(call.flops, t_f), (_backward(call).flops, t_b)]
+    for w in WIDTHS:
+        call, t_f, t_b = _calls(kernel, max(4096, 2 * w), (w, 0), g)
+        banded.append((call.width, call.flops + _backward(call).flops, t_f + t_b))
     return {"link": link, "calls": calls, "banded": banded}
 
 
@@ -195,34 +205,23 @@ def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) 
     overhead, per_flop = fit_line([f for f, _ in pairs], [t for _, t in pairs])
     peak, overhead = 1 / per_flop, overhead / 2
     points = sorted([round(f / 1e9, 6), round(f / t / 1e12, 6)] for t, (f, _) in zip(calls[0], calls[1]))
-    curve = Compute(peak, overhead * peak, tuple((f * 1e9, r * 1e12) for f, r in points))
-    band_rows = _band_rows(curve, [[max(r["banded"][i][3] for r in ranks), *ranks[0]["banded"][i][:3]]
-                                   for i in range(len(ranks[0]["banded"]))])  # fmt: skip
+    # each width's forward + backward pair at the slower process's time
+    band = [[w, round(f / max(r["banded"][i][2] for r in ranks) / 1e12, 6)] for i, (w, f, _) in enumerate(ranks[0]["banded"])]
     profile = {
         "name": "this-machine",
         "description": f"this machine: {nproc} processes of one thread on one node ({platform.node()})",
         "ranks_per_node": nproc,
         "links": {"intra": link, "inter": {**link, "source": "one node: no rank reaches another node; the intra figures"}},
         "compute": {"float32": {"peak_tflops": round(peak / 1e12, 6), "half_size_gflop": max(round(overhead * peak / 1e9, 6), 1e-6),
-                                "points": points, "band_rows": band_rows,
+                                "points": points, "band": band,
                                 "source": where + f": TorchKernel forward and backward, one causal document of "
-                                          f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}"}},
+                                          f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}; band: "
+                                          f"one document under causal windows of {WIDTHS[0]} to {WIDTHS[-1]} keys"}},
         "memory_GB": round(_memory_bytes() / 1e9, 1),
         "memory_source": "this machine's physical memory (os.sysconf)",
     }  # fmt: skip
     Path(out).write_text(json.dumps(profile, indent=2) + "\n")
     return profile
-
-
-def _band_rows(curve: Compute, banded: list) -> float:
-    """`R`: the masked keys a row that windowed calls computed beyond their work, the median over the calls of
-    `(t / t_curve - 1) w / n_q` (`t_curve`: the call's time on the curve at its work alone), at least 0."""
-    per_call = []
-    for t, direction, work, n in banded:
-        call = KernelCall(direction, work, n, n, HEADS, HEADS, DIM, DIM, band=True, rows_seeing=n)
-        per_call.append((t / curve.seconds(call.flops) - 1) * work / n)
-    per_call.sort()
-    return round(max(0.0, per_call[len(per_call) // 2]), 1)
 
 
 def _memory_bytes() -> float:

@@ -43,7 +43,7 @@ import torch
 from cpref.comm.protocol import REDUCE_OPS, check_partition
 from cpref.kernels.contract import Varlen, compute_dtype
 
-__all__ = ["Collective", "KernelCall", "Event", "RankRun", "DryComm", "TallyKernel", "dry_run"]
+__all__ = ["Collective", "KernelCall", "Event", "RankRun", "DryComm", "TallyKernel", "band_width", "dry_run"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,9 @@ class KernelCall:
     """One kernel call: its work (visible query-key pairs, per head) and its heads and dims.
 
     `direction` is `"forward"` or `"backward"` (the kernel's own pass, whatever the step's phase); `band`: the call
-    has a sliding window (its keys a band around each row's position); `rows_seeing`: its query rows that see a key.
+    has a sliding window (its keys a band around each row's position); `rows_seeing`: its query rows that see a key;
+    `width`: a banded call's widest band, the most keys one of its rows sees ([`band_width`][sim.plan.dry.band_width]),
+    0 for a call without a window.
     """
 
     direction: str
@@ -92,6 +94,7 @@ class KernelCall:
     dv: int
     band: bool = False
     rows_seeing: int = 0
+    width: int = 0
 
     @property
     def flops(self) -> int:
@@ -243,6 +246,27 @@ class DryComm:
         return [list(row)] * self.size
 
 
+def band_width(seqs: Varlen, causal: bool, window: tuple[int, int]) -> int:
+    r"""The most keys one query row of `seqs` sees under `window` (`Varlen.visible`), without a row-by-row scan.
+
+    For a row at position $p$ the band is $[\max(0, p - l), \min(n_k, p + r + 1))$: its width is a concave, piecewise
+    linear function of $p$ (a minimum of lines, less a maximum of lines), so its largest value is at a breakpoint
+    ($p = l$, $p = n_k - r - 1$) or at the sequence's first or last row, clipped to the rows it has.
+    """
+    left, right = window
+    right = 0 if causal else right
+    widest = 0
+    for i in range(seqs.num_seqs):
+        n_q, n_k, shift = seqs.cu_q[i + 1] - seqs.cu_q[i], seqs.cu_kv[i + 1] - seqs.cu_kv[i], seqs.shift(i)
+        if not n_q:
+            continue
+        rows = {0, n_q - 1, left - shift, n_k - right - 1 - shift}
+        for x in (min(max(r, 0), n_q - 1) for r in rows):
+            lo, hi = seqs.visible(i, x, causal, window)
+            widest = max(widest, hi - lo)
+    return widest
+
+
 class TallyKernel:
     """The attention contract, computing nothing: each call returns empty tensors and is recorded."""
 
@@ -254,8 +278,10 @@ class TallyKernel:
 
     def _record(self, direction: str, q, k, v, seqs: Varlen, causal: bool, window) -> None:
         work, window = seqs.work(causal, tuple(window)), tuple(window)
+        band = window != (-1, -1)
         self._recorder.call(KernelCall(direction, work, q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                                       v.shape[2], window != (-1, -1), seqs.rows_seeing(causal, window)))  # fmt: skip
+                                       v.shape[2], band, seqs.rows_seeing(causal, window),
+                                       band_width(seqs, causal, window) if band else 0))  # fmt: skip
 
     def forward(self, q, k, v, seqs: Varlen, *, causal: bool, scale: float, window=(-1, -1), out_dtype=None,
                 softcap=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -5,8 +5,10 @@ Every term below is a formula of the counts the dry run gives and the numbers of
 $R_\infty$, $F_{1/2}$ per dtype).
 
 **Kernel calls.** A call of $F$ FLOPs takes $t = F / R(F)$ on the profile's curve, $(F + F_{1/2}) /
-R_\infty$ with its two numbers; a windowed call's FLOPs are widened by the masked keys its kernel
-computes at the band's edges ([`Compute.call_seconds`][sim.plan.profile.Compute.call_seconds]).
+R_\infty$ with its two numbers; a windowed call of band width $W$ (the most keys one of its rows
+sees) takes $F / R_{\mathrm{band}}(W)$ where the profile has a band curve: its rate is its tiles',
+set by the width, not by the call's size
+([`Compute.call_seconds`][sim.plan.profile.Compute.call_seconds]).
 
 **Collectives**, by the algorithm the backends use (NCCL's and HCCL's ring and pairwise ones, as
 the simulated cluster counts bytes), for a group of $P$ ranks and this rank's input of $n$ bytes:

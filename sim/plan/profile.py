@@ -31,9 +31,14 @@ not a line rate or a datasheet peak, and carries its source next to it in the fi
   $F / R(F) = (F + F_{1/2}) / R_\infty$: small calls are slower, as if each carried $F_{1/2}$
   FLOPs more. A measured profile may give the curve as `"points": [[gflop, tflops], ...]` instead,
   interpolated linearly in the logarithm of the size (`this-machine` does: a CPU's rate keeps
-  growing with the call's size, which two numbers do not follow). `band_rows` ($R$, default 0) prices
-  a windowed call's tiles: a kernel that computes a band in tiles computes up to $R$ masked keys a
-  row at its edges, so a call of work $w$ over $n_q$ rows costs as $w + R\, n_q$ would.
+  growing with the call's size, which two numbers do not follow).
+* `band` (optional): a windowed call's own curve, `[[width, tflops], ...]` by the band's width $W$,
+  the most keys one of its rows sees ([`KernelCall.width`][sim.plan.dry.KernelCall]). A kernel
+  computes a band in tiles of rows against the keys those rows see, so a windowed call's rate is set
+  by its band's width, not by its size or its heads (`bench/plan.py` measures both side by side
+  here: the same window on 2k and 8k tokens, two heads and four; a narrower window). A banded call takes
+  the rate interpolated linearly in $\log W$ (held at the ends); without a `band` curve it is priced
+  by its FLOPs on the main curve, as an unwindowed call is.
 
 Shipped profiles live in this package's `profiles/` folder and are named by their file name
 (`h100-sxm`, `ascend-910b`; `this-machine` once `python -m sim plan --calibrate` has measured it there);
@@ -72,37 +77,40 @@ class Link:
         return messages * self.latency + nbytes / (self.send_recv_bandwidth if send_recv else self.bandwidth)
 
 
+def _interpolated(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The `y` of `points` (`(x, y)` in increasing `x`) at `x`, linear in `log x` between them, held at the ends."""
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    if x <= x0 or x >= x1:
+        return y0 if x <= x0 else y1
+    for (xa, ya), (xb, yb) in zip(points, points[1:]):
+        if xa <= x <= xb:
+            return ya + math.log(x / xa) / math.log(xb / xa) * (yb - ya)
+    raise AssertionError("the points cover [x0, x1]")  # pragma: no cover
+
+
 @dataclass(frozen=True)
 class Compute:
     """The kernel's throughput curve in one dtype: `R(F) = peak F / (F + half_size)` FLOP/s, or, where `points` are
-    given (`(FLOPs, FLOP/s)` measured, by size), their rate interpolated linearly in `log F` (held at the ends)."""
+    given (`(FLOPs, FLOP/s)` measured, by size), their rate interpolated linearly in `log F` (held at the ends);
+    `band`: windowed calls' rates by their band's width (`(keys, FLOP/s)`), interpolated the same way."""
 
     peak: float
     half_size: float
     points: tuple[tuple[float, float], ...] = ()
-    band_rows: float = 0.0
+    band: tuple[tuple[float, float], ...] = ()
 
     def call_seconds(self, call) -> float:
-        """A kernel call's time: its FLOPs on the curve; a banded (windowed) call's widened by `band_rows` keys a row,
-        the masked keys its kernel computes at the band's edges: `F (w + R n) / w` for work `w` and `n` rows that
-        see a key."""
-        flops = call.flops
-        if call.band and call.work and self.band_rows:
-            flops = flops * (call.work + self.band_rows * call.rows_seeing) / call.work
-        return self.seconds(flops)
+        """A kernel call's time: a banded (windowed) call's FLOPs at its band's rate where the profile has a `band`
+        curve, any other call's FLOPs on the curve (`seconds`)."""
+        if call.band and self.band and call.work:
+            return call.flops / _interpolated(self.band, call.width)
+        return self.seconds(call.flops)
 
     def rate(self, flops: float) -> float:
         """FLOP/s of a call of `flops` FLOPs."""
         if not self.points:
             return self.peak * flops / (flops + self.half_size)
-        (f0, r0), (f1, r1) = self.points[0], self.points[-1]
-        if flops <= f0 or flops >= f1:
-            return r0 if flops <= f0 else r1
-        for (fa, ra), (fb, rb) in zip(self.points, self.points[1:]):
-            if fa <= flops <= fb:
-                u = math.log(flops / fa) / math.log(fb / fa)
-                return ra + u * (rb - ra)
-        raise AssertionError("the points cover [f0, f1]")  # pragma: no cover
+        return _interpolated(self.points, flops)
 
     def seconds(self, flops: float) -> float:
         """A call of `flops` FLOPs: `flops / rate(flops)` (`(flops + half_size) / peak` on the two-number curve), 0
@@ -158,6 +166,18 @@ def _positive(value: Any, name: str, where: Path, what: str = "a positive number
     return float(value)
 
 
+def _curve(points: Any, name: str, pair: str, size: str, where: Path, unit: float) -> tuple[tuple[float, float], ...]:
+    """`points` `[[x, tflops], ...]` as `((x * unit, FLOP/s), ...)`, refused by `name` unless every number is positive
+    and `x` increases."""
+    if not isinstance(points, list) or any(not isinstance(p, list) or len(p) != 2 for p in points):
+        raise CPInputError(f"profile {where}: {name} must be [[{pair}], ...]")
+    curve = tuple((_positive(x, f"{name}[{i}][0]", where) * unit, _positive(r, f"{name}[{i}][1]", where) * TFLOP)
+                  for i, (x, r) in enumerate(points))  # fmt: skip
+    if any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+        raise CPInputError(f"profile {where}: {name} must be in increasing {size}")
+    return curve
+
+
 def load_profile(name_or_path: str | Path) -> Profile:
     """The profile named `name_or_path` (a shipped one) or in that file.
 
@@ -199,19 +219,14 @@ def load_profile(name_or_path: str | Path) -> Profile:
     for dtype_name in data["compute"]:
         peak = _number(data, f"compute.{dtype_name}.peak_tflops", path, "the kernel's TFLOP/s on large calls")
         half = _number(data, f"compute.{dtype_name}.half_size_gflop", path, "the call size (GFLOP) at half that rate")
-        points = data["compute"][dtype_name].get("points", [])
-        if not isinstance(points, list) or any(not isinstance(p, list) or len(p) != 2 for p in points):
-            raise CPInputError(f"profile {path}: compute.{dtype_name}.points must be [[gflop, tflops], ...]")
-        curve = tuple((_positive(f, f"compute.{dtype_name}.points[{i}][0]", path) * GFLOP,
-                       _positive(r, f"compute.{dtype_name}.points[{i}][1]", path) * TFLOP)
-                      for i, (f, r) in enumerate(points))  # fmt: skip
-        if any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
-            raise CPInputError(f"profile {path}: compute.{dtype_name}.points must be in increasing call size")
-        band = data["compute"][dtype_name].get("band_rows", 0)
-        if isinstance(band, bool) or not isinstance(band, (int, float)) or not math.isfinite(band) or band < 0:
-            raise CPInputError(f"profile {path}: compute.{dtype_name}.band_rows is {band!r}; give the masked keys a "
-                               "windowed call computes per row, a number >= 0")  # fmt: skip
-        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, float(band))
+        entry = data["compute"][dtype_name]
+        curve = _curve(entry.get("points", []), f"compute.{dtype_name}.points", "gflop, tflops", "call size", path, GFLOP)
+        band = _curve(entry.get("band", []), f"compute.{dtype_name}.band", "width, tflops", "width", path, 1.0)
+        if "band_rows" in entry:
+            raise CPInputError(f"profile {path}: compute.{dtype_name}.band_rows is no longer read: windowed calls take "
+                               "a 'band' curve, [[width, tflops], ...]; run python -m sim plan --calibrate again, or "
+                               "remove band_rows")  # fmt: skip
+        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, band)
     memory = _number(data, "memory_GB", path, "the device memory in GB")
     return Profile(str(data.get("name", path.stem)), str(data.get("description", "")), int(rpn), links, compute,
                    memory * GB, path)  # fmt: skip

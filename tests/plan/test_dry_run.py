@@ -13,12 +13,14 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cpref
 from cpref.base.errors import CPInputError
-from cpref.kernels import TorchKernel
+from cpref.kernels import TorchKernel, Varlen
 from sim.cluster.simcluster import SimCluster
-from sim.plan.dry import Collective, KernelCall, dry_run
+from sim.plan.dry import Collective, KernelCall, band_width, dry_run
 from sim.plan.links import LEVELS, link_bytes
 from tests.helpers import cu_from_lengths, random_qkv
 
@@ -40,9 +42,10 @@ class Recording:
         self.kernel, self.calls = TorchKernel(), []
 
     def _keep(self, direction, q, k, v, seqs, causal, window) -> None:
+        band = tuple(window) != (-1, -1)
         self.calls.append(KernelCall(direction, seqs.work(causal, tuple(window)), q.shape[0], k.shape[0], q.shape[1],
-                                     k.shape[1], q.shape[2], v.shape[2], tuple(window) != (-1, -1),
-                                     seqs.rows_seeing(causal, tuple(window))))  # fmt: skip
+                                     k.shape[1], q.shape[2], v.shape[2], band, seqs.rows_seeing(causal, tuple(window)),
+                                     widest_row(seqs, causal, tuple(window)) if band else 0))  # fmt: skip
 
     def forward(self, q, k, v, seqs, *, causal, scale, window=(-1, -1), **kw):
         self._keep("forward", q, k, v, seqs, causal, window)
@@ -51,6 +54,13 @@ class Recording:
     def backward(self, dout, q, k, v, out, lse, seqs, *, causal, scale, window=(-1, -1), **kw):
         self._keep("backward", q, k, v, seqs, causal, window)
         return self.kernel.backward(dout, q, k, v, out, lse, seqs, causal=causal, scale=scale, window=window, **kw)
+
+
+def widest_row(seqs, causal: bool, window: tuple[int, int]) -> int:
+    """The most keys a row sees, row by row (the dry run's `band_width` finds it at a few rows)."""
+    widths = [max(0, hi - lo) for i in range(seqs.num_seqs)
+              for lo, hi in (seqs.visible(i, x, causal, window) for x in range(seqs.cu_q[i + 1] - seqs.cu_q[i]))]  # fmt: skip
+    return max(widths, default=0)
 
 
 def real_run(mode: str, sharding: cpref.Sharding, **arguments):
@@ -117,3 +127,15 @@ def test_a_dry_run_counts_what_the_mode_does_on_every_rank(mode, options, layout
         calls, saved = ranks[r]
         assert list(dry[r].calls) == calls, f"rank {r}: kernel calls"
         assert dry[r].saved_bytes == saved, f"rank {r}: saved bytes"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(-50, 50)), min_size=1, max_size=4),
+       st.integers(-1, 45), st.integers(-1, 45), st.booleans())  # fmt: skip
+def test_band_width_is_the_widest_row_of_every_call(seqs, left, right, causal):
+    """Closed form against row by row: sequences of any lengths and shifts (bottom-right, the ring's and the pieces'
+    explicit ones), windows narrower and wider than the keys, one side unbounded, causal or not."""
+    q_lens, k_lens, shifts = zip(*seqs)
+    varlen = Varlen.from_lengths(q_lens, k_lens, shifts)
+    window = (left, 0 if causal else right)
+    assert band_width(varlen, causal, window) == widest_row(varlen, causal, window)

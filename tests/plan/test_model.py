@@ -173,6 +173,23 @@ def test_a_measured_curve_is_interpolated_in_the_log_of_the_size_and_held_at_its
         load_profile(write(tmp_path, data))
 
 
+def test_a_windowed_call_takes_its_bands_rate_by_width_and_every_other_call_the_main_curve(tmp_path):
+    """Two calls of the same FLOPs under windows of 256 and 1024 keys take the band curve's rates at those widths
+    (halfway in log width: halfway in rate); without a window, or in a profile without a band curve, the main curve's."""
+    data = json.loads(json.dumps(GOOD))
+    data["compute"]["bfloat16"]["band"] = [[128, 10], [2048, 50]]  # TFLOP/s at 128 and 2048 keys
+    curve = load_profile(write(tmp_path, data)).kernel("bfloat16")
+    narrow, wide = (KernelCall("forward", 10**6, 4096, 4096, 8, 8, 128, 128, True, 4096, w) for w in (128, 512))
+    assert curve.call_seconds(narrow) == pytest.approx(narrow.flops / 10e12)
+    assert curve.call_seconds(wide) == pytest.approx(wide.flops / 30e12)  # 512: halfway between 128 and 2048 in log
+    assert curve.call_seconds(KernelCall("forward", 10**6, 64, 64, 8, 8, 128, 128, True, 64, 10**5)) == pytest.approx(
+        narrow.flops / 50e12)  # held at the widest point
+    plain = KernelCall("forward", 10**6, 4096, 4096, 8, 8, 128, 128)
+    assert curve.call_seconds(plain) == curve.seconds(plain.flops) != curve.call_seconds(narrow)
+    no_band = load_profile(write(tmp_path, GOOD)).kernel("bfloat16")
+    assert no_band.call_seconds(wide) == no_band.seconds(wide.flops)
+
+
 def test_the_calibration_line_weighs_every_point_by_its_own_size():
     """Relative least squares: through exact points, the line itself; with the largest time 1 % high (noise of the
     size a long call has), the intercept (the latency, the per-call cost) stays within 0.3 % where an absolute fit,
@@ -192,15 +209,19 @@ def test_a_calibration_whose_line_passes_through_the_origin_still_writes_a_posit
 
     calls = [(float(f), f / 50e9) for f in (1e8, 1e9, 1e10, 1e11)]  # no per-call cost at all
     ranks = [{"link": {k: [(n, 1e-4 + n / 1e9) for n in module.SIZES] for k in ("send_recv", "all_gather")},
-              "calls": [c for c in calls for _ in range(1)], "banded": [("forward", 10**6, 1000, 1e-3)]}] * 2
+              "calls": [c for c in calls for _ in range(1)], "banded": [(129, 1e9, 0.05), (1025, 1e9, 0.025)]}] * 2
     monkeypatch.setattr("sim.tools.launch.launch", lambda *a, **k: ranks)
     out = tmp_path / "p.json"
     module.calibrate(out)
-    assert load_profile(out).kernel("float32").half_size > 0
+    curve = load_profile(out).kernel("float32")
+    assert curve.half_size > 0 and curve.band == ((129, 20e9), (1025, 40e9))  # each width's pair: 1 GFLOP in its time
 
 
 @pytest.mark.parametrize("entry, message", [
-    ({"band_rows": -1}, r"compute.bfloat16.band_rows is -1; give the masked keys a windowed call computes per row"),
+    ({"band_rows": 256}, r"compute.bfloat16.band_rows is no longer read: windowed calls take a 'band' curve"),
+    ({"band": [[1024, 0]]}, r"compute.bfloat16.band\[0\]\[1\] is 0; give a positive number"),
+    ({"band": [[1024, 3], [128, 2]]}, r"compute.bfloat16.band must be in increasing width"),
+    ({"band": [1024, 3]}, r"compute.bfloat16.band must be \[\[width, tflops\], ...\]"),
     ({"points": [[1, 2, 3]]}, r"compute.bfloat16.points must be \[\[gflop, tflops\], ...\]"),
     ({"points": "fast"}, r"compute.bfloat16.points must be"),
 ])  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 
 from cpref.base.errors import CPInputError
 from sim.plan import load_profile, plan
+from sim.plan.calibrate import WIDTHS
 from sim.plan.dry import dry_run
 from sim.plan.model import rank_time
 from sim.plan.planner import _sharding
@@ -99,7 +100,8 @@ def test_calibrate_writes_a_profile_the_planner_takes(tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
     profile = load_profile(out)
     curve = profile.kernel("float32")
-    assert curve.points and all(r > 0 for _, r in curve.points) and curve.band_rows >= 0
+    assert curve.points and all(r > 0 for _, r in curve.points)
+    assert [w for w, _ in curve.band] == [w + 1 for w in WIDTHS] and all(r > 0 for _, r in curve.band)
     assert profile.links["intra"].bandwidth > 0 and profile.ranks_per_node == 2
     result = plan([2048, 1024], heads=(4, 4, 64, 64), dtype="float32", P=2, profile=out, layouts=["zigzag"])
     assert result.kinds["full"].ranked[0].step > 0
