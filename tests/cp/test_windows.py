@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import cpref
@@ -356,3 +358,28 @@ def test_all_gather_saves_for_backward_only_what_the_window_selects(save):
         want = mode_costs("all_gather", sharding, heads=(4, 2, 8, 8), dtype=torch.float64, rank=r, window=window,
                           save_gathered_kv=save)  # fmt: skip
         assert measured[r] == want.saved_bytes, r
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=5), st.sampled_from([2, 3, 4, 8]), st.sampled_from([1, 2]),
+       st.sampled_from(cpref.LAYOUTS), st.integers(-1, 50), st.integers(-1, 20), st.booleans(),
+       st.sampled_from([None, 5, 16]))  # fmt: skip
+def test_the_halo_sweep_finds_what_asking_every_rank_finds(lengths, P, group, layout, left, right, causal, chunk):
+    """`_halo_rows` (one sweep over the pieces that see each other) against the plan's own calls asked rank by rank
+    at every distance (the quadratic way it replaced): the same distances, and per distance the same rows every
+    block sends, in every layout, ring members of one rank or of an a2a group, any window or none, chunked or not,
+    documents padded or not."""
+    from cpref.modes.ring_window import _calls, _halo_rows, _members
+    from cpref.modes.visible import chunk_pieces, chunk_real
+
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P * group, layout=layout)
+    window = (left, 0 if causal else right)
+    real, members = chunk_real(sharding.bounds.real_in), [chunk_pieces(m, chunk)
+                                                           for m in _members(sharding.bounds, P, layout, group)]
+    asked = {}
+    for d in range(1, P):
+        for s in range(P):
+            calls = _calls(real, members, (s + d) % P, s, causal, window)
+            if calls:
+                asked.setdefault(d, [0] * P)[s] = len(torch.unique(torch.cat([rows for _, rows in calls])))
+    assert _halo_rows(real, members, causal, window) == asked

@@ -68,6 +68,7 @@ InfiniBand, HCCS) that costs the same; on a physical ring it would take $\min(d,
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections import Counter
 from collections.abc import Callable
@@ -149,9 +150,57 @@ def _members(b: Boundaries, P: int, layout: str, group: int) -> list[list[tuple[
     return [_pieces(b, P, r, layout, group) for r in range(P)]
 
 
+def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int]) -> dict[int, list[int]]:
+    """`{d: [|R_d(s)| for every member s]}` for every distance `d` in `1 .. P - 1` at which some member's queries see
+    a key of the block `d` members back (the keys `D`; the values: the rows each block sends at `d`).
+
+    One sweep over the pairs of pieces of a document that see each other, found by bisection among the document's
+    pieces in position order: under a window each query piece meets only the key pieces its window reaches, where
+    asking every member about every distance (`_calls` for each of the P (P - 1) pairs, on every rank) grows with
+    the square of the members. The same pairs as `_calls` finds member by member (`tests/cp/test_windows.py` holds
+    the two equal)."""
+    P, (left, right) = len(members), (window[0], 0 if causal else window[1])
+    keys: dict = {}  # doc -> [(a, real end, row, member)] in position order
+    for s, pieces in enumerate(members):
+        for doc, a, z, row in pieces:
+            keys.setdefault(doc, []).append((a, a + real(doc, a, z), row, s))
+    for held in keys.values():
+        held.sort()
+    starts = {doc: [k[0] for k in held] for doc, held in keys.items()}
+    ends = {doc: [k[1] for k in held] for doc, held in keys.items()}
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (d, s) -> the row spans rank s + d reads of s's block
+    for r, pieces in enumerate(members):
+        for doc, a, z, _ in pieces:
+            zr = a + real(doc, a, z)  # real query positions [a, zr)
+            if zr <= a or doc not in keys:
+                continue
+            first = 0 if left < 0 else bisect.bisect_right(ends[doc], a - left)  # the first piece ending past a - left
+            last = len(keys[doc]) if right < 0 else bisect.bisect_left(starts[doc], zr + right)  # ... starting before
+            for k0, k1, row, s in keys[doc][first:last]:
+                lo = k0 if left < 0 else max(k0, a - left)
+                hi = k1 if right < 0 else min(k1, zr + right)
+                d = (r - s) % P
+                if hi > lo and d:
+                    spans.setdefault((d, s), []).append((row + lo - k0, row + hi - k0))
+    out: dict[int, list[int]] = {}
+    for (d, s), rows in sorted(spans.items()):
+        out.setdefault(d, [0] * P)[s] = _union(rows)
+    return out
+
+
+def _union(spans: list[tuple[int, int]]) -> int:
+    """The rows `[a, b)` spans cover together."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
 def _distances(real: Real, members, causal: bool, window: tuple[int, int]) -> tuple[int, ...]:
-    P = len(members)
-    return tuple(d for d in range(1, P) if any(_calls(real, members, r, (r - d) % P, causal, window) for r in range(P)))
+    return tuple(_halo_rows(real, members, causal, window))
 
 
 def window_distances(b: Boundaries, P: int, layout: str, causal: bool, window: tuple[int, int],
@@ -181,7 +230,8 @@ def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: 
         whole = _reading_the_block(*calls[0], _rows(members[0])) if len(calls) == 1 else None
         if whole is not None:
             return RingPlan((RingStep(rank, (RingCall(whole, causal, None, window),)),))
-    shifts = (0, *_distances(real, members, causal, window))
+    halo = _halo_rows(real, members, causal, window)
+    shifts = (0, *halo)
 
     @functools.cache
     def reads(r: int, d: int) -> torch.Tensor:
@@ -197,7 +247,7 @@ def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: 
             local = rows if held is None else torch.searchsorted(held, rows)  # positions among the rows received
             calls.append(RingCall(seqs, causal, local.to(device), window))
         steps.append(RingStep((rank - d) % P, tuple(calls)))
-    sizes = (0, *(max(len(reads(s, d)) for s in range(P)) for d in shifts[1:]))  # a shift's rows, on every rank
+    sizes = (0, *(max(halo[d]) for d in shifts[1:]))  # a shift's rows, on every rank: the largest R_d
     send = (None, *(reads((rank + d) % P, d).to(device) for d in shifts[1:]))  # own rows rank r + d reads
     return RingPlan(tuple(steps), Halo(shifts, send, sizes))
 
