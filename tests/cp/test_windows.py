@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 import cpref
 from cpref.kernels import TorchKernel, Varlen
