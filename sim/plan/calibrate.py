@@ -19,6 +19,8 @@ seconds here:
   Windowed calls, one document of $\max(4096, 2W)$ tokens under causal windows of $W$ = 128 to
   4096 keys, give the `band` curve: each width's rate, forward and backward as one pair (every
   mode makes a backward call per forward call), by the band's width.
+  Soft-capped calls (logits capped at 50) on documents of 1024 and 4096 tokens give `softcap_factor`:
+  their forward + backward time over the same calls' without, both lengths together.
 
 The file records what was measured where: the CPU, torch's version and the date, next to each
 figure, as a published profile records its sources.
@@ -53,6 +55,7 @@ __all__ = ["calibrate", "fit_line", "kernel_points", "check_kernel"]
 SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
 LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
 WIDTHS = [128, 256, 512, 1024, 2048, 4096]  # causal windows of W keys before each row: the band curve
+CAPPED = [1024, 4096]  # soft-capped documents: softcap_factor
 HEADS, DIM = 4, 64
 
 
@@ -147,16 +150,19 @@ def _link(comm, nbytes: int) -> tuple[float, float]:
     return _fastest(lambda: comm.send_recv(x)), _fastest(lambda: comm.all_gather(x))
 
 
-def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator) -> tuple[KernelCall, float, float]:
+def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator,
+           softcap: float | None = None) -> tuple[KernelCall, float, float]:  # fmt: skip
     """`(forward call, forward seconds, backward seconds)` of one causal document of `n` tokens under `window`."""
     from cpref.kernels import Varlen
     from sim.plan.dry import band_width
 
     q, k, v, do = (torch.randn(n, HEADS, DIM, generator=g) for _ in range(4))
     seqs, scale = Varlen([0, n]), DIM**-0.5
-    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window)
-    t_f = _fastest(lambda: kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window), 3)
-    t_b = _fastest(lambda: kernel.backward(do, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window), 3)
+    capped = {} if softcap is None else {"softcap": softcap}
+    out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window, **capped)
+    t_f = _fastest(lambda: kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window, **capped), 3)
+    t_b = _fastest(lambda: kernel.backward(do, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window,
+                                           **capped), 3)  # fmt: skip
     band = window != (-1, -1)
     call = KernelCall("forward", seqs.work(True, window), n, n, HEADS, HEADS, DIM, DIM, band, n,
                       band_width(seqs, True, window) if band else 0)  # fmt: skip
@@ -182,7 +188,11 @@ def _measure_rank() -> dict:
     for w in WIDTHS:
         call, t_f, t_b = _calls(kernel, max(4096, 2 * w), (w, 0), g)
         banded.append((call.width, call.flops + _backward(call).flops, t_f + t_b))
-    return {"link": link, "calls": calls, "banded": banded}
+    capped = []  # (plain, soft-capped) forward + backward seconds
+    for n in CAPPED:
+        times = [_calls(kernel, n, (-1, -1), g, softcap)[1:] for softcap in (None, 50.0)]
+        capped.append(tuple(t_f + t_b for t_f, t_b in times))
+    return {"link": link, "calls": calls, "banded": banded, "capped": capped}
 
 
 def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) -> dict:
@@ -207,16 +217,21 @@ def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) 
     points = sorted([round(f / 1e9, 6), round(f / t / 1e12, 6)] for t, (f, _) in zip(calls[0], calls[1]))
     # each width's forward + backward pair at the slower process's time
     band = [[w, round(f / max(r["banded"][i][2] for r in ranks) / 1e12, 6)] for i, (w, f, _) in enumerate(ranks[0]["banded"])]
+    # soft-capped over plain, both lengths together, each at the slower process's time
+    slower = [[max(r["capped"][i][j] for r in ranks) for i in range(len(CAPPED))] for j in (0, 1)]
+    softcap_factor = round(sum(slower[1]) / sum(slower[0]), 4)
     profile = {
         "name": "this-machine",
         "description": f"this machine: {nproc} processes of one thread on one node ({platform.node()})",
         "ranks_per_node": nproc,
         "links": {"intra": link, "inter": {**link, "source": "one node: no rank reaches another node; the intra figures"}},
         "compute": {"float32": {"peak_tflops": round(peak / 1e12, 6), "half_size_gflop": max(round(overhead * peak / 1e9, 6), 1e-6),
-                                "points": points, "band": band,
+                                "points": points, "band": band, "softcap_factor": softcap_factor,
                                 "source": where + f": TorchKernel forward and backward, one causal document of "
                                           f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}; band: "
-                                          f"one document under causal windows of {WIDTHS[0]} to {WIDTHS[-1]} keys"}},
+                                          f"one document under causal windows of {WIDTHS[0]} to {WIDTHS[-1]} keys; "
+                                          f"softcap_factor: logits capped at 50 on {CAPPED} tokens over the same "
+                                          "calls without"}},
         "memory_GB": round(_memory_bytes() / 1e9, 1),
         "memory_source": "this machine's physical memory (os.sysconf)",
     }  # fmt: skip

@@ -37,8 +37,13 @@ each mode's predicted step beside its measured one ([Performance](performance.md
 merges, copies: a few percent of a long step, more of a short one); a collective's wait for a peer
 that is still computing (each rank is priced alone; the layer's step is the slowest rank's);
 contention between a rank's communication and its compute for the same cores or memory; and the
-plans' own building on the host, once per batch (the stream and balanced rings' plans take every
-rank's pieces into account on every rank, a cost that grows as $P^2$ per rank).
+plans' own building on the host, once per batch (the windowed, stream and balanced rings' plans
+take every rank's pieces into account on every rank: a sweep over the pieces that see each other).
+
+**Soft-capped layers** (`softcap=c`, `--softcap C`: Gemma 2's $c \tanh(S / c)$) change no count, only
+what each kernel call costs: every call is priced at the profile's `softcap_factor` times its time
+([`Profile.kernel`][sim.plan.profile.Profile.kernel]). No published profile has the factor (no
+public figure was found), so there the plan is refused by name; `--calibrate` measures it here.
 
 **At scale.** Dry-running every rank costs a ring of $P$ ranks $P^2$ steps: seconds at $P = 8$,
 minutes at 64. Where [`sim.plan.scale`][sim.plan.scale] covers a candidate (full causal `p2p`,
@@ -70,6 +75,7 @@ import torch
 
 from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import LAYOUTS
+from cpref.kernels.contract import check_softcap
 from sim.plan import scale
 from sim.plan.dry import dry_run
 from sim.plan.model import RankTime, rank_time
@@ -150,6 +156,7 @@ class Plan:
     dtype: str
     batches: tuple[tuple[int, ...], ...]
     kinds: dict[str, KindPlan] = field(default_factory=dict)
+    softcap: float | None = None
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -209,14 +216,17 @@ def _sharding(lengths: tuple[int, ...], P: int, layout: str):
 
 
 def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, P: int, profile: Profile,
-            mask: dict[str, Any], dry_run_limit: int = 32) -> Prediction:  # fmt: skip
+            mask: dict[str, Any], dry_run_limit: int = 32, softcap: float | None = None) -> Prediction:  # fmt: skip
     """`candidate` priced on every rank, or refused: built at scale where `sim.plan.scale` covers it, else dry-run
-    (on rank 0 alone where every rank does the same), else, above `dry_run_limit` ranks, not priced."""
-    compute = profile.kernel(dtype)
+    (on rank 0 alone where every rank does the same), else, above `dry_run_limit` ranks, not priced. Soft-capped
+    (`softcap`), the dry run runs with it and every call costs the profile's `softcap_factor` times as much."""
+    compute = profile.kernel(dtype, softcap=softcap is not None)
+    if softcap is not None:
+        mask = {**mask, "softcap": softcap}
     sharding = _sharding(tuple(lengths), P, candidate.layout)
     options = dict(candidate.options)
     try:
-        if scale.covers(candidate.mode, candidate.layout, options, P, mask):
+        if scale.covers(candidate.mode, candidate.layout, options, P, {k: v for k, v in mask.items() if k != "softcap"}):
             built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **options)
             return Prediction(candidate, built.price(profile, compute))
         if scale.a2a_alike(candidate.mode, candidate.layout, mask):
@@ -291,7 +301,7 @@ def _check(lengths, heads, dtype, P, modes, layouts, a2a_size) -> None:
 def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, int, int, int], dtype: str, P: int,
          profile: str | Profile, window: int | None = None, chunk: int | None = None,
          modes: Sequence[str] | None = None, layouts: Sequence[str] | None = None,
-         a2a_size: int | None = None, dry_run_limit: int = 32) -> Plan:  # fmt: skip
+         a2a_size: int | None = None, dry_run_limit: int = 32, softcap: float | None = None) -> Plan:  # fmt: skip
     """Rank every candidate for a batch, per layer kind (module docstring).
 
     Args:
@@ -308,6 +318,8 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         a2a_size: `a2a+p2p`'s group size (default: every divisor of P strictly between 1 and P).
         dry_run_limit: above this many ranks, a candidate that only the dry run prices is listed as not priced
             (`sim.plan.scale` builds the others at any P).
+        softcap: every layer's logits soft-capped at this value (Gemma 2): the same counts, every kernel call
+            priced at the profile's `softcap_factor` times its time (refused on a profile without one).
 
     Raises:
         CPInputError: for an unknown mode, layout, profile or dtype, bad lengths, heads or P, an `a2a_size` that does
@@ -321,16 +333,18 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
     for batch in batches:
         _check(batch, heads, dtype, P, modes, layouts, a2a_size)
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
-    profile.kernel(dtype)
+    if softcap is not None:
+        check_softcap(softcap)
+    profile.kernel(dtype, softcap=softcap is not None)
     kinds = {"full": {}}
     if window is not None:
         kinds[f"window {window}"] = {"window": (int(window), 0)}
     if chunk is not None:
         kinds[f"chunk {chunk}"] = {"chunk": chunk}
-    result = Plan(P, profile, tuple(heads), dtype, tuple(tuple(b) for b in batches))
+    result = Plan(P, profile, tuple(heads), dtype, tuple(tuple(b) for b in batches), softcap=softcap)
     for kind, mask in kinds.items():
         preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask,
-                                        dry_run_limit=dry_run_limit)
+                                        dry_run_limit=dry_run_limit, softcap=softcap)
                                 for batch in batches])
                  for c in candidates(P, modes, layouts, a2a_size)]  # fmt: skip
         ranked = tuple(sorted((p for p in preds if p.ranks), key=_order))

@@ -39,6 +39,10 @@ not a line rate or a datasheet peak, and carries its source next to it in the fi
   here: the same window on 2k and 8k tokens, two heads and four; a narrower window). A banded call takes
   the rate interpolated linearly in $\log W$ (held at the ends); without a `band` curve it is priced
   by its FLOPs on the main curve, as an unwindowed call is.
+* `softcap_factor` (optional): a soft-capped call's time (logits $c \tanh(S / c)$, Gemma 2) over
+  the same call's without. Soft-capping changes no count, only the kernel's cost; a plan of
+  soft-capped layers multiplies every call's time by it, and is refused on a profile without it
+  (none is published: `this-machine` measures it).
 
 Shipped profiles live in this package's `profiles/` folder and are named by their file name
 (`h100-sxm`, `ascend-910b`; `this-machine` once `python -m sim plan --calibrate` has measured it there);
@@ -48,6 +52,7 @@ refuses a file with a missing, non-numeric, zero or negative number, naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -98,12 +103,14 @@ class Compute:
     half_size: float
     points: tuple[tuple[float, float], ...] = ()
     band: tuple[tuple[float, float], ...] = ()
+    softcap_factor: float | None = None  # a soft-capped call's time over the same call's without (None: not measured)
+    factor: float = 1.0  # every call's time multiplied by this: `softcap_factor` once the layers are soft-capped
 
     def call_seconds(self, call) -> float:
         """A kernel call's time: a banded (windowed) call's FLOPs at its band's rate where the profile has a `band`
         curve, any other call's FLOPs on the curve (`seconds`)."""
         if call.band and self.band and call.work:
-            return call.flops / _interpolated(self.band, call.width)
+            return self.factor * call.flops / _interpolated(self.band, call.width)
         return self.seconds(call.flops)
 
     def rate(self, flops: float) -> float:
@@ -115,7 +122,7 @@ class Compute:
     def seconds(self, flops: float) -> float:
         """A call of `flops` FLOPs: `flops / rate(flops)` (`(flops + half_size) / peak` on the two-number curve), 0
         for a call with no work."""
-        return flops / self.rate(flops) if flops > 0 else 0.0
+        return self.factor * flops / self.rate(flops) if flops > 0 else 0.0
 
     def seconds_array(self, flops: np.ndarray) -> np.ndarray:
         """`seconds` of every entry of `flops` (`sim.plan.scale`'s thousands of calls): each distinct size priced
@@ -136,12 +143,21 @@ class Profile:
     memory_bytes: float
     path: Path
 
-    def kernel(self, dtype_name: str) -> Compute:
-        """The throughput curve of `dtype_name` (`"bfloat16"`, ...), refused by name where the profile has none."""
+    def kernel(self, dtype_name: str, softcap: bool = False) -> Compute:
+        """The throughput curve of `dtype_name` (`"bfloat16"`, ...), refused by name where the profile has none; with
+        `softcap`, every call's time multiplied by the profile's `softcap_factor`, refused where it has none."""
         if dtype_name not in self.compute:
             raise CPInputError(f"profile {self.name!r} ({self.path}) has no compute figures for {dtype_name}; it has "
                                f"{sorted(self.compute)}: add a 'compute.{dtype_name}' entry or choose one of those")  # fmt: skip
-        return self.compute[dtype_name]
+        compute = self.compute[dtype_name]
+        if not softcap:
+            return compute
+        if compute.softcap_factor is None:
+            raise CPInputError(f"profile {self.name!r} has no softcap_factor for {dtype_name}: how much slower its kernel "
+                               "runs a soft-capped call is not known; measure it on that machine and add "
+                               f"'compute.{dtype_name}.softcap_factor' (python -m sim plan --calibrate does for "
+                               "this-machine), or plan without softcap")  # fmt: skip
+        return dataclasses.replace(compute, factor=compute.softcap_factor)
 
 
 def profile_names() -> list[str]:
@@ -226,7 +242,11 @@ def load_profile(name_or_path: str | Path) -> Profile:
             raise CPInputError(f"profile {path}: compute.{dtype_name}.band_rows is no longer read: windowed calls take "
                                "a 'band' curve, [[width, tflops], ...]; run python -m sim plan --calibrate again, or "
                                "remove band_rows")  # fmt: skip
-        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, band)
+        factor = None
+        if "softcap_factor" in entry:
+            factor = _positive(entry["softcap_factor"], f"compute.{dtype_name}.softcap_factor", path,
+                               "a soft-capped call's time over the same call's without, a positive number")  # fmt: skip
+        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, band, factor)
     memory = _number(data, "memory_GB", path, "the device memory in GB")
     return Profile(str(data.get("name", path.stem)), str(data.get("description", "")), int(rpn), links, compute,
                    memory * GB, path)  # fmt: skip

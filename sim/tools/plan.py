@@ -109,6 +109,8 @@ def parser(prog: str) -> Parser:
     p.add_argument("--profile", default="h100-sxm", help="a shipped profile's name or a JSON file")
     p.add_argument("--window", type=positive, default=None, help="also plan layers with a causal window of W keys")
     p.add_argument("--chunk", type=positive, default=None, help="also plan chunked layers of C positions")
+    p.add_argument("--softcap", type=float, default=None, metavar="C", help="every layer's logits soft-capped at C "
+                   "(Gemma 2: 50): each kernel call costs the profile's softcap_factor times as much")
     p.add_argument("--modes", type=names, default=None, help="comma-separated modes (default: all)")
     p.add_argument("--layouts", type=names, default=None, help="comma-separated layouts (default: all)")
     p.add_argument("--a2a-size", type=positive, default=None, help="a2a+p2p's group size (default: every divisor of P)")
@@ -138,6 +140,7 @@ def as_json(result) -> dict:
                 "bytes": r.bytes, "saved_bytes": r.saved_bytes, "kernel_calls": r.calls, "flops": r.flops}  # fmt: skip
 
     return {"P": result.P, "profile": result.profile.name, "heads": list(result.heads), "dtype": result.dtype,
+            "softcap": result.softcap,
             "lengths": list(result.lengths), "batches": [list(b) for b in result.batches],
             "kinds": {kind: {"decided_by": kp.decided_by,
                              "ranked": [{"candidate": p.name, "step_s": p.step, "batch_steps_s": list(p.batch_steps),
@@ -155,8 +158,10 @@ def table(result, top: int) -> str:
     what = (f"{len(batches[0])} documents, {sum(batches[0])} tokens" if len(batches) == 1 else
             f"{len(batches)} sampled batches of {sum(batches[0])} tokens ({', '.join(str(len(b)) for b in batches)} "
             "documents; step: the mean over them, the other columns the slowest batch's)")  # fmt: skip
+    capped = ("" if result.softcap is None else f", soft-capped at {result.softcap:g} (every call "
+              f"{result.profile.kernel(result.dtype, softcap=True).factor:g}x)")  # fmt: skip
     lines = [f"P = {result.P} on {result.profile.name} ({result.profile.ranks_per_node} ranks per node), heads "
-             f"{result.heads}, {result.dtype}, {what}"]  # fmt: skip
+             f"{result.heads}, {result.dtype}, {what}{capped}"]  # fmt: skip
     for kind, kp in result.kinds.items():
         lines += ["", f"## {kind}", "",
                   "| # | candidate | step ms | compute ms | exposed comm ms | comm ms | sent intra MiB | sent inter MiB | saved MiB |",
@@ -241,7 +246,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
 
             batch = sample(args.sample, tokens=args.tokens, batches=args.batches, seed=args.seed)
         options = dict(profile=args.profile, window=args.window, chunk=args.chunk, modes=args.modes, layouts=args.layouts,
-                       a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit)  # fmt: skip
+                       a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit, softcap=args.softcap)  # fmt: skip
         if len(args.cp) > 1:
             if args.layers:
                 raise CPInputError(f"--layers with --cp {','.join(map(str, args.cp))}: give one CP size for a model's plan")

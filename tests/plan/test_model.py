@@ -190,6 +190,20 @@ def test_a_windowed_call_takes_its_bands_rate_by_width_and_every_other_call_the_
     assert no_band.call_seconds(wide) == no_band.seconds(wide.flops)
 
 
+def test_soft_capped_calls_cost_the_profiles_factor_and_a_profile_without_one_is_refused(tmp_path):
+    data = json.loads(json.dumps(GOOD))
+    data["compute"]["bfloat16"].update(softcap_factor=1.5, band=[[128, 10], [2048, 50]])
+    profile = load_profile(write(tmp_path, data))
+    plain, capped = profile.kernel("bfloat16"), profile.kernel("bfloat16", softcap=True)
+    calls = [KernelCall("forward", 10**6, 4096, 4096, 8, 8, 128, 128), KernelCall("backward", 10**6, 64, 64, 8, 8, 128, 128),
+             KernelCall("forward", 10**6, 4096, 4096, 8, 8, 128, 128, True, 4096, 512)]  # plain, small, banded
+    for call in calls:
+        assert capped.call_seconds(call) == pytest.approx(1.5 * plain.call_seconds(call), rel=1e-12)
+    assert plain.factor == 1.0 and capped.factor == 1.5
+    with pytest.raises(CPInputError, match=r"profile 'toy' has no softcap_factor for bfloat16"):
+        load_profile(write(tmp_path, GOOD)).kernel("bfloat16", softcap=True)
+
+
 def test_the_calibration_line_weighs_every_point_by_its_own_size():
     """Relative least squares: through exact points, the line itself; with the largest time 1 % high (noise of the
     size a long call has), the intercept (the latency, the per-call cost) stays within 0.3 % where an absolute fit,
@@ -209,12 +223,14 @@ def test_a_calibration_whose_line_passes_through_the_origin_still_writes_a_posit
 
     calls = [(float(f), f / 50e9) for f in (1e8, 1e9, 1e10, 1e11)]  # no per-call cost at all
     ranks = [{"link": {k: [(n, 1e-4 + n / 1e9) for n in module.SIZES] for k in ("send_recv", "all_gather")},
-              "calls": [c for c in calls for _ in range(1)], "banded": [(129, 1e9, 0.05), (1025, 1e9, 0.025)]}] * 2
+              "calls": [c for c in calls for _ in range(1)], "banded": [(129, 1e9, 0.05), (1025, 1e9, 0.025)],
+              "capped": [(1.0, 1.5), (3.0, 4.5)]}] * 2
     monkeypatch.setattr("sim.tools.launch.launch", lambda *a, **k: ranks)
     out = tmp_path / "p.json"
     module.calibrate(out)
     curve = load_profile(out).kernel("float32")
     assert curve.half_size > 0 and curve.band == ((129, 20e9), (1025, 40e9))  # each width's pair: 1 GFLOP in its time
+    assert curve.softcap_factor == 1.5  # (1.5 + 4.5) / (1 + 3)
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -222,6 +238,7 @@ def test_a_calibration_whose_line_passes_through_the_origin_still_writes_a_posit
     ({"band": [[1024, 0]]}, r"compute.bfloat16.band\[0\]\[1\] is 0; give a positive number"),
     ({"band": [[1024, 3], [128, 2]]}, r"compute.bfloat16.band must be in increasing width"),
     ({"band": [1024, 3]}, r"compute.bfloat16.band must be \[\[width, tflops\], ...\]"),
+    ({"softcap_factor": -2}, r"compute.bfloat16.softcap_factor is -2; give a soft-capped call's time over"),
     ({"points": [[1, 2, 3]]}, r"compute.bfloat16.points must be \[\[gflop, tflops\], ...\]"),
     ({"points": "fast"}, r"compute.bfloat16.points must be"),
 ])  # fmt: skip

@@ -252,3 +252,33 @@ def test_the_command_line_plans_a_models_layers(capsys):
     with pytest.raises(SystemExit) as parse:
         cli.main([*argv[:-1], "mlp=3"])
     assert parse.value.code == 2 and "expected layer counts" in capsys.readouterr().err
+
+
+def test_soft_capped_layers_cost_the_profiles_factor_on_every_call_and_move_the_same_bytes(tmp_path, capsys):
+    """`softcap=`: the same counts (bytes, calls, memory) on every rank of every candidate, built at scale (p2p
+    zigzag at P = 4) or dry-run (stream), each call's time the profile's factor times as much (so the compute, not the
+    exposed communication, scales); refused by name on a profile that has no factor, or for a cap that is not one."""
+    data = json.loads(load_profile("h100-sxm").path.read_text())
+    data["compute"]["bfloat16"]["softcap_factor"] = 1.75
+    path = tmp_path / "capped.json"
+    path.write_text(json.dumps(data))
+    args = dict(heads=HEADS, dtype="bfloat16", P=4, profile=str(path), layouts=["zigzag", "stream"], window=64)
+    plain, capped = plan([2048, 1024], **args), plan([2048, 1024], **args, softcap=30.0)
+    assert capped.softcap == 30.0 and plain.kinds.keys() == capped.kinds.keys()
+    for kind, kp in plain.kinds.items():
+        by_name = {p.name: p for p in capped.kinds[kind].ranked}
+        assert set(by_name) == {p.name for p in kp.ranked}
+        for p in kp.ranked:
+            for a, b in zip(p.ranks, by_name[p.name].ranks):
+                assert (b.bytes, b.calls, b.flops, b.saved_bytes) == (a.bytes, a.calls, a.flops, a.saved_bytes)
+                assert b.compute == pytest.approx(1.75 * a.compute, rel=1e-12)
+    assert cli.main(["--lengths", "2048,1024", "--heads", "8,2,64", "--cp", "4", "--profile", str(path), "--softcap",
+                     "30"]) == 0  # fmt: skip
+    assert "soft-capped at 30 (every call 1.75x)" in capsys.readouterr().out
+    with pytest.raises(CPInputError, match=r"profile 'h100-sxm' has no softcap_factor for bfloat16: .*or plan without"):
+        plan([2048], heads=HEADS, dtype="bfloat16", P=2, profile="h100-sxm", softcap=30.0)
+    with pytest.raises(CPInputError, match=r"softcap=0.0 must be a finite number > 0"):
+        plan([2048], **args, softcap=0.0)
+    assert cli.main(["--lengths", "2048", "--heads", "8,2,64", "--cp", "2", "--softcap", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "has no softcap_factor" in err and err.count("\n") == 1
