@@ -50,7 +50,9 @@ minutes at 64. Where [`sim.plan.scale`][sim.plan.scale] covers a candidate (full
 `all_gather` with or without `overlap`, and `a2a+p2p` with or without head groups, in the contiguous
 and zigzag layouts) it builds every rank's calls and
 collectives as arrays and plays all timelines at once, equal to the dry run rank by rank (tested at
-P = 2 to 8), the whole plan at $P = 1024$ in seconds (`bench/plan.py` measures it beside the dry run); `a2a`, whose ranks all do the same in those layouts, is
+P = 2 to 8), the whole plan at $P = 1024$ in seconds (`bench/plan.py` measures it beside the dry run); so does
+[`sim.plan.scale_window`][sim.plan.scale_window] for `p2p` on the ring over pieces (under a window or
+chunks, and over the stream and balanced layouts); `a2a`, whose ranks all do the same in the chunked layouts, is
 dry-run on rank 0 alone. Other candidates are dry-run up to `dry_run_limit` ranks (32) and listed as
 not priced above it.
 
@@ -80,12 +82,14 @@ from sim.plan import scale
 from sim.plan.dry import dry_run
 from sim.plan.model import RankTime, rank_time
 from sim.plan.profile import Profile, load_profile
+from sim.plan.scale_window import piece_ring_covers, piece_ring_schedule
 
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "LayoutChoice", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNSCALED = ("only the dry run prices it (windows, chunks, the stream and balanced layouts, save_gathered_kv), "
-            "one rank at a time; raise dry_run_limit to wait for it")
+UNSCALED = ("only the dry run prices it (all_gather and a2a+p2p under a window or chunks or over the stream and "
+            "balanced layouts, a2a over those layouts, save_gathered_kv), one rank at a time; raise dry_run_limit to "
+            "wait for it")
 
 
 @dataclass(frozen=True)
@@ -226,8 +230,13 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
     sharding = _sharding(tuple(lengths), P, candidate.layout)
     options = dict(candidate.options)
     try:
-        if scale.covers(candidate.mode, candidate.layout, options, P, {k: v for k, v in mask.items() if k != "softcap"}):
+        counted = {k: v for k, v in mask.items() if k != "softcap"}  # soft-capping changes no count
+        if scale.covers(candidate.mode, candidate.layout, options, P, counted):
             built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **options)
+            return Prediction(candidate, built.price(profile, compute))
+        if piece_ring_covers(candidate.mode, candidate.layout, options, P, counted):
+            scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})
+            built = piece_ring_schedule(sharding, heads=heads, dtype=DTYPES[dtype], **counted)
             return Prediction(candidate, built.price(profile, compute))
         if scale.a2a_alike(candidate.mode, candidate.layout, mask):
             runs = scale.alike_runs(dry_run(candidate.mode, sharding, 0, heads=heads, dtype=DTYPES[dtype], **mask,

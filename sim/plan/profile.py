@@ -124,11 +124,17 @@ class Compute:
         for a call with no work."""
         return self.factor * flops / self.rate(flops) if flops > 0 else 0.0
 
-    def seconds_array(self, flops: np.ndarray) -> np.ndarray:
-        """`seconds` of every entry of `flops` (`sim.plan.scale`'s thousands of calls): each distinct size priced
-        once, by `seconds` itself, so that both agree to the bit."""
-        sizes, where = np.unique(flops, return_inverse=True)
-        return np.array([self.seconds(float(x)) for x in sizes])[where].reshape(flops.shape)
+    def seconds_array(self, flops: np.ndarray, band: np.ndarray | None = None, width: np.ndarray | None = None) -> np.ndarray:
+        """`call_seconds` of every call (`sim.plan.scale`'s thousands): `flops`, and where given whether each has a
+        window (`band`) and its band's `width`; each distinct call priced once, by `seconds` or `call_seconds`'s
+        band rate itself, so that both agree to the bit."""
+        if band is None or not self.band or not band.any():
+            sizes, where = np.unique(flops, return_inverse=True)
+            return np.array([self.seconds(float(x)) for x in sizes])[where].reshape(flops.shape)
+        keys = np.stack([flops.ravel(), np.where(band, width, -1).ravel().astype(np.float64)], axis=1)
+        distinct, where = np.unique(keys, axis=0, return_inverse=True)
+        priced = [self.seconds(f) if w < 0 or not f else self.factor * f / _interpolated(self.band, w) for f, w in distinct]
+        return np.array(priced)[where.ravel()].reshape(flops.shape)
 
 
 @dataclass(frozen=True)

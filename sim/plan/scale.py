@@ -34,8 +34,9 @@ block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$,
 
 (contiguous: $R[r] R[s]$ for $s < r$, $\binom{R[r] + 1}{2}$ for $s = r$, nothing after). These
 are the sums of the ring plan's sequences ([`cpref.modes.ring_plan`][cpref.modes.ring_plan]); the
-hierarchical mode's ring is the same ring over $P / a$ ranks with chunks $a$ times larger. Other
-candidates are dry-run; `a2a`, whose ranks are all alike in these layouts (every rank attends
+hierarchical mode's ring is the same ring over $P / a$ ranks with chunks $a$ times larger. `p2p`
+on the ring over pieces (windows, chunks, the stream and balanced layouts) is built by
+[`sim.plan.scale_window`][sim.plan.scale_window]. Other candidates are dry-run; `a2a`, whose ranks are all alike in these layouts (every rank attends
 the whole batch on its heads), is dry-run on one rank ([`alike_runs`][sim.plan.scale.alike_runs]).
 
 **Held to the dry run.** Nothing here is a second source of truth:
@@ -196,13 +197,15 @@ def all_gather_overlap_calls(b: Boundaries, P: int, layout: str) -> tuple[np.nda
 
 @dataclass(frozen=True)
 class Slot:
-    """A kernel call's place in the template: its direction, heads and dims (its amounts are per rank)."""
+    """A kernel call's place in the template: its direction, heads and dims, whether it has a window (its amounts
+    are per rank)."""
 
     direction: str
     hq: int
     hkv: int
     d: int
     dv: int
+    band: bool = False
 
 
 class _Template:
@@ -288,6 +291,7 @@ class Schedule:
         work, q_rows, kv_rows, rows_seeing: `(P, slots)` int64: each rank's amounts per call.
         present: `(P, slots)` bool: the rank makes the call (a ring step with no work makes none).
         saved_bytes: `(P,)`: bytes each rank saves for the backward.
+        width: `(P, slots)` int64: a windowed call's band width (`KernelCall.width`), or None: no window.
     """
 
     P: int
@@ -300,11 +304,13 @@ class Schedule:
     rows_seeing: np.ndarray
     present: np.ndarray
     saved_bytes: np.ndarray
+    width: np.ndarray | None = None
 
     def _call(self, r: int, s: int) -> KernelCall:
         slot = self.slots[s]
+        width = 0 if self.width is None else int(self.width[r, s])
         return KernelCall(slot.direction, int(self.work[r, s]), int(self.q_rows[r, s]), int(self.kv_rows[r, s]),
-                          slot.hq, slot.hkv, slot.d, slot.dv, False, int(self.rows_seeing[r, s]))  # fmt: skip
+                          slot.hq, slot.hkv, slot.d, slot.dv, slot.band, int(self.rows_seeing[r, s]), width)  # fmt: skip
 
     def run(self, r: int) -> RankRun:
         """Rank `r`'s run as the dry run records it (for the tests; `price` needs none)."""
@@ -317,18 +323,20 @@ class Schedule:
                 timeline.append(Event("wait", phase, arg))
             elif self.present[r, arg]:
                 timeline.append(Event("call", phase, call=self._call(r, arg)))
-        return RankRun(self.kinds[r][0].group[self.kinds[r][0].rank], tuple(collectives), tuple(timeline),
-                       int(self.saved_bytes[r]))  # fmt: skip
+        return RankRun(r, tuple(collectives), tuple(timeline), int(self.saved_bytes[r]))
 
     def price(self, profile: Profile, compute: Compute) -> tuple[RankTime, ...]:
         """Every rank's `RankTime`, as `rank_time` prices its run: the same two clocks, as arrays over the ranks."""
         P, posts = self.P, [k for kind, _, _, k in self.events if kind == "post"]
-        per_kind = np.bincount(posts, minlength=len(self.kinds[0]))
-        durations = np.array([[collective_seconds(c, profile) for c in row] for row in self.kinds])  # (P, kinds)
+        per_kind = np.bincount(np.asarray(posts, dtype=np.int64), minlength=len(self.kinds[0]))
+        priced = [[_priced(c, profile, cache) for c in row] for cache in ({},) for row in self.kinds]
+        durations = np.array([[t for t, _ in row] for row in priced]).reshape(P, -1)
         per_pair = np.array([s.d + s.dv if s.direction == "forward" else 3 * s.d + 2 * s.dv for s in self.slots])
         heads = np.array([s.hq for s in self.slots])
         flops = np.where(self.present, 2 * self.work * heads * per_pair, 0)  # (P, slots)
-        seconds = compute.seconds_array(flops.astype(np.float64))
+        band = np.array([s.band for s in self.slots], dtype=bool)[None, :] & (self.width is not None)
+        width = np.zeros_like(flops) if self.width is None else self.width
+        seconds = compute.seconds_array(flops.astype(np.float64), np.broadcast_to(band, flops.shape), width)
         t, comm, exposed, busy = (np.zeros(P) for _ in range(4))
         done: dict[int, np.ndarray] = {}
         for kind, _, arg, k in self.events:
@@ -342,15 +350,28 @@ class Schedule:
             else:
                 busy, t = busy + seconds[:, arg], t + seconds[:, arg]
         sent = [{lv: 0 for lv in LEVELS} for _ in range(P)]
-        for r, row in enumerate(self.kinds):
-            for k, c in enumerate(row):
-                for lv, n in link_bytes(c, profile.ranks_per_node).items():
+        for r, row in enumerate(priced):
+            for k, (_, levels) in enumerate(row):
+                for lv, n in levels.items():
                     sent[r][lv] += int(per_kind[k]) * n
         total_comm = durations @ per_kind
         calls, total_flops = self.present.sum(axis=1), flops.sum(axis=1)
-        return tuple(RankTime(self.kinds[r][0].group[self.kinds[r][0].rank], float(busy[r]), float(total_comm[r]),
-                              float(exposed[r]), float(t[r]), sent[r], int(self.saved_bytes[r]), int(calls[r]),
-                              int(total_flops[r])) for r in range(P))  # fmt: skip
+        return tuple(RankTime(r, float(busy[r]), float(total_comm[r]), float(exposed[r]), float(t[r]), sent[r],
+                              int(self.saved_bytes[r]), int(calls[r]), int(total_flops[r])) for r in range(P))  # fmt: skip
+
+
+def _priced(c: Collective, profile: Profile, cache: dict) -> tuple[float, dict[str, int]]:
+    """`(collective_seconds, link_bytes)` of `c`; a ring shift's priced once per shape, dtype and pair of link levels
+    (to the rank it sends to, from the one it receives from), which is all its time and bytes depend on: a ring of
+    P ranks with P - 1 distances has P (P - 1) shifts but a handful of prices."""
+    if c.op != "send_recv":
+        return collective_seconds(c, profile), link_bytes(c, profile.ranks_per_node)
+    P, rpn, me = len(c.group), profile.ranks_per_node, c.group[c.rank]
+    to, frm = c.group[(c.rank + c.shift) % P], c.group[(c.rank - c.shift) % P]
+    key = (c.shape, c.dtype, c.shift % P == 0, me // rpn == to // rpn, me // rpn == frm // rpn)
+    if key not in cache:
+        cache[key] = (collective_seconds(c, profile), link_bytes(c, rpn))
+    return cache[key]
 
 
 def covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:

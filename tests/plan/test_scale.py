@@ -26,6 +26,7 @@ from sim.plan import planner, scale
 from sim.plan.dry import dry_run
 from sim.plan.model import rank_time
 from sim.plan.profile import Compute, load_profile
+from sim.plan.scale_window import piece_ring_covers
 
 PROFILE = load_profile("h100-sxm")
 CASES = [(P, mode, options) for P in (2, 3, 4, 6, 8)
@@ -133,15 +134,28 @@ def test_what_is_not_covered(mode, layout, options, mask):
                            **options)  # fmt: skip
 
 
+@pytest.mark.parametrize("mode, layout, options, mask, P, covered", [
+    ("p2p", "stream", {}, {}, 4, True), ("p2p", "balanced", {}, {"window": (8, 0)}, 4, True),
+    ("p2p", "zigzag", {}, {"window": (8, 0)}, 4, True), ("p2p", "contiguous", {}, {"chunk": 8}, 4, True),
+    ("p2p", "zigzag", {}, {}, 4, False), ("p2p", "stream", {}, {}, 1, False),
+    ("all_gather", "stream", {}, {}, 4, False), ("all_gather", "zigzag", {}, {"window": (8, 0)}, 4, False),
+    ("a2a+p2p", "stream", {"a2a_size": 2}, {}, 4, False), ("a2a", "balanced", {}, {}, 4, False)])  # fmt: skip
+def test_what_the_piece_ring_covers(mode, layout, options, mask, P, covered):
+    """`p2p` on the ring over pieces (a window, chunks, or the stream and balanced layouts), from two ranks; not the
+    classic ring of the chunked layouts, nor another mode's ring."""
+    assert piece_ring_covers(mode, layout, options, P, mask) is covered
+
+
 def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
-    """At P = 1024 the covered candidates are built, none dry-run (counted); the rest are listed as not priced."""
+    """At P = 1024 the covered candidates are built, none dry-run (counted), the ring over the stream layout's pieces
+    too (`sim.plan.scale_window`); the rest are listed as not priced."""
     calls = []
     monkeypatch.setattr(planner, "dry_run", lambda *a, **k: calls.append(a) or pytest.fail("dry-run at P = 1024"))
     result = planner.plan([8192] * 16, heads=(32, 8, 128, 128), dtype="bfloat16", P=1024, profile="h100-sxm",
                           layouts=["zigzag", "stream"], modes=["p2p", "all_gather", "a2a+p2p"])  # fmt: skip
     full = result.kinds["full"]
     assert calls == []
-    assert {p.name for p in full.ranked} == {"p2p zigzag", "all_gather zigzag", "all_gather zigzag overlap=True",
+    assert {p.name for p in full.ranked} == {"p2p zigzag", "p2p stream", "all_gather zigzag", "all_gather zigzag overlap=True",
                                              "a2a+p2p zigzag a2a_size=2",
                                              "a2a+p2p zigzag a2a_size=4", "a2a+p2p zigzag a2a_size=8",
                                              "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32",
@@ -154,6 +168,7 @@ def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     for p in full.unpriced:
         c = by_name[p.name]
         assert not scale.covers(c.mode, c.layout, dict(c.options), 1024, {})
+        assert not piece_ring_covers(c.mode, c.layout, dict(c.options), 1024, {})
     assert full.refused and all("cannot" in p.refused for p in full.refused)  # heads a2a_size 64 .. 512 cannot split
     assert all("dry_run_limit = 32" in p.unpriced for p in full.unpriced)
 
@@ -171,7 +186,7 @@ def test_a2a_at_scale_is_one_dry_run(monkeypatch):
 def test_nothing_priced_is_one_line():
     with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
         planner.plan([4096] * 4, heads=(8, 8, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
-                     layouts=["stream"], modes=["p2p"])  # fmt: skip
+                     layouts=["stream"], modes=["all_gather"])  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)
@@ -200,3 +215,40 @@ def test_ring_steps_by_hand():
     assert work.tolist() == [[10, 6], [21, 18]]
     assert rows.tolist() == [[4, 1], [6, 6]]
     assert kv.tolist() == [[3 + 3 + 1, 6], [3 + 3 + 3, 6]]
+
+
+PIECE_MASKS = [{}, {"window": (20, 0)}, {"window": (0, 0)}, {"window": (150, 0)}, {"chunk": 24}, {"chunk": 24, "window": (7, 0)}]
+
+
+def band_profile():
+    """The H100 profile with a band curve, so that windowed calls take the band's rate by width."""
+    import dataclasses
+
+    compute = PROFILE.kernel("bfloat16")
+    banded = dataclasses.replace(compute, band=((16.0, 100e12), (64.0, 300e12)))
+    return dataclasses.replace(PROFILE, compute={"bfloat16": banded}), banded
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [(8, 4, 16, 8), (4, 1, 8, 8)])
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("mask", PIECE_MASKS, ids=str)
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_the_piece_ring_runs_and_prices_as_the_dry_run_on_every_rank(P, mask, layout, heads, dtype):
+    """`p2p` under windows (narrower and wider than a chunk, and none wide) and chunks, and over the stream and
+    balanced layouts: every rank's whole run equals the dry run's, its price `rank_time`'s (band rates included)."""
+    from sim.plan.scale_window import piece_ring_covers, piece_ring_schedule
+
+    if not piece_ring_covers("p2p", layout, {}, P, mask):
+        assert not mask and layout in scale.SCALED_LAYOUTS  # full causal in the chunked layouts: the classic ring
+        return
+    profile, compute = band_profile()
+    for seed in range(3):
+        sharding = planner._sharding(batch(seed), P, layout)
+        built = piece_ring_schedule(sharding, heads=heads, dtype=dtype, **mask)
+        priced = built.price(profile, compute)
+        for r in range(P):
+            run = dry_run("p2p", sharding, r, heads=heads, dtype=dtype, **mask)
+            assert built.run(r) == run, (seed, r)
+            assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)

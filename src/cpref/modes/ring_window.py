@@ -85,7 +85,8 @@ from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.modes.shared import padded_rows
 from cpref.modes.visible import chunk_pieces, chunk_real
 
-__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "halo_forward", "halo_backward"]
+__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "visible_pairs", "halo_forward",
+           "halo_backward"]
 
 Real = Callable[[int, int, int], int]  # real(doc, a, z): the real tokens of positions [a, z) of document doc
 
@@ -150,25 +151,26 @@ def _members(b: Boundaries, P: int, layout: str, group: int) -> list[list[tuple[
     return [_pieces(b, P, r, layout, group) for r in range(P)]
 
 
-def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int]) -> dict[int, list[int]]:
-    """`{d: [|R_d(s)| for every member s]}` for every distance `d` in `1 .. P - 1` at which some member's queries see
-    a key of the block `d` members back (the keys `D`; the values: the rows each block sends at `d`).
+def visible_pairs(real: Real, members, causal: bool, window: tuple[int, int]):
+    """Every pair of a query piece and a key piece of one document that see each other, as `(r, s, slot, a, zr, k0,
+    row, lo, hi)`: member `r`'s real queries `[a, zr)` see the keys `[lo, hi)` of member `s`'s piece that starts at
+    position `k0` (its `slot`-th piece of the document, at row `row` of its block); `_sequences`' sequences with keys,
+    found in one sweep.
 
-    One sweep over the pairs of pieces of a document that see each other, found by bisection among the document's
-    pieces in position order: under a window each query piece meets only the key pieces its window reaches, where
-    asking every member about every distance (`_calls` for each of the P (P - 1) pairs, on every rank) grows with
-    the square of the members. The same pairs as `_calls` finds member by member (`tests/cp/test_windows.py` holds
-    the two equal)."""
-    P, (left, right) = len(members), (window[0], 0 if causal else window[1])
-    keys: dict = {}  # doc -> [(a, real end, row, member)] in position order
+    The pairs are found by bisection among the document's pieces in position order: under a window each query piece
+    meets only the key pieces its window reaches, where asking every member about every distance (`_calls` for each
+    of the P (P - 1) pairs, on every rank) grows with the square of the members."""
+    left, right = window[0], 0 if causal else window[1]
+    keys: dict = {}  # doc -> [(a, real end, row, member, slot)] in position order
     for s, pieces in enumerate(members):
+        slots: Counter = Counter()
         for doc, a, z, row in pieces:
-            keys.setdefault(doc, []).append((a, a + real(doc, a, z), row, s))
+            keys.setdefault(doc, []).append((a, a + real(doc, a, z), row, s, slots[doc]))
+            slots[doc] += 1
     for held in keys.values():
         held.sort()
     starts = {doc: [k[0] for k in held] for doc, held in keys.items()}
     ends = {doc: [k[1] for k in held] for doc, held in keys.items()}
-    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (d, s) -> the row spans rank s + d reads of s's block
     for r, pieces in enumerate(members):
         for doc, a, z, _ in pieces:
             zr = a + real(doc, a, z)  # real query positions [a, zr)
@@ -176,12 +178,23 @@ def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int]) -> di
                 continue
             first = 0 if left < 0 else bisect.bisect_right(ends[doc], a - left)  # the first piece ending past a - left
             last = len(keys[doc]) if right < 0 else bisect.bisect_left(starts[doc], zr + right)  # ... starting before
-            for k0, k1, row, s in keys[doc][first:last]:
+            for k0, k1, row, s, slot in keys[doc][first:last]:
                 lo = k0 if left < 0 else max(k0, a - left)
                 hi = k1 if right < 0 else min(k1, zr + right)
-                d = (r - s) % P
-                if hi > lo and d:
-                    spans.setdefault((d, s), []).append((row + lo - k0, row + hi - k0))
+                if hi > lo:
+                    yield r, s, slot, a, zr, k0, row, lo, hi
+
+
+def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int]) -> dict[int, list[int]]:
+    """`{d: [|R_d(s)| for every member s]}` for every distance `d` in `1 .. P - 1` at which some member's queries see
+    a key of the block `d` members back (the keys `D`; the values: the rows each block sends at `d`), from
+    `visible_pairs`: the same pairs as `_calls` finds member by member (`tests/cp/test_windows.py` holds the two
+    equal)."""
+    P = len(members)
+    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (d, s) -> the row spans rank s + d reads of s's block
+    for r, s, _, _, _, k0, row, lo, hi in visible_pairs(real, members, causal, window):
+        if r != s:
+            spans.setdefault(((r - s) % P, s), []).append((row + lo - k0, row + hi - k0))
     out: dict[int, list[int]] = {}
     for (d, s), rows in sorted(spans.items()):
         out.setdefault(d, [0] * P)[s] = _union(rows)
