@@ -48,7 +48,7 @@ public figure was found), so there the plan is refused by name; `--calibrate` me
 **At scale.** Dry-running every rank costs a ring of $P$ ranks $P^2$ steps: seconds at $P = 8$,
 minutes at 64. Where [`sim.plan.scale`][sim.plan.scale] covers a candidate (full causal `p2p`,
 `all_gather` with or without `overlap`, and `a2a+p2p` with or without head groups, in the contiguous
-and zigzag layouts) it builds every rank's calls and
+and zigzag layouts; `all_gather` under a window there too) it builds every rank's calls and
 collectives as arrays and plays all timelines at once, equal to the dry run rank by rank (tested at
 P = 2 to 8), the whole plan at $P = 1024$ in seconds (`bench/plan.py` measures it beside the dry run); so does
 [`sim.plan.scale_window`][sim.plan.scale_window] for `p2p` on the ring over pieces (under a window or
@@ -87,9 +87,9 @@ from sim.plan.scale_window import piece_ring_covers, piece_ring_schedule
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "LayoutChoice", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNSCALED = ("only the dry run prices it (all_gather and a2a+p2p under a window or chunks or over the stream and "
-            "balanced layouts, a2a over those layouts, save_gathered_kv), one rank at a time; raise dry_run_limit to "
-            "wait for it")
+UNSCALED = ("only the dry run prices it (a2a+p2p under a window or chunks or over the stream and balanced layouts, "
+            "all_gather under chunks or over those layouts, a2a over them, save_gathered_kv), one rank at a time; "
+            "raise dry_run_limit to wait for it")
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
     try:
         counted = {k: v for k, v in mask.items() if k != "softcap"}  # soft-capping changes no count
         if scale.covers(candidate.mode, candidate.layout, options, P, counted):
-            built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **options)
+            built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
             return Prediction(candidate, built.price(profile, compute))
         if piece_ring_covers(candidate.mode, candidate.layout, options, P, counted):
             scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})

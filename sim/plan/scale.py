@@ -21,7 +21,9 @@ as arrays over the ranks ([`Schedule.price`][sim.plan.scale.Schedule.price]).
 
 **Covered:** full causal attention (no window, no chunk) in the contiguous and zigzag layouts,
 for `p2p`, `all_gather` (with or without `overlap`; not `save_gathered_kv`) and `a2a+p2p`
-(with or without `head_groups`): the chunked layouts, whose plans are sums over each document's chunks. There, with
+(with or without `head_groups`): the chunked layouts, whose plans are sums over each document's chunks;
+and `all_gather` under a causal window there, whose one call per rank is a sequence per local chunk
+([`all_gather_window_calls`][sim.plan.scale.all_gather_window_calls]). There, with
 every document cut into $2P$ (zigzag) or $P$ (contiguous) chunks of $c_i$ rows of which
 $R_i[j] = \min(c_i, \max(0, n_i - j c_i))$ are real, the ring's step $t$ on rank $r$ holds the
 block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$, $b = 2P - 1 - r$):
@@ -70,7 +72,8 @@ from sim.plan.links import LEVELS, link_bytes
 from sim.plan.model import RankTime, collective_seconds
 from sim.plan.profile import Compute, Profile
 
-__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_overlap_calls", "ring_template", "schedule",
+__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_window_calls", "all_gather_overlap_calls",
+           "ring_template", "schedule",
            "covers", "alike_runs", "a2a_alike", "validate", "SCALED_LAYOUTS"]
 
 SCALED_LAYOUTS = ("contiguous", "zigzag")
@@ -140,6 +143,32 @@ def all_gather_calls(b: Boundaries, P: int, layout: str) -> tuple[np.ndarray, np
             rows += real
             kv += np.where(real > 0, j * ci + real, 0)
     return work, rows, kv
+
+
+def all_gather_window_calls(b: Boundaries, P: int, layout: str, window: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """all_gather's one call per rank under a causal window `(w, 0)`: each local chunk `j`'s real queries `[a, z)`
+    (`a = j c`) against its document's keys `[max(0, a - w), z)`, at shift `a - lo` (`cpref.modes.all_gather_plan`);
+    each sequence's work, rows that see a key and band width by the kernel contract's closed forms.
+
+    Returns:
+        `(work, rows_seeing, kv_rows, width)`, int64 arrays `(P,)`.
+    """
+    from cpref.kernels.contract import _visible_sum
+    from sim.plan.scale_window import _width
+
+    zigzag, left = layout == "zigzag", window[0]
+    R, c = _reals(b, 2 * P if zigzag else P)
+    out = np.zeros((4, P), dtype=np.int64)
+    for r in range(P):
+        for Ri, ci in zip(R.tolist(), c.tolist()):
+            for j in (r, 2 * P - 1 - r) if zigzag else (r,):
+                a, real = j * ci, Ri[j]
+                if real:
+                    lo = max(0, a - left)
+                    rows, work = _visible_sum(a - lo, real, a + real - lo, left, 0)
+                    out[:, r] += (work, rows, a + real - lo, 0)
+                    out[3, r] = max(out[3, r], _width(a - lo, real, a + real - lo, left, 0))
+    return tuple(out)
 
 
 def _lengths(seqs) -> list[tuple[int, int]]:
@@ -376,6 +405,8 @@ def _priced(c: Collective, profile: Profile, cache: dict) -> tuple[float, dict[s
 
 def covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
     """Whether `schedule` builds this candidate (the module docstring's list)."""
+    if mode == "all_gather" and set(mask) == {"window"} and mask["window"] != (-1, -1):
+        return P >= 2 and layout in SCALED_LAYOUTS and not options.get("overlap") and not options.get("save_gathered_kv")
     if P < 2 or layout not in SCALED_LAYOUTS or mask:
         return False
     if mode == "p2p":
@@ -407,22 +438,23 @@ def _saved(mode: str, P: int, local: int, heads, dtype: torch.dtype, options: di
 
 
 def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
-             **options: Any) -> Schedule:  # fmt: skip
-    """Every rank of a covered candidate (`covers`), full causal.
+             window: tuple[int, int] = (-1, -1), **options: Any) -> Schedule:  # fmt: skip
+    """Every rank of a covered candidate (`covers`): full causal, or `all_gather` under a causal `window`.
 
     Raises:
         CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate `covers` does not
             cover (dry-run it instead).
     """
-    validate(mode, sharding, heads, dtype, options)
-    if not covers(mode, sharding.layout, options, sharding.cp_size, {}):
+    mask = {} if tuple(window) == (-1, -1) else {"window": tuple(window)}
+    validate(mode, sharding, heads, dtype, {**mask, **options})
+    if not covers(mode, sharding.layout, options, sharding.cp_size, mask):
         raise CPInputError(f"mode {mode!r} over {sharding.layout!r} with {options} at P = {sharding.cp_size} is not built "
                            "at scale (see sim.plan.scale.covers): dry-run it with sim.plan.dry.dry_run")  # fmt: skip
     b, P, layout, local = sharding.bounds, sharding.cp_size, sharding.layout, sharding.local_tokens
     hq, hkv, d, dv = heads
     f = compute_dtype(dtype)
     ranks = range(P)
-    tl = _Template()
+    tl, width = _Template(), None
     if mode == "all_gather":
         group = tuple(ranks)
         kinds = tuple((Collective("all_gather", group, r, (local, hkv, d), dtype),
@@ -452,8 +484,11 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
                 tl.call(0 if phase == "forward" else 1)
             tl.blocking(2)
             tl.blocking(3)
-            slots = (Slot("forward", hq, hkv, d, dv), Slot("backward", hq, hkv, d, dv))
-            work, rows, kv = (np.repeat(x[:, None], 2, axis=1) for x in all_gather_calls(b, P, layout))
+            band = bool(mask)
+            slots = (Slot("forward", hq, hkv, d, dv, band), Slot("backward", hq, hkv, d, dv, band))
+            amounts = all_gather_window_calls(b, P, layout, window) if band else all_gather_calls(b, P, layout)
+            work, rows, kv, *widths = (np.repeat(x[:, None], 2, axis=1) for x in amounts)
+            width = widths[0] if widths else None
             present = np.ones((P, 2), dtype=bool)
             q_rows = np.full((P, 2), local, dtype=np.int64)
     else:  # p2p, a2a+p2p: a ring of p ranks (after an exchange inside groups of a), in n head groups
@@ -501,7 +536,7 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
         present = work > 0
         q_rows = np.full((P, 2 * n * p), rows_a, dtype=np.int64)
     saved = np.full(P, _saved(mode, P, local, heads, dtype, options), dtype=np.int64)
-    return Schedule(P, tuple(tl.events), kinds, slots, work, q_rows, kv, rows, present, saved)
+    return Schedule(P, tuple(tl.events), kinds, slots, work, q_rows, kv, rows, present, saved, width)
 
 
 def alike_runs(run: RankRun, P: int) -> list[RankRun]:

@@ -252,3 +252,27 @@ def test_the_piece_ring_runs_and_prices_as_the_dry_run_on_every_rank(P, mask, la
             run = dry_run("p2p", sharding, r, heads=heads, dtype=dtype, **mask)
             assert built.run(r) == run, (seed, r)
             assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", scale.SCALED_LAYOUTS)
+@pytest.mark.parametrize("w", [0, 5, 20, 150])
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_all_gather_under_a_window_runs_and_prices_as_the_dry_run_on_every_rank(P, w, layout, dtype):
+    """`all_gather` under a causal window (narrower than a chunk, wider, wider than a document): every rank's run
+    equals the dry run's, its price `rank_time`'s with the band curve's rates; the overlapped path, which a window
+    refuses, and save_gathered_kv are not covered."""
+    profile, compute = band_profile()
+    heads = (8, 4, 16, 8)
+    assert scale.covers("all_gather", layout, {}, P, {"window": (w, 0)})
+    assert not scale.covers("all_gather", layout, {"overlap": True}, P, {"window": (w, 0)})
+    assert not scale.covers("all_gather", layout, {"save_gathered_kv": True}, P, {"window": (w, 0)})
+    for seed in range(3):
+        sharding = planner._sharding(batch(seed), P, layout)
+        built = scale.schedule("all_gather", sharding, heads=heads, dtype=dtype, window=(w, 0))
+        priced = built.price(profile, compute)
+        for r in range(P):
+            run = dry_run("all_gather", sharding, r, heads=heads, dtype=dtype, window=(w, 0))
+            assert built.run(r) == run, (seed, r)
+            assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
