@@ -59,7 +59,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -283,29 +283,64 @@ def ring_template(tl: _Template, p: int, kv: int, dkv: int, first_slot: int, pha
     tl.wait(grads)
 
 
-def _grouped_template(tl: _Template, n: int, p: int) -> None:
+def _grouped_template(tl: _Template, n: int, ring: Callable[[_Template, int, str], None], kind: int = 2) -> None:
     """`a2a+p2p` in `n` head groups (`cpref.modes.hierarchical`): every group's q, k, v exchange posted at once; each
-    group waited for, its ring run, its output posted; then every output waited for. Backward: every group's dout
-    posted; each waited for, its ring backward run, its dq, dk, dv posted; then waited for, dq's of every group
-    first, then dk's, then dv's."""
-    posted = [[tl.post(k) for k in (2, 3, 4)] for _ in range(n)]
+    group waited for, its ring run (`ring(tl, group, phase)`), its output posted; then every output waited for.
+    Backward: every group's dout posted; each waited for, its ring backward run, its dq, dk, dv posted; then waited
+    for, dq's of every group first, then dk's, then dv's. The exchanges are the collective kinds `kind ..`: q, k, v,
+    out / dout, dq, dk, dv."""
+    posted = [[tl.post(kind + k) for k in (0, 1, 2)] for _ in range(n)]
     outs = []
     for c in range(n):
         for index in posted[c]:
             tl.wait(index)
-        ring_template(tl, p, 0, 1, c * p, "forward")
-        outs.append(tl.post(5))
+        ring(tl, c, "forward")
+        outs.append(tl.post(kind + 3))
     for index in outs:
         tl.wait(index)
     tl.phase = "backward"
-    douts, grads = [tl.post(5) for _ in range(n)], []
+    douts, grads = [tl.post(kind + 3) for _ in range(n)], []
     for c in range(n):
         tl.wait(douts[c])
-        ring_template(tl, p, 0, 1, (n + c) * p, "backward")
-        grads.append([tl.post(k) for k in (6, 7, 8)])
-    for kind in range(3):
+        ring(tl, c, "backward")
+        grads.append([tl.post(kind + k) for k in (4, 5, 6)])
+    for k in range(3):
         for c in range(n):
-            tl.wait(grads[c][kind])
+            tl.wait(grads[c][k])
+
+
+def hierarchy_template(tl: _Template, n: int, exchanged: bool, ring: Callable[[_Template, int, str], None],
+                       kind: int = 2) -> None:  # fmt: skip
+    """The hierarchy around a ring (`a2a+p2p`; `p2p` alone without `exchanged`): in one head group every exchange
+    blocking around one ring, forward then backward; in `n` head groups `_grouped_template`."""
+    if n > 1:
+        _grouped_template(tl, n, ring, kind)
+        return
+    if exchanged:
+        for k in (0, 1, 2):
+            tl.blocking(kind + k)
+    ring(tl, 0, "forward")
+    if exchanged:
+        tl.blocking(kind + 3)
+    tl.phase = "backward"
+    if exchanged:
+        tl.blocking(kind + 3)
+    ring(tl, 0, "backward")
+    if exchanged:
+        for k in (4, 5, 6):
+            tl.blocking(kind + k)
+
+
+def exchange_kinds(r: int, a: int, rows_a: int, heads: tuple[int, int, int, int], h_q: int, h_kv: int,
+                   dtype: torch.dtype, grad_kv: torch.dtype) -> tuple[Collective, ...]:  # fmt: skip
+    """Rank `r`'s exchanges inside its a2a group of `a` ranks, as the dry run records them: q, k, v, out / dout, dq,
+    dk, dv, on `rows_a` rows of `h_q` or `h_kv` heads (per head group)."""
+    _, _, d, dv = heads
+    g, j = divmod(r, a)
+    team = tuple(range(g * a, g * a + a))
+    return tuple(Collective("all_to_all", team, j, (rows_a, h, x), dt)
+                 for h, x, dt in ((h_q, d, dtype), (h_kv, d, dtype), (h_kv, dv, dtype), (h_q, dv, dtype),
+                                  (h_q, d, dtype), (h_kv, d, grad_kv), (h_kv, dv, grad_kv)))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -506,29 +541,13 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
                       Collective("send_recv", ring, g, (rows_a, h_kv, d + dv), f, 1))  # fmt: skip
             if a == 1:
                 return shifts
-            team = tuple(range(g * a, g * a + a))
-            exchange = [Collective("all_to_all", team, j, (rows_a, h, x), dt)
-                        for h, x, dt in ((h_q, d, dtype), (h_kv, d, dtype), (h_kv, dv, dtype), (h_q, dv, dtype),
-                                         (h_q, d, dtype), (h_kv, d, grad_kv), (h_kv, dv, grad_kv))]  # fmt: skip
-            return (*shifts, *exchange)  # kinds: 0, 1 the ring; 2 q, 3 k, 4 v, 5 out / dout, 6 dq, 7 dk, 8 dv
+            return (*shifts, *exchange_kinds(r, a, rows_a, heads, h_q, h_kv, dtype, grad_kv))  # kinds 2 .. 8
 
         kinds = tuple(kinds_of(r) for r in ranks)
-        if n == 1:  # every exchange blocking, around one ring
-            if a > 1:
-                for k in (2, 3, 4):
-                    tl.blocking(k)
-            ring_template(tl, p, 0, 1, 0, "forward")
-            if a > 1:
-                tl.blocking(5)
-            tl.phase = "backward"
-            if a > 1:
-                tl.blocking(5)
-            ring_template(tl, p, 0, 1, p, "backward")
-            if a > 1:
-                for k in (6, 7, 8):
-                    tl.blocking(k)
-        else:
-            _grouped_template(tl, n, p)
+        def ring(tl: _Template, c: int, phase: str) -> None:  # head group c's ring, in its slots
+            ring_template(tl, p, 0, 1, (c if phase == "forward" else n + c) * p, phase)
+
+        hierarchy_template(tl, n, a > 1, ring)
         slots = (Slot("forward", h_q, h_kv, d, dv),) * (n * p) + (Slot("backward", h_q, h_kv, d, dv),) * (n * p)
         w, rs, kvr = ring_steps(b, p, layout)
         g = np.arange(P) // a  # each rank's place in its ring

@@ -22,9 +22,15 @@ every rank's calls at once:
   share waited for and this one's posted back ($-d$).
 
 The sequences without keys (a query piece the sender's piece does not reach, padding) add rows
-to no count the time model reads, so only the pairs are summed. `tests/plan/test_scale.py` holds
+to no count the time model reads, so only the pairs are summed.
+
+`a2a+p2p` under a window or chunks, in the contiguous and zigzag layouts, runs the same ring across
+its groups of `a2a_size` ranks, each member a group holding its ranks' pieces
+([`cpref.batch.layout.group_chunks`][cpref.batch.layout.group_chunks]), on the heads the exchange
+leaves a rank, inside the hierarchy's exchanges ([`hierarchy_template`][sim.plan.scale.hierarchy_template],
+in one head group or several): every rank of a group makes its group's calls. `tests/plan/test_scale.py` holds
 every rank's whole run to the dry run's, event by event, at P = 2 to 8, in every layout, with
-windows, chunks and neither.
+windows, chunks and neither, and `a2a+p2p`'s at every `a2a_size`, with and without head groups.
 """
 
 from __future__ import annotations
@@ -38,18 +44,24 @@ from cpref.kernels.contract import _visible_sum, compute_dtype
 from cpref.modes.ring_window import _halo_rows, _members, visible_pairs
 from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import Collective
-from sim.plan.scale import Schedule, Slot, _saved, _Template
+from sim.plan.scale import Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template
 
 __all__ = ["piece_ring_schedule", "piece_ring_covers"]
 
 
 def piece_ring_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
-    """Whether `piece_ring_schedule` builds the candidate: `p2p` (no options) at P >= 2 on the piece ring, i.e. under a
-    window or chunks, or in the stream and balanced layouts."""
+    """Whether `piece_ring_schedule` builds the candidate: `p2p` at P >= 2 on the piece ring (under a window or chunks,
+    or in the stream and balanced layouts); `a2a+p2p` (any `a2a_size` below P, with or without head groups) under
+    a window or chunks in the contiguous and zigzag layouts, whose ring across the groups is the same ring over
+    the groups' pieces."""
     from cpref.batch.seqlens import CHUNKED_LAYOUTS
 
-    pieces = bool(mask.get("chunk")) or mask.get("window", (-1, -1)) != (-1, -1) or layout not in CHUNKED_LAYOUTS
-    return mode == "p2p" and not options and P >= 2 and pieces and set(mask) <= {"window", "chunk"}
+    masked = bool(mask.get("chunk")) or mask.get("window", (-1, -1)) != (-1, -1)
+    if P < 2 or not set(mask) <= {"window", "chunk"}:
+        return False
+    if mode == "p2p":
+        return not options and (masked or layout not in CHUNKED_LAYOUTS)
+    return mode == "a2a+p2p" and masked and layout in CHUNKED_LAYOUTS and 1 < options.get("a2a_size", 1) < P
 
 
 def _width(shift: int, n_q: int, n_k: int, left: int, right: int) -> int:
@@ -64,60 +76,77 @@ def _width(shift: int, n_q: int, n_k: int, left: int, right: int) -> int:
 
 
 def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool = True,
-                        window: tuple[int, int] = (-1, -1), chunk: int | None = None) -> Schedule:  # fmt: skip
-    """Every rank of `p2p` on the piece ring (module docstring), as a `sim.plan.scale.Schedule`."""
+                        window: tuple[int, int] = (-1, -1), chunk: int | None = None, a2a_size: int = 1,
+                        head_groups: int = 1) -> Schedule:  # fmt: skip
+    """Every rank of `p2p` on the piece ring, or of `a2a+p2p` whose ring across groups of `a2a_size` ranks is one
+    (module docstring), as a `sim.plan.scale.Schedule`."""
     b, P, layout, local = sharding.bounds, sharding.cp_size, sharding.layout, sharding.local_tokens
     hq, hkv, d, dv = heads
-    real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, P, layout, 1)]
+    a, n = a2a_size, head_groups
+    p, replicas = P // a, 1 if hkv % a == 0 else a // hkv
+    h_kv, h_q, rows_a = hkv * replicas // (a * n), hq // (a * n), a * local  # per rank and head group
+    real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, p, layout, a)]
     left, right = window[0], 0 if causal else window[1]
-    # 1) the pairs, summed into each (rank, distance, slot)'s call: work, rows seeing a key, keys, band width
+    # 1) the pairs, summed into each (ring member, distance, slot)'s call: work, rows seeing a key, keys, band width
     halo = _halo_rows(real, members, causal, window)
     shifts = (0, *halo)
     step = {dist: t for t, dist in enumerate(shifts)}
     calls: dict[tuple[int, int, int], list[int]] = {}
-    for r, s, slot, a, zr, _, _, lo, hi in visible_pairs(real, members, causal, window):
-        n_q, n_k, shift = zr - a, hi - lo, a - lo
+    for r, s, slot, a0, zr, _, _, lo, hi in visible_pairs(real, members, causal, window):
+        n_q, n_k, shift = zr - a0, hi - lo, a0 - lo
         rows, work = _visible_sum(shift, n_q, n_k, left, right)
-        amounts = calls.setdefault((r, step[(r - s) % P], slot), [0, 0, 0, 0])
+        amounts = calls.setdefault((r, step[(r - s) % p], slot), [0, 0, 0, 0])
         amounts[0] += work
         amounts[1] += rows
         amounts[2] += n_k
         amounts[3] = max(amounts[3], _width(shift, n_q, n_k, left, right))
     T, S = len(shifts), 1 + max((slot for _, _, slot in calls), default=0)
-    amounts = np.zeros((4, P, T * S), dtype=np.int64)
-    present = np.zeros((P, T * S), dtype=bool)
-    for (r, t, slot), values in calls.items():
-        amounts[:, r, t * S + slot] = values
-        present[r, t * S + slot] = True
-    # 2) the timeline of halo_forward and halo_backward; kinds 2 (t - 1): K/V of step t, 2 (t - 1) + 1: its dK/dV back
+    member = np.zeros((4, p, T * S), dtype=np.int64)
+    made = np.zeros((p, T * S), dtype=bool)
+    for (g, t, slot), values in calls.items():
+        member[:, g, t * S + slot] = values
+        made[g, t * S + slot] = True
+    # 2) the collectives: the exchanges inside the group (kinds 0 .. 6, a2a+p2p), then per distance t >= 1 the
+    #    ring's K/V shift (kind K + 2 (t - 1)) and its dK/dV share back (K + 2 (t - 1) + 1)
+    f, sizes = compute_dtype(dtype), {dist: max(halo[dist]) for dist in shifts[1:]}
+    K = 7 if a > 1 else 0
+
+    def kinds_of(r: int) -> tuple[Collective, ...]:
+        g, j = divmod(r, a)
+        ring = tuple(j + a * i for i in range(p))
+        moved = tuple(Collective("send_recv", ring, g, (sizes[dist], h_kv, d + dv), dt, shift)
+                      for dist in shifts[1:] for dt, shift in ((dtype, dist), (f, p - dist)))  # fmt: skip
+        if a == 1:
+            return moved
+        return (*exchange_kinds(r, a, rows_a, heads, h_q, h_kv, dtype, f if replicas > 1 else dtype), *moved)
+
+    # 3) the timeline: halo_forward's and halo_backward's ring, inside the hierarchy's exchanges
+    def ring(tl: _Template, c: int, phase: str) -> None:
+        first = (c if phase == "forward" else n + c) * T * S
+        returning = -1
+        for t in range(T):
+            pending = tl.post(K + 2 * t) if t + 1 < T else -1
+            for slot in range(S):
+                tl.call(first + t * S + slot)
+            if phase == "backward" and t > 0:
+                if returning >= 0:
+                    tl.wait(returning)
+                returning = tl.post(K + 2 * (t - 1) + 1)
+            if pending >= 0:
+                tl.wait(pending)
+        if returning >= 0:
+            tl.wait(returning)
+
     tl = _Template()
-    for t in range(T):
-        pending = tl.post(2 * t) if t + 1 < T else -1
-        for slot in range(S):
-            tl.call(t * S + slot)
-        if pending >= 0:
-            tl.wait(pending)
-    tl.phase, returning = "backward", -1
-    for t in range(T):
-        pending = tl.post(2 * t) if t + 1 < T else -1
-        for slot in range(S):
-            tl.call((T + t) * S + slot)
-        if t > 0:
-            if returning >= 0:
-                tl.wait(returning)
-            returning = tl.post(2 * (t - 1) + 1)
-        if pending >= 0:
-            tl.wait(pending)
-    if returning >= 0:
-        tl.wait(returning)
-    group, f, sizes = tuple(range(P)), compute_dtype(dtype), {dist: max(halo[dist]) for dist in shifts[1:]}
-    kinds = tuple(tuple(Collective("send_recv", group, r, (sizes[dist], hkv, d + dv), dt, shift)
-                        for dist in shifts[1:]
-                        for dt, shift in ((dtype, dist), (f, P - dist)))
-                  for r in range(P))  # fmt: skip
+    hierarchy_template(tl, n, a > 1, ring, kind=0)
     band = window != (-1, -1)
-    slots = tuple(Slot(direction, hq, hkv, d, dv, band) for direction in ("forward", "backward") for _ in range(T * S))
-    both = lambda x: np.concatenate([x, x], axis=1)  # noqa: E731  the backward's calls are the forward's
-    saved = np.full(P, _saved("p2p", P, local, heads, dtype, {"halo_sizes": (0, *sizes.values())}), dtype=np.int64)
-    return Schedule(P, tuple(tl.events), kinds, slots, both(amounts[0]), np.full((P, 2 * T * S), local, dtype=np.int64),
-                    both(amounts[2]), both(amounts[1]), both(present), saved, both(amounts[3]) if band else None)  # fmt: skip
+    slots = tuple(Slot(direction, h_q, h_kv, d, dv, band) for direction in ("forward", "backward")
+                  for _ in range(n * T * S))  # fmt: skip
+    g = np.arange(P) // a  # each rank's ring member
+    every = lambda x: np.concatenate([x[g]] * (2 * n), axis=1)  # noqa: E731  per rank; every head group, both ways
+    options = {"a2a_size": a, "head_groups": n} if a > 1 else {}
+    saved = np.full(P, _saved("a2a+p2p" if a > 1 else "p2p", P, local, heads, dtype,
+                              {**options, "halo_sizes": (0, *sizes.values())}), dtype=np.int64)  # fmt: skip
+    return Schedule(P, tuple(tl.events), tuple(kinds_of(r) for r in range(P)), slots, every(member[0]),
+                    np.full((P, 2 * n * T * S), rows_a, dtype=np.int64), every(member[2]), every(member[1]), every(made),
+                    saved, every(member[3]) if band else None)  # fmt: skip

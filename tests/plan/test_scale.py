@@ -139,10 +139,14 @@ def test_what_is_not_covered(mode, layout, options, mask):
     ("p2p", "zigzag", {}, {"window": (8, 0)}, 4, True), ("p2p", "contiguous", {}, {"chunk": 8}, 4, True),
     ("p2p", "zigzag", {}, {}, 4, False), ("p2p", "stream", {}, {}, 1, False),
     ("all_gather", "stream", {}, {}, 4, False), ("all_gather", "zigzag", {}, {"window": (8, 0)}, 4, False),
-    ("a2a+p2p", "stream", {"a2a_size": 2}, {}, 4, False), ("a2a", "balanced", {}, {}, 4, False)])  # fmt: skip
+    ("a2a+p2p", "stream", {"a2a_size": 2}, {}, 4, False), ("a2a", "balanced", {}, {}, 4, False),
+    ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {"window": (8, 0)}, 4, True),
+    ("a2a+p2p", "contiguous", {"a2a_size": 4}, {"chunk": 8}, 8, True), ("a2a+p2p", "zigzag", {"a2a_size": 2}, {}, 4, False),
+    ("a2a+p2p", "balanced", {"a2a_size": 2}, {"window": (8, 0)}, 4, False)])  # fmt: skip
 def test_what_the_piece_ring_covers(mode, layout, options, mask, P, covered):
-    """`p2p` on the ring over pieces (a window, chunks, or the stream and balanced layouts), from two ranks; not the
-    classic ring of the chunked layouts, nor another mode's ring."""
+    """`p2p` on the ring over pieces (a window, chunks, or the stream and balanced layouts), from two ranks, and
+    `a2a+p2p` under a window or chunks in the chunked layouts; not the classic ring, nor the split hierarchy of the
+    stream and balanced layouts, nor another mode."""
     assert piece_ring_covers(mode, layout, options, P, mask) is covered
 
 
@@ -274,5 +278,39 @@ def test_all_gather_under_a_window_runs_and_prices_as_the_dry_run_on_every_rank(
         priced = built.price(profile, compute)
         for r in range(P):
             run = dry_run("all_gather", sharding, r, heads=heads, dtype=dtype, window=(w, 0))
+            assert built.run(r) == run, (seed, r)
+            assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
+
+
+HIERARCHY = [(P, {"a2a_size": a, **hg}) for P in (4, 6, 8) for a in range(2, P) if P % a == 0
+             for hg in ({}, {"head_groups": 2})]  # fmt: skip
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("heads", [(8, 4, 16, 8), (4, 1, 8, 8)])
+@pytest.mark.parametrize("layout", scale.SCALED_LAYOUTS)
+@pytest.mark.parametrize("mask", PIECE_MASKS[1:], ids=str)
+@pytest.mark.parametrize("P, options", HIERARCHY, ids=[f"P{P}-{o}" for P, o in HIERARCHY])
+def test_the_hierarchy_over_the_piece_ring_runs_and_prices_as_the_dry_run(P, options, mask, layout, heads):
+    """`a2a+p2p` under a window or chunks: the exchanges inside each group around the ring of groups over their
+    pieces, in one head group or two, replicated key/value heads included; every rank's run is the dry run's, a
+    refusal the mode's own."""
+    from sim.plan.scale_window import piece_ring_covers, piece_ring_schedule
+
+    assert piece_ring_covers("a2a+p2p", layout, options, P, mask)
+    profile, compute = band_profile()
+    for seed in range(2):
+        sharding = planner._sharding(batch(seed), P, layout)
+        try:
+            scale.validate("a2a+p2p", sharding, heads, torch.bfloat16, {**mask, **options})
+        except CPInputError as refused:
+            with pytest.raises(CPInputError) as dry:
+                dry_run("a2a+p2p", sharding, 0, heads=heads, dtype=torch.bfloat16, **mask, **options)
+            assert str(refused) == str(dry.value)
+            continue
+        built = piece_ring_schedule(sharding, heads=heads, dtype=torch.bfloat16, **mask, **options)
+        priced = built.price(profile, compute)
+        for r in range(P):
+            run = dry_run("a2a+p2p", sharding, r, heads=heads, dtype=torch.bfloat16, **mask, **options)
             assert built.run(r) == run, (seed, r)
             assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
