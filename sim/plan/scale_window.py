@@ -88,18 +88,24 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, p, layout, a)]
     left, right = window[0], 0 if causal else window[1]
     # 1) the pairs, summed into each (ring member, distance, slot)'s call: work, rows seeing a key, keys, band width
-    halo = _halo_rows(real, members, causal, window)
+    pairs = list(visible_pairs(real, members, causal, window))
+    halo = _halo_rows(real, members, causal, window, pairs)
     shifts = (0, *halo)
     step = {dist: t for t, dist in enumerate(shifts)}
     calls: dict[tuple[int, int, int], list[int]] = {}
-    for r, s, slot, a0, zr, _, _, lo, hi in visible_pairs(real, members, causal, window):
+    sequence: dict[tuple[int, int, int], tuple[int, int, int]] = {}  # (shift, n_q, n_k) -> work, rows, width
+    for r, s, slot, a0, zr, _, _, lo, hi in pairs:
         n_q, n_k, shift = zr - a0, hi - lo, a0 - lo
-        rows, work = _visible_sum(shift, n_q, n_k, left, right)
+        shape = (shift, n_q, n_k)  # pieces of equal chunks repeat their shapes: each priced once
+        if shape not in sequence:
+            rows, work = _visible_sum(shift, n_q, n_k, left, right)
+            sequence[shape] = (work, rows, _width(shift, n_q, n_k, left, right))
+        work, rows, width = sequence[shape]
         amounts = calls.setdefault((r, step[(r - s) % p], slot), [0, 0, 0, 0])
         amounts[0] += work
         amounts[1] += rows
         amounts[2] += n_k
-        amounts[3] = max(amounts[3], _width(shift, n_q, n_k, left, right))
+        amounts[3] = max(amounts[3], width)
     T, S = len(shifts), 1 + max((slot for _, _, slot in calls), default=0)
     member = np.zeros((4, p, T * S), dtype=np.int64)
     made = np.zeros((p, T * S), dtype=bool)

@@ -185,14 +185,14 @@ def visible_pairs(real: Real, members, causal: bool, window: tuple[int, int]):
                     yield r, s, slot, a, zr, k0, row, lo, hi
 
 
-def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int]) -> dict[int, list[int]]:
+def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int], pairs=None) -> dict[int, list[int]]:
     """`{d: [|R_d(s)| for every member s]}` for every distance `d` in `1 .. P - 1` at which some member's queries see
     a key of the block `d` members back (the keys `D`; the values: the rows each block sends at `d`), from
-    `visible_pairs`: the same pairs as `_calls` finds member by member (`tests/cp/test_windows.py` holds the two
-    equal)."""
+    `visible_pairs` (or its `pairs`, already listed): the same pairs as `_calls` finds member by member
+    (`tests/cp/test_windows.py` holds the two equal)."""
     P = len(members)
     spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (d, s) -> the row spans rank s + d reads of s's block
-    for r, s, _, _, _, k0, row, lo, hi in visible_pairs(real, members, causal, window):
+    for r, s, _, _, _, k0, row, lo, hi in pairs if pairs is not None else visible_pairs(real, members, causal, window):
         if r != s:
             spans.setdefault(((r - s) % P, s), []).append((row + lo - k0, row + hi - k0))
     out: dict[int, list[int]] = {}
