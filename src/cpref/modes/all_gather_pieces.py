@@ -26,6 +26,8 @@ $(P - 1)\, T_l$ rows of the whole-shard gather.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from cpref.batch.layout import local_chunks
@@ -55,11 +57,14 @@ def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, c
             held.setdefault(key, []).append((a, z, r, row))
     for key in held:
         held[key].sort()
+    starts = {key: [a for a, *_ in h] for key, h in held.items()}  # the pieces of a key are disjoint: both increase
+    ends = {key: [z for _, z, *_ in h] for key, h in held.items()}
     left, right = window if window != NO_WINDOW else (-1, -1)
     right = 0 if causal else right
 
     def reads(r: int):
-        """`(n_q, n_pad, [(owner, first row, last row + 1), ...], shift)` of each local piece of rank `r`."""
+        """`(n_q, n_pad, [(owner, first row, last row + 1), ...], shift)` of each local piece of rank `r`: the held
+        pieces its keys `[lo, hi)` overlap, found by bisection (no scan of every piece of the document)."""
         out = []
         for key, a, z, _ in pieces[r]:
             doc, k = key
@@ -68,19 +73,20 @@ def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, c
             lo = 0 if left < 0 else max(0, a - left)
             lo = lo if chunk is None else max(lo, k * chunk)  # not before the chunk
             hi = n if right < 0 else min(n, zr + right)
-            spans = [(o, row + max(lo, pa) - pa, row + min(hi, pz) - pa) for pa, pz, o, row in held[key]
+            first, last = bisect.bisect_right(ends[key], lo), bisect.bisect_left(starts[key], hi)
+            spans = [(o, row + max(lo, pa) - pa, row + min(hi, pz) - pa) for pa, pz, o, row in held[key][first:last]
                      if zr > a and min(hi, pz) > max(lo, pa)]  # fmt: skip
             out.append((zr - a, z - zr, spans, a - lo))
         return out
 
-    # 1) and 2): the rows of each rank that another rank reads, sorted
-    wanted: list[list[torch.Tensor]] = [[] for _ in range(P)]
+    # 1) and 2): the rows of each rank that another rank reads, sorted (the union of the spans others read)
+    wanted: list[list[tuple[int, int]]] = [[] for _ in range(P)]
     for r in range(P):
         for _, _, spans, _ in reads(r):
             for o, r0, r1 in spans:
                 if o != r:
-                    wanted[o].append(torch.arange(r0, r1))
-    shared = [torch.unique(torch.cat(w)) if w else torch.zeros(0, dtype=torch.int64) for w in wanted]
+                    wanted[o].append((r0, r1))
+    shared = [_union_rows(w) for w in wanted]
     m = max(len(x) for x in shared)
     # 3) this rank's key rows in the source buffer: its shard, then the gathered rows, rank-major
     keys, q_lens, kv_lens, shifts = [], [], [], []
@@ -95,3 +101,15 @@ def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, c
     kv_rows = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)  # (sum kv_len,), on the host
     return AllGatherPlan(kv_rows.to(device), Varlen.from_lengths(q_lens, kv_lens, shifts), window, shared[rank].to(device),
                          m, kv_rows)  # fmt: skip
+
+
+def _union_rows(spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows `[r0, r1)` spans cover, sorted and unique: the merged spans' rows."""
+    merged: list[list[int]] = []
+    for r0, r1 in sorted(spans):
+        if merged and r0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], r1)
+        else:
+            merged.append([r0, r1])
+    rows = [torch.arange(r0, r1) for r0, r1 in merged]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
