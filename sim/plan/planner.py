@@ -52,7 +52,8 @@ and zigzag layouts; `all_gather` under a window there too) it builds every rank'
 collectives as arrays and plays all timelines at once, equal to the dry run rank by rank (tested at
 P = 2 to 8), the whole plan at $P = 1024$ in seconds (`bench/plan.py` measures it beside the dry run); so does
 [`sim.plan.scale_window`][sim.plan.scale_window] for `p2p` on the ring over pieces (under a window or
-chunks, and over the stream and balanced layouts) and `a2a+p2p` under a window or chunks; `a2a`, whose ranks all do the same in the chunked layouts, is
+chunks, and over the stream and balanced layouts), `a2a+p2p` under a window or chunks, and
+`all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts); `a2a`, whose ranks all do the same in the chunked layouts, is
 dry-run on rank 0 alone. Other candidates are dry-run up to `dry_run_limit` ranks (32) and listed as
 not priced above it.
 
@@ -82,13 +83,18 @@ from sim.plan import scale
 from sim.plan.dry import dry_run
 from sim.plan.model import RankTime, rank_time
 from sim.plan.profile import Profile, load_profile
-from sim.plan.scale_window import piece_ring_covers, piece_ring_schedule
+from sim.plan.scale_window import (
+    piece_all_gather_covers,
+    piece_all_gather_schedule,
+    piece_ring_covers,
+    piece_ring_schedule,
+)
 
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "LayoutChoice", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNSCALED = ("only the dry run prices it (all_gather under chunks, all_gather, a2a and a2a+p2p over the stream and "
-            "balanced layouts, save_gathered_kv), one rank at a time; raise dry_run_limit to wait for it")
+UNSCALED = ("only the dry run prices it (a2a and a2a+p2p over the stream and balanced layouts, all_gather's overlap "
+            "there, save_gathered_kv), one rank at a time; raise dry_run_limit to wait for it")
 
 
 @dataclass(frozen=True)
@@ -233,10 +239,11 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
         if scale.covers(candidate.mode, candidate.layout, options, P, counted):
             built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
             return Prediction(candidate, built.price(profile, compute))
-        if piece_ring_covers(candidate.mode, candidate.layout, options, P, counted):
-            scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})
-            built = piece_ring_schedule(sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
-            return Prediction(candidate, built.price(profile, compute))
+        for covered, build in ((piece_ring_covers, piece_ring_schedule), (piece_all_gather_covers, piece_all_gather_schedule)):
+            if covered(candidate.mode, candidate.layout, options, P, counted):
+                scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})
+                built = build(sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
+                return Prediction(candidate, built.price(profile, compute))
         if scale.a2a_alike(candidate.mode, candidate.layout, mask):
             runs = scale.alike_runs(dry_run(candidate.mode, sharding, 0, heads=heads, dtype=DTYPES[dtype], **mask,
                                             **options), P)  # fmt: skip

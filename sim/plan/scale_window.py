@@ -28,7 +28,13 @@ to no count the time model reads, so only the pairs are summed.
 its groups of `a2a_size` ranks, each member a group holding its ranks' pieces
 ([`cpref.batch.layout.group_chunks`][cpref.batch.layout.group_chunks]), on the heads the exchange
 leaves a rank, inside the hierarchy's exchanges ([`hierarchy_template`][sim.plan.scale.hierarchy_template],
-in one head group or several): every rank of a group makes its group's calls. `tests/plan/test_scale.py` holds
+in one head group or several): every rank of a group makes its group's calls.
+
+`all_gather` on the pieces' plan ([`cpref.modes.all_gather_pieces`][cpref.modes.all_gather_pieces]:
+chunks in every layout, the stream and balanced layouts with any mask) makes one call per rank, a
+sequence per piece, from the plan's own reads of every rank
+([`piece_reads`][cpref.modes.all_gather_pieces.piece_reads]), and gathers `m` rows per rank (none
+at all where no rank reads another's: `m = 0`) ([`piece_all_gather_schedule`][sim.plan.scale_window.piece_all_gather_schedule]). `tests/plan/test_scale.py` holds
 every rank's whole run to the dry run's, event by event, at P = 2 to 8, in every layout, with
 windows, chunks and neither, and `a2a+p2p`'s at every `a2a_size`, with and without head groups.
 """
@@ -46,7 +52,7 @@ from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import Collective
 from sim.plan.scale import Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template
 
-__all__ = ["piece_ring_schedule", "piece_ring_covers"]
+__all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_all_gather_schedule", "piece_all_gather_covers"]
 
 
 def piece_ring_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
@@ -156,3 +162,57 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     return Schedule(P, tuple(tl.events), tuple(kinds_of(r) for r in range(P)), slots, every(member[0]),
                     np.full((P, 2 * n * T * S), rows_a, dtype=np.int64), every(member[2]), every(member[1]), every(made),
                     saved, every(member[3]) if band else None)  # fmt: skip
+
+
+def piece_all_gather_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
+    """Whether `piece_all_gather_schedule` builds the candidate: `all_gather` on the pieces' plan (under chunks, or
+    in the stream and balanced layouts), in one call: not `overlap`, not `save_gathered_kv`."""
+    from cpref.batch.seqlens import CHUNKED_LAYOUTS
+
+    pieces = bool(mask.get("chunk")) or layout not in CHUNKED_LAYOUTS
+    return (mode == "all_gather" and P >= 2 and pieces and set(mask) <= {"window", "chunk"}
+            and not options.get("overlap") and not options.get("save_gathered_kv"))  # fmt: skip
+
+
+def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
+                              causal: bool = True, window: tuple[int, int] = (-1, -1),
+                              chunk: int | None = None) -> Schedule:  # fmt: skip
+    """Every rank of `all_gather` on the pieces' plan (`cpref.modes.all_gather_pieces`): from the plan's own reads of
+    every rank, each rank's one call (a sequence per piece: its real queries against the keys `[lo, hi)` its reads
+    cover) and the gathers of `m` rows, as a `sim.plan.scale.Schedule`."""
+    from cpref.modes.all_gather_pieces import piece_reads
+
+    b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
+    hq, hkv, d, dv = heads
+    every, _, m = piece_reads(b, P, sharding.layout, causal, window, chunk)
+    left, right = window[0], 0 if causal else window[1]
+    amounts = np.zeros((4, P), dtype=np.int64)  # work, rows seeing a key, keys, band width
+    for r, reads in enumerate(every):
+        for n_q, _, spans, shift in reads:
+            n_k = sum(r1 - r0 for _, r0, r1 in spans)
+            if n_q and n_k:
+                rows, work = _visible_sum(shift, n_q, n_k, left, right)
+                amounts[:3, r] += (work, rows, n_k)
+                amounts[3, r] = max(amounts[3, r], _width(shift, n_q, n_k, left, right))
+    f, group = compute_dtype(dtype), tuple(range(P))
+    kinds = tuple((Collective("all_gather", group, r, (m, hkv, d), dtype),
+                   Collective("all_gather", group, r, (m, hkv, dv), dtype),
+                   Collective("reduce_scatter", group, r, (P * m, hkv, d), f),
+                   Collective("reduce_scatter", group, r, (P * m, hkv, dv), f)) if m else () for r in range(P))  # fmt: skip
+    tl = _Template()  # no row read across ranks (m = 0): no collective at all
+    for phase in ("forward", "backward"):
+        tl.phase = phase
+        if m:
+            tl.blocking(0)
+            tl.blocking(1)
+        tl.call(0 if phase == "forward" else 1)
+    if m:
+        tl.blocking(2)
+        tl.blocking(3)
+    band = window != (-1, -1)
+    slots = (Slot("forward", hq, hkv, d, dv, band), Slot("backward", hq, hkv, d, dv, band))
+    both = lambda x: np.repeat(x[:, None], 2, axis=1)  # noqa: E731  the backward's call is the forward's
+    saved = np.full(P, _saved("all_gather", P, local, heads, dtype, {"gathered_rows": m}), dtype=np.int64)
+    return Schedule(P, tuple(tl.events), kinds, slots, both(amounts[0]), np.full((P, 2), local, dtype=np.int64),
+                    both(amounts[2]), both(amounts[1]), np.ones((P, 2), dtype=bool), saved,
+                    both(amounts[3]) if band else None)  # fmt: skip

@@ -26,7 +26,7 @@ from sim.plan import planner, scale
 from sim.plan.dry import dry_run
 from sim.plan.model import rank_time
 from sim.plan.profile import Compute, load_profile
-from sim.plan.scale_window import piece_ring_covers
+from sim.plan.scale_window import piece_all_gather_covers, piece_ring_covers
 
 PROFILE = load_profile("h100-sxm")
 CASES = [(P, mode, options) for P in (2, 3, 4, 6, 8)
@@ -150,6 +150,17 @@ def test_what_the_piece_ring_covers(mode, layout, options, mask, P, covered):
     assert piece_ring_covers(mode, layout, options, P, mask) is covered
 
 
+@pytest.mark.parametrize("layout, options, mask, P, covered", [
+    ("stream", {}, {}, 4, True), ("balanced", {}, {"window": (8, 0)}, 4, True), ("zigzag", {}, {"chunk": 8}, 4, True),
+    ("zigzag", {}, {"window": (8, 0)}, 4, False), ("zigzag", {}, {}, 4, False), ("stream", {"overlap": True}, {}, 4, False),
+    ("stream", {"save_gathered_kv": True}, {}, 4, False), ("stream", {}, {}, 1, False)])  # fmt: skip
+def test_what_the_pieces_all_gather_covers(layout, options, mask, P, covered):
+    """`all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts); a window in the chunked
+    layouts is `sim.plan.scale`'s, the overlap and save_gathered_kv the dry run's."""
+    assert piece_all_gather_covers("all_gather", layout, options, P, mask) is covered
+    assert not piece_all_gather_covers("p2p", layout, options, P, mask)
+
+
 def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     """At P = 1024 the covered candidates are built, none dry-run (counted), the ring over the stream layout's pieces
     too (`sim.plan.scale_window`); the rest are listed as not priced."""
@@ -160,6 +171,7 @@ def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     full = result.kinds["full"]
     assert calls == []
     assert {p.name for p in full.ranked} == {"p2p zigzag", "p2p stream", "all_gather zigzag", "all_gather zigzag overlap=True",
+                                             "all_gather stream",
                                              "a2a+p2p zigzag a2a_size=2",
                                              "a2a+p2p zigzag a2a_size=4", "a2a+p2p zigzag a2a_size=8",
                                              "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32",
@@ -173,6 +185,7 @@ def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
         c = by_name[p.name]
         assert not scale.covers(c.mode, c.layout, dict(c.options), 1024, {})
         assert not piece_ring_covers(c.mode, c.layout, dict(c.options), 1024, {})
+        assert not piece_all_gather_covers(c.mode, c.layout, dict(c.options), 1024, {})
     assert full.refused and all("cannot" in p.refused for p in full.refused)  # heads a2a_size 64 .. 512 cannot split
     assert all("dry_run_limit = 32" in p.unpriced for p in full.unpriced)
 
@@ -189,8 +202,8 @@ def test_a2a_at_scale_is_one_dry_run(monkeypatch):
 
 def test_nothing_priced_is_one_line():
     with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
-        planner.plan([4096] * 4, heads=(8, 8, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
-                     layouts=["stream"], modes=["all_gather"])  # fmt: skip
+        planner.plan([4096] * 4, heads=(64, 64, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
+                     layouts=["stream"], modes=["a2a"])  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)
@@ -219,6 +232,15 @@ def test_ring_steps_by_hand():
     assert work.tolist() == [[10, 6], [21, 18]]
     assert rows.tolist() == [[4, 1], [6, 6]]
     assert kv.tolist() == [[3 + 3 + 1, 6], [3 + 3 + 3, 6]]
+
+
+def as_dry_run(built, mode: str, sharding, heads, dtype, profile, compute, seed: int, **arguments) -> None:
+    """Every rank of `built`: its whole run equals the dry run's, its price `rank_time`'s."""
+    priced = built.price(profile, compute)
+    for r in range(sharding.cp_size):
+        run = dry_run(mode, sharding, r, heads=heads, dtype=dtype, **arguments)
+        assert built.run(r) == run, (seed, r)
+        assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
 
 
 PIECE_MASKS = [{}, {"window": (20, 0)}, {"window": (0, 0)}, {"window": (150, 0)}, {"chunk": 24}, {"chunk": 24, "window": (7, 0)}]
@@ -251,11 +273,7 @@ def test_the_piece_ring_runs_and_prices_as_the_dry_run_on_every_rank(P, mask, la
     for seed in range(3):
         sharding = planner._sharding(batch(seed), P, layout)
         built = piece_ring_schedule(sharding, heads=heads, dtype=dtype, **mask)
-        priced = built.price(profile, compute)
-        for r in range(P):
-            run = dry_run("p2p", sharding, r, heads=heads, dtype=dtype, **mask)
-            assert built.run(r) == run, (seed, r)
-            assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
+        as_dry_run(built, "p2p", sharding, heads, dtype, profile, compute, seed, **mask)
 
 
 @pytest.mark.sweep
@@ -275,11 +293,7 @@ def test_all_gather_under_a_window_runs_and_prices_as_the_dry_run_on_every_rank(
     for seed in range(3):
         sharding = planner._sharding(batch(seed), P, layout)
         built = scale.schedule("all_gather", sharding, heads=heads, dtype=dtype, window=(w, 0))
-        priced = built.price(profile, compute)
-        for r in range(P):
-            run = dry_run("all_gather", sharding, r, heads=heads, dtype=dtype, window=(w, 0))
-            assert built.run(r) == run, (seed, r)
-            assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
+        as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, window=(w, 0))
 
 
 HIERARCHY = [(P, {"a2a_size": a, **hg}) for P in (4, 6, 8) for a in range(2, P) if P % a == 0
@@ -309,8 +323,26 @@ def test_the_hierarchy_over_the_piece_ring_runs_and_prices_as_the_dry_run(P, opt
             assert str(refused) == str(dry.value)
             continue
         built = piece_ring_schedule(sharding, heads=heads, dtype=torch.bfloat16, **mask, **options)
-        priced = built.price(profile, compute)
-        for r in range(P):
-            run = dry_run("a2a+p2p", sharding, r, heads=heads, dtype=torch.bfloat16, **mask, **options)
-            assert built.run(r) == run, (seed, r)
-            assert same_price(priced[r], rank_time(run, profile, compute)), (seed, r)
+        as_dry_run(built, "a2a+p2p", sharding, heads, torch.bfloat16, profile, compute, seed, **mask, **options)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("mask", PIECE_MASKS, ids=str)
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, mask, layout, dtype):
+    """`all_gather` on the pieces' plan (chunks in every layout; the stream and balanced layouts with any mask): every
+    rank's run equals the dry run's, its price `rank_time`'s; the overlap is not covered."""
+    from sim.plan.scale_window import piece_all_gather_covers, piece_all_gather_schedule
+
+    if not piece_all_gather_covers("all_gather", layout, {}, P, mask):
+        assert "chunk" not in mask and layout in scale.SCALED_LAYOUTS
+        return
+    assert not piece_all_gather_covers("all_gather", layout, {"overlap": True}, P, mask)
+    profile, compute = band_profile()
+    heads = (8, 4, 16, 8)
+    for seed in range(3):
+        sharding = planner._sharding(batch(seed), P, layout)
+        built = piece_all_gather_schedule(sharding, heads=heads, dtype=dtype, **mask)
+        as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, **mask)

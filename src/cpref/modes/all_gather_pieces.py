@@ -36,14 +36,14 @@ from cpref.kernels.contract import NO_WINDOW, Varlen
 from cpref.modes.all_gather_plan import AllGatherPlan
 from cpref.modes.visible import chunk_pieces
 
-__all__ = ["build_piece_all_gather_plan"]
+__all__ = ["build_piece_all_gather_plan", "piece_reads"]
 
 
-def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
-                                window: tuple[int, int] = NO_WINDOW, chunk: int | None = None) -> AllGatherPlan:  # fmt: skip
-    """Rank `rank`'s plan (module docstring): its sequences, its shared rows and every key's source row; with
-    `chunk`, each chunk of a document a document of its own (`cpref.modes.visible`)."""
-    T_l = b.total // P
+def piece_reads(b: Boundaries, P: int, layout: str, causal: bool, window: tuple[int, int] = NO_WINDOW,
+                chunk: int | None = None) -> tuple[list[list[tuple]], list[torch.Tensor], int]:  # fmt: skip
+    """`(reads, shared, m)`: per rank, `(n_q, n_pad, [(owner, first row, last row + 1), ...], shift)` of each local
+    piece (its real queries, its padding, the held rows its keys are, the shift of its first query); per rank the
+    rows others read of its shard; the most of them, `m` (module docstring, steps 1 and 2)."""
     pieces = []  # per rank: ((doc, chunk), first position, last + 1, first local row) in local order
     for r in range(P):
         row, mine = 0, []
@@ -80,17 +80,26 @@ def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, c
         return out
 
     # 1) and 2): the rows of each rank that another rank reads, sorted (the union of the spans others read)
+    every = [reads(r) for r in range(P)]
     wanted: list[list[tuple[int, int]]] = [[] for _ in range(P)]
     for r in range(P):
-        for _, _, spans, _ in reads(r):
+        for _, _, spans, _ in every[r]:
             for o, r0, r1 in spans:
                 if o != r:
                     wanted[o].append((r0, r1))
     shared = [_union_rows(w) for w in wanted]
-    m = max(len(x) for x in shared)
+    return every, shared, max(len(x) for x in shared)
+
+
+def build_piece_all_gather_plan(b: Boundaries, P: int, rank: int, layout: str, causal: bool, device: torch.device,
+                                window: tuple[int, int] = NO_WINDOW, chunk: int | None = None) -> AllGatherPlan:  # fmt: skip
+    """Rank `rank`'s plan (module docstring): its sequences, its shared rows and every key's source row; with
+    `chunk`, each chunk of a document a document of its own (`cpref.modes.visible`)."""
+    T_l = b.total // P
+    every, shared, m = piece_reads(b, P, layout, causal, window, chunk)
     # 3) this rank's key rows in the source buffer: its shard, then the gathered rows, rank-major
     keys, q_lens, kv_lens, shifts = [], [], [], []
-    for n_q, n_pad, spans, shift in reads(rank):
+    for n_q, n_pad, spans, shift in every[rank]:
         rows = [torch.arange(r0, r1) if o == rank else T_l + o * m + torch.searchsorted(shared[o], torch.arange(r0, r1))
                 for o, r0, r1 in spans]  # fmt: skip
         for count, keys_of, d in ((n_q, rows, shift), (n_pad, [], None)):
