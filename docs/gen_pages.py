@@ -81,7 +81,7 @@ GUIDE = [
     ("planner.md", "Which mode? The planner", "sim.plan.planner"),
     ("mode-study.md", "Which mode, from 8 to 1024 ranks", "sim.plan.study"),
     ("plan-scale.md", "Plans at scale", "sim.plan.scale"),
-    ("plan-scale-window.md", "The ring over pieces at scale", "sim.plan.scale_window"),
+    ("plan-scale-window.md", "Irregular plans at scale", "sim.plan.scale_window"),
     ("sim-plan.md", "python -m sim plan", "sim.tools.plan"),
     ("plan-model.md", "The planner's time model", "sim.plan.model"),
     ("plan-profiles.md", "Hardware profiles", "sim.plan.profile"),

@@ -73,7 +73,7 @@ from sim.plan.model import RankTime, collective_seconds
 from sim.plan.profile import Compute, Profile
 
 __all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_window_calls", "all_gather_overlap_calls",
-           "ring_template", "schedule",
+           "ring_template", "hierarchy_template", "exchange_kinds", "schedule",
            "covers", "alike_runs", "a2a_alike", "validate", "SCALED_LAYOUTS"]
 
 SCALED_LAYOUTS = ("contiguous", "zigzag")

@@ -1,4 +1,4 @@
-r"""The ring over pieces at scale: `p2p` under a window or chunks, and over the stream and balanced layouts.
+r"""Irregular plans at scale: windows, chunks, and the stream and balanced layouts, built for every rank at once.
 
 Under a sliding window or chunked attention, and in the `stream` and `balanced` layouts with any
 mask, `p2p` runs the ring of [`cpref.modes.ring_window`][cpref.modes.ring_window]: one step per
@@ -34,9 +34,18 @@ in one head group or several): every rank of a group makes its group's calls.
 chunks in every layout, the stream and balanced layouts with any mask) makes one call per rank, a
 sequence per piece, from the plan's own reads of every rank
 ([`piece_reads`][cpref.modes.all_gather_pieces.piece_reads]), and gathers `m` rows per rank (none
-at all where no rank reads another's: `m = 0`) ([`piece_all_gather_schedule`][sim.plan.scale_window.piece_all_gather_schedule]). `tests/plan/test_scale.py` holds
-every rank's whole run to the dry run's, event by event, at P = 2 to 8, in every layout, with
-windows, chunks and neither, and `a2a+p2p`'s at every `a2a_size`, with and without head groups.
+at all where no rank reads another's: `m = 0`;
+[`piece_all_gather_schedule`][sim.plan.scale_window.piece_all_gather_schedule]).
+
+`tests/plan/test_scale.py` holds every rank's whole run of each to the dry run's, event by event,
+at P = 2 to 8, in every layout, with windows, chunks and neither, and `a2a+p2p`'s at every
+`a2a_size`, with and without head groups.
+
+**Cost.** The build is linear in the pairs of pieces that see each other and in the distinct
+shifts of a rank (one collective each, per rank). A window much wider than the chunks makes many
+of both: at P = 1024 the zigzag ring under a window of 1024 cuts short documents into chunks of a
+few tokens, and its plan has millions of pairs and about a thousand shifts a rank, where the
+full-causal ring's closed forms have one formula per step.
 """
 
 from __future__ import annotations
