@@ -35,7 +35,7 @@ not a line rate or a datasheet peak, and carries its source next to it in the fi
 * `band` (optional): a windowed call's own curve, `[[width, tflops], ...]` by the band's width $W$,
   the most keys one of its rows sees ([`KernelCall.width`][sim.plan.dry.KernelCall]). A kernel
   computes a band in tiles of rows against the keys those rows see, so a windowed call's rate is set
-  by its band's width, not by its size or its heads (`bench/plan.py` measures both side by side
+  by its band's width, not by its size or its heads (`bench/window.py` measures both side by side
   here: the same window on 2k and 8k tokens, two heads and four; a narrower window). A banded call takes
   the rate interpolated linearly in $\log W$ (held at the ends); without a `band` curve it is priced
   by its FLOPs on the main curve, as an unwindowed call is.
