@@ -380,3 +380,24 @@ def test_the_plan_benchmark_runs_quick_and_prices_both_ways_alike(capsys):
     assert side["P"] == 4 and side["candidates"] == 10 and side["agree"]
     assert whole["P"] == 64 and whole["ranks"] == 64 and whole["priced"] > 0 and whole["unpriced"] == 0  # all built
     assert "- the planner at P = 64: " in out and "(goal < 10 s)" in out
+
+
+def test_the_planners_ranking_is_judged_at_the_runs_own_resolution():
+    """`bench.predicted`: two rows predicted alike (the same plan) measured 6% apart set the tie at 6%, so modes
+    measured 4% apart and predicted the other way are tied, 8% apart misranked; without such a pair the tie is 3%."""
+    from bench import predicted
+
+    def row(mode, layout, measured, predicted_):
+        return {"mode": mode, "layout": layout, "path": "", "measured": measured, "predicted": predicted_,
+                "compute": predicted_, "exposed": 0.0}  # fmt: skip
+
+    twins = [row("a2a", "zigzag", 1.00, 0.9), row("a2a", "balanced", 1.06, 0.9)]
+    close = [*twins, row("p2p", "zigzag", 1.04, 0.8)]  # p2p predicted faster, measured 4% slower than a2a's best
+    assert predicted.resolution(close)[0] == pytest.approx(0.06) and predicted.misranked(close) == []
+    far = [*twins, row("p2p", "zigzag", 1.08, 0.8)]
+    assert predicted.misranked(far) == [("a2a", "p2p")]
+    text = predicted.markdown(far)
+    assert "within 6.0%, as far apart as a2a zigzag and a2a balanced, which run the same plan" in text
+    assert text.endswith("not met: a2a < p2p measured, predicted the other way")
+    alone = [row("a2a", "zigzag", 1.00, 0.9), row("p2p", "zigzag", 1.04, 0.8)]
+    assert predicted.resolution(alone) == (predicted.TIE, None) and predicted.misranked(alone) == [("a2a", "p2p")]
