@@ -254,12 +254,14 @@ def test_the_determinism_check_runs_and_reports_what_it_checked():
 
 
 @pytest.mark.full
-def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch():
+def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch(monkeypatch, tmp_path):
     """A tiny run end to end (two gloo processes per batch), in rounds of CP = 1 alone on rank 0, the pair, then every
     mode and overlapped path in both timed layouts, each kept with both ranks' split; what a broken launch or round
-    loses, and a baseline timed before the rounds instead of inside them."""
+    loses, and a baseline timed before the rounds instead of inside them. Its calibration is written to a temporary
+    folder: a test leaves the kept results (`bench/results/this-machine.json`) as the last `make bench` wrote them."""
     from bench import scaling
 
+    monkeypatch.setattr(scaling, "RESULTS", tmp_path)
     result = scaling.main(["--tokens", "256", "--heads", "4", "--head-dim", "4", "--window", "none", "--repeats", "2"])
     assert [b["name"] for b in result["batches"]] == ["1 x 256", "4 mixed"]
     for batch in result["batches"]:
@@ -271,6 +273,7 @@ def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch(
         # the baseline runs inside the rounds, beside the split: a slow spell cannot hit CP = 2 alone
         assert batch["schedule"] == ["alone", "pair", "cp"] * 2
     assert "head_groups=2" in result["paths_verdict"]
+    assert (tmp_path / "this-machine.json").is_file()
 
 
 def test_the_goals_summary_gathers_each_target_from_the_tables_figures():
