@@ -43,7 +43,8 @@ import torch
 from cpref.comm.protocol import REDUCE_OPS, check_partition
 from cpref.kernels.contract import Varlen, compute_dtype
 
-__all__ = ["Collective", "KernelCall", "Event", "RankRun", "DryComm", "TallyKernel", "band_width", "dry_run"]
+__all__ = ["Collective", "KernelCall", "Event", "RankRun", "DryComm", "TallyKernel", "band_width", "sequence_width",
+           "dry_run"]
 
 
 @dataclass(frozen=True)
@@ -246,25 +247,28 @@ class DryComm:
         return [list(row)] * self.size
 
 
-def band_width(seqs: Varlen, causal: bool, window: tuple[int, int]) -> int:
-    r"""The most keys one query row of `seqs` sees under `window` (`Varlen.visible`), without a row-by-row scan.
+def sequence_width(shift: int, n_q: int, n_k: int, left: int, right: int) -> int:
+    r"""The most keys one query row of a sequence sees: `n_q` queries at key positions `p = x + shift`, `n_k` keys, each
+    row seeing `[max(0, p - left), min(n_k, p + right + 1))` (`left`, `right` < 0: unbounded; `right` 0 if causal).
 
-    For a row at position $p$ the band is $[\max(0, p - l), \min(n_k, p + r + 1))$: its width is a concave, piecewise
-    linear function of $p$ (a minimum of lines, less a maximum of lines), so its largest value is at a breakpoint
-    ($p = l$, $p = n_k - r - 1$) or at the sequence's first or last row, clipped to the rows it has.
+    The width is a concave, piecewise linear function of $p$ (a minimum of lines, less a maximum of lines), so its
+    largest value is at a breakpoint ($p = l$, $p = n_k - r - 1$) or at the first or last row, clipped to the rows.
     """
-    left, right = window
-    right = 0 if causal else right
-    widest = 0
-    for i in range(seqs.num_seqs):
-        n_q, n_k, shift = seqs.cu_q[i + 1] - seqs.cu_q[i], seqs.cu_kv[i + 1] - seqs.cu_kv[i], seqs.shift(i)
-        if not n_q:
-            continue
-        rows = {0, n_q - 1, left - shift, n_k - right - 1 - shift}
-        for x in (min(max(r, 0), n_q - 1) for r in rows):
-            lo, hi = seqs.visible(i, x, causal, window)
-            widest = max(widest, hi - lo)
-    return widest
+    best = 0
+    for x in {0, n_q - 1, left - shift, n_k - right - 1 - shift}:
+        p = min(max(x, 0), n_q - 1) + shift
+        lo = 0 if left < 0 else max(0, p - left)
+        hi = n_k if right < 0 else min(n_k, p + right + 1)
+        best = max(best, hi - lo)
+    return best
+
+
+def band_width(seqs: Varlen, causal: bool, window: tuple[int, int]) -> int:
+    """The most keys one query row of `seqs` sees under `window` (`Varlen.visible`): `sequence_width` of each
+    sequence, without a row-by-row scan."""
+    left, right = window[0], 0 if causal else window[1]
+    return max((sequence_width(seqs.shift(i), seqs.cu_q[i + 1] - seqs.cu_q[i], seqs.cu_kv[i + 1] - seqs.cu_kv[i], left,
+                               right) for i in range(seqs.num_seqs) if seqs.cu_q[i + 1] > seqs.cu_q[i]), default=0)  # fmt: skip
 
 
 class TallyKernel:

@@ -240,8 +240,7 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
             built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
             return Prediction(candidate, built.price(profile, compute))
         for covered, build in ((piece_ring_covers, piece_ring_schedule), (piece_all_gather_covers, piece_all_gather_schedule)):
-            if covered(candidate.mode, candidate.layout, options, P, counted):
-                scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})
+            if covered(candidate.mode, candidate.layout, options, P, counted):  # the builder refuses as the mode does
                 built = build(sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
                 return Prediction(candidate, built.price(profile, compute))
         if scale.a2a_alike(candidate.mode, candidate.layout, mask):

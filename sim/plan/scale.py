@@ -154,7 +154,7 @@ def all_gather_window_calls(b: Boundaries, P: int, layout: str, window: tuple[in
         `(work, rows_seeing, kv_rows, width)`, int64 arrays `(P,)`.
     """
     from cpref.kernels.contract import _visible_sum
-    from sim.plan.scale_window import _width
+    from sim.plan.dry import sequence_width
 
     zigzag, left = layout == "zigzag", window[0]
     R, c = _reals(b, 2 * P if zigzag else P)
@@ -167,7 +167,7 @@ def all_gather_window_calls(b: Boundaries, P: int, layout: str, window: tuple[in
                     lo = max(0, a - left)
                     rows, work = _visible_sum(a - lo, real, a + real - lo, left, 0)
                     out[:, r] += (work, rows, a + real - lo, 0)
-                    out[3, r] = max(out[3, r], _width(a - lo, real, a + real - lo, left, 0))
+                    out[3, r] = max(out[3, r], sequence_width(a - lo, real, a + real - lo, left, 0))
     return tuple(out)
 
 

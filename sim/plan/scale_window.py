@@ -44,8 +44,8 @@ at P = 2 to 8, in every layout, with windows, chunks and neither, and `a2a+p2p`'
 **Cost.** The build is linear in the pairs of pieces that see each other and in the distinct
 shifts of a rank (one collective each, per rank). A window much wider than the chunks makes many
 of both: at P = 1024 the zigzag ring under a window of 1024 cuts short documents into chunks of a
-few tokens, and its plan has millions of pairs and about a thousand shifts a rank, where the
-full-causal ring's closed forms have one formula per step.
+few tokens, so its plan has a pair for every chunk a window reaches and a shift for nearly every
+distance, where the full-causal ring's closed forms have one formula per step.
 """
 
 from __future__ import annotations
@@ -55,13 +55,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import _visible_sum, compute_dtype
 from cpref.modes.ring_window import _halo_rows, _members, visible_pairs
 from cpref.modes.visible import chunk_pieces, chunk_real
-from sim.plan.dry import Collective
-from sim.plan.scale import Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template
+from sim.plan.dry import Collective, sequence_width
+from sim.plan.scale import Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template, validate
 
 __all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_all_gather_schedule", "piece_all_gather_covers"]
+
+
+def _checked(mode: str, sharding: Any, heads, dtype: torch.dtype, causal: bool, window: tuple[int, int],
+             chunk: int | None, options: dict[str, Any], covers) -> None:  # fmt: skip
+    """Refuse as `cpref.attention` refuses (`sim.plan.scale.validate`), then a candidate `covers` does not cover, by
+    name: a builder must not build another mode's schedule."""
+    mask = {k: v for k, v in (("window", tuple(window)), ("chunk", chunk)) if v not in ((-1, -1), None)}
+    validate(mode, sharding, heads, dtype, {**mask, **options, **({} if causal else {"causal": False})})
+    if not causal or not covers(mode, sharding.layout, options, sharding.cp_size, mask):
+        raise CPInputError(f"mode {mode!r} over {sharding.layout!r} with {options} and {mask or 'full causal'} at "
+                           f"P = {sharding.cp_size} is not built here (see {covers.__name__}): build it with "
+                           "sim.plan.scale.schedule or dry-run it with sim.plan.dry.dry_run")  # fmt: skip
 
 
 def piece_ring_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
@@ -79,22 +92,21 @@ def piece_ring_covers(mode: str, layout: str, options: dict[str, Any], P: int, m
     return mode == "a2a+p2p" and masked and layout in CHUNKED_LAYOUTS and 1 < options.get("a2a_size", 1) < P
 
 
-def _width(shift: int, n_q: int, n_k: int, left: int, right: int) -> int:
-    """The most keys a row of one sequence sees (`sim.plan.dry.band_width`, for one sequence)."""
-    best = 0
-    for x in {0, n_q - 1, left - shift, n_k - right - 1 - shift}:
-        p = min(max(x, 0), n_q - 1) + shift
-        lo = 0 if left < 0 else max(0, p - left)
-        hi = n_k if right < 0 else min(n_k, p + right + 1)
-        best = max(best, hi - lo)
-    return best
-
-
 def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool = True,
                         window: tuple[int, int] = (-1, -1), chunk: int | None = None, a2a_size: int = 1,
                         head_groups: int = 1) -> Schedule:  # fmt: skip
     """Every rank of `p2p` on the piece ring, or of `a2a+p2p` whose ring across groups of `a2a_size` ranks is one
-    (module docstring), as a `sim.plan.scale.Schedule`."""
+    (module docstring), as a `sim.plan.scale.Schedule`.
+
+    Raises:
+        CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate
+            `piece_ring_covers` does not cover (dry-run it instead).
+    """
+    mode = "a2a+p2p" if a2a_size > 1 else "p2p"
+    options = {"a2a_size": a2a_size, "head_groups": head_groups} if a2a_size > 1 else {}
+    if a2a_size == 1 and head_groups != 1:
+        options = {"head_groups": head_groups}
+    _checked(mode, sharding, heads, dtype, causal, window, chunk, options, piece_ring_covers)
     b, P, layout, local = sharding.bounds, sharding.cp_size, sharding.layout, sharding.local_tokens
     hq, hkv, d, dv = heads
     a, n = a2a_size, head_groups
@@ -114,7 +126,7 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
         shape = (shift, n_q, n_k)  # pieces of equal chunks repeat their shapes: each priced once
         if shape not in sequence:
             rows, work = _visible_sum(shift, n_q, n_k, left, right)
-            sequence[shape] = (work, rows, _width(shift, n_q, n_k, left, right))
+            sequence[shape] = (work, rows, sequence_width(shift, n_q, n_k, left, right))
         work, rows, width = sequence[shape]
         amounts = calls.setdefault((r, step[(r - s) % p], slot), [0, 0, 0, 0])
         amounts[0] += work
@@ -188,8 +200,15 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
                               chunk: int | None = None) -> Schedule:  # fmt: skip
     """Every rank of `all_gather` on the pieces' plan (`cpref.modes.all_gather_pieces`): from the plan's own reads of
     every rank, each rank's one call (a sequence per piece: its real queries against the keys `[lo, hi)` its reads
-    cover) and the gathers of `m` rows, as a `sim.plan.scale.Schedule`."""
+    cover) and the gathers of `m` rows, as a `sim.plan.scale.Schedule`.
+
+    Raises:
+        CPInputError: as `cpref.attention` refuses the call; or for a candidate `piece_all_gather_covers` does not
+            cover.
+    """
     from cpref.modes.all_gather_pieces import piece_reads
+
+    _checked("all_gather", sharding, heads, dtype, causal, window, chunk, {}, piece_all_gather_covers)
 
     b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
     hq, hkv, d, dv = heads
@@ -202,7 +221,7 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
             if n_q and n_k:
                 rows, work = _visible_sum(shift, n_q, n_k, left, right)
                 amounts[:3, r] += (work, rows, n_k)
-                amounts[3, r] = max(amounts[3, r], _width(shift, n_q, n_k, left, right))
+                amounts[3, r] = max(amounts[3, r], sequence_width(shift, n_q, n_k, left, right))
     f, group = compute_dtype(dtype), tuple(range(P))
     kinds = tuple((Collective("all_gather", group, r, (m, hkv, d), dtype),
                    Collective("all_gather", group, r, (m, hkv, dv), dtype),

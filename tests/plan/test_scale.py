@@ -161,6 +161,24 @@ def test_what_the_pieces_all_gather_covers(layout, options, mask, P, covered):
     assert not piece_all_gather_covers("p2p", layout, options, P, mask)
 
 
+def test_the_irregular_builders_refuse_what_they_do_not_build_and_what_the_mode_refuses():
+    """Called directly, each builder refuses a candidate it does not cover by name (rather than build another
+    plan's schedule), and bad input as `cpref.attention` does, before building anything."""
+    from sim.plan.scale_window import piece_all_gather_schedule, piece_ring_schedule
+
+    zigzag, stream = (planner._sharding(batch(0), 4, layout) for layout in ("zigzag", "stream"))
+    with pytest.raises(CPInputError, match=r"mode 'p2p' over 'zigzag' .* full causal at P = 4 is not built here"):
+        piece_ring_schedule(zigzag, heads=(8, 8, 8, 8), dtype=torch.bfloat16)
+    with pytest.raises(CPInputError, match=r"mode 'a2a\+p2p' over 'stream' .* is not built here"):
+        piece_ring_schedule(stream, heads=(8, 8, 8, 8), dtype=torch.bfloat16, window=(8, 0), a2a_size=2)
+    with pytest.raises(CPInputError, match=r"mode 'all_gather' over 'zigzag' .* is not built here"):
+        piece_all_gather_schedule(zigzag, heads=(8, 8, 8, 8), dtype=torch.bfloat16, window=(8, 0))
+    with pytest.raises(CPInputError, match=r"a2a_size=3"):
+        piece_ring_schedule(zigzag, heads=(8, 8, 8, 8), dtype=torch.bfloat16, window=(8, 0), a2a_size=3)
+    with pytest.raises(CPInputError, match=r"window=\(8, 0, 1\)|is not a pair"):
+        piece_all_gather_schedule(stream, heads=(8, 8, 8, 8), dtype=torch.bfloat16, window=(8, 0, 1))
+
+
 def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     """At P = 1024 the covered candidates are built, none dry-run (counted), the ring over the stream layout's pieces
     too (`sim.plan.scale_window`); the rest are listed as not priced."""
