@@ -290,11 +290,11 @@ quick run.
 
 What the variants of [Attention variants](variants.md) cost and save. On one rank, a packed batch of
 16384 tokens through `cpref.attention` (one kernel call and the mode's Function around it),
-forward + backward: without a variant, with learnable sinks, with soft-capping at 50, and the
-explicit kernel path without a variant, which soft-capping takes (PyTorch's fused attention has
-no cap), timed in alternation, and the cap's two `tanh` passes over as many scores alone: with the
-explicit path's step they are the floor of soft-capping on this machine. Goals: sinks at most 1.02
-times the plain step, soft-capping at most 1.3 times. At CP = 2 on the simulated cluster, one 32768-token document with chunks of 8192
+forward + backward: without a variant, with learnable sinks, with soft-capping at 50 (the explicit
+kernel path, PyTorch's fused attention having no cap, with its elementwise passes compiled:
+[Soft-capping, compiled](softcap-native.md)), the same with PyTorch's passes (`fast=False`, what
+a machine runs where the loops cannot be built), and the explicit path without a variant, timed in
+alternation. Goals: sinks at most 1.02 times the plain step, soft-capping at most 1.3 times. At CP = 2 on the simulated cluster, one 32768-token document with chunks of 8192
 against full causal, zigzag and contiguous: the step's time and the bytes each rank sent (goals:
 at least 3 times faster; the bytes within the chunks' halo, which here is none: every chunk lies on
 one rank). And the zigzag window halo, counted: the rows the direct schedule sends against a

@@ -363,6 +363,7 @@ def test_the_variants_benchmark_runs_quick_and_counts_what_it_says(capsys):
     out = capsys.readouterr().out
     assert all(f"| {name} |" in out for name in variants.NAMES)
     assert "sinks / plain:" in out and "softcap / plain:" in out and "chunked " in out and "one-way relay" in out
+    assert "per float32" in out and set(results["per_float"]) >= {"PyTorch tanh", "PyTorch exp2"}
     for layout, c in results["chunked"].items():
         assert c["chunked"][1] == [0, 0] and c["halo"] == 0, layout  # chunks of 1024 = the zigzag chunks of 4096 / 4
         assert c["full"][1] == [4 * 2048 * 4 * 2 * 64 * 4] * 2, layout  # 4 shifts of T/2 rows of K|V or dK|dV, fp32

@@ -56,11 +56,13 @@ $$ dV \leftarrow dV + P^\top dO, \quad dP = dO\, V^\top, \quad dS = P \circ (dP 
 holds $t = \tanh(S / c)$ and takes the factor $c \log_2 e$ in the pass that subtracts the row's
 maximum (forward) or lse (backward), so the cap costs one `tanh` pass over the scores each way
 (the backward three more: the slope and its product with $dS$). The backward keeps the slope $\partial (c \tanh(S/c)) / \partial S = 1 - t^2$ and
-multiplies $dS$ by it before $dQ$ and $dK$. The `tanh` is PyTorch's, accurate to its last bits;
-a $2\sigma(2y) - 1$ in its place is about three times faster on a CPU but rounds the logits
-absolutely, to $c\,\epsilon$ rather than $|S|\,\epsilon$, which the fp32 tolerance of the
-kernel tests does not take. The fused path has no soft-capping, so a soft-capped call takes
-this explicit path.
+multiplies $dS$ by it before $dQ$ and $dK$. A $2\sigma(2y) - 1$ in place of `tanh` would be
+faster but rounds the logits absolutely, to $c\,\epsilon$ rather than $|S|\,\epsilon$, which the
+fp32 tolerance of the kernel tests does not take. The fused path has no soft-capping, so a
+soft-capped call takes this explicit path; with `fast` (the default), float32 blocks on a CPU run
+its elementwise steps as compiled loops, one per step of the table in
+[Soft-capping, compiled][cpref.kernels.softcap_native] (an accurate vector `tanh`, fewer passes;
+`bench/variants.py` times both), and `fast=False` keeps them in PyTorch, as written below.
 
 With `full_rows=True` (the caller guarantees that each row's keys are all in this call) a
 block holds whole rows, and $\Delta = \mathrm{rowsum}(P \circ dP)$ is computed from the
@@ -89,6 +91,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from cpref.base.errors import CPInputError
+from cpref.kernels import softcap_native as native_cap
 from cpref.kernels.contract import Varlen, check_softcap, check_window, compute_dtype
 from cpref.kernels.torch_checks import check_inputs
 from cpref.kernels.torch_fused import fused_available, fused_backward, fused_forward
@@ -130,12 +133,12 @@ def _take(buf: torch.Tensor, *shape: int) -> torch.Tensor:
 
 
 def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor, softcap: float | None = None,
-            slope_buf: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            slope_buf: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:  # fmt: skip
     """Masked base-2 logits `S2 = s2 Q K^T` of one block, `(Hkv, R*G, L)`, written into `buf`.
 
     Soft-capped, the block holds `t = tanh(s Q K^T / c)` instead (the capped logits are `S2 = c log2(e) t`; the caller
     scales `t` in the pass that subtracts the row's maximum or lse), and the slope `1 - t^2` is kept in `slope_buf`
-    where one is given.
+    where one is given; `native`: by the compiled loop (`cpref.kernels.softcap_native`).
     """
     hkv, n = qb.shape[0], kb.shape[1]
     s = _take(buf, hkv, qb.shape[1], n)  # (Hkv, R*G, L)
@@ -144,8 +147,13 @@ def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: tor
         torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2, out=s)  # (Hkv, R*G, D) x (Hkv, D, L)
     else:
         # t = tanh(s Q K^T / c)  (s2 = s log2(e))
-        torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2 / (LOG2E * softcap), out=s).tanh_()
-        if slope_buf is not None:
+        torch.baddbmm(s, qb, kb.transpose(1, 2), beta=0, alpha=s2 / (LOG2E * softcap), out=s)
+        if native:
+            # t = tanh(.) and 1 - t^2 in one loop
+            native_cap.cap_tanh(s, None if slope_buf is None else _take(slope_buf, *s.shape))
+        else:
+            s.tanh_()
+        if slope_buf is not None and not native:
             # 1 - t^2, before the mask: finite on every key
             _take(slope_buf, *s.shape).fill_(1.0).addcmul_(s, s, value=-1.0)  # (Hkv, R*G, L)
     if blk.mask is not None:
@@ -158,19 +166,24 @@ def _logits(qb: torch.Tensor, kb: torch.Tensor, blk: _Block, s2: float, buf: tor
 def _forward_block(
     qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, blk: _Block, s2: float, buf: torch.Tensor,
     softcap: float | None = None,
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(O (Hkv, R*G, Dv), lse (Hkv, R*G))` of one block; `buf` holds its scores."""
     # 1) S2 = s2 Q K^T, masked (soft-capped: t, S2 = c log2(e) t)
-    s = _logits(qb, kb, blk, s2, buf, softcap)  # (Hkv, R*G, L)
+    s = _logits(qb, kb, blk, s2, buf, softcap, native=native)  # (Hkv, R*G, L)
     # 2) m = max_y S2_y; 3) P~ = 2^(S2 - m), in place; l = sum_y P~_y
     if softcap is None:
         m = s.amax(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
         p = s.sub_(m).exp2_()  # (Hkv, R*G, L)
+        el = p.sum(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
+    elif native:
+        # the same three steps in one loop over each row
+        p, (m, el) = s, native_cap.cap_softmax(s, softcap * LOG2E)  # (Hkv, R*G, L), (Hkv, R*G, 1) twice
     else:
         # m = c log2(e) max_y t_y; S2 - m = c log2(e) t - m in one pass
         m = s.amax(dim=-1, keepdim=True).mul_(softcap * LOG2E)  # (Hkv, R*G, 1)
         p = torch.add(m.neg(), s, alpha=softcap * LOG2E, out=s).exp2_()  # (Hkv, R*G, L)
-    el = p.sum(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
+        el = p.sum(dim=-1, keepdim=True)  # (Hkv, R*G, 1)
     # 4) O = P~ V / l
     o = torch.bmm(p, vb).div_(el)  # (Hkv, R*G, L) x (Hkv, L, Dv) -> (Hkv, R*G, Dv)
     # 5) lse = ln2 (m + log2 l), in float64, rounded once
@@ -190,6 +203,7 @@ def _backward_block(
     scale: float,
     bufs: list[torch.Tensor],
     softcap: float | None = None,
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dQ (Hkv, R*G, D), dK (Hkv, L, D), dV (Hkv, L, Dv))` of one block.
 
@@ -201,19 +215,26 @@ def _backward_block(
     if softcap is None:
         p = _logits(qb, kb, blk, s2, bufs[0]).sub_(lse2b).exp2_()  # (Hkv, R*G, L)
     else:
-        t = _logits(qb, kb, blk, s2, bufs[0], softcap, bufs[4])  # (Hkv, R*G, L)
-        p = torch.add(lse2b.neg(), t, alpha=softcap * LOG2E, out=t).exp2_()  # (Hkv, R*G, L)
+        t = _logits(qb, kb, blk, s2, bufs[0], softcap, bufs[4], native)  # (Hkv, R*G, L)
+        if native:
+            p = native_cap.cap_probs(t, softcap * LOG2E, lse2b)  # (Hkv, R*G, L)
+        else:
+            p = torch.add(lse2b.neg(), t, alpha=softcap * LOG2E, out=t).exp2_()  # (Hkv, R*G, L)
     # 2) dV = P^T dO
     dv = torch.bmm(p.transpose(1, 2), dob, out=_take(bufs[3], hkv, n, dob.shape[2]))  # (Hkv, L, R*G) x (Hkv, R*G, Dv)
     # 3) dP = dO V^T
     dp = torch.bmm(dob, vb.transpose(1, 2), out=_take(bufs[1], *p.shape))  # (Hkv, R*G, Dv) x (Hkv, Dv, L)
     # 4) dS = P o (dP - Delta), in place; whole rows: Delta = rowsum(P o dP), in float32
-    if deltab is None:
-        deltab = (p * dp).sum(-1, keepdim=True)  # (Hkv, R*G, 1)
-    ds = dp.sub_(deltab).mul_(p)  # (Hkv, R*G, L)
-    if softcap is not None:
-        # d(c tanh(S / c)) / dS = 1 - t^2
-        ds.mul_(_take(bufs[4], *ds.shape))
+    if native:
+        # soft-capped: dS = P o (dP - Delta) o (1 - t^2), Delta too, in one loop over each row
+        ds = native_cap.cap_ds(dp, p, _take(bufs[4], *dp.shape), deltab)  # (Hkv, R*G, L)
+    else:
+        if deltab is None:
+            deltab = (p * dp).sum(-1, keepdim=True)  # (Hkv, R*G, 1)
+        ds = dp.sub_(deltab).mul_(p)  # (Hkv, R*G, L)
+        if softcap is not None:
+            # d(c tanh(S / c)) / dS = 1 - t^2
+            ds.mul_(_take(bufs[4], *ds.shape))
     # 5) dQ = s dS K
     dq = torch.bmm(ds, kb).mul_(scale)  # (Hkv, R*G, L) x (Hkv, L, D) -> (Hkv, R*G, D)
     # 6) dK = s dS^T Q
@@ -234,8 +255,9 @@ class TorchKernel:
             `2**24` is 64 MiB per float32 buffer; on a CPU the blocks are cache-sized within it
             (`CACHE_BLOCK_ELEMENTS`). The fast path's blocks are the fused op's tiles, taken only
             when the budget holds one per thread (`torch_fused.FUSED_TILE_ELEMENTS`).
-        fast: on a CPU, run the fused path (`cpref.kernels.torch_fused`); `False`: always
-            the explicit path, the readable reference.
+        fast: on a CPU, run the fused path (`cpref.kernels.torch_fused`), and soft-capped
+            calls' elementwise steps as compiled loops (`cpref.kernels.softcap_native`);
+            `False`: always the explicit path in PyTorch, the readable reference.
 
     Raises:
         CPInputError: if `block_size` or `max_block_elements` is not a positive int, or
@@ -291,13 +313,14 @@ class TorchKernel:
         # 1) head-major operands in the compute dtype, one score buffer for every block
         qh, kh, vh = (_heads_major(x, hkv, cdt) for x in (q, k, v))  # (Hkv, T*G, D), (Hkv, T', D|Dv)
         buf = torch.empty(size, dtype=cdt, device=q.device)  # scores of a block
+        native = softcap is not None and self.fast and native_cap.usable(buf)  # the compiled loops
         # 2) rows that see no key keep out = 0 and lse = -inf
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=out_dtype or q.dtype)  # (T, Hq, Dv)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)  # (T, Hq)
         # 3) one exact softmax per block
         for blk in blocks:
             qb = qh[:, blk.rows.start * g : blk.rows.stop * g]  # (Hkv, R*G, D)
-            o_b, lse_b = _forward_block(qb, kh[:, blk.keys], vh[:, blk.keys], blk, scale * LOG2E, buf, softcap)
+            o_b, lse_b = _forward_block(qb, kh[:, blk.keys], vh[:, blk.keys], blk, scale * LOG2E, buf, softcap, native)
             _store(out[blk.rows], o_b, hkv)  # (R, Hq, Dv)
             _store(lse[blk.rows], lse_b, hkv)  # (R, Hq)
         return out, lse
@@ -335,6 +358,7 @@ class TorchKernel:
         lse2 = _heads_major(lse.unsqueeze(-1), hkv, cdt).mul_(LOG2E)  # (Hkv, T*G, 1)
         sizes = (size, size, k.numel(), v.numel(), size if softcap else 0)  # S, dP, dK, dV of a block; 1 - t^2
         bufs = [torch.empty(n, dtype=cdt, device=q.device) for n in sizes]
+        native = softcap is not None and self.fast and native_cap.usable(bufs[0])  # the compiled loops
         # 2) rows that see no key keep zero gradients
         dq = torch.zeros(q.shape, dtype=grad_dtype or q.dtype, device=q.device)  # (T, Hq, D)
         dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)  # (Hkv, T', D), (Hkv, T', Dv)
@@ -344,7 +368,7 @@ class TorchKernel:
             dq_b, dk_b, dv_b = _backward_block(
                 qh[:, tok], kh[:, blk.keys], vh[:, blk.keys], doh[:, tok], lse2[:, tok],
                 None if delta is None else delta[:, tok],
-                blk, scale * LOG2E, scale, bufs, softcap,
+                blk, scale * LOG2E, scale, bufs, softcap, native,
             )  # fmt: skip
             _store(dq[blk.rows], dq_b, hkv)  # (R, Hq, D)
             dk[:, blk.keys] += dk_b  # (Hkv, L, D)
