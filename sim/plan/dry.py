@@ -38,13 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from cpref.comm.protocol import REDUCE_OPS, check_partition
 from cpref.kernels.contract import Varlen, compute_dtype
 
 __all__ = ["Collective", "KernelCall", "Event", "RankRun", "DryComm", "TallyKernel", "band_width", "sequence_width",
-           "dry_run"]
+           "sequence_amounts", "dry_run"]
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,42 @@ def sequence_width(shift: int, n_q: int, n_k: int, left: int, right: int) -> int
         hi = n_k if right < 0 else min(n_k, p + right + 1)
         best = max(best, hi - lo)
     return best
+
+
+def sequence_amounts(shift: np.ndarray, n_q: np.ndarray, n_k: np.ndarray, left: int,
+                     right: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    r"""`(work, rows, width)` of many sequences at once (`(n,)` int64 arrays): the visible pairs and the rows that
+    see a key (`Varlen.work`'s `_visible_sum`) and `sequence_width`, in closed form over arrays.
+
+    Row $p \in [a, b)$ ($a$ = `shift`, $b = a + n_q$) sees key $y \in [0, n_k)$ iff $-r \le p - y \le l$
+    ($l, r$ = `left`, `right`; a negative one unbounded). With $F(c)$ the pairs with $p - y \le c$,
+    the work is $F(l) - F(-r - 1)$; $F(c) = H(b - c) - H(a - c)$ for $H(T) = \sum_{t < T} (n_k - \mathrm{clip}(t,
+    0, n_k))$ counted from 0: $n_k T$ for $T \le 0$, $T n_k - T (T - 1) / 2$ up to $n_k$, $n_k (n_k + 1) / 2$ beyond.
+    A row sees a key iff $-r \le p < n_k + l$. The width's maximum is at a bend, as in `sequence_width`.
+    `tests/plan/test_model.py` holds all three to the per-sequence functions."""
+    shift, n_q, n_k = (np.asarray(x, dtype=np.int64) for x in (shift, n_q, n_k))
+    a, b = shift, shift + n_q
+
+    def H(T: np.ndarray) -> np.ndarray:
+        Tc = np.clip(T, 0, n_k)
+        return Tc * n_k - Tc * (Tc - 1) // 2 + n_k * np.minimum(T, 0)
+
+    def F(c: np.ndarray) -> np.ndarray:
+        return H(b - c) - H(a - c)
+
+    upper = F(b) if left < 0 else F(np.full_like(a, left))  # c >= b: every key of every row
+    lower = F(a - n_k - 1) if right < 0 else F(np.full_like(a, -right - 1))  # c < a - n_k: none
+    work = np.where((n_q > 0) & (n_k > 0), upper - lower, 0)
+    top = b if left < 0 else np.minimum(b, n_k + left)
+    bottom = a if right < 0 else np.maximum(a, -right)
+    rows = np.where(n_k > 0, np.maximum(top - bottom, 0), 0)
+    width = np.zeros_like(a)
+    for x in (np.zeros_like(a), n_q - 1, left - shift, n_k - right - 1 - shift):  # the bends, clipped to the rows
+        p = np.clip(x, 0, np.maximum(n_q - 1, 0)) + shift
+        lo = 0 if left < 0 else np.maximum(0, p - left)
+        hi = n_k if right < 0 else np.minimum(n_k, p + right + 1)
+        width = np.maximum(width, hi - lo)
+    return work, rows, np.where(n_q > 0, width, 0)
 
 
 def band_width(seqs: Varlen, causal: bool, window: tuple[int, int]) -> int:

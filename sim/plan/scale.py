@@ -58,6 +58,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -68,11 +69,11 @@ from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import Boundaries
 from cpref.kernels.contract import compute_dtype
 from sim.plan.dry import Collective, Event, KernelCall, RankRun
-from sim.plan.links import LEVELS, link_bytes
+from sim.plan.links import LEVELS, level, link_bytes
 from sim.plan.model import RankTime, collective_seconds
 from sim.plan.profile import Compute, Profile
 
-__all__ = ["Slot", "Schedule", "ring_steps", "all_gather_calls", "all_gather_window_calls", "all_gather_overlap_calls",
+__all__ = ["Slot", "Schedule", "RingShifts", "ring_steps", "all_gather_calls", "all_gather_window_calls", "all_gather_overlap_calls",
            "ring_template", "hierarchy_template", "exchange_kinds", "schedule",
            "covers", "alike_runs", "a2a_alike", "validate", "SCALED_LAYOUTS"]
 
@@ -344,13 +345,69 @@ def exchange_kinds(r: int, a: int, rows_a: int, heads: tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
+class RingShifts:
+    """Every rank's collectives by kind (`kinds[r][k]`), where the kinds after each rank's own `head[r]` are ring
+    shifts alike on every rank: kind `len(head[r]) + i` of rank `r` is a `send_recv` by `shifts[i]` of `shapes[i]` in
+    `dtypes[i]` on the ring of ranks `j, j + a, ..., j + a (p - 1)` (`j = r mod a`, `p = P / a`), at member `r // a`.
+    A ring of P ranks at every distance has ~P^2 such shifts; this keeps one column per distance, and `prices` them
+    a column at a time (`_priced`'s few prices, spread by each rank's pair of link levels)."""
+
+    head: tuple[tuple[Collective, ...], ...]
+    a: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    shifts: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.head)
+
+    def __getitem__(self, r: int) -> tuple[Collective, ...]:
+        P, a = len(self.head), self.a
+        ring = tuple(r % a + a * i for i in range(P // a))
+        return (*self.head[r], *(Collective("send_recv", ring, r // a, shape, dtype, shift)
+                                 for shape, dtype, shift in zip(self.shapes, self.dtypes, self.shifts)))  # fmt: skip
+
+    def prices(self, profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+        """`(seconds (P, K), link bytes (P, K, levels))` of every rank's kinds, as `_priced` prices each."""
+        P, a, rpn = len(self.head), self.a, profile.ranks_per_node
+        head_s, head_b = _prices(self.head, profile)
+        seconds, sent = np.zeros((P, len(self.shifts))), np.zeros((P, len(self.shifts), len(LEVELS)), dtype=np.int64)
+        r = np.arange(P)
+        j, g, p = r % a, r // a, P // a
+        cache: dict = {}
+        rings = [tuple(x + a * i for i in range(p)) for x in range(a)]  # the ring of j = r mod a
+        for i, (shape, dtype, shift) in enumerate(zip(self.shapes, self.dtypes, self.shifts)):
+            to, frm = j + a * ((g + shift) % p), j + a * ((g - shift) % p)  # (P,) the ranks sent to, received from
+            pair = (to // rpn == r // rpn) * 2 + (frm // rpn == r // rpn)  # (P,) which levels the two links are
+            for kind in np.flatnonzero(np.bincount(pair, minlength=4)):  # the pairs of levels that occur
+                rank = int(np.argmax(pair == kind))  # one rank of this pair of levels prices them all
+                c = Collective("send_recv", rings[rank % a], rank // a, shape, dtype, shift)
+                t, levels = _priced(c, profile, cache)
+                seconds[pair == kind, i] = t
+                sent[pair == kind, i] = [levels[lv] for lv in LEVELS]
+        return np.concatenate([head_s, seconds], axis=1), np.concatenate([head_b, sent], axis=1)
+
+
+def _prices(kinds, profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """`(seconds (P, K), link bytes (P, K, levels))` of every rank's kinds (`RingShifts.prices` for those)."""
+    if isinstance(kinds, RingShifts):
+        return kinds.prices(profile)
+    cache: dict = {}
+    priced = [[_priced(c, profile, cache) for c in row] for row in kinds]
+    seconds = np.array([[t for t, _ in row] for row in priced], dtype=np.float64).reshape(len(kinds), -1)
+    sent = np.array([[[levels[lv] for lv in LEVELS] for _, levels in row] for row in priced], dtype=np.int64)
+    return seconds, sent.reshape(len(kinds), seconds.shape[1], len(LEVELS))
+
+
+@dataclass(frozen=True)
 class Schedule:
     """Every rank of one candidate: the shared timeline, each rank's collectives by kind, its calls' amounts.
 
     Attributes:
         P: the ranks.
         events: the timeline, `(kind, phase, post index or slot, collective kind)` per event.
-        kinds: `kinds[r][k]`: rank `r`'s collective of kind `k`, as the dry run records it.
+        kinds: `kinds[r][k]`: rank `r`'s collective of kind `k`, as the dry run records it (a tuple per rank, or
+            `RingShifts`).
         slots: the calls' directions, heads and dims.
         work, q_rows, kv_rows, rows_seeing: `(P, slots)` int64: each rank's amounts per call.
         present: `(P, slots)` bool: the rank makes the call (a ring step with no work makes none).
@@ -360,7 +417,7 @@ class Schedule:
 
     P: int
     events: tuple[tuple[str, str, int, int], ...]
-    kinds: tuple[tuple[Collective, ...], ...]
+    kinds: tuple[tuple[Collective, ...], ...] | RingShifts
     slots: tuple[Slot, ...]
     work: np.ndarray
     q_rows: np.ndarray
@@ -392,9 +449,8 @@ class Schedule:
     def price(self, profile: Profile, compute: Compute) -> tuple[RankTime, ...]:
         """Every rank's `RankTime`, as `rank_time` prices its run: the same two clocks, as arrays over the ranks."""
         P, posts = self.P, [k for kind, _, _, k in self.events if kind == "post"]
-        per_kind = np.bincount(np.asarray(posts, dtype=np.int64), minlength=len(self.kinds[0]))
-        priced = [[_priced(c, profile, cache) for c in row] for cache in ({},) for row in self.kinds]
-        durations = np.array([[t for t, _ in row] for row in priced]).reshape(P, -1)
+        durations, link = _prices(self.kinds, profile)  # (P, K), (P, K, levels)
+        per_kind = np.bincount(np.asarray(posts, dtype=np.int64), minlength=durations.shape[1])
         per_pair = np.array([s.d + s.dv if s.direction == "forward" else 3 * s.d + 2 * s.dv for s in self.slots])
         heads = np.array([s.hq for s in self.slots])
         flops = np.where(self.present, 2 * self.work * heads * per_pair, 0)  # (P, slots)
@@ -413,11 +469,8 @@ class Schedule:
                 t = np.where(late, done[arg], t)
             else:
                 busy, t = busy + seconds[:, arg], t + seconds[:, arg]
-        sent = [{lv: 0 for lv in LEVELS} for _ in range(P)]
-        for r, row in enumerate(priced):
-            for k, (_, levels) in enumerate(row):
-                for lv, n in levels.items():
-                    sent[r][lv] += int(per_kind[k]) * n
+        moved = np.einsum("pkl,k->pl", link, per_kind)  # (P, levels): each kind's bytes times its posts
+        sent = [{lv: int(moved[r, i]) for i, lv in enumerate(LEVELS)} for r in range(P)]
         total_comm = durations @ per_kind
         calls, total_flops = self.present.sum(axis=1), flops.sum(axis=1)
         return tuple(RankTime(r, float(busy[r]), float(total_comm[r]), float(exposed[r]), float(t[r]), sent[r],
@@ -425,14 +478,21 @@ class Schedule:
 
 
 def _priced(c: Collective, profile: Profile, cache: dict) -> tuple[float, dict[str, int]]:
-    """`(collective_seconds, link_bytes)` of `c`; a ring shift's priced once per shape, dtype and pair of link levels
-    (to the rank it sends to, from the one it receives from), which is all its time and bytes depend on: a ring of
-    P ranks with P - 1 distances has P (P - 1) shifts but a handful of prices."""
-    if c.op != "send_recv":
-        return collective_seconds(c, profile), link_bytes(c, profile.ranks_per_node)
+    """`(collective_seconds, link_bytes)` of `c`, priced once per what they depend on: a ring shift's shape, dtype
+    and pair of link levels (to the rank it sends to, from the one it receives from); another collective's op,
+    shape, dtype, group size, whether the group spans nodes, and the level to its ring successor (all-gather,
+    reduce-scatter, all-reduce) or how many of its group share its node (all-to-all). A ring of P ranks with P - 1
+    distances has P (P - 1) shifts, and P ranks each price their all-gather, but a handful of prices are distinct."""
     P, rpn, me = len(c.group), profile.ranks_per_node, c.group[c.rank]
-    to, frm = c.group[(c.rank + c.shift) % P], c.group[(c.rank - c.shift) % P]
-    key = (c.shape, c.dtype, c.shift % P == 0, me // rpn == to // rpn, me // rpn == frm // rpn)
+    if c.op == "send_recv":
+        to, frm = c.group[(c.rank + c.shift) % P], c.group[(c.rank - c.shift) % P]
+        key = (c.shape, c.dtype, c.shift % P == 0, me // rpn == to // rpn, me // rpn == frm // rpn)
+    else:
+        nodes = cache.get(c.group)  # per group: how many of its ranks each node holds
+        if nodes is None:
+            nodes = cache[c.group] = Counter(g // rpn for g in c.group)
+        near = nodes[me // rpn] if c.op == "all_to_all" else level(me, c.group[(c.rank + 1) % P], rpn)
+        key = (c.op, c.shape, c.dtype, P, len(nodes) > 1, near)
     if key not in cache:
         cache[key] = (collective_seconds(c, profile), link_bytes(c, rpn))
     return cache[key]

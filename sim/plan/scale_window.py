@@ -6,7 +6,7 @@ distance $d \in (0, \mathcal{D})$, at each a call per piece *slot* of the sender
 carry only the rows a rank reads. Its plan is irregular (halos, pieces cut at chunks, pieces of a
 stream), so the closed forms of [`sim.plan.scale`][sim.plan.scale] do not apply; but every
 amount is a sum over the pairs of a query piece and a key piece that see each other, which the
-mode's own [`visible_pairs`][cpref.modes.ring_window.visible_pairs] yields in one sweep over the
+mode's own [`piece_pairs`][cpref.modes.ring_window.piece_pairs] yields in one sweep over the
 documents. [`piece_ring_schedule`][sim.plan.scale_window.piece_ring_schedule] sums them into
 every rank's calls at once:
 
@@ -32,9 +32,10 @@ in one head group or several): every rank of a group makes its group's calls.
 
 `all_gather` on the pieces' plan ([`cpref.modes.all_gather_pieces`][cpref.modes.all_gather_pieces]:
 chunks in every layout, the stream and balanced layouts with any mask) makes one call per rank, a
-sequence per piece, from the plan's own reads of every rank
-([`piece_reads`][cpref.modes.all_gather_pieces.piece_reads]), and gathers `m` rows per rank (none
-at all where no rank reads another's: `m = 0`;
+sequence per piece, from the plan's own sequences of every rank
+([`piece_sequences`][cpref.modes.all_gather_pieces.piece_sequences]), and gathers `m` rows per rank
+([`piece_reads`][cpref.modes.all_gather_pieces.piece_reads], which finds the rows others read without listing
+every read; none at all where no rank reads another's: `m = 0`;
 [`piece_all_gather_schedule`][sim.plan.scale_window.piece_all_gather_schedule]).
 
 `tests/plan/test_scale.py` holds every rank's whole run of each to the dry run's, event by event,
@@ -50,6 +51,7 @@ distance, where the full-causal ring's closed forms have one formula per step.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -57,10 +59,10 @@ import torch
 
 from cpref.base.errors import CPInputError
 from cpref.kernels.contract import _visible_sum, compute_dtype
-from cpref.modes.ring_window import _halo_rows, _members, visible_pairs
+from cpref.modes.ring_window import _halo_rows, _members, piece_pairs
 from cpref.modes.visible import chunk_pieces, chunk_real
-from sim.plan.dry import Collective, sequence_width
-from sim.plan.scale import Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template, validate
+from sim.plan.dry import Collective, sequence_amounts, sequence_width
+from sim.plan.scale import RingShifts, Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template, validate
 
 __all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_all_gather_schedule", "piece_all_gather_covers"]
 
@@ -113,45 +115,20 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     p, replicas = P // a, 1 if hkv % a == 0 else a // hkv
     h_kv, h_q, rows_a = hkv * replicas // (a * n), hq // (a * n), a * local  # per rank and head group
     real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, p, layout, a)]
-    left, right = window[0], 0 if causal else window[1]
-    # 1) the pairs, summed into each (ring member, distance, slot)'s call: work, rows seeing a key, keys, band width
-    pairs = list(visible_pairs(real, members, causal, window))
-    halo = _halo_rows(real, members, causal, window, pairs)
+    # 1) the shifts' sizes, then the pairs summed into each (ring member, step, slot)'s call
+    halo = _halo_rows(real, members, causal, window)
     shifts = (0, *halo)
-    step = {dist: t for t, dist in enumerate(shifts)}
-    calls: dict[tuple[int, int, int], list[int]] = {}
-    sequence: dict[tuple[int, int, int], tuple[int, int, int]] = {}  # (shift, n_q, n_k) -> work, rows, width
-    for r, s, slot, a0, zr, _, _, lo, hi in pairs:
-        n_q, n_k, shift = zr - a0, hi - lo, a0 - lo
-        shape = (shift, n_q, n_k)  # pieces of equal chunks repeat their shapes: each priced once
-        if shape not in sequence:
-            rows, work = _visible_sum(shift, n_q, n_k, left, right)
-            sequence[shape] = (work, rows, sequence_width(shift, n_q, n_k, left, right))
-        work, rows, width = sequence[shape]
-        amounts = calls.setdefault((r, step[(r - s) % p], slot), [0, 0, 0, 0])
-        amounts[0] += work
-        amounts[1] += rows
-        amounts[2] += n_k
-        amounts[3] = max(amounts[3], width)
-    T, S = len(shifts), 1 + max((slot for _, _, slot in calls), default=0)
-    member = np.zeros((4, p, T * S), dtype=np.int64)
-    made = np.zeros((p, T * S), dtype=bool)
-    for (g, t, slot), values in calls.items():
-        member[:, g, t * S + slot] = values
-        made[g, t * S + slot] = True
+    T, S, member = len(shifts), _slots(members), _call_amounts(real, members, causal, window, shifts)  # (4, p, T*S)
+    made = member[2] > 0  # a call is made where it has keys
     # 2) the collectives: the exchanges inside the group (kinds 0 .. 6, a2a+p2p), then per distance t >= 1 the
     #    ring's K/V shift (kind K + 2 (t - 1)) and its dK/dV share back (K + 2 (t - 1) + 1)
-    f, sizes = compute_dtype(dtype), {dist: max(halo[dist]) for dist in shifts[1:]}
+    f = compute_dtype(dtype)
     K = 7 if a > 1 else 0
-
-    def kinds_of(r: int) -> tuple[Collective, ...]:
-        g, j = divmod(r, a)
-        ring = tuple(j + a * i for i in range(p))
-        moved = tuple(Collective("send_recv", ring, g, (sizes[dist], h_kv, d + dv), dt, shift)
-                      for dist in shifts[1:] for dt, shift in ((dtype, dist), (f, p - dist)))  # fmt: skip
-        if a == 1:
-            return moved
-        return (*exchange_kinds(r, a, rows_a, heads, h_q, h_kv, dtype, f if replicas > 1 else dtype), *moved)
+    grad_kv = f if replicas > 1 else dtype
+    head = tuple(exchange_kinds(r, a, rows_a, heads, h_q, h_kv, dtype, grad_kv) if a > 1 else () for r in range(P))
+    moved = [((max(halo[dist]), h_kv, d + dv), dt, shift) for dist in shifts[1:]
+             for dt, shift in ((dtype, dist), (f, p - dist))]  # fmt: skip
+    kinds = RingShifts(head, a, *(tuple(x) for x in zip(*moved))) if moved else RingShifts(head, a, (), (), ())
 
     # 3) the timeline: halo_forward's and halo_backward's ring, inside the hierarchy's exchanges
     def ring(tl: _Template, c: int, phase: str) -> None:
@@ -178,11 +155,39 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     g = np.arange(P) // a  # each rank's ring member
     every = lambda x: np.concatenate([x[g]] * (2 * n), axis=1)  # noqa: E731  per rank; every head group, both ways
     options = {"a2a_size": a, "head_groups": n} if a > 1 else {}
+    sizes = tuple(max(halo[dist]) for dist in shifts[1:])
     saved = np.full(P, _saved("a2a+p2p" if a > 1 else "p2p", P, local, heads, dtype,
-                              {**options, "halo_sizes": (0, *sizes.values())}), dtype=np.int64)  # fmt: skip
-    return Schedule(P, tuple(tl.events), tuple(kinds_of(r) for r in range(P)), slots, every(member[0]),
+                              {**options, "halo_sizes": (0, *sizes)}), dtype=np.int64)  # fmt: skip
+    return Schedule(P, tuple(tl.events), kinds, slots, every(member[0]),
                     np.full((P, 2 * n * T * S), rows_a, dtype=np.int64), every(member[2]), every(member[1]), every(made),
                     saved, every(member[3]) if band else None)  # fmt: skip
+
+
+def _slots(members) -> int:
+    """The most pieces one member holds of one document: the ring's calls per step (one per sender piece slot)."""
+    return max((max(Counter(doc for doc, *_ in pieces).values(), default=0) for pieces in members), default=0)
+
+
+def _call_amounts(real, members, causal: bool, window: tuple[int, int], shifts: tuple[int, ...]) -> np.ndarray:
+    """`(4, p, T S)` int64: the work, rows seeing a key, keys and band width of each ring member's call at each step
+    `t` (distance `shifts[t]`) and sender piece slot, summed over `piece_pairs` a document at a time (a pair is a
+    sequence of the call, its amounts in closed form over arrays: `sim.plan.dry.sequence_amounts`)."""
+    p, T, S = len(members), len(shifts), _slots(members)
+    left, right = window[0], 0 if causal else window[1]
+    step = np.full(p, -1, dtype=np.int64)
+    step[list(shifts)] = np.arange(T)  # the step of each distance
+    out = np.zeros((4, p * T * S), dtype=np.int64)
+    for pairs in piece_pairs(real, members, causal, window):
+        r, s, slot, a0, zr, _, _, lo, hi = (x.numpy() for x in pairs)  # (n,) each
+        if not len(r):
+            continue
+        n_q, n_k, shift = zr - a0, hi - lo, a0 - lo  # (n,) each pair's sequence
+        work, rows, width = sequence_amounts(shift, n_q, n_k, left, right)  # (n,) each
+        call = (r * T + step[(r - s) % p]) * S + slot  # (n,) the call each pair is a sequence of
+        for i, x in enumerate((work, rows, n_k)):  # sums (exact below 2^53)
+            out[i] += np.bincount(call, weights=x, minlength=out.shape[1]).astype(np.int64)
+        np.maximum.at(out[3], call, width)  # band width: the widest sequence
+    return out.reshape(4, p, T * S)
 
 
 def piece_all_gather_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
@@ -206,22 +211,23 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
         CPInputError: as `cpref.attention` refuses the call; or for a candidate `piece_all_gather_covers` does not
             cover.
     """
-    from cpref.modes.all_gather_pieces import piece_reads
+    from cpref.modes.all_gather_pieces import piece_reads, piece_sequences
 
     _checked("all_gather", sharding, heads, dtype, causal, window, chunk, {}, piece_all_gather_covers)
 
     b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
     hq, hkv, d, dv = heads
-    every, _, m = piece_reads(b, P, sharding.layout, causal, window, chunk)
+    _, _, m = piece_reads(b, P, sharding.layout, causal, window, chunk, ranks=())  # no rank's rows: only m
     left, right = window[0], 0 if causal else window[1]
-    amounts = np.zeros((4, P), dtype=np.int64)  # work, rows seeing a key, keys, band width
-    for r, reads in enumerate(every):
-        for n_q, _, spans, shift in reads:
-            n_k = sum(r1 - r0 for _, r0, r1 in spans)
-            if n_q and n_k:
+    amounts, priced = np.zeros((4, P), dtype=np.int64), {}  # work, rows seeing a key, keys, band width
+    for r, seqs in enumerate(piece_sequences(b, P, sharding.layout, causal, window, chunk)):
+        for n_q, n_k, shift in seqs:
+            if (shift, n_q, n_k) not in priced:
                 rows, work = _visible_sum(shift, n_q, n_k, left, right)
-                amounts[:3, r] += (work, rows, n_k)
-                amounts[3, r] = max(amounts[3, r], sequence_width(shift, n_q, n_k, left, right))
+                priced[shift, n_q, n_k] = (work, rows, sequence_width(shift, n_q, n_k, left, right))
+            work, rows, width = priced[shift, n_q, n_k]
+            amounts[:3, r] += (work, rows, n_k)
+            amounts[3, r] = max(amounts[3, r], width)
     f, group = compute_dtype(dtype), tuple(range(P))
     kinds = tuple((Collective("all_gather", group, r, (m, hkv, d), dtype),
                    Collective("all_gather", group, r, (m, hkv, dv), dtype),

@@ -241,3 +241,30 @@ def test_a_call_over_some_rows_of_a_block_is_rewritten_to_read_the_block_as_it_i
     got = _reading_the_block(shifted, torch.tensor([0, 1, 2, 3, 4, 5]), 6)
     assert (got.cu_kv, got.shifts) == ((0, 4, 6), (1, 0)) and got.work(True) == shifted.work(True)
     assert _reading_the_block(Varlen.from_lengths([1, 1], [1, 1]), torch.tensor([3, 0]), 4) is None
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=6), st.sampled_from([2, 3, 4, 8]),
+       st.sampled_from(cpref.LAYOUTS), st.integers(-1, 40), st.integers(-1, 15), st.booleans(),
+       st.sampled_from([None, 5, 16]))  # fmt: skip
+def test_the_shared_rows_are_the_union_of_every_other_ranks_reads(lengths, P, layout, left, right, causal, chunk):
+    """`piece_reads`' shared rows (runs of one owner's pieces, linear in the pieces) against the union of the rows
+    every other rank's reads list (the quadratic way they replaced), and `piece_sequences` against the reads' counts:
+    in every layout, under windows, chunks, full causal and no causal mask."""
+    from cpref.modes.all_gather_pieces import piece_reads, piece_sequences
+
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P, layout=layout)
+    window = (left, 0 if causal else right) if left >= 0 or right >= 0 else NO_WINDOW
+    every, shared, m = piece_reads(sharding.bounds, P, layout, causal, window, chunk)
+    wanted = [set() for _ in range(P)]
+    for r in range(P):
+        for _, _, spans, _ in every[r]:
+            for o, r0, r1 in spans:
+                if o != r:
+                    wanted[o].update(range(r0, r1))
+    assert [x.tolist() for x in shared] == [sorted(w) for w in wanted]
+    assert m == max(len(w) for w in wanted)
+    counted = [[(n_q, sum(r1 - r0 for _, r0, r1 in spans), shift) for n_q, _, spans, shift in every[r]
+                if n_q and spans] for r in range(P)]  # fmt: skip
+    assert piece_sequences(sharding.bounds, P, layout, causal, window, chunk) == counted
+    assert piece_reads(sharding.bounds, P, layout, causal, window, chunk, ranks=(1,))[0] == {1: every[1]}

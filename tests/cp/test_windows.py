@@ -383,3 +383,34 @@ def test_the_halo_sweep_finds_what_asking_every_rank_finds(lengths, P, group, la
             if calls:
                 asked.setdefault(d, [0] * P)[s] = len(torch.unique(torch.cat([rows for _, rows in calls])))
     assert _halo_rows(real, members, causal, window) == asked
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=5), st.sampled_from([2, 3, 4, 8]), st.sampled_from([1, 2]),
+       st.sampled_from(cpref.LAYOUTS), st.integers(-1, 50), st.integers(-1, 20), st.booleans(),
+       st.sampled_from([None, 5, 16]))  # fmt: skip
+def test_the_pairs_are_the_sequences_with_keys_of_every_call(lengths, P, group, layout, left, right, causal, chunk):
+    """`piece_pairs` (two searchsorteds a query piece, the ranges expanded) against the sequences with keys that
+    `_sequences` makes member by member, sender by sender, slot by slot: each `(q_len, kv_len, shift, first key row)`
+    once, none missing, none extra."""
+    from collections import Counter
+
+    from cpref.modes.ring_window import _members, _sequences, piece_pairs
+    from cpref.modes.visible import chunk_pieces, chunk_real
+
+    sharding = cpref.Sharding.eod_padded(cu_from_lengths(lengths), cp_size=P * group, layout=layout)
+    window = (left, 0 if causal else right)
+    real, members = chunk_real(sharding.bounds.real_in), [chunk_pieces(m, chunk)
+                                                           for m in _members(sharding.bounds, P, layout, group)]
+    asked = Counter()
+    for r in range(P):
+        for s in range(P):
+            slots = max(Counter(doc for doc, *_ in members[s]).values(), default=0)
+            for slot in range(slots):
+                asked.update((r, s, slot, seq) for seq in _sequences(real, members[r], members[s], slot, causal, window)
+                             if seq[1])  # fmt: skip
+    swept = Counter()
+    for p in piece_pairs(real, members, causal, window):
+        for r, s, slot, a, zr, k0, row, lo, hi in zip(*(x.tolist() for x in p)):
+            swept[(r, s, slot, (zr - a, hi - lo, a - lo, row + lo - k0))] += 1
+    assert swept == asked

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpref.base.errors import CPInputError
 from sim.plan.dry import Collective, Event, KernelCall, RankRun
@@ -247,3 +250,44 @@ def test_a_curves_bad_band_or_points_are_refused_naming_them(tmp_path, entry, me
     data["compute"]["bfloat16"].update(entry)
     with pytest.raises(CPInputError, match=message):
         load_profile(write(tmp_path, data))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(-40, 40), st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=30),
+       st.integers(-1, 40), st.integers(-1, 40))  # fmt: skip
+def test_sequence_amounts_are_the_per_sequence_closed_forms(shapes, left, right):
+    """`sequence_amounts` over arrays against `_visible_sum` (the kernel contract's work and rows) and
+    `sequence_width`, sequence by sequence: windows on either side or none, shifts before, inside and past the keys,
+    empty sequences."""
+    from cpref.kernels.contract import _visible_sum
+    from sim.plan.dry import sequence_amounts, sequence_width
+
+    shift, n_q, n_k = (np.array(x, dtype=np.int64) for x in zip(*shapes))
+    work, rows, width = sequence_amounts(shift, n_q, n_k, left, right)
+    for i, (s, q, k) in enumerate(shapes):
+        want_rows, want_work = _visible_sum(s, q, k, left, right)
+        assert (work[i], rows[i]) == (want_work, want_rows), (s, q, k)
+        assert width[i] == (sequence_width(s, q, k, left, right) if q else 0), (s, q, k)
+
+
+@pytest.mark.parametrize("ranks_per_node", [2, 4])
+def test_a_collective_priced_from_the_cache_is_priced_as_alone(tmp_path, ranks_per_node):
+    """`sim.plan.scale._priced`, one cache over every rank of many groups (consecutive, strided, spanning nodes of
+    2 ranks or not) and every op: each answer is `collective_seconds` and `link_bytes` of that very collective. A key
+    missing what a price depends on (whether the group spans nodes, the node a rank shares with its successor, how
+    many peers share its node) answers another rank's price."""
+    from sim.plan.links import link_bytes
+    from sim.plan.scale import _priced
+
+    toy = load_profile(write(tmp_path, {**GOOD, "ranks_per_node": ranks_per_node}))
+    groups = [tuple(range(8)), (0, 1), (1, 2), (0, 2, 4, 6), (1, 3, 4, 5), (0, 3), (2, 3, 4), (5, 6, 7, 0), (0, 1, 2, 3),
+              (2, 3, 4, 5)]  # fmt: skip
+    cache, checked = {}, 0
+    for group in groups:
+        for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"):
+            for shift in ((1, 2, len(group) - 1) if op == "send_recv" else (0,)):
+                for rank in range(len(group)):
+                    c = Collective(op, group, rank, (4 * len(group), 2, 8), torch.bfloat16, shift)
+                    assert _priced(c, toy, cache) == (collective_seconds(c, toy), link_bytes(c, toy.ranks_per_node)), c
+                    checked += 1
+    assert checked > 100 and len(cache) < checked  # answers were reused

@@ -364,3 +364,4 @@ def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, 
         sharding = planner._sharding(batch(seed), P, layout)
         built = piece_all_gather_schedule(sharding, heads=heads, dtype=dtype, **mask)
         as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, **mask)
+

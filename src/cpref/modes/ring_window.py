@@ -68,10 +68,10 @@ InfiniBand, HCCS) that costs the same; on a physical ring it would take $\min(d,
 
 from __future__ import annotations
 
-import bisect
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -85,8 +85,8 @@ from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.modes.shared import padded_rows
 from cpref.modes.visible import chunk_pieces, chunk_real
 
-__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "visible_pairs", "halo_forward",
-           "halo_backward"]
+__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "Pairs", "piece_pairs",
+           "visible_pairs", "halo_forward", "halo_backward"]
 
 Real = Callable[[int, int, int], int]  # real(doc, a, z): the real tokens of positions [a, z) of document doc
 
@@ -151,65 +151,85 @@ def _members(b: Boundaries, P: int, layout: str, group: int) -> list[list[tuple[
     return [_pieces(b, P, r, layout, group) for r in range(P)]
 
 
-def visible_pairs(real: Real, members, causal: bool, window: tuple[int, int]):
-    """Every pair of a query piece and a key piece of one document that see each other, as `(r, s, slot, a, zr, k0,
-    row, lo, hi)`: member `r`'s real queries `[a, zr)` see the keys `[lo, hi)` of member `s`'s piece that starts at
-    position `k0` (its `slot`-th piece of the document, at row `row` of its block); `_sequences`' sequences with keys,
-    found in one sweep.
+class Pairs(NamedTuple):
+    """The pairs of one document's query and key pieces that see each other (`piece_pairs`), one entry each: member
+    `r`'s real queries `[a, zr)` see the keys `[lo, hi)` of member `s`'s piece that starts at position `k0` (its
+    `slot`-th piece of the document, at row `row` of its block). All `(n,)` int64."""
 
-    The pairs are found by bisection among the document's pieces in position order: under a window each query piece
-    meets only the key pieces its window reaches, where asking every member about every distance (`_calls` for each
-    of the P (P - 1) pairs, on every rank) grows with the square of the members."""
+    r: torch.Tensor
+    s: torch.Tensor
+    slot: torch.Tensor
+    a: torch.Tensor
+    zr: torch.Tensor
+    k0: torch.Tensor
+    row: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+
+
+def piece_pairs(real: Real, members, causal: bool, window: tuple[int, int]) -> Iterator[Pairs]:
+    """Every pair of a query piece and a key piece of one document that see each other, a document at a time
+    (`Pairs`): `_sequences`' sequences with keys, found in one sweep, as tensors.
+
+    In a document's pieces in position order (their ends ascend too: pieces are disjoint), query piece $[a, z_r)$
+    meets the key pieces from the first that ends past $a - w_l$ to the last that starts before $z_r + w_r$: two
+    `searchsorted`s per query piece, then the ranges expanded into pairs. Asking every member about every distance
+    instead (`_calls` for each of the P (P - 1) pairs, on every rank) grows with the square of the members."""
     left, right = window[0], 0 if causal else window[1]
-    keys: dict = {}  # doc -> [(a, real end, row, member, slot)] in position order
-    for s, pieces in enumerate(members):
+    docs: dict[int, list[tuple[int, int, int, int, int]]] = {}  # doc -> [(a, real end, row, member, slot)]
+    for m, pieces in enumerate(members):
         slots: Counter = Counter()
         for doc, a, z, row in pieces:
-            keys.setdefault(doc, []).append((a, a + real(doc, a, z), row, s, slots[doc]))
+            docs.setdefault(doc, []).append((a, a + real(doc, a, z), row, m, slots[doc]))
             slots[doc] += 1
-    for held in keys.values():
-        held.sort()
-    starts = {doc: [k[0] for k in held] for doc, held in keys.items()}
-    ends = {doc: [k[1] for k in held] for doc, held in keys.items()}
-    for r, pieces in enumerate(members):
-        for doc, a, z, _ in pieces:
-            zr = a + real(doc, a, z)  # real query positions [a, zr)
-            if zr <= a or doc not in keys:
-                continue
-            first = 0 if left < 0 else bisect.bisect_right(ends[doc], a - left)  # the first piece ending past a - left
-            last = len(keys[doc]) if right < 0 else bisect.bisect_left(starts[doc], zr + right)  # ... starting before
-            for k0, k1, row, s, slot in keys[doc][first:last]:
-                lo = k0 if left < 0 else max(k0, a - left)
-                hi = k1 if right < 0 else min(k1, zr + right)
-                if hi > lo:
-                    yield r, s, slot, a, zr, k0, row, lo, hi
+    for doc in sorted(docs):
+        held = torch.tensor(docs[doc], dtype=torch.int64).view(-1, 5)  # (N, 5) in member-then-local order
+        a, zr, row, m, slot = held.unbind(1)  # (N,) each: the pieces as queries and as keys
+        by_end = torch.argsort(zr, stable=True)
+        by_pos = by_end[torch.argsort(a[by_end], stable=True)]  # (N,) key pieces in position order (then end order)
+        k0, k1 = a[by_pos], zr[by_pos]  # (N,)
+        # 1) each query piece's key pieces [first, last) in position order
+        first = torch.zeros_like(a) if left < 0 else torch.searchsorted(k1, a - left, right=True)  # (N,)
+        last = torch.full_like(a, len(a)) if right < 0 else torch.searchsorted(k0, zr + right)  # (N,)
+        counts = torch.where(zr > a, (last - first).clamp_min(0), 0)  # (N,) no real query: no pair
+        # 2) expand: pair i of query piece q is key piece first[q] + i
+        q = torch.repeat_interleave(torch.arange(len(a)), counts)  # (n,)
+        k = by_pos[first[q] + torch.arange(len(q)) - (counts.cumsum(0) - counts)[q]]  # (n,)
+        lo = a[k] if left < 0 else torch.maximum(a[k], a[q] - left)  # (n,)
+        hi = zr[k] if right < 0 else torch.minimum(zr[k], zr[q] + right)  # (n,)
+        keep = hi > lo
+        q, k = q[keep], k[keep]
+        yield Pairs(m[q], m[k], slot[k], a[q], zr[q], a[k], row[k], lo[keep], hi[keep])
+
+
+def visible_pairs(real: Real, members, causal: bool, window: tuple[int, int]):
+    """`piece_pairs` one pair at a time, as `(r, s, slot, a, zr, k0, row, lo, hi)`."""
+    for pairs in piece_pairs(real, members, causal, window):
+        yield from zip(*(x.tolist() for x in pairs))
 
 
 def _halo_rows(real: Real, members, causal: bool, window: tuple[int, int], pairs=None) -> dict[int, list[int]]:
     """`{d: [|R_d(s)| for every member s]}` for every distance `d` in `1 .. P - 1` at which some member's queries see
     a key of the block `d` members back (the keys `D`; the values: the rows each block sends at `d`), from
-    `visible_pairs` (or its `pairs`, already listed): the same pairs as `_calls` finds member by member
-    (`tests/cp/test_windows.py` holds the two equal)."""
+    `piece_pairs` (or its `pairs`, already listed): the same pairs as `_calls` finds member by member
+    (`tests/cp/test_windows.py` holds the two equal).
+
+    A document's rows are its own rows of each block, so the union of the rows read is a sum over documents of each
+    document's union; within one, the spans of a `(d, s)` in start order cover `end - max(start, the ends before)`
+    rows each, where "the ends before" is a running maximum (the groups offset apart, so that one `cummax` serves all)."""
     P = len(members)
-    spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (d, s) -> the row spans rank s + d reads of s's block
-    for r, s, _, _, _, k0, row, lo, hi in pairs if pairs is not None else visible_pairs(real, members, causal, window):
-        if r != s:
-            spans.setdefault(((r - s) % P, s), []).append((row + lo - k0, row + hi - k0))
-    out: dict[int, list[int]] = {}
-    for (d, s), rows in sorted(spans.items()):
-        out.setdefault(d, [0] * P)[s] = _union(rows)
-    return out
-
-
-def _union(spans: list[tuple[int, int]]) -> int:
-    """The rows `[a, b)` spans cover together."""
-    total, end = 0, None
-    for a, b in sorted(spans):
-        if end is None or a > end:
-            total, end = total + b - a, b
-        elif b > end:
-            total, end = total + b - end, b
-    return total
+    total = torch.zeros(P * P, dtype=torch.int64)  # (d, s) flattened
+    for p in pairs if pairs is not None else piece_pairs(real, members, causal, window):
+        other = p.r != p.s
+        group = ((p.r - p.s) % P * P + p.s)[other]  # (n,) d P + s
+        start, end = (p.row + p.lo - p.k0)[other], (p.row + p.hi - p.k0)[other]  # (n,) rows of block s
+        span = int(end.max()) + 1 if len(end) else 1
+        start, order = torch.sort(group * span + start)  # (n,) the groups apart, each in start order
+        end = (group * span + end)[order]
+        before = torch.cat([start.new_full((1,), -1), end.cummax(0).values[:-1]])  # (n,) the furthest end before
+        total.index_add_(0, group[order], (end - torch.maximum(start, before)).clamp_min(0))
+    total = total.view(P, P)  # (d, s)
+    return {d: total[d].tolist() for d in range(1, P) if bool(total[d].any())}
 
 
 def _distances(real: Real, members, causal: bool, window: tuple[int, int]) -> tuple[int, ...]:
