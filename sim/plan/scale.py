@@ -38,8 +38,10 @@ block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$,
 are the sums of the ring plan's sequences ([`cpref.modes.ring_plan`][cpref.modes.ring_plan]); the
 hierarchical mode's ring is the same ring over $P / a$ ranks with chunks $a$ times larger. `p2p`
 on the ring over pieces (windows, chunks, the stream and balanced layouts) is built by
-[`sim.plan.scale_window`][sim.plan.scale_window]. Other candidates are dry-run; `a2a`, whose ranks are all alike in these layouts (every rank attends
-the whole batch on its heads), is dry-run on one rank ([`alike_runs`][sim.plan.scale.alike_runs]).
+[`sim.plan.scale_window`][sim.plan.scale_window], `a2a` over the stream and balanced layouts by
+[`sim.plan.scale_split`][sim.plan.scale_split]. Other candidates are dry-run; `a2a`, whose ranks are all alike in
+these layouts (every rank attends the whole batch on its heads), is dry-run on one rank
+([`alike_runs`][sim.plan.scale.alike_runs]).
 
 **Held to the dry run.** Nothing here is a second source of truth:
 `tests/plan/test_scale.py` compares, for every covered candidate at P = 2 to 8 on random batches,
@@ -284,13 +286,17 @@ def ring_template(tl: _Template, p: int, kv: int, dkv: int, first_slot: int, pha
     tl.wait(grads)
 
 
-def _grouped_template(tl: _Template, n: int, ring: Callable[[_Template, int, str], None], kind: int = 2) -> None:
+def _grouped_template(tl: _Template, n: int, ring: Callable[[_Template, int, str], None], kind: int = 2,
+                      meanwhile: Callable[[_Template, str], None] | None = None) -> None:  # fmt: skip
     """`a2a+p2p` in `n` head groups (`cpref.modes.hierarchical`): every group's q, k, v exchange posted at once; each
     group waited for, its ring run (`ring(tl, group, phase)`), its output posted; then every output waited for.
     Backward: every group's dout posted; each waited for, its ring backward run, its dq, dk, dv posted; then waited
     for, dq's of every group first, then dk's, then dv's. The exchanges are the collective kinds `kind ..`: q, k, v,
-    out / dout, dq, dk, dv."""
+    out / dout, dq, dk, dv. `meanwhile(tl, phase)` writes what runs after the posts, before the first wait (the split
+    Ulysses' own rows' call)."""
     posted = [[tl.post(kind + k) for k in (0, 1, 2)] for _ in range(n)]
+    if meanwhile is not None:
+        meanwhile(tl, "forward")
     outs = []
     for c in range(n):
         for index in posted[c]:
@@ -301,6 +307,8 @@ def _grouped_template(tl: _Template, n: int, ring: Callable[[_Template, int, str
         tl.wait(index)
     tl.phase = "backward"
     douts, grads = [tl.post(kind + 3) for _ in range(n)], []
+    if meanwhile is not None:
+        meanwhile(tl, "backward")
     for c in range(n):
         tl.wait(douts[c])
         ring(tl, c, "backward")

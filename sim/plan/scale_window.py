@@ -42,11 +42,13 @@ every read; none at all where no rank reads another's: `m = 0`;
 at P = 2 to 8, in every layout, with windows, chunks and neither, and `a2a+p2p`'s at every
 `a2a_size`, with and without head groups.
 
-**Cost.** The build is linear in the pairs of pieces that see each other and in the distinct
-shifts of a rank (one collective each, per rank). A window much wider than the chunks makes many
-of both: at P = 1024 the zigzag ring under a window of 1024 cuts short documents into chunks of a
-few tokens, so its plan has a pair for every chunk a window reaches and a shift for nearly every
-distance, where the full-causal ring's closed forms have one formula per step.
+**Cost.** The build is linear in the pairs of pieces that see each other, in array operations: `piece_pairs` finds
+a document's pairs with two `searchsorted`s per query piece, their amounts are closed forms over arrays
+([`sequence_amounts`][sim.plan.dry.sequence_amounts]), and the shifts of a distance are one column of
+[`RingShifts`][sim.plan.scale.RingShifts], priced once per pair of link levels. A window much wider than the
+chunks still makes many pairs: at P = 1024 the zigzag ring under a window of 1024 cuts short documents into chunks
+of a few tokens, so its plan has a pair for every chunk a window reaches and a shift for nearly every distance,
+where the full-causal ring's closed forms have one formula per step.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def test_a2a_at_scale_is_one_dry_run(monkeypatch):
 def test_nothing_priced_is_one_line():
     with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
         planner.plan([4096] * 4, heads=(64, 64, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
-                     layouts=["stream"], modes=["a2a"])  # fmt: skip
+                     layouts=["stream"], modes=["a2a+p2p"], a2a_size=2)  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)
@@ -365,3 +365,60 @@ def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, 
         built = piece_all_gather_schedule(sharding, heads=heads, dtype=dtype, **mask)
         as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, **mask)
 
+
+
+@pytest.mark.parametrize("mode, layout, options, mask, P, covered", [
+    ("a2a", "stream", {}, {}, 4, True), ("a2a", "balanced", {"head_groups": 2, "balance": False}, {"chunk": 8}, 8, True),
+    ("a2a", "balanced", {}, {"window": (4, 0)}, 2, True), ("a2a", "zigzag", {}, {}, 4, False),
+    ("a2a", "stream", {}, {}, 1, False), ("a2a+p2p", "stream", {"a2a_size": 2}, {}, 4, False),
+    ("a2a", "stream", {}, {"softcap": 5.0}, 4, False)])  # fmt: skip
+def test_what_the_split_a2a_covers(mode, layout, options, mask, P, covered):
+    from sim.plan.scale_split import split_a2a_covers
+
+    assert split_a2a_covers(mode, layout, options, P, mask) is covered
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [(8, 8, 16, 8), (8, 2, 8, 8)])
+@pytest.mark.parametrize("layout", ["stream", "balanced"])
+@pytest.mark.parametrize("mask", PIECE_MASKS, ids=str)
+@pytest.mark.parametrize("options", [{}, {"head_groups": 2}, {"balance": False}], ids=str)
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_the_split_a2a_runs_and_prices_as_the_dry_run_on_every_rank(P, options, mask, layout, heads, dtype):
+    """`a2a` over stream and balanced (own rows at home, shared rows exchanged): every rank's whole run equals the
+    dry run's, its price `rank_time`'s, with windows, chunks, head groups (the own call inside the pipeline),
+    replicated key/value heads and the balance on and off."""
+    from sim.plan.scale_split import split_a2a_schedule
+
+    if "head_groups" in options and heads[1] < P * 2:
+        return  # the groups cannot split one key/value head per rank (the mode refuses: tested below)
+    profile, compute = band_profile()
+    for seed in range(3):
+        sharding = planner._sharding(batch(seed) + batch(seed + 7), P, layout)
+        built = split_a2a_schedule(sharding, heads=heads, dtype=dtype, **mask, **options)
+        as_dry_run(built, "a2a", sharding, heads, dtype, profile, compute, seed, **mask, **options)
+
+
+def test_the_split_a2a_refuses_what_it_does_not_build_and_what_the_mode_refuses():
+    from sim.plan.scale_split import split_a2a_schedule
+
+    zigzag, stream = (planner._sharding(batch(0), 4, layout) for layout in ("zigzag", "stream"))
+    with pytest.raises(CPInputError, match=r"mode 'a2a' over 'zigzag' .* is not built here"):
+        split_a2a_schedule(zigzag, heads=(8, 8, 8, 8), dtype=torch.bfloat16)
+    with pytest.raises(CPInputError, match=r"head_groups=2.*head_groups that work: \[1\]"):
+        split_a2a_schedule(stream, heads=(8, 4, 8, 8), dtype=torch.bfloat16, head_groups=2)
+    with pytest.raises(CPInputError, match=r"Hq = 6, Hkv = 6 cannot be split so"):
+        split_a2a_schedule(stream, heads=(6, 6, 8, 8), dtype=torch.bfloat16)
+
+
+def test_the_planner_builds_a2a_over_whole_documents_at_a_thousand_ranks_without_a_dry_run(monkeypatch):
+    """`a2a` over stream and balanced at P = 1024: built for every rank, none dry-run (counted), in one head group
+    and two."""
+    monkeypatch.setattr(planner, "dry_run", lambda *a, **k: pytest.fail("dry-run at P = 1024"))
+    result = planner.plan([8192] * 12 + [3000, 500] * 20, heads=(2048, 2048, 64, 64), dtype="bfloat16", P=1024,
+                          profile="h100-sxm", layouts=["stream", "balanced"], modes=["a2a"])  # fmt: skip
+    full = result.kinds["full"]
+    assert {p.name for p in full.ranked} == {"a2a stream", "a2a balanced", "a2a stream head_groups=2",
+                                             "a2a balanced head_groups=2"}  # fmt: skip
+    assert all(len(p.ranks) == 1024 for p in full.ranked) and not full.unpriced

@@ -1,0 +1,133 @@
+r"""Ulysses over the stream and balanced layouts at scale: own rows at home, shared rows through the exchange.
+
+Over `stream` and `balanced`, `a2a` runs the split of [`cpref.modes.ulysses_split`][cpref.modes.ulysses_split]:
+each rank attends the documents it holds whole (its *own* rows) with all heads and no communication, and only the
+documents whose tokens span ranks (or that the balance moves) take Ulysses' exchange, on the $m$ rows every rank
+pads its shared rows to. Unlike Ulysses over the chunked layouts, the ranks differ (their own documents), so no
+rank's dry run stands for the others; but every amount is a sum over whole documents, from the boundaries alone.
+[`split_a2a_schedule`][sim.plan.scale_split.split_a2a_schedule] builds every rank at once:
+
+* the documents exchanged, by the mode's own rule ([`exchanged_docs`][cpref.modes.ulysses_split.exchanged_docs],
+  balance included);
+* rank $r$'s own call: the sequences of its own documents' pieces
+  ([`document_sequences`][cpref.modes.shared.document_sequences]), all heads;
+* the shared call, the same on every rank: the exchanged documents' sequences in order and the padding slots,
+  over $P m$ rows of $H_q / P$ query heads (and the key/value heads the exchange leaves, replicated where
+  $H_{kv} < P$), with the exchange's seven all-to-alls ([`exchange_kinds`][sim.plan.scale.exchange_kinds]) on
+  $P m$ rows;
+* the timeline the Function writes: the own call, then the exchange blocking around the shared call, each way; in
+  head groups, the pipeline of the hierarchy with the own call after the posts
+  ([`cpref.modes.ulysses_pipeline`][cpref.modes.ulysses_pipeline]);
+* the saved tensors: the own rows' q, k, v, output and lse, and the exchange's per group.
+
+`tests/plan/test_scale.py` holds every rank's whole run to the dry run's, event by event, at P = 2 to 8, with
+windows, chunks, head groups and `balance` on and off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpref.batch.layout import local_chunks
+from cpref.kernels.contract import compute_dtype
+from cpref.modes.shared import document_sequences, head_split
+from cpref.modes.ulysses_split import exchanged_docs
+from sim.plan.dry import sequence_amounts
+from sim.plan.scale import Schedule, Slot, _grouped_template, _Template, exchange_kinds
+from sim.plan.scale_window import _checked
+
+__all__ = ["split_a2a_covers", "split_a2a_schedule"]
+
+
+def split_a2a_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
+    """Whether `split_a2a_schedule` builds the candidate: `a2a` over `stream` or `balanced` at P >= 2, under a
+    window, chunks or neither, in one head group or several, balanced or not."""
+    return mode == "a2a" and layout in ("stream", "balanced") and P >= 2 and set(mask) <= {"window", "chunk"} \
+        and set(options) <= {"head_groups", "balance"}
+
+
+def _amounts(lens: list[tuple[int, int]], left: int, right: int) -> tuple[int, int, int, int, int]:
+    """`(work, rows seeing a key, q rows, kv rows, band width)` of one call over the sequences `lens` (bottom-right:
+    a sequence with keys is a document or chunk attending itself)."""
+    n_q, n_k = (np.array(x, dtype=np.int64) for x in zip(*lens)) if lens else (np.zeros(0, np.int64),) * 2
+    work, rows, width = sequence_amounts(n_k - n_q, n_q, n_k, left, right)
+    return int(work.sum()), int(rows.sum()), int(n_q.sum()), int(n_k.sum()), int(width.max(initial=0))
+
+
+def split_a2a_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool = True,
+                       window: tuple[int, int] = (-1, -1), chunk: int | None = None, head_groups: int = 1,
+                       balance: bool = True) -> Schedule:  # fmt: skip
+    """Every rank of `a2a` over the stream or balanced layout (module docstring), as a `sim.plan.scale.Schedule`.
+
+    Raises:
+        CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate
+            `split_a2a_covers` does not cover.
+    """
+    options = {**({"head_groups": head_groups} if head_groups != 1 else {}), **({} if balance else {"balance": False})}
+    _checked("a2a", sharding, heads, dtype, causal, window, chunk, options, split_a2a_covers)
+    b, P, layout, n = sharding.bounds, sharding.cp_size, sharding.layout, head_groups
+    hq, hkv, d, dv = heads
+    left, right = window[0], 0 if causal else window[1]
+    # 1) the exchanged documents; each rank's own sequences and shared rows
+    shared = exchanged_docs(b, P, layout, P, causal, window, balance)
+    own, shared_rows = [], []
+    for r in range(P):
+        lens, rows = [], 0
+        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
+            if doc in shared:
+                rows += e - s
+            else:
+                n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
+                lens += document_sequences(n_real, e - s - n_real, chunk)
+        own.append(_amounts(lens, left, right))
+        shared_rows.append(rows)
+    m = max(shared_rows)
+    # 2) the shared call: the exchanged documents in order, then the padding slots
+    lens = [seq for doc in sorted(shared)
+            for seq in document_sequences(b.real_len(doc), b.padded_len(doc) - b.real_len(doc), chunk)]  # fmt: skip
+    lens += document_sequences(0, P * m - sum(shared_rows))
+    together = _amounts(lens, left, right)
+    # 3) the collectives: the exchange's seven on P m rows, per head group
+    replicas = head_split(hq, hkv, P)
+    h_q, h_kv = hq // (P * n), hkv * replicas // (P * n)
+    f = compute_dtype(dtype)
+    kinds = tuple(exchange_kinds(r, P, P * m, heads, h_q, h_kv, dtype, f if replicas > 1 else dtype) if m else ()
+                  for r in range(P))  # fmt: skip
+    # 4) the timeline: slots 0 own, 1 .. n shared (forward), n + 1 own, n + 2 .. 2 n + 1 shared (backward)
+    tl = _Template()
+    if m and n > 1:
+        _grouped_template(tl, n, lambda t, c, phase: t.call(1 + c + (n + 1) * (phase == "backward")), kind=0,
+                          meanwhile=lambda t, phase: t.call(0 if phase == "forward" else n + 1))  # fmt: skip
+    else:
+        for phase, first in (("forward", 0), ("backward", n + 1)):
+            tl.phase = phase
+            tl.call(first)
+            if m:
+                for k in (0, 1, 2) if phase == "forward" else (3,):
+                    tl.blocking(k)
+                tl.call(first + 1)
+                for k in (3,) if phase == "forward" else (4, 5, 6):
+                    tl.blocking(k)
+    band = window != (-1, -1)
+    slots = tuple(Slot(direction, *h, d, dv, band) for direction in ("forward", "backward")
+                  for h in ((hq, hkv), *((h_q, h_kv),) * n))  # fmt: skip
+    per_rank = np.array([[a, *(together,) * n] for a in own], dtype=np.int64)  # (P, 1 + n, 5)
+    per_rank = np.concatenate([per_rank, per_rank], axis=1)  # (P, 2 (1 + n), 5): the backward's calls are the forward's
+    present = np.concatenate([[[a[2] > 0, *(m > 0,) * n] for a in own]] * 2, axis=1).astype(bool)  # (P, slots)
+    saved = np.array([_saved_bytes(a[2], m, P, heads, h_q * n, h_kv * n, dtype) for a in own], dtype=np.int64)
+    work, rows, q_rows, kv_rows, width = np.moveaxis(per_rank, 2, 0)
+    return Schedule(P, tuple(tl.events), kinds, slots, work, q_rows, kv_rows, rows, present, saved,
+                    width if band else None)  # fmt: skip
+
+
+def _saved_bytes(n_own: int, m: int, P: int, heads: tuple[int, int, int, int], h_q: int, h_kv: int,
+                 dtype: torch.dtype) -> int:  # fmt: skip
+    """What the Function saves: the own rows' q, k, v, output and lse (if it has own rows), and the exchange's
+    gathered q, k, v, output and lse on `P m` rows of `h_q`, `h_kv` heads (all groups together)."""
+    hq, hkv, d, dv = heads
+    b, f = dtype.itemsize, compute_dtype(dtype).itemsize
+    own = n_own * ((hq + hkv) * d + hkv * dv) * b + (n_own * hq * (dv * b + f) if n_own else 0)
+    return own + (P * m * ((h_q + h_kv) * d + h_kv * dv + h_q * dv) * b + P * m * h_q * f if m else 0)
