@@ -83,7 +83,7 @@ GUIDE = [
     ("mode-study.md", "Which mode, from 8 to 1024 ranks", "sim.plan.study"),
     ("plan-scale.md", "Plans at scale", "sim.plan.scale"),
     ("plan-scale-window.md", "Irregular plans at scale", "sim.plan.scale_window"),
-    ("plan-scale-split.md", "Ulysses over whole documents at scale", "sim.plan.scale_split"),
+    ("plan-scale-split.md", "Split plans at scale (stream, balanced)", "sim.plan.scale_split"),
     ("sim-plan.md", "python -m sim plan", "sim.tools.plan"),
     ("plan-model.md", "The planner's time model", "sim.plan.model"),
     ("plan-profiles.md", "Hardware profiles", "sim.plan.profile"),

@@ -54,10 +54,10 @@ P = 2 to 8), the whole plan at $P = 1024$ in seconds (`bench/plan.py` measures i
 [`sim.plan.scale_window`][sim.plan.scale_window] for `p2p` on the ring over pieces (under a window or
 chunks, and over the stream and balanced layouts), `a2a+p2p` under a window or chunks, and
 `all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts); and
-[`sim.plan.scale_split`][sim.plan.scale_split] for `a2a` over the stream and balanced layouts (own rows at
-home, shared rows exchanged). `a2a`, whose ranks all do the same in the chunked layouts, is dry-run on rank 0
-alone. Other candidates (`a2a+p2p` over stream and balanced, `all_gather`'s overlap there, `save_gathered_kv`)
-are dry-run up to `dry_run_limit` ranks (32) and listed as not priced above it.
+[`sim.plan.scale_split`][sim.plan.scale_split] for `a2a` and `a2a+p2p` over the stream and balanced layouts (own
+rows at home, shared rows exchanged). `a2a`, whose ranks all do the same in the chunked layouts, is dry-run on
+rank 0 alone. Other candidates (`all_gather`'s overlap over stream and balanced, `save_gathered_kv`) are dry-run
+up to `dry_run_limit` ranks (32) and listed as not priced above it.
 
 Example:
     >>> from sim.plan import plan
@@ -85,7 +85,7 @@ from sim.plan import scale
 from sim.plan.dry import dry_run
 from sim.plan.model import RankTime, rank_time
 from sim.plan.profile import Profile, load_profile
-from sim.plan.scale_split import split_a2a_covers, split_a2a_schedule
+from sim.plan.scale_split import split_a2a_covers, split_a2a_schedule, split_hierarchy_covers, split_hierarchy_schedule
 from sim.plan.scale_window import (
     piece_all_gather_covers,
     piece_all_gather_schedule,
@@ -96,8 +96,8 @@ from sim.plan.scale_window import (
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "LayoutChoice", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNSCALED = ("only the dry run prices it (a2a+p2p over the stream and balanced layouts, all_gather's overlap there, "
-            "save_gathered_kv), one rank at a time; raise dry_run_limit to wait for it")
+UNSCALED = ("only the dry run prices it (all_gather's overlap over the stream and balanced layouts, save_gathered_kv), "
+            "one rank at a time; raise dry_run_limit to wait for it")
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,8 @@ def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, 
             built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
             return Prediction(candidate, built.price(profile, compute))
         for covered, build in ((piece_ring_covers, piece_ring_schedule), (piece_all_gather_covers, piece_all_gather_schedule),
-                               (split_a2a_covers, split_a2a_schedule)):  # fmt: skip
+                               (split_a2a_covers, split_a2a_schedule),
+                               (split_hierarchy_covers, split_hierarchy_schedule)):  # fmt: skip
             if covered(candidate.mode, candidate.layout, options, P, counted):  # the builder refuses as the mode does
                 built = build(sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
                 return Prediction(candidate, built.price(profile, compute))

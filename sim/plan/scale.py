@@ -38,7 +38,7 @@ block of rank $s = (r - t) \bmod P$ and computes, per document (zigzag, $f = r$,
 are the sums of the ring plan's sequences ([`cpref.modes.ring_plan`][cpref.modes.ring_plan]); the
 hierarchical mode's ring is the same ring over $P / a$ ranks with chunks $a$ times larger. `p2p`
 on the ring over pieces (windows, chunks, the stream and balanced layouts) is built by
-[`sim.plan.scale_window`][sim.plan.scale_window], `a2a` over the stream and balanced layouts by
+[`sim.plan.scale_window`][sim.plan.scale_window], `a2a` and `a2a+p2p` over the stream and balanced layouts by
 [`sim.plan.scale_split`][sim.plan.scale_split]. Other candidates are dry-run; `a2a`, whose ranks are all alike in
 these layouts (every rank attends the whole batch on its heads), is dry-run on one rank
 ([`alike_runs`][sim.plan.scale.alike_runs]).
@@ -319,12 +319,15 @@ def _grouped_template(tl: _Template, n: int, ring: Callable[[_Template, int, str
 
 
 def hierarchy_template(tl: _Template, n: int, exchanged: bool, ring: Callable[[_Template, int, str], None],
-                       kind: int = 2) -> None:  # fmt: skip
+                       kind: int = 2, meanwhile: Callable[[_Template, str], None] | None = None) -> None:  # fmt: skip
     """The hierarchy around a ring (`a2a+p2p`; `p2p` alone without `exchanged`): in one head group every exchange
-    blocking around one ring, forward then backward; in `n` head groups `_grouped_template`."""
+    blocking around one ring, forward then backward; in `n` head groups `_grouped_template`. `meanwhile(tl,
+    phase)`: the split modes' own rows' call, first in each phase (in head groups, after the posts)."""
     if n > 1:
-        _grouped_template(tl, n, ring, kind)
+        _grouped_template(tl, n, ring, kind, meanwhile)
         return
+    if meanwhile is not None:
+        meanwhile(tl, "forward")
     if exchanged:
         for k in (0, 1, 2):
             tl.blocking(kind + k)
@@ -332,6 +335,8 @@ def hierarchy_template(tl: _Template, n: int, exchanged: bool, ring: Callable[[_
     if exchanged:
         tl.blocking(kind + 3)
     tl.phase = "backward"
+    if meanwhile is not None:
+        meanwhile(tl, "backward")
     if exchanged:
         tl.blocking(kind + 3)
     ring(tl, 0, "backward")

@@ -1,4 +1,4 @@
-r"""Ulysses over the stream and balanced layouts at scale: own rows at home, shared rows through the exchange.
+r"""Ulysses and the hierarchy over the stream and balanced layouts at scale: own rows at home, shared rows exchanged.
 
 Over `stream` and `balanced`, `a2a` runs the split of [`cpref.modes.ulysses_split`][cpref.modes.ulysses_split]:
 each rank attends the documents it holds whole (its *own* rows) with all heads and no communication, and only the
@@ -20,8 +20,16 @@ rank's dry run stands for the others; but every amount is a sum over whole docum
   ([`cpref.modes.ulysses_pipeline`][cpref.modes.ulysses_pipeline]);
 * the saved tensors: the own rows' q, k, v, output and lse, and the exchange's per group.
 
-`tests/plan/test_scale.py` holds every rank's whole run to the dry run's, event by event, at P = 2 to 8, with
-windows, chunks, head groups and `balance` on and off.
+`a2a+p2p` over the same layouts ([`cpref.modes.hierarchical_split`][cpref.modes.hierarchical_split],
+[`split_hierarchy_schedule`][sim.plan.scale_split.split_hierarchy_schedule]) splits the rows the same way, with
+the balance inside each a2a group of `a` ranks; the shared rows take the exchange inside the group, on $a m$ rows,
+and then the ring across the $P / a$ groups, each group a ring member holding its shared pieces in stream order and
+its padding slots (which see nothing): the ring over pieces of [`sim.plan.scale_window`][sim.plan.scale_window]
+(`piece_ring_parts`, `piece_ring_timeline`) over those members. The own call comes first in each phase (in head
+groups, after the posts), as in the split Ulysses.
+
+`tests/plan/test_scale.py` holds every rank's whole run of both to the dry run's, event by event, at P = 2 to 8,
+with windows, chunks, head groups, replicated key/value heads and `balance` on and off.
 """
 
 from __future__ import annotations
@@ -35,11 +43,21 @@ from cpref.batch.layout import local_chunks
 from cpref.kernels.contract import compute_dtype
 from cpref.modes.shared import document_sequences, head_split
 from cpref.modes.ulysses_split import exchanged_docs
+from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import sequence_amounts
-from sim.plan.scale import Schedule, Slot, _grouped_template, _Template, exchange_kinds
-from sim.plan.scale_window import _checked
+from sim.plan.scale import (
+    RingShifts,
+    Schedule,
+    Slot,
+    _grouped_template,
+    _saved,
+    _Template,
+    exchange_kinds,
+    hierarchy_template,
+)
+from sim.plan.scale_window import _checked, _slots, piece_ring_parts, piece_ring_timeline
 
-__all__ = ["split_a2a_covers", "split_a2a_schedule"]
+__all__ = ["split_a2a_covers", "split_a2a_schedule", "split_hierarchy_covers", "split_hierarchy_schedule"]
 
 
 def split_a2a_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
@@ -57,6 +75,23 @@ def _amounts(lens: list[tuple[int, int]], left: int, right: int) -> tuple[int, i
     return int(work.sum()), int(rows.sum()), int(n_q.sum()), int(n_k.sum()), int(width.max(initial=0))
 
 
+def _own_calls(b, P: int, layout: str, shared: set[int], chunk: int | None, left: int,
+               right: int) -> tuple[list[tuple[int, ...]], list[int]]:  # fmt: skip
+    """Per rank, `_amounts` of its own rows' call (the pieces of the documents not in `shared`) and its shared rows."""
+    own, shared_rows = [], []
+    for r in range(P):
+        lens, rows = [], 0
+        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
+            if doc in shared:
+                rows += e - s
+            else:
+                n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
+                lens += document_sequences(n_real, e - s - n_real, chunk)
+        own.append(_amounts(lens, left, right))
+        shared_rows.append(rows)
+    return own, shared_rows
+
+
 def split_a2a_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool = True,
                        window: tuple[int, int] = (-1, -1), chunk: int | None = None, head_groups: int = 1,
                        balance: bool = True) -> Schedule:  # fmt: skip
@@ -71,19 +106,9 @@ def split_a2a_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype
     b, P, layout, n = sharding.bounds, sharding.cp_size, sharding.layout, head_groups
     hq, hkv, d, dv = heads
     left, right = window[0], 0 if causal else window[1]
-    # 1) the exchanged documents; each rank's own sequences and shared rows
+    # 1) the exchanged documents; each rank's own call and shared rows
     shared = exchanged_docs(b, P, layout, P, causal, window, balance)
-    own, shared_rows = [], []
-    for r in range(P):
-        lens, rows = [], 0
-        for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
-            if doc in shared:
-                rows += e - s
-            else:
-                n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
-                lens += document_sequences(n_real, e - s - n_real, chunk)
-        own.append(_amounts(lens, left, right))
-        shared_rows.append(rows)
+    own, shared_rows = _own_calls(b, P, layout, shared, chunk, left, right)
     m = max(shared_rows)
     # 2) the shared call: the exchanged documents in order, then the padding slots
     lens = [seq for doc in sorted(shared)
@@ -131,3 +156,96 @@ def _saved_bytes(n_own: int, m: int, P: int, heads: tuple[int, int, int, int], h
     b, f = dtype.itemsize, compute_dtype(dtype).itemsize
     own = n_own * ((hq + hkv) * d + hkv * dv) * b + (n_own * hq * (dv * b + f) if n_own else 0)
     return own + (P * m * ((h_q + h_kv) * d + h_kv * dv + h_q * dv) * b + P * m * h_q * f if m else 0)
+
+
+def split_hierarchy_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
+    """Whether `split_hierarchy_schedule` builds the candidate: `a2a+p2p` over `stream` or `balanced` with
+    `1 < a2a_size < P`, under a window, chunks or neither, in one head group or several, balanced or not."""
+    return mode == "a2a+p2p" and layout in ("stream", "balanced") and 1 < options.get("a2a_size", 1) < P \
+        and set(mask) <= {"window", "chunk"} and set(options) <= {"a2a_size", "head_groups", "balance"}
+
+
+def _group_members(b, P: int, layout: str, a: int, shared: set[int], m: int) -> list[list[tuple[int, int, int, int]]]:
+    """Per a2a group, the ring member it is: its shared pieces `(doc, start, end, row)` in stream order (adjacent
+    pieces of one document merged), then the padding slots as a document past the last (`cpref.modes.
+    hierarchical_split`'s members)."""
+    members = []
+    for h in range(P // a):
+        pieces, row = [], 0
+        held = sorted(c for r in range(h * a, (h + 1) * a) for c in local_chunks(b, cp_size=P, rank=r, layout=layout))
+        for doc, start, end in (c for c in held if c[0] in shared):
+            s, e = start - b.padded[doc], end - b.padded[doc]
+            if pieces and pieces[-1][0] == doc and pieces[-1][2] == s:
+                pieces[-1] = (doc, pieces[-1][1], e, pieces[-1][3])
+            else:
+                pieces.append((doc, s, e, row))
+            row += e - s
+        members.append(pieces + ([(b.num_docs, 0, a * m - row, row)] if a * m > row else []))
+    return members
+
+
+def split_hierarchy_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
+                             a2a_size: int, causal: bool = True, window: tuple[int, int] = (-1, -1),
+                             chunk: int | None = None, head_groups: int = 1, balance: bool = True) -> Schedule:  # fmt: skip
+    """Every rank of `a2a+p2p` over the stream or balanced layout (`cpref.modes.hierarchical_split`: own rows at
+    home; shared rows exchanged inside the a2a groups, then the ring over pieces across the groups), as a
+    `sim.plan.scale.Schedule`.
+
+    Raises:
+        CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate
+            `split_hierarchy_covers` does not cover.
+    """
+    options = {"a2a_size": a2a_size, **({"head_groups": head_groups} if head_groups != 1 else {}),
+               **({} if balance else {"balance": False})}  # fmt: skip
+    _checked("a2a+p2p", sharding, heads, dtype, causal, window, chunk, options, split_hierarchy_covers)
+    b, P, layout, a, n = sharding.bounds, sharding.cp_size, sharding.layout, a2a_size, head_groups
+    hq, hkv, d, dv = heads
+    left, right = window[0], 0 if causal else window[1]
+    # 1) the exchanged documents (balanced within each group); each rank's own call and shared rows
+    shared = exchanged_docs(b, P, layout, a, causal, window, balance)
+    own, shared_rows = _own_calls(b, P, layout, shared, chunk, left, right)
+    m = max(shared_rows)
+    # 2) the ring across the P / a groups over their shared pieces (the slots see nothing)
+    slot_doc = b.num_docs
+    real = chunk_real(lambda doc, lo, hi: 0 if doc == slot_doc else b.real_in(doc, lo, hi))
+    members = [chunk_pieces(x, chunk) for x in _group_members(b, P, layout, a, shared, m)]
+    halo, shifts, ring = piece_ring_parts(real, members, causal, window)  # ring: (4, P / a, T*S)
+    T, S, p = len(shifts), _slots(members), P // a
+    # 3) the collectives: the exchange's seven on a m rows, then the ring's shifts (sim.plan.scale_window)
+    replicas = head_split(hq, hkv, a)
+    h_q, h_kv = hq // (a * n), hkv * replicas // (a * n)
+    f = compute_dtype(dtype)
+    head = tuple(exchange_kinds(r, a, a * m, heads, h_q, h_kv, dtype, f if replicas > 1 else dtype) if m else ()
+                 for r in range(P))  # fmt: skip
+    moved = [((max(halo[dist]), h_kv, d + dv), dt, shift) for dist in shifts[1:] if m
+             for dt, shift in ((dtype, dist), (f, p - dist))]  # fmt: skip
+    kinds = RingShifts(head, a, *(tuple(x) for x in zip(*moved))) if moved else RingShifts(head, a, (), (), ())
+    # 4) the timeline: slot 0 the own call, 1 .. the ring's (n head groups of T S); then the same backward
+    C = n * T * S
+    tl = _Template()
+    own_call = lambda t, phase: t.call(0 if phase == "forward" else 1 + C)  # noqa: E731
+    if m:
+        first = lambda c, phase: 1 + c * T * S + (1 + C) * (phase == "backward")  # noqa: E731
+        hierarchy_template(tl, n, True, piece_ring_timeline(T, S, 7, first), kind=0, meanwhile=own_call)
+    else:
+        for phase in ("forward", "backward"):
+            tl.phase = phase
+            own_call(tl, phase)
+    # 5) each rank's calls: its own, then its group's ring calls in every head group
+    band = window != (-1, -1)
+    slots = tuple(Slot(direction, *h, d, dv, band) for direction in ("forward", "backward")
+                  for h in ((hq, hkv), *((h_q, h_kv),) * C))  # fmt: skip
+    g = np.arange(P) // a
+    mine = np.array(own, dtype=np.int64)  # (P, 5): work, rows, q rows, kv rows, width
+
+    def both(own_x: np.ndarray, ring_x: np.ndarray) -> np.ndarray:  # (P, 2 (1 + C)): per rank, both ways
+        way = np.concatenate([own_x[:, None], np.tile(ring_x[g], (1, n))], axis=1)
+        return np.concatenate([way, way], axis=1)
+
+    present = both(mine[:, 2] > 0, (ring[2] > 0) & (m > 0))
+    saved_ring = _saved("a2a+p2p", P, m, heads, dtype, {"a2a_size": a, "head_groups": n,
+                                                         "halo_sizes": (0, *(max(halo[x]) for x in shifts[1:]))}) if m else 0
+    saved = np.array([_saved_bytes(x[2], 0, P, heads, h_q * n, h_kv * n, dtype) + saved_ring for x in own], dtype=np.int64)
+    return Schedule(P, tuple(tl.events), kinds, slots, both(mine[:, 0], ring[0]),
+                    both(mine[:, 2], np.full((p, T * S), a * m)), both(mine[:, 3], ring[2]), both(mine[:, 1], ring[1]),
+                    present, saved, both(mine[:, 4], ring[3]) if band else None)  # fmt: skip

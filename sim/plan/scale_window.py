@@ -54,7 +54,7 @@ where the full-causal ring's closed forms have one formula per step.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -66,7 +66,8 @@ from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import Collective, sequence_amounts, sequence_width
 from sim.plan.scale import RingShifts, Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template, validate
 
-__all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_all_gather_schedule", "piece_all_gather_covers"]
+__all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_ring_parts", "piece_ring_timeline", "piece_all_gather_schedule",
+           "piece_all_gather_covers"]
 
 
 def _checked(mode: str, sharding: Any, heads, dtype: torch.dtype, causal: bool, window: tuple[int, int],
@@ -118,9 +119,8 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     h_kv, h_q, rows_a = hkv * replicas // (a * n), hq // (a * n), a * local  # per rank and head group
     real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, p, layout, a)]
     # 1) the shifts' sizes, then the pairs summed into each (ring member, step, slot)'s call
-    halo = _halo_rows(real, members, causal, window)
-    shifts = (0, *halo)
-    T, S, member = len(shifts), _slots(members), _call_amounts(real, members, causal, window, shifts)  # (4, p, T*S)
+    halo, shifts, member = piece_ring_parts(real, members, causal, window)  # member: (4, p, T*S)
+    T, S = len(shifts), _slots(members)
     made = member[2] > 0  # a call is made where it has keys
     # 2) the collectives: the exchanges inside the group (kinds 0 .. 6, a2a+p2p), then per distance t >= 1 the
     #    ring's K/V shift (kind K + 2 (t - 1)) and its dK/dV share back (K + 2 (t - 1) + 1)
@@ -133,24 +133,9 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     kinds = RingShifts(head, a, *(tuple(x) for x in zip(*moved))) if moved else RingShifts(head, a, (), (), ())
 
     # 3) the timeline: halo_forward's and halo_backward's ring, inside the hierarchy's exchanges
-    def ring(tl: _Template, c: int, phase: str) -> None:
-        first = (c if phase == "forward" else n + c) * T * S
-        returning = -1
-        for t in range(T):
-            pending = tl.post(K + 2 * t) if t + 1 < T else -1
-            for slot in range(S):
-                tl.call(first + t * S + slot)
-            if phase == "backward" and t > 0:
-                if returning >= 0:
-                    tl.wait(returning)
-                returning = tl.post(K + 2 * (t - 1) + 1)
-            if pending >= 0:
-                tl.wait(pending)
-        if returning >= 0:
-            tl.wait(returning)
-
     tl = _Template()
-    hierarchy_template(tl, n, a > 1, ring, kind=0)
+    hierarchy_template(tl, n, a > 1, piece_ring_timeline(T, S, K, lambda c, phase: (c + n * (phase == "backward")) * T * S),
+                       kind=0)  # fmt: skip
     band = window != (-1, -1)
     slots = tuple(Slot(direction, h_q, h_kv, d, dv, band) for direction in ("forward", "backward")
                   for _ in range(n * T * S))  # fmt: skip
@@ -163,6 +148,39 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     return Schedule(P, tuple(tl.events), kinds, slots, every(member[0]),
                     np.full((P, 2 * n * T * S), rows_a, dtype=np.int64), every(member[2]), every(member[1]), every(made),
                     saved, every(member[3]) if band else None)  # fmt: skip
+
+
+def piece_ring_parts(real, members, causal: bool, window: tuple[int, int]) -> tuple[dict, tuple, np.ndarray]:
+    """`(halo, shifts, amounts)` of the ring over `members`' pieces: the rows each block sends at each distance
+    (`_halo_rows`), the distances of its steps `(0, *halo)`, and `(4, p, T S)` the work, rows seeing a key, keys
+    and band width of each member's call at each step and slot (`_call_amounts`)."""
+    halo = _halo_rows(real, members, causal, window)
+    shifts = (0, *halo)
+    return halo, shifts, _call_amounts(real, members, causal, window, shifts)
+
+
+def piece_ring_timeline(T: int, S: int, K: int, first: Callable[[int, str], int]) -> Callable[[_Template, int, str], None]:
+    """The ring over pieces as `halo_forward` and `halo_backward` run it, for `hierarchy_template`: `T` steps of `S`
+    calls (slots from `first(head group, phase)`); forward, the next distance's K/V shift (kind `K + 2 t`) posted
+    before a step's calls and waited after them; backward, the same, and after each step past the first the previous
+    step's dK/dV share waited for and this one's posted back (kind `K + 2 (t - 1) + 1`)."""
+
+    def ring(tl: _Template, c: int, phase: str) -> None:
+        start, returning = first(c, phase), -1
+        for t in range(T):
+            pending = tl.post(K + 2 * t) if t + 1 < T else -1
+            for slot in range(S):
+                tl.call(start + t * S + slot)
+            if phase == "backward" and t > 0:
+                if returning >= 0:
+                    tl.wait(returning)
+                returning = tl.post(K + 2 * (t - 1) + 1)
+            if pending >= 0:
+                tl.wait(pending)
+        if returning >= 0:
+            tl.wait(returning)
+
+    return ring
 
 
 def _slots(members) -> int:

@@ -48,10 +48,10 @@ layouts that keep documents whole change):
 ## Documents kept whole
 
 The stream and balanced layouts keep most documents on one rank, so the modes move only the
-documents that span ranks ([`cpref.batch.balanced`][cpref.batch.balanced]). Their `p2p`, `a2a` and
-`all_gather` plans are built at scale ([`sim.plan.scale_window`][sim.plan.scale_window],
-[`sim.plan.scale_split`][sim.plan.scale_split]), but `a2a+p2p` and `all_gather`'s overlap over them only by
-the dry run, up to 32 ranks, so the curves above leave these layouts out. At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below,
+documents that span ranks ([`cpref.batch.balanced`][cpref.batch.balanced]). Every mode's plan over them is
+built at scale ([`sim.plan.scale_window`][sim.plan.scale_window], [`sim.plan.scale_split`][sim.plan.scale_split])
+except `all_gather`'s overlap, which only the dry run prices (up to 32 ranks), so the curves above leave these
+layouts out. At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below,
 H100s, 8B-like heads), each mode's best candidate in them against its best in contiguous or
 zigzag:
 
@@ -118,8 +118,8 @@ zigzag:
   and `a2a+p2p` (every `a2a_size` dividing $P$, with and without head groups) in the contiguous
   and zigzag layouts, `all_gather` with and without `overlap`, and `a2a` with and without head
   groups. The stream and balanced layouts are left out at every $P$, so that each curve compares
-  the same candidates throughout (`a2a+p2p` over them is priced by the dry run only, up to 32
-  ranks; the section "Documents kept whole" compares them at 8 and 16).
+  the same candidates throughout (`all_gather`'s overlap over them is priced by the dry run only, up
+  to 32 ranks; the section "Documents kept whole" compares them at 8 and 16).
 * The [time model][sim.plan.model] and the profiles' published rates: no contention between a
   rank's communication and its compute, no host time outside kernels and collectives, a
   collective priced by the slowest link it crosses (at the node boundary of a ring, the

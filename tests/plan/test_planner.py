@@ -159,19 +159,18 @@ def test_calibrate_into_a_folder_that_is_not_there_is_refused_before_measuring(t
 def test_the_command_line_lists_what_it_did_not_price_and_takes_the_limit(capsys):
     """Above `--dry-run-limit` ranks the candidates only the dry run prices are listed as not priced, in the table
     and the JSON; a larger limit prices them; a limit that is not a positive int is refused by the parser."""
-    argv = ["--lengths", "512x2", "--heads", "8,2,64", "--cp", "4", "--layouts", "zigzag,stream", "--modes", "a2a+p2p",
-            "--a2a-size", "2"]  # fmt: skip
+    argv = ["--lengths", "512x2", "--heads", "8,2,64", "--cp", "4", "--layouts", "zigzag,stream", "--modes", "all_gather"]
     assert cli.main([*argv, "--dry-run-limit", "2"]) == 0
     out = capsys.readouterr().out
-    assert "not priced (1: a2a+p2p stream a2a_size=2): P = 4 > dry_run_limit = 2" in out
-    assert "| a2a+p2p zigzag a2a_size=2 |" in out
+    assert "not priced (1: all_gather stream overlap=True): P = 4 > dry_run_limit = 2" in out
+    assert "| all_gather stream |" in out
     assert cli.main([*argv, "--dry-run-limit", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["kinds"]["full"]
-    assert [p["candidate"] for p in data["not_priced"]] == ["a2a+p2p stream a2a_size=2"]
-    assert [p["candidate"] for p in data["ranked"]] == ["a2a+p2p zigzag a2a_size=2"]
+    assert [p["candidate"] for p in data["not_priced"]] == ["all_gather stream overlap=True"]
+    assert len(data["ranked"]) == 3
     assert cli.main([*argv, "--dry-run-limit", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["kinds"]["full"]
-    assert data["not_priced"] == [] and len(data["ranked"]) == 2
+    assert data["not_priced"] == [] and len(data["ranked"]) == 4
     with pytest.raises(SystemExit) as parse:
         cli.main([*argv, "--dry-run-limit", "0"])
     assert parse.value.code == 2 and "--dry-run-limit" in capsys.readouterr().err

@@ -181,20 +181,19 @@ def test_the_irregular_builders_refuse_what_they_do_not_build_and_what_the_mode_
 
 def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     """At P = 1024 the covered candidates are built, none dry-run (counted), the ring over the stream layout's pieces
-    too (`sim.plan.scale_window`); the rest are listed as not priced."""
+    (`sim.plan.scale_window`) and the split hierarchy over it (`sim.plan.scale_split`) too; the one left, the
+    all-gather's overlap over stream, is listed as not priced."""
     calls = []
     monkeypatch.setattr(planner, "dry_run", lambda *a, **k: calls.append(a) or pytest.fail("dry-run at P = 1024"))
     result = planner.plan([8192] * 16, heads=(32, 8, 128, 128), dtype="bfloat16", P=1024, profile="h100-sxm",
                           layouts=["zigzag", "stream"], modes=["p2p", "all_gather", "a2a+p2p"])  # fmt: skip
     full = result.kinds["full"]
     assert calls == []
+    split = {f"a2a+p2p {layout} a2a_size={a}" for layout in ("zigzag", "stream") for a in (2, 4, 8, 16, 32)}
+    split |= {f"a2a+p2p {layout} a2a_size={a} head_groups=2" for layout in ("zigzag", "stream") for a in (2, 4)}
     assert {p.name for p in full.ranked} == {"p2p zigzag", "p2p stream", "all_gather zigzag", "all_gather zigzag overlap=True",
-                                             "all_gather stream",
-                                             "a2a+p2p zigzag a2a_size=2",
-                                             "a2a+p2p zigzag a2a_size=4", "a2a+p2p zigzag a2a_size=8",
-                                             "a2a+p2p zigzag a2a_size=16", "a2a+p2p zigzag a2a_size=32",
-                                             "a2a+p2p zigzag a2a_size=2 head_groups=2",
-                                             "a2a+p2p zigzag a2a_size=4 head_groups=2"}  # fmt: skip
+                                             "all_gather stream", *split}  # fmt: skip
+    assert [p.name for p in full.unpriced] == ["all_gather stream overlap=True"]
     assert all(len(p.ranks) == 1024 for p in full.ranked)
     by_name = {c.name: c for c in planner.candidates(1024, ["p2p", "all_gather", "a2a+p2p"], ["zigzag", "stream"])}
     listed = [p.name for p in full.ranked + full.refused + full.unpriced]
@@ -218,10 +217,13 @@ def test_a2a_at_scale_is_one_dry_run(monkeypatch):
     assert [len(p.ranks) for p in result.kinds["full"].ranked] == [64, 64, 64]
 
 
-def test_nothing_priced_is_one_line():
+def test_nothing_priced_is_one_line(monkeypatch):
+    """Where no candidate is priced (here the one all_gather over stream built at scale is taken away, leaving its
+    overlap, which only the dry run prices), the plan is refused in one line naming the limit."""
+    monkeypatch.setattr(planner, "piece_all_gather_covers", lambda *a: False)
     with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
         planner.plan([4096] * 4, heads=(64, 64, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
-                     layouts=["stream"], modes=["a2a+p2p"], a2a_size=2)  # fmt: skip
+                     layouts=["stream"], modes=["all_gather"])  # fmt: skip
 
 
 @settings(max_examples=60, deadline=None)
@@ -378,12 +380,19 @@ def test_what_the_split_a2a_covers(mode, layout, options, mask, P, covered):
     assert split_a2a_covers(mode, layout, options, P, mask) is covered
 
 
-@pytest.mark.sweep
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads", [(8, 8, 16, 8), (8, 2, 8, 8)])
-@pytest.mark.parametrize("layout", ["stream", "balanced"])
-@pytest.mark.parametrize("mask", PIECE_MASKS, ids=str)
-@pytest.mark.parametrize("options", [{}, {"head_groups": 2}, {"balance": False}], ids=str)
+def split_sweep(test):
+    """The split plans' sweep: both dtypes, heads with and without replicated key/value heads, both layouts, every
+    mask of `PIECE_MASKS`, one head group or two, the balance on and off."""
+    for mark in (pytest.mark.parametrize("options", [{}, {"head_groups": 2}, {"balance": False}], ids=str),
+                 pytest.mark.parametrize("mask", PIECE_MASKS, ids=str),
+                 pytest.mark.parametrize("layout", ["stream", "balanced"]),
+                 pytest.mark.parametrize("heads", [(8, 8, 16, 8), (8, 2, 8, 8)]),
+                 pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32]), pytest.mark.sweep):  # fmt: skip
+        test = mark(test)
+    return test
+
+
+@split_sweep
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_the_split_a2a_runs_and_prices_as_the_dry_run_on_every_rank(P, options, mask, layout, heads, dtype):
     """`a2a` over stream and balanced (own rows at home, shared rows exchanged): every rank's whole run equals the
@@ -422,3 +431,43 @@ def test_the_planner_builds_a2a_over_whole_documents_at_a_thousand_ranks_without
     assert {p.name for p in full.ranked} == {"a2a stream", "a2a balanced", "a2a stream head_groups=2",
                                              "a2a balanced head_groups=2"}  # fmt: skip
     assert all(len(p.ranks) == 1024 for p in full.ranked) and not full.unpriced
+
+
+@pytest.mark.parametrize("mode, layout, options, mask, P, covered", [
+    ("a2a+p2p", "stream", {"a2a_size": 2}, {}, 4, True),
+    ("a2a+p2p", "balanced", {"a2a_size": 4, "head_groups": 2, "balance": False}, {"chunk": 8, "window": (3, 0)}, 8, True),
+    ("a2a+p2p", "balanced", {"a2a_size": 4}, {}, 4, False), ("a2a+p2p", "zigzag", {"a2a_size": 2}, {}, 4, False),
+    ("a2a", "stream", {}, {}, 4, False), ("a2a+p2p", "stream", {"a2a_size": 2}, {"softcap": 5.0}, 4, False)])  # fmt: skip
+def test_what_the_split_hierarchy_covers(mode, layout, options, mask, P, covered):
+    from sim.plan.scale_split import split_hierarchy_covers
+
+    assert split_hierarchy_covers(mode, layout, options, P, mask) is covered
+
+
+@split_sweep
+@pytest.mark.parametrize("P, a", [(4, 2), (8, 2), (8, 4), (6, 3)])
+def test_the_split_hierarchy_runs_and_prices_as_the_dry_run_on_every_rank(P, a, options, mask, layout, heads, dtype):
+    """`a2a+p2p` over stream and balanced (own rows at home; shared rows exchanged in each a2a group, then the ring
+    over the groups' shared pieces): every rank's whole run equals the dry run's, its price `rank_time`'s, with
+    windows, chunks, head groups, replicated key/value heads and the balance on and off."""
+    from sim.plan.scale_split import split_hierarchy_schedule
+
+    if "head_groups" in options and heads[1] < a * 2 or heads[0] % a or (heads[1] % a and a % heads[1]):
+        return  # heads the mode refuses (tested below)
+    profile, compute = band_profile()
+    for seed in range(3):
+        sharding = planner._sharding(batch(seed) + batch(seed + 7), P, layout)
+        built = split_hierarchy_schedule(sharding, heads=heads, dtype=dtype, a2a_size=a, **mask, **options)
+        as_dry_run(built, "a2a+p2p", sharding, heads, dtype, profile, compute, seed, a2a_size=a, **mask, **options)
+
+
+def test_the_split_hierarchy_refuses_what_it_does_not_build_and_what_the_mode_refuses():
+    from sim.plan.scale_split import split_hierarchy_schedule
+
+    zigzag, stream = (planner._sharding(batch(0), 4, layout) for layout in ("zigzag", "stream"))
+    with pytest.raises(CPInputError, match=r"mode 'a2a\+p2p' over 'zigzag' .* is not built here"):
+        split_hierarchy_schedule(zigzag, heads=(8, 8, 8, 8), dtype=torch.bfloat16, a2a_size=2)
+    with pytest.raises(CPInputError, match=r"a2a_size=3"):
+        split_hierarchy_schedule(stream, heads=(8, 8, 8, 8), dtype=torch.bfloat16, a2a_size=3)
+    with pytest.raises(CPInputError, match=r"head_groups=2"):
+        split_hierarchy_schedule(stream, heads=(8, 2, 8, 8), dtype=torch.bfloat16, a2a_size=2, head_groups=2)
