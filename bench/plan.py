@@ -8,6 +8,10 @@ On the study's 128k-token packed batch (`sim.plan.study`, Llama-3-8B-like heads,
    and whether the two agree on every rank's step (to 1e-12: the tests hold them equal rank by rank).
 2. **The whole planner** at P = 64 to 1024 (`python -m sim plan` with the study's candidates): its seconds and the
    candidates it priced. Goal: P = 1024 in under 10 seconds ("in seconds", issue 46).
+3. **Every layout, full and windowed layers**: the planner with every mode and layout (stream and balanced too)
+   for full-causal layers and layers under a causal window of 1024 (`--window 1024`): windows and the stream and
+   balanced layouts make the irregular plans of `sim.plan.scale_window` and `sim.plan.scale_split`. Its seconds,
+   the candidates priced per layer kind, and those left to the dry run (not priced above 32 ranks).
 
 `python -m bench.plan --quick` runs P = 4 and 64 alone.
 """
@@ -68,6 +72,17 @@ def whole_plan(P: int) -> dict:
             "unpriced": len(result.unpriced), "winner": result.ranked[0].name, "ranks": len(result.ranked[0].ranks)}  # fmt: skip
 
 
+def every_layout(P: int, window: int = 1024) -> dict:
+    """The planner at `P` with every mode and layout, full-causal and windowed layers: seconds, and per layer kind
+    the candidates priced and not priced."""
+    start = time.perf_counter()
+    result = plan(list(study_batch()), heads=HEADS, dtype="bfloat16", P=P, profile=PROFILE, window=window)
+    seconds = time.perf_counter() - start
+    return {"P": P, "seconds": seconds, "window": window,
+            "kinds": {kind: {"priced": len(k.ranked), "unpriced": [p.name for p in k.unpriced], "winner": k.ranked[0].name}
+                      for kind, k in result.kinds.items()}}  # fmt: skip
+
+
 def report(r: dict) -> str:
     """The two tables and the goal, as Markdown (what `main` prints, and the performance page shows)."""
     lines = ["| P | candidates | dry run, every rank (s) | built at scale (s) | ratio | steps agree |",
@@ -80,6 +95,14 @@ def report(r: dict) -> str:
     for w in r["whole"]:
         lines.append(f"| {w['P']} | {w['seconds']:.1f} | {w['priced']} | {w['refused']} | {w['unpriced']} | "
                      f"{w['winner']} |")  # fmt: skip
+    lines += ["", "| P | layer kinds | planner, every layout (s) | priced | not priced (dry run only) | winners |",
+              "| ---: | --- | ---: | ---: | --- | --- |"]  # fmt: skip
+    for e in r["every_layout"]:
+        kinds = e["kinds"].items()
+        priced = " + ".join(str(k["priced"]) for _, k in kinds)
+        unpriced = ", ".join(sorted({n for _, k in kinds for n in k["unpriced"]})) or "none"
+        winners = "; ".join(f"{kind}: {k['winner']}" for kind, k in kinds)
+        lines.append(f"| {e['P']} | full, window {e['window']} | {e['seconds']:.1f} | {priced} | {unpriced} | {winners} |")
     top = max(r["whole"], key=lambda w: w["P"])
     met = top["seconds"] < GOAL_SECONDS
     lines += ["", f"- the planner at P = {top['P']}: {top['seconds']:.1f} s (goal < {GOAL_SECONDS:.0f} s): "
@@ -95,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"title": f"The study's batch ({len(study_batch())} documents, {sum(study_batch())} tokens), heads "
                        f"{HEADS}, bf16, the {PROFILE} profile",  # fmt: skip
               "side_by_side": [side_by_side(P) for P in ((4,) if args.quick else (4, 8))],
-              "whole": [whole_plan(P) for P in ((64,) if args.quick else (64, 256, 1024))]}  # fmt: skip
+              "whole": [whole_plan(P) for P in ((64,) if args.quick else (64, 256, 1024))],
+              "every_layout": [every_layout(P) for P in ((64,) if args.quick else (1024,))]}  # fmt: skip
     print(result["title"] + "\n\n" + report(result))
     return result
 

@@ -20,7 +20,7 @@ and plays every rank's timeline at once, the two clocks of [`rank_time`][sim.pla
 as arrays over the ranks ([`Schedule.price`][sim.plan.scale.Schedule.price]).
 
 **Covered:** full causal attention (no window, no chunk) in the contiguous and zigzag layouts,
-for `p2p`, `all_gather` (with or without `overlap`; not `save_gathered_kv`) and `a2a+p2p`
+for `p2p`, `all_gather` (with or without `overlap` or `save_gathered_kv`, not both) and `a2a+p2p`
 (with or without `head_groups`): the chunked layouts, whose plans are sums over each document's chunks;
 and `all_gather` under a causal window there, whose one call per rank is a sequence per local chunk
 ([`all_gather_window_calls`][sim.plan.scale.all_gather_window_calls]). There, with
@@ -514,13 +514,13 @@ def _priced(c: Collective, profile: Profile, cache: dict) -> tuple[float, dict[s
 def covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
     """Whether `schedule` builds this candidate (the module docstring's list)."""
     if mode == "all_gather" and set(mask) == {"window"} and mask["window"] != (-1, -1):
-        return P >= 2 and layout in SCALED_LAYOUTS and not options.get("overlap") and not options.get("save_gathered_kv")
+        return P >= 2 and layout in SCALED_LAYOUTS and not options.get("overlap")
     if P < 2 or layout not in SCALED_LAYOUTS or mask:
         return False
     if mode == "p2p":
         return not options
     if mode == "all_gather":
-        return not options.get("save_gathered_kv")
+        return not (options.get("overlap") and options.get("save_gathered_kv"))
     if mode == "a2a+p2p":
         return 1 < options["a2a_size"] < P
     return False
@@ -587,8 +587,9 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
         else:
             for phase in ("forward", "backward"):
                 tl.phase = phase
-                tl.blocking(0)
-                tl.blocking(1)
+                if phase == "forward" or not options.get("save_gathered_kv"):  # saved: the backward gathers nothing
+                    tl.blocking(0)
+                    tl.blocking(1)
                 tl.call(0 if phase == "forward" else 1)
             tl.blocking(2)
             tl.blocking(3)
@@ -627,7 +628,11 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
         work, rows, kv = (np.concatenate([x[g]] * (2 * n), axis=1) for x in (w, rs, kvr))
         present = work > 0
         q_rows = np.full((P, 2 * n * p), rows_a, dtype=np.int64)
-    saved = np.full(P, _saved(mode, P, local, heads, dtype, options), dtype=np.int64)
+    if options.get("save_gathered_kv"):  # the gathered K/V the call selects are kept: per rank, its call's keys
+        saved = np.array([_saved(mode, P, local, heads, dtype, {**options, "selected_kv_rows": int(x)}) for x in kv[:, 0]],
+                         dtype=np.int64)  # fmt: skip
+    else:
+        saved = np.full(P, _saved(mode, P, local, heads, dtype, options), dtype=np.int64)
     return Schedule(P, tuple(tl.events), kinds, slots, work, q_rows, kv, rows, present, saved, width)
 
 

@@ -67,29 +67,38 @@ def split_a2a_covers(mode: str, layout: str, options: dict[str, Any], P: int, ma
         and set(options) <= {"head_groups", "balance"}
 
 
-def _amounts(lens: list[tuple[int, int]], left: int, right: int) -> tuple[int, int, int, int, int]:
-    """`(work, rows seeing a key, q rows, kv rows, band width)` of one call over the sequences `lens` (bottom-right:
-    a sequence with keys is a document or chunk attending itself)."""
+def _amounts(lens: list[tuple[int, int]], left: int, right: int, owner: list[int] | None = None,
+             calls: int = 1) -> np.ndarray:  # fmt: skip
+    """`(calls, 5)` int64: `(work, rows seeing a key, q rows, kv rows, band width)` of each call over its sequences
+    (`lens`, sequence `i` in call `owner[i]`, all in call 0 without `owner`), bottom-right: a sequence with keys is a
+    document or chunk attending itself."""
     n_q, n_k = (np.array(x, dtype=np.int64) for x in zip(*lens)) if lens else (np.zeros(0, np.int64),) * 2
+    call = np.zeros(len(n_q), dtype=np.int64) if owner is None else np.array(owner, dtype=np.int64)
     work, rows, width = sequence_amounts(n_k - n_q, n_q, n_k, left, right)
-    return int(work.sum()), int(rows.sum()), int(n_q.sum()), int(n_k.sum()), int(width.max(initial=0))
+    out = np.zeros((calls, 5), dtype=np.int64)
+    for i, x in enumerate((work, rows, n_q, n_k)):
+        out[:, i] = np.bincount(call, weights=x, minlength=calls)  # sums (exact below 2^53)
+    np.maximum.at(out[:, 4], call, width)
+    return out
 
 
 def _own_calls(b, P: int, layout: str, shared: set[int], chunk: int | None, left: int,
-               right: int) -> tuple[list[tuple[int, ...]], list[int]]:  # fmt: skip
-    """Per rank, `_amounts` of its own rows' call (the pieces of the documents not in `shared`) and its shared rows."""
-    own, shared_rows = [], []
+               right: int) -> tuple[np.ndarray, list[int]]:  # fmt: skip
+    """`(P, 5)`: each rank's own rows' call (`_amounts` of the pieces of the documents not in `shared`), and each
+    rank's shared rows."""
+    lens, owner, shared_rows = [], [], []
     for r in range(P):
-        lens, rows = [], 0
+        rows = 0
         for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
             if doc in shared:
                 rows += e - s
             else:
                 n_real = b.real_in(doc, s - b.padded[doc], e - b.padded[doc])
-                lens += document_sequences(n_real, e - s - n_real, chunk)
-        own.append(_amounts(lens, left, right))
+                seqs = document_sequences(n_real, e - s - n_real, chunk)
+                lens += seqs
+                owner += [r] * len(seqs)
         shared_rows.append(rows)
-    return own, shared_rows
+    return _amounts(lens, left, right, owner, P), shared_rows
 
 
 def split_a2a_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool = True,
@@ -114,7 +123,7 @@ def split_a2a_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype
     lens = [seq for doc in sorted(shared)
             for seq in document_sequences(b.real_len(doc), b.padded_len(doc) - b.real_len(doc), chunk)]  # fmt: skip
     lens += document_sequences(0, P * m - sum(shared_rows))
-    together = _amounts(lens, left, right)
+    together = _amounts(lens, left, right)[0]
     # 3) the collectives: the exchange's seven on P m rows, per head group
     replicas = head_split(hq, hkv, P)
     h_q, h_kv = hq // (P * n), hkv * replicas // (P * n)

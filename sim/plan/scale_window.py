@@ -212,17 +212,17 @@ def _call_amounts(real, members, causal: bool, window: tuple[int, int], shifts: 
 
 def piece_all_gather_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
     """Whether `piece_all_gather_schedule` builds the candidate: `all_gather` on the pieces' plan (under chunks, or
-    in the stream and balanced layouts), in one call: not `overlap`, not `save_gathered_kv`."""
+    in the stream and balanced layouts), in one call (not `overlap`), with or without `save_gathered_kv`."""
     from cpref.batch.seqlens import CHUNKED_LAYOUTS
 
     pieces = bool(mask.get("chunk")) or layout not in CHUNKED_LAYOUTS
     return (mode == "all_gather" and P >= 2 and pieces and set(mask) <= {"window", "chunk"}
-            and not options.get("overlap") and not options.get("save_gathered_kv"))  # fmt: skip
+            and not options.get("overlap"))  # fmt: skip
 
 
 def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
                               causal: bool = True, window: tuple[int, int] = (-1, -1),
-                              chunk: int | None = None) -> Schedule:  # fmt: skip
+                              chunk: int | None = None, save_gathered_kv: bool = False) -> Schedule:  # fmt: skip
     """Every rank of `all_gather` on the pieces' plan (`cpref.modes.all_gather_pieces`): from the plan's own reads of
     every rank, each rank's one call (a sequence per piece: its real queries against the keys `[lo, hi)` its reads
     cover) and the gathers of `m` rows, as a `sim.plan.scale.Schedule`.
@@ -233,7 +233,8 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
     """
     from cpref.modes.all_gather_pieces import piece_reads, piece_sequences
 
-    _checked("all_gather", sharding, heads, dtype, causal, window, chunk, {}, piece_all_gather_covers)
+    options = {"save_gathered_kv": True} if save_gathered_kv else {}
+    _checked("all_gather", sharding, heads, dtype, causal, window, chunk, options, piece_all_gather_covers)
 
     b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
     hq, hkv, d, dv = heads
@@ -256,7 +257,7 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
     tl = _Template()  # no row read across ranks (m = 0): no collective at all
     for phase in ("forward", "backward"):
         tl.phase = phase
-        if m:
+        if m and (phase == "forward" or not save_gathered_kv):  # saved: the backward gathers nothing
             tl.blocking(0)
             tl.blocking(1)
         tl.call(0 if phase == "forward" else 1)
@@ -266,7 +267,9 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
     band = window != (-1, -1)
     slots = (Slot("forward", hq, hkv, d, dv, band), Slot("backward", hq, hkv, d, dv, band))
     both = lambda x: np.repeat(x[:, None], 2, axis=1)  # noqa: E731  the backward's call is the forward's
-    saved = np.full(P, _saved("all_gather", P, local, heads, dtype, {"gathered_rows": m}), dtype=np.int64)
+    saved = np.array([_saved("all_gather", P, local, heads, dtype, {"gathered_rows": m, **options,
+                                                                    **({"selected_kv_rows": int(x)} if options else {})})
+                      for x in amounts[2]], dtype=np.int64)  # with save_gathered_kv, per rank: its call's keys kept
     return Schedule(P, tuple(tl.events), kinds, slots, both(amounts[0]), np.full((P, 2), local, dtype=np.int64),
                     both(amounts[2]), both(amounts[1]), np.ones((P, 2), dtype=bool), saved,
                     both(amounts[3]) if band else None)  # fmt: skip

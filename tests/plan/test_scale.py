@@ -30,7 +30,8 @@ from sim.plan.scale_window import piece_all_gather_covers, piece_ring_covers
 
 PROFILE = load_profile("h100-sxm")
 CASES = [(P, mode, options) for P in (2, 3, 4, 6, 8)
-         for mode, options in [("p2p", {}), ("all_gather", {}), ("all_gather", {"overlap": True})] + [("a2a+p2p", {"a2a_size": a, **hg})
+         for mode, options in [("p2p", {}), ("all_gather", {}), ("all_gather", {"overlap": True}),
+                               ("all_gather", {"save_gathered_kv": True})] + [("a2a+p2p", {"a2a_size": a, **hg})
                                                                     for a in range(2, P) if P % a == 0
                                                                     for hg in ({}, {"head_groups": 2})]]  # fmt: skip
 
@@ -124,7 +125,8 @@ def test_a2a_is_not_alike_where_documents_stay_home():
 
 @pytest.mark.parametrize("mode, layout, options, mask", [
     ("p2p", "stream", {}, {}), ("p2p", "zigzag", {}, {"window": (8, 0)}), ("p2p", "zigzag", {}, {"chunk": 8}),
-    ("all_gather", "zigzag", {"overlap": True}, {"window": (8, 0)}), ("all_gather", "zigzag", {"save_gathered_kv": True}, {}),
+    ("all_gather", "zigzag", {"overlap": True}, {"window": (8, 0)}),
+    ("all_gather", "zigzag", {"overlap": True, "save_gathered_kv": True}, {}),
     ("a2a+p2p", "zigzag", {"a2a_size": 2, "head_groups": 2}, {"window": (8, 0)}), ("a2a", "zigzag", {}, {})])  # fmt: skip
 def test_what_is_not_covered(mode, layout, options, mask):
     assert not scale.covers(mode, layout, options, 4, mask)
@@ -153,10 +155,10 @@ def test_what_the_piece_ring_covers(mode, layout, options, mask, P, covered):
 @pytest.mark.parametrize("layout, options, mask, P, covered", [
     ("stream", {}, {}, 4, True), ("balanced", {}, {"window": (8, 0)}, 4, True), ("zigzag", {}, {"chunk": 8}, 4, True),
     ("zigzag", {}, {"window": (8, 0)}, 4, False), ("zigzag", {}, {}, 4, False), ("stream", {"overlap": True}, {}, 4, False),
-    ("stream", {"save_gathered_kv": True}, {}, 4, False), ("stream", {}, {}, 1, False)])  # fmt: skip
+    ("stream", {"save_gathered_kv": True}, {}, 4, True), ("stream", {}, {}, 1, False)])  # fmt: skip
 def test_what_the_pieces_all_gather_covers(layout, options, mask, P, covered):
-    """`all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts); a window in the chunked
-    layouts is `sim.plan.scale`'s, the overlap and save_gathered_kv the dry run's."""
+    """`all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts), with or without
+    save_gathered_kv; a window in the chunked layouts is `sim.plan.scale`'s, the overlap the dry run's."""
     assert piece_all_gather_covers("all_gather", layout, options, P, mask) is covered
     assert not piece_all_gather_covers("p2p", layout, options, P, mask)
 
@@ -299,21 +301,21 @@ def test_the_piece_ring_runs_and_prices_as_the_dry_run_on_every_rank(P, mask, la
 @pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", scale.SCALED_LAYOUTS)
+@pytest.mark.parametrize("options", [{}, {"save_gathered_kv": True}], ids=str)
 @pytest.mark.parametrize("w", [0, 5, 20, 150])
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
-def test_all_gather_under_a_window_runs_and_prices_as_the_dry_run_on_every_rank(P, w, layout, dtype):
-    """`all_gather` under a causal window (narrower than a chunk, wider, wider than a document): every rank's run
-    equals the dry run's, its price `rank_time`'s with the band curve's rates; the overlapped path, which a window
-    refuses, and save_gathered_kv are not covered."""
+def test_all_gather_under_a_window_runs_and_prices_as_the_dry_run_on_every_rank(P, w, options, layout, dtype):
+    """`all_gather` under a causal window (narrower than a chunk, wider, wider than a document), with and without
+    save_gathered_kv: every rank's run equals the dry run's, its price `rank_time`'s with the band curve's rates; the
+    overlapped path, which a window refuses, is not covered."""
     profile, compute = band_profile()
     heads = (8, 4, 16, 8)
-    assert scale.covers("all_gather", layout, {}, P, {"window": (w, 0)})
+    assert scale.covers("all_gather", layout, options, P, {"window": (w, 0)})
     assert not scale.covers("all_gather", layout, {"overlap": True}, P, {"window": (w, 0)})
-    assert not scale.covers("all_gather", layout, {"save_gathered_kv": True}, P, {"window": (w, 0)})
     for seed in range(3):
         sharding = planner._sharding(batch(seed), P, layout)
-        built = scale.schedule("all_gather", sharding, heads=heads, dtype=dtype, window=(w, 0))
-        as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, window=(w, 0))
+        built = scale.schedule("all_gather", sharding, heads=heads, dtype=dtype, window=(w, 0), **options)
+        as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, window=(w, 0), **options)
 
 
 HIERARCHY = [(P, {"a2a_size": a, **hg}) for P in (4, 6, 8) for a in range(2, P) if P % a == 0
@@ -350,10 +352,12 @@ def test_the_hierarchy_over_the_piece_ring_runs_and_prices_as_the_dry_run(P, opt
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("mask", PIECE_MASKS, ids=str)
+@pytest.mark.parametrize("options", [{}, {"save_gathered_kv": True}], ids=str)
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
-def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, mask, layout, dtype):
-    """`all_gather` on the pieces' plan (chunks in every layout; the stream and balanced layouts with any mask): every
-    rank's run equals the dry run's, its price `rank_time`'s; the overlap is not covered."""
+def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, options, mask, layout, dtype):
+    """`all_gather` on the pieces' plan (chunks in every layout; the stream and balanced layouts with any mask), with
+    and without save_gathered_kv (its per-rank saved keys included): every rank's run equals the dry run's, its price
+    `rank_time`'s; the overlap is not covered."""
     from sim.plan.scale_window import piece_all_gather_covers, piece_all_gather_schedule
 
     if not piece_all_gather_covers("all_gather", layout, {}, P, mask):
@@ -364,8 +368,8 @@ def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, 
     heads = (8, 4, 16, 8)
     for seed in range(3):
         sharding = planner._sharding(batch(seed), P, layout)
-        built = piece_all_gather_schedule(sharding, heads=heads, dtype=dtype, **mask)
-        as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, **mask)
+        built = piece_all_gather_schedule(sharding, heads=heads, dtype=dtype, **mask, **options)
+        as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, **mask, **options)
 
 
 

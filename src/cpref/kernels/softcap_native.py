@@ -2,8 +2,8 @@ r"""Soft-capping's elementwise passes, compiled: one loop each instead of PyTorc
 
 A soft-capped block of [`TorchKernel`][cpref.kernels.torch_kernel.TorchKernel] cannot take PyTorch's
 fused attention (it has no cap), so it runs the explicit path: a matrix product writes the block's
-scores, and elementwise passes read and write them again. Two costs made that path 1.65 times the
-uncapped step (`bench/variants.py`, which times it beside these loops): PyTorch's CPU `tanh`, several
+scores, and elementwise passes read and write them again. Two costs make that path about 1.6 times the
+uncapped step with PyTorch's passes (`bench/variants.py` times them beside these loops): PyTorch's CPU `tanh`, several
 times slower than its `exp2` (the benchmark prints both per float), and the number of passes, each a
 read and a write of the block:
 

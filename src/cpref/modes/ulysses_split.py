@@ -58,6 +58,7 @@ alone: the fewest rows exchanged, where moving data costs more than the uneven w
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,14 +173,17 @@ def _best_move(kept: list[tuple[int, int, int]], load: list[int], r: int, g: ran
     return bisect.bisect_left(kept, kept[i][0], key=lambda c: c[0])  # of its work, the first: fewest tokens
 
 
-def _holdings(b: Boundaries, P: int, layout: str, causal: bool, window) -> list[dict[int, int]]:
-    """Per rank, `{doc: work}` of the documents whose real tokens it holds: its pieces' queries' exact work."""
+@functools.lru_cache(maxsize=16)
+def _holdings(b: Boundaries, P: int, layout: str, causal: bool, window) -> tuple[dict[int, int], ...]:
+    """Per rank, `{doc: work}` of the documents whose real tokens it holds: its pieces' queries' exact work. Cached
+    per batch and mask (`exchanged_docs` and `split_loads` ask for it in turn, every a2a group size alike): read it,
+    never change it."""
     held: list[dict[int, int]] = [{} for _ in range(P)]
     for r in range(P):
         for doc, s, e in local_chunks(b, cp_size=P, rank=r, layout=layout):
             if b.real_in(doc, s - b.padded[doc], e - b.padded[doc]):
                 held[r][doc] = held[r].get(doc, 0) + chunk_work(b, doc, s, e, causal=causal, exact=True, window=window)
-    return held
+    return tuple(held)
 
 
 def _group_of(r: int, group: int) -> range:
