@@ -11,7 +11,7 @@ On the study's 128k-token packed batch (`sim.plan.study`, Llama-3-8B-like heads,
 3. **Every layout, full and windowed layers**: the planner with every mode and layout (stream and balanced too)
    for full-causal layers and layers under a causal window of 1024 (`--window 1024`): windows and the stream and
    balanced layouts make the irregular plans of `sim.plan.scale_window` and `sim.plan.scale_split`. Its seconds,
-   the candidates priced per layer kind, and those left to the dry run (not priced above 32 ranks).
+   the candidates priced per layer kind, and those left to the dry run (not priced above 32 ranks: none today).
 
 `python -m bench.plan --quick` runs P = 4 and 64 alone.
 """

@@ -310,7 +310,7 @@ candidates it covers priced twice, every rank dry-run on meta tensors and every 
 the two agree on every rank's step. Then the whole planner at P = 64, 256 and 1024 with the study's candidates.
 Goal: P = 1024 in under ten seconds. Last, at P = 1024, the planner with every mode and layout (stream and balanced
 too, [built per rank](plan-scale-split.md)) for full-causal layers and layers under a window of 1024, and what it
-leaves to the dry run. `python -m bench.plan --quick` is a quick run.
+leaves to the dry run (nothing, today). `python -m bench.plan --quick` is a quick run.
 
 {{ results plan }}
 

@@ -376,8 +376,7 @@ def test_the_plan_benchmark_runs_quick_and_prices_both_ways_alike(capsys):
     """`bench.plan --quick`: at P = 4 the ten covered candidates (p2p, all_gather with and without overlap, a2a+p2p with a2a_size 2, alone and in two head groups, each in
     contiguous and zigzag) priced from the dry run and built at scale agree on every rank; at P = 64 the planner prices
     the study's candidates on all 64 ranks, every one built (none left unpriced), and the goal's verdict is printed;
-    with every layout and a windowed layer kind too, only the all-gather's overlap over stream and balanced is left
-    unpriced."""
+    with every layout and a windowed layer kind too, none is left unpriced."""
     from bench import plan
 
     results = plan.main(["--quick"])
@@ -386,10 +385,9 @@ def test_the_plan_benchmark_runs_quick_and_prices_both_ways_alike(capsys):
     assert side["P"] == 4 and side["candidates"] == 10 and side["agree"]
     assert whole["P"] == 64 and whole["ranks"] == 64 and whole["priced"] > 0 and whole["unpriced"] == 0  # all built
     assert "- the planner at P = 64: " in out and "(goal < 10 s)" in out
-    (every,) = results["every_layout"]  # every mode and layout, full and windowed: only all_gather's overlap over
-    assert every["P"] == 64 and set(every["kinds"]) == {"full", "window 1024"}  # stream/balanced left to the dry run
-    assert every["kinds"]["full"]["unpriced"] == ["all_gather stream overlap=True", "all_gather balanced overlap=True"]
-    assert every["kinds"]["window 1024"]["unpriced"] == []  # a window refuses the overlap
+    (every,) = results["every_layout"]  # every mode and layout, full and windowed: none left to the dry run
+    assert every["P"] == 64 and set(every["kinds"]) == {"full", "window 1024"}
+    assert every["kinds"]["full"]["unpriced"] == every["kinds"]["window 1024"]["unpriced"] == []
     assert "| 64 | full, window 1024 |" in out
 
 

@@ -56,8 +56,9 @@ chunks, and over the stream and balanced layouts), `a2a+p2p` under a window or c
 `all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts); and
 [`sim.plan.scale_split`][sim.plan.scale_split] for `a2a` and `a2a+p2p` over the stream and balanced layouts (own
 rows at home, shared rows exchanged). `a2a`, whose ranks all do the same in the chunked layouts, is dry-run on
-rank 0 alone. The one left, `all_gather`'s overlap over stream and balanced (and with `save_gathered_kv`), is
-dry-run up to `dry_run_limit` ranks (32) and listed as not priced above it.
+rank 0 alone. A candidate none of them covers (none the planner makes today; `all_gather` with both `overlap`
+and `save_gathered_kv` over stream and balanced, say) is dry-run up to `dry_run_limit` ranks (32) and listed as
+not priced above it.
 
 Example:
     >>> from sim.plan import plan
@@ -96,8 +97,8 @@ from sim.plan.scale_window import (
 __all__ = ["Candidate", "Prediction", "KindPlan", "Plan", "LayoutChoice", "candidates", "plan"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-UNSCALED = ("only the dry run prices it (all_gather's overlap over the stream and balanced layouts, or with "
-            "save_gathered_kv), one rank at a time; raise dry_run_limit to wait for it")
+UNSCALED = ("only the dry run prices it (no builder of sim.plan.scale, scale_window or scale_split covers it), one rank "
+            "at a time; raise dry_run_limit to wait for it")
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ from sim.plan.links import LEVELS, level, link_bytes
 from sim.plan.model import RankTime, collective_seconds
 from sim.plan.profile import Compute, Profile
 
-__all__ = ["Slot", "Schedule", "RingShifts", "ring_steps", "all_gather_calls", "all_gather_window_calls", "all_gather_overlap_calls",
+__all__ = ["Slot", "Schedule", "RingShifts", "overlap_template", "overlap_amounts", "ring_steps", "all_gather_calls", "all_gather_window_calls", "all_gather_overlap_calls",
            "ring_template", "hierarchy_template", "exchange_kinds", "schedule",
            "covers", "alike_runs", "a2a_alike", "validate", "SCALED_LAYOUTS"]
 
@@ -200,8 +200,6 @@ def all_gather_overlap_calls(b: Boundaries, P: int, layout: str) -> tuple[np.nda
     Returns:
         `(work, rows_seeing, kv_rows, present)`, arrays `(P, 5)`.
     """
-    from cpref.modes.all_gather_overlap import _halves
-
     zigzag = layout == "zigzag"
     R, c = _reals(b, 2 * P if zigzag else P)
     out = [np.zeros((P, 5), dtype=np.int64) for _ in range(3)] + [np.zeros((P, 5), dtype=bool)]
@@ -216,15 +214,24 @@ def all_gather_overlap_calls(b: Boundaries, P: int, layout: str) -> tuple[np.nda
                     lens[-1][0] += ci - real
                 elif ci - real:
                     lens.append([ci - real, 0, 0])
-        first, last = (_lengths(v) for v in _halves([(n_q, n_l) for n_q, n_l, _ in lens], True))
-        local, remote = [(n, n_l) for n, n_l, _ in lens], [(n, n_r) for n, _, n_r in lens]
-        n_local, n_remote = sum(x[1] for x in lens), sum(x[2] for x in lens)
-        for s, (seqs, causal, keys) in enumerate(((local, True, n_local), (remote, False, n_remote), (first, True, n_local),
-                                                  (remote, False, n_remote), (last, True, n_local))):  # fmt: skip
-            out[0][r, s], out[1][r, s] = _sums(seqs, causal)
-            out[2][r, s] = keys
-        out[3][r] = [True, out[0][r, 1] > 0, out[0][r, 2] > 0, out[0][r, 3] > 0, out[0][r, 4] > 0]
+        for i, x in enumerate(overlap_amounts(lens, True)):
+            out[i][r] = x
     return tuple(out)
+
+
+def overlap_amounts(lens: list[tuple[int, int, int]], causal: bool) -> tuple[list, list, list, list]:
+    """`(work, rows seeing a key, keys, made)` of one rank's five overlapped calls in schedule order (forward: local,
+    remote; backward: first half, remote, last half; `cpref.modes.all_gather_overlap`) from each sequence's `(n_q,
+    local keys, remote keys)` in the plan's order; the halves by the mode's own `_halves`."""
+    from cpref.modes.all_gather_overlap import _halves
+
+    first, last = (_lengths(v) for v in _halves([(n_q, n_l) for n_q, n_l, _ in lens], causal))
+    local, remote = [(n, n_l) for n, n_l, _ in lens], [(n, n_r) for n, _, n_r in lens]
+    n_local, n_remote = sum(x[1] for x in lens), sum(x[2] for x in lens)
+    calls = ((local, causal, n_local), (remote, False, n_remote), (first, causal, n_local), (remote, False, n_remote),
+             (last, causal, n_local))  # fmt: skip
+    work, rows = zip(*(_sums(seqs, masked) for seqs, masked, _ in calls))
+    return list(work), list(rows), [keys for *_, keys in calls], [True, *(w > 0 for w in work[1:])]
 
 
 @dataclass(frozen=True)
@@ -261,6 +268,24 @@ class _Template:
 
     def call(self, slot: int) -> None:
         self.events.append(("call", self.phase, slot, -1))
+
+
+def overlap_template(tl: _Template) -> None:
+    """`all_gather` with `overlap=True` (`cpref.modes.all_gather_overlap`), kinds 0, 1 the K, V gathers and 2, 3
+    the dK, dV reduce-scatters, slots 0 .. 4 the calls: forward, the gathers posted, the local call, the gathers
+    waited for, the remote call; backward, the gathers posted, the first half, waited for, the remote call, the
+    reduce-scatters posted, the last half, waited for."""
+    for phase, first in (("forward", 0), ("backward", 2)):
+        tl.phase = phase
+        posted = [tl.post(0), tl.post(1)]
+        tl.call(first)
+        for index in posted:
+            tl.wait(index)
+        tl.call(first + 1)
+    posted = [tl.post(2), tl.post(3)]
+    tl.call(4)
+    for index in posted:
+        tl.wait(index)
 
 
 def ring_template(tl: _Template, p: int, kv: int, dkv: int, first_slot: int, phase: str) -> None:
@@ -570,17 +595,7 @@ def schedule(mode: str, sharding: Any, *, heads: tuple[int, int, int, int], dtyp
                        Collective("reduce_scatter", group, r, (P * local, hkv, d), f),
                        Collective("reduce_scatter", group, r, (P * local, hkv, dv), f)) for r in ranks)  # fmt: skip
         if options.get("overlap"):  # the gathers behind the local call; the reduce-scatters behind the last half
-            for phase, calls in (("forward", (0,)), ("backward", (2,))):
-                tl.phase = phase
-                posted = [tl.post(0), tl.post(1)]
-                tl.call(calls[0])
-                for index in posted:
-                    tl.wait(index)
-                tl.call(1 if phase == "forward" else 3)
-            posted = [tl.post(2), tl.post(3)]
-            tl.call(4)
-            for index in posted:
-                tl.wait(index)
+            overlap_template(tl)
             slots = tuple(Slot(direction, hq, hkv, d, dv) for direction in ("forward",) * 2 + ("backward",) * 3)
             work, rows, kv, present = all_gather_overlap_calls(b, P, layout)
             q_rows = np.full((P, 5), local, dtype=np.int64)

@@ -64,7 +64,18 @@ from cpref.kernels.contract import _visible_sum, compute_dtype
 from cpref.modes.ring_window import _halo_rows, _members, piece_pairs
 from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import Collective, sequence_amounts, sequence_width
-from sim.plan.scale import RingShifts, Schedule, Slot, _saved, _Template, exchange_kinds, hierarchy_template, validate
+from sim.plan.scale import (
+    RingShifts,
+    Schedule,
+    Slot,
+    _saved,
+    _Template,
+    exchange_kinds,
+    hierarchy_template,
+    overlap_amounts,
+    overlap_template,
+    validate,
+)
 
 __all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_ring_parts", "piece_ring_timeline", "piece_all_gather_schedule",
            "piece_all_gather_covers"]
@@ -212,17 +223,18 @@ def _call_amounts(real, members, causal: bool, window: tuple[int, int], shifts: 
 
 def piece_all_gather_covers(mode: str, layout: str, options: dict[str, Any], P: int, mask: dict[str, Any]) -> bool:
     """Whether `piece_all_gather_schedule` builds the candidate: `all_gather` on the pieces' plan (under chunks, or
-    in the stream and balanced layouts), in one call (not `overlap`), with or without `save_gathered_kv`."""
+    in the stream and balanced layouts), with `overlap` or `save_gathered_kv` (not both)."""
     from cpref.batch.seqlens import CHUNKED_LAYOUTS
 
     pieces = bool(mask.get("chunk")) or layout not in CHUNKED_LAYOUTS
     return (mode == "all_gather" and P >= 2 and pieces and set(mask) <= {"window", "chunk"}
-            and not options.get("overlap"))  # fmt: skip
+            and not (options.get("overlap") and options.get("save_gathered_kv")))  # fmt: skip
 
 
 def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
                               causal: bool = True, window: tuple[int, int] = (-1, -1),
-                              chunk: int | None = None, save_gathered_kv: bool = False) -> Schedule:  # fmt: skip
+                              chunk: int | None = None, save_gathered_kv: bool = False,
+                              overlap: bool = False) -> Schedule:  # fmt: skip
     """Every rank of `all_gather` on the pieces' plan (`cpref.modes.all_gather_pieces`): from the plan's own reads of
     every rank, each rank's one call (a sequence per piece: its real queries against the keys `[lo, hi)` its reads
     cover) and the gathers of `m` rows, as a `sim.plan.scale.Schedule`.
@@ -233,12 +245,14 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
     """
     from cpref.modes.all_gather_pieces import piece_reads, piece_sequences
 
-    options = {"save_gathered_kv": True} if save_gathered_kv else {}
+    options = {k: True for k, on in (("save_gathered_kv", save_gathered_kv), ("overlap", overlap)) if on}
     _checked("all_gather", sharding, heads, dtype, causal, window, chunk, options, piece_all_gather_covers)
 
     b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
     hq, hkv, d, dv = heads
     _, _, m = piece_reads(b, P, sharding.layout, causal, window, chunk, ranks=())  # no rank's rows: only m
+    if overlap and m:
+        return _piece_overlap_schedule(sharding, heads, dtype, causal, chunk, m)
     left, right = window[0], 0 if causal else window[1]
     amounts, priced = np.zeros((4, P), dtype=np.int64), {}  # work, rows seeing a key, keys, band width
     for r, seqs in enumerate(piece_sequences(b, P, sharding.layout, causal, window, chunk)):
@@ -268,8 +282,56 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
     slots = (Slot("forward", hq, hkv, d, dv, band), Slot("backward", hq, hkv, d, dv, band))
     both = lambda x: np.repeat(x[:, None], 2, axis=1)  # noqa: E731  the backward's call is the forward's
     saved = np.array([_saved("all_gather", P, local, heads, dtype, {"gathered_rows": m, **options,
-                                                                    **({"selected_kv_rows": int(x)} if options else {})})
+                                                                    **({"selected_kv_rows": int(x)} if save_gathered_kv else {})})
                       for x in amounts[2]], dtype=np.int64)  # with save_gathered_kv, per rank: its call's keys kept
     return Schedule(P, tuple(tl.events), kinds, slots, both(amounts[0]), np.full((P, 2), local, dtype=np.int64),
                     both(amounts[2]), both(amounts[1]), np.ones((P, 2), dtype=bool), saved,
                     both(amounts[3]) if band else None)  # fmt: skip
+
+
+def _piece_overlap_schedule(sharding: Any, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool,
+                            chunk: int | None, m: int) -> Schedule:  # fmt: skip
+    """`all_gather` with `overlap=True` on the pieces' plan (`m > 0` rows gathered; `cpref.modes.all_gather_overlap`):
+    each sequence of the plan split into the keys the rank holds and the others', the local call's halves by the
+    mode's own `_halves`; the gathers and reduce-scatters of `m` rows around them (`sim.plan.scale.overlap_template`)."""
+    b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
+    hq, hkv, d, dv = heads
+    out = [np.zeros((P, 5), dtype=np.int64) for _ in range(3)] + [np.zeros((P, 5), dtype=bool)]
+    for r, lens in enumerate(_overlap_lengths(b, P, sharding.layout, causal, chunk)):
+        for i, x in enumerate(overlap_amounts(lens, causal)):
+            out[i][r] = x
+    f, group = compute_dtype(dtype), tuple(range(P))
+    kinds = tuple((Collective("all_gather", group, r, (m, hkv, d), dtype),
+                   Collective("all_gather", group, r, (m, hkv, dv), dtype),
+                   Collective("reduce_scatter", group, r, (P * m, hkv, d), f),
+                   Collective("reduce_scatter", group, r, (P * m, hkv, dv), f)) for r in range(P))  # fmt: skip
+    tl = _Template()
+    overlap_template(tl)
+    slots = tuple(Slot(direction, hq, hkv, d, dv) for direction in ("forward",) * 2 + ("backward",) * 3)
+    saved = np.full(P, _saved("all_gather", P, local, heads, dtype, {"gathered_rows": m, "overlap": True}), dtype=np.int64)
+    return Schedule(P, tuple(tl.events), kinds, slots, out[0], np.full((P, 5), local, dtype=np.int64), out[2], out[1],
+                    out[3], saved)  # fmt: skip
+
+
+def _overlap_lengths(b, P: int, layout: str, causal: bool, chunk: int | None) -> list[list[tuple[int, int, int]]]:
+    """Per rank, `(n_q, local keys, remote keys)` of each sequence of its pieces' plan in order (a piece's real
+    queries, then its padding as `(n_pad, 0, 0)`): a piece's keys `[lo, hi)` are its document's, the local ones those
+    of the rank's own pieces of the document, counted from the positions (no rows listed)."""
+    from cpref.modes.all_gather_pieces import _keys, _pieces
+
+    pieces, _ = _pieces(b, P, layout, chunk)
+    out = []
+    for mine in pieces:
+        own: dict = {}
+        for key, a, z, _ in mine:
+            own.setdefault(key, []).append((a, z))
+        lens = []
+        for key, a, z, _ in mine:
+            zr, lo, hi = _keys(b, key, a, z, causal, (-1, -1), chunk)
+            if zr > a:
+                near = sum(max(0, min(hi, pz) - max(lo, pa)) for pa, pz in own[key])
+                lens.append((zr - a, near, hi - lo - near))
+            if z > zr:
+                lens.append((z - zr, 0, 0))
+        out.append(lens)
+    return out

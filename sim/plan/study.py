@@ -49,9 +49,9 @@ layouts that keep documents whole change):
 
 The stream and balanced layouts keep most documents on one rank, so the modes move only the
 documents that span ranks ([`cpref.batch.balanced`][cpref.batch.balanced]). Every mode's plan over them is
-built at scale ([`sim.plan.scale_window`][sim.plan.scale_window], [`sim.plan.scale_split`][sim.plan.scale_split])
-except `all_gather`'s overlap, which only the dry run prices (up to 32 ranks), so the curves above leave these
-layouts out. At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below,
+built at scale ([`sim.plan.scale_window`][sim.plan.scale_window], [`sim.plan.scale_split`][sim.plan.scale_split]),
+so the planner prices them at every $P$; the curves above keep to the chunked layouts, the layouts of the
+published comparisons below. At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below,
 H100s, 8B-like heads), each mode's best candidate in them against its best in contiguous or
 zigzag:
 
@@ -117,9 +117,8 @@ zigzag:
 * The candidates are those [built at scale][sim.plan.scale] at every $P$: `p2p`, `all_gather`
   and `a2a+p2p` (every `a2a_size` dividing $P$, with and without head groups) in the contiguous
   and zigzag layouts, `all_gather` with and without `overlap`, and `a2a` with and without head
-  groups. The stream and balanced layouts are left out at every $P$, so that each curve compares
-  the same candidates throughout (`all_gather`'s overlap over them is priced by the dry run only, up
-  to 32 ranks; the section "Documents kept whole" compares them at 8 and 16).
+  groups. The stream and balanced layouts are left out of the curves (the section "Documents kept
+  whole" compares them at 8 and 16).
 * The [time model][sim.plan.model] and the profiles' published rates: no contention between a
   rank's communication and its compute, no host time outside kernels and collectives, a
   collective priced by the slowest link it crosses (at the node boundary of a ring, the

@@ -154,11 +154,12 @@ def test_what_the_piece_ring_covers(mode, layout, options, mask, P, covered):
 
 @pytest.mark.parametrize("layout, options, mask, P, covered", [
     ("stream", {}, {}, 4, True), ("balanced", {}, {"window": (8, 0)}, 4, True), ("zigzag", {}, {"chunk": 8}, 4, True),
-    ("zigzag", {}, {"window": (8, 0)}, 4, False), ("zigzag", {}, {}, 4, False), ("stream", {"overlap": True}, {}, 4, False),
-    ("stream", {"save_gathered_kv": True}, {}, 4, True), ("stream", {}, {}, 1, False)])  # fmt: skip
+    ("zigzag", {}, {"window": (8, 0)}, 4, False), ("zigzag", {}, {}, 4, False), ("stream", {"overlap": True}, {}, 4, True),
+    ("stream", {"save_gathered_kv": True}, {}, 4, True), ("stream", {}, {}, 1, False),
+    ("balanced", {"overlap": True, "save_gathered_kv": True}, {}, 4, False)])  # fmt: skip
 def test_what_the_pieces_all_gather_covers(layout, options, mask, P, covered):
-    """`all_gather`'s one call on the pieces' plan (chunks, the stream and balanced layouts), with or without
-    save_gathered_kv; a window in the chunked layouts is `sim.plan.scale`'s, the overlap the dry run's."""
+    """`all_gather` on the pieces' plan (chunks, the stream and balanced layouts), with `overlap` or
+    save_gathered_kv, not both; a window in the chunked layouts is `sim.plan.scale`'s."""
     assert piece_all_gather_covers("all_gather", layout, options, P, mask) is covered
     assert not piece_all_gather_covers("p2p", layout, options, P, mask)
 
@@ -183,8 +184,8 @@ def test_the_irregular_builders_refuse_what_they_do_not_build_and_what_the_mode_
 
 def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     """At P = 1024 the covered candidates are built, none dry-run (counted), the ring over the stream layout's pieces
-    (`sim.plan.scale_window`) and the split hierarchy over it (`sim.plan.scale_split`) too; the one left, the
-    all-gather's overlap over stream, is listed as not priced."""
+    (`sim.plan.scale_window`), the all-gather over them with and without overlap, and the split hierarchy
+    (`sim.plan.scale_split`) too: none left to the dry run."""
     calls = []
     monkeypatch.setattr(planner, "dry_run", lambda *a, **k: calls.append(a) or pytest.fail("dry-run at P = 1024"))
     result = planner.plan([8192] * 16, heads=(32, 8, 128, 128), dtype="bfloat16", P=1024, profile="h100-sxm",
@@ -194,19 +195,13 @@ def test_the_planner_builds_a_thousand_ranks_without_a_dry_run(monkeypatch):
     split = {f"a2a+p2p {layout} a2a_size={a}" for layout in ("zigzag", "stream") for a in (2, 4, 8, 16, 32)}
     split |= {f"a2a+p2p {layout} a2a_size={a} head_groups=2" for layout in ("zigzag", "stream") for a in (2, 4)}
     assert {p.name for p in full.ranked} == {"p2p zigzag", "p2p stream", "all_gather zigzag", "all_gather zigzag overlap=True",
-                                             "all_gather stream", *split}  # fmt: skip
-    assert [p.name for p in full.unpriced] == ["all_gather stream overlap=True"]
+                                             "all_gather stream", "all_gather stream overlap=True", *split}  # fmt: skip
+    assert not full.unpriced
     assert all(len(p.ranks) == 1024 for p in full.ranked)
     by_name = {c.name: c for c in planner.candidates(1024, ["p2p", "all_gather", "a2a+p2p"], ["zigzag", "stream"])}
-    listed = [p.name for p in full.ranked + full.refused + full.unpriced]
+    listed = [p.name for p in full.ranked + full.refused]
     assert sorted(listed) == sorted(by_name)
-    for p in full.unpriced:
-        c = by_name[p.name]
-        assert not scale.covers(c.mode, c.layout, dict(c.options), 1024, {})
-        assert not piece_ring_covers(c.mode, c.layout, dict(c.options), 1024, {})
-        assert not piece_all_gather_covers(c.mode, c.layout, dict(c.options), 1024, {})
     assert full.refused and all("cannot" in p.refused for p in full.refused)  # heads a2a_size 64 .. 512 cannot split
-    assert all("dry_run_limit = 32" in p.unpriced for p in full.unpriced)
 
 
 def test_a2a_at_scale_is_one_dry_run(monkeypatch):
@@ -220,8 +215,8 @@ def test_a2a_at_scale_is_one_dry_run(monkeypatch):
 
 
 def test_nothing_priced_is_one_line(monkeypatch):
-    """Where no candidate is priced (here the one all_gather over stream built at scale is taken away, leaving its
-    overlap, which only the dry run prices), the plan is refused in one line naming the limit."""
+    """Where no candidate is priced (here the builder of all_gather over stream taken away, so that only the dry run
+    could price it), the plan is refused in one line naming the limit."""
     monkeypatch.setattr(planner, "piece_all_gather_covers", lambda *a: False)
     with pytest.raises(CPInputError, match=r"no candidate is priced for full layers at P = 64.*dry_run_limit = 32"):
         planner.plan([4096] * 4, heads=(64, 64, 64, 64), dtype="bfloat16", P=64, profile="h100-sxm",
@@ -352,22 +347,26 @@ def test_the_hierarchy_over_the_piece_ring_runs_and_prices_as_the_dry_run(P, opt
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", cpref.LAYOUTS)
 @pytest.mark.parametrize("mask", PIECE_MASKS, ids=str)
-@pytest.mark.parametrize("options", [{}, {"save_gathered_kv": True}], ids=str)
+@pytest.mark.parametrize("options", [{}, {"save_gathered_kv": True}, {"overlap": True}], ids=str)
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
 def test_all_gather_over_pieces_runs_and_prices_as_the_dry_run_on_every_rank(P, options, mask, layout, dtype):
     """`all_gather` on the pieces' plan (chunks in every layout; the stream and balanced layouts with any mask), with
-    and without save_gathered_kv (its per-rank saved keys included): every rank's run equals the dry run's, its price
-    `rank_time`'s; the overlap is not covered."""
+    save_gathered_kv (its per-rank saved keys included) or overlap (the local and remote calls, the local halves;
+    full causal only: the mode refuses it under a window or chunks, and so does the builder): every rank's run equals
+    the dry run's, its price `rank_time`'s."""
     from sim.plan.scale_window import piece_all_gather_covers, piece_all_gather_schedule
 
     if not piece_all_gather_covers("all_gather", layout, {}, P, mask):
         assert "chunk" not in mask and layout in scale.SCALED_LAYOUTS
         return
-    assert not piece_all_gather_covers("all_gather", layout, {"overlap": True}, P, mask)
     profile, compute = band_profile()
     heads = (8, 4, 16, 8)
+    if options.get("overlap") and mask:
+        with pytest.raises(CPInputError, match="the overlap needs a plain causal or full mask"):
+            piece_all_gather_schedule(planner._sharding(batch(0), P, layout), heads=heads, dtype=dtype, **mask, **options)
+        return
     for seed in range(3):
-        sharding = planner._sharding(batch(seed), P, layout)
+        sharding = planner._sharding(batch(seed) + batch(seed + 5), P, layout)
         built = piece_all_gather_schedule(sharding, heads=heads, dtype=dtype, **mask, **options)
         as_dry_run(built, "all_gather", sharding, heads, dtype, profile, compute, seed, **mask, **options)
 
