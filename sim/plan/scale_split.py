@@ -41,6 +41,7 @@ import torch
 
 from cpref.batch.layout import local_chunks
 from cpref.kernels.contract import compute_dtype
+from cpref.modes.hierarchical_split import group_members
 from cpref.modes.shared import document_sequences, head_split
 from cpref.modes.ulysses_split import exchanged_docs
 from cpref.modes.visible import chunk_pieces, chunk_real
@@ -174,25 +175,6 @@ def split_hierarchy_covers(mode: str, layout: str, options: dict[str, Any], P: i
         and set(mask) <= {"window", "chunk"} and set(options) <= {"a2a_size", "head_groups", "balance"}
 
 
-def _group_members(b, P: int, layout: str, a: int, shared: set[int], m: int) -> list[list[tuple[int, int, int, int]]]:
-    """Per a2a group, the ring member it is: its shared pieces `(doc, start, end, row)` in stream order (adjacent
-    pieces of one document merged), then the padding slots as a document past the last (`cpref.modes.
-    hierarchical_split`'s members)."""
-    members = []
-    for h in range(P // a):
-        pieces, row = [], 0
-        held = sorted(c for r in range(h * a, (h + 1) * a) for c in local_chunks(b, cp_size=P, rank=r, layout=layout))
-        for doc, start, end in (c for c in held if c[0] in shared):
-            s, e = start - b.padded[doc], end - b.padded[doc]
-            if pieces and pieces[-1][0] == doc and pieces[-1][2] == s:
-                pieces[-1] = (doc, pieces[-1][1], e, pieces[-1][3])
-            else:
-                pieces.append((doc, s, e, row))
-            row += e - s
-        members.append(pieces + ([(b.num_docs, 0, a * m - row, row)] if a * m > row else []))
-    return members
-
-
 def split_hierarchy_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
                              a2a_size: int, causal: bool = True, window: tuple[int, int] = (-1, -1),
                              chunk: int | None = None, head_groups: int = 1, balance: bool = True) -> Schedule:  # fmt: skip
@@ -215,9 +197,8 @@ def split_hierarchy_schedule(sharding: Any, *, heads: tuple[int, int, int, int],
     own, shared_rows = _own_calls(b, P, layout, shared, chunk, left, right)
     m = max(shared_rows)
     # 2) the ring across the P / a groups over their shared pieces (the slots see nothing)
-    slot_doc = b.num_docs
-    real = chunk_real(lambda doc, lo, hi: 0 if doc == slot_doc else b.real_in(doc, lo, hi))
-    members = [chunk_pieces(x, chunk) for x in _group_members(b, P, layout, a, shared, m)]
+    members, real = group_members(b, P, layout, a, shared, m)  # the mode's own members
+    real, members = chunk_real(real), [chunk_pieces(x, chunk) for x in members]
     halo, shifts, ring = piece_ring_parts(real, members, causal, window)  # ring: (4, P / a, T*S)
     T, S, p = len(shifts), _slots(members), P // a
     # 3) the collectives: the exchange's seven on a m rows, then the ring's shifts (sim.plan.scale_window)

@@ -51,7 +51,8 @@ from cpref.modes.shared import head_split, no_double_backward, padded_rows
 from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
 from cpref.modes.ulysses_split import gathered_order, split_rows
 
-__all__ = ["SplitHierarchicalPlan", "SplitHierarchicalFunc", "ring_attend", "build_split_hierarchical_plan", "split_hierarchical_plan"]
+__all__ = ["SplitHierarchicalPlan", "SplitHierarchicalFunc", "ring_attend", "build_split_hierarchical_plan",
+           "group_members", "split_hierarchical_plan"]
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,23 @@ def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str,
                                   chunk: int | None = None) -> SplitHierarchicalPlan:  # fmt: skip
     """Rank `rank`'s plan with a2a groups of `a` consecutive ranks (no caching); `chunk`: chunked attention."""
     split = split_rows(b, P, rank, layout, device, group=a, causal=causal, window=window, balance=balance, chunk=chunk)
-    g = rank // a
-    m, slot_doc, shared = split.rows, b.num_docs, set(split.docs)  # the slots: a document past the last, all padding
-    members = []  # per group: its shared pieces (doc, start, end, row) in stream order, then its slots
+    g, m = rank // a, split.rows
+    members, real = group_members(b, P, layout, a, set(split.docs), m)
+
+    order, _ = gathered_order(list(split.ids[g * a : (g + 1) * a]), m, b.total)  # rank-major -> stream order
+    perm = None if torch.equal(order, torch.arange(len(order))) else order
+    exchange = A2APlan(perm.to(device) if perm is not None else None,
+                       torch.argsort(perm).to(device) if perm is not None else None, head_split(hq, hkv, a))  # fmt: skip
+    ring = build_piece_ring_plan(real, members, g, causal, window, device, chunk)
+    return SplitHierarchicalPlan(split.own, split.own_seqs, split.shared, m, exchange, ring, window)
+
+
+def group_members(b: Boundaries, P: int, layout: str, a: int, shared: set[int], m: int):
+    """`(members, real)`: per a2a group of `a` ranks, the ring member it is: its shared pieces `(doc, start, end,
+    row)` in stream order (adjacent pieces of one document merged), then its padding slots as a document past the
+    last; and `real(doc, lo, hi)`, the real tokens of positions `[lo, hi)` (none in the slots)."""
+    slot_doc = b.num_docs  # the slots: a document past the last, all padding
+    members = []
     for h in range(P // a):
         pieces, row = [], 0
         held = sorted(c for r in range(h * a, (h + 1) * a) for c in local_chunks(b, cp_size=P, rank=r, layout=layout))
@@ -98,12 +113,7 @@ def build_split_hierarchical_plan(b: Boundaries, P: int, rank: int, layout: str,
     def real(doc: int, lo: int, hi: int) -> int:
         return 0 if doc == slot_doc else b.real_in(doc, lo, hi)
 
-    order, _ = gathered_order(list(split.ids[g * a : (g + 1) * a]), m, b.total)  # rank-major -> stream order
-    perm = None if torch.equal(order, torch.arange(len(order))) else order
-    exchange = A2APlan(perm.to(device) if perm is not None else None,
-                       torch.argsort(perm).to(device) if perm is not None else None, head_split(hq, hkv, a))  # fmt: skip
-    ring = build_piece_ring_plan(real, members, g, causal, window, device, chunk)
-    return SplitHierarchicalPlan(split.own, split.own_seqs, split.shared, m, exchange, ring, window)
+    return members, real
 
 
 def split_hierarchical_plan(call: CPCall) -> SplitHierarchicalPlan:
