@@ -1,7 +1,7 @@
 r"""`this-machine`: a profile measured here, by `python -m sim plan --calibrate`.
 
-Two gloo processes of one thread each (as `bench/scaling.py` runs CP = 2) measure, in about 15
-seconds here:
+Two gloo processes of one thread each (as `bench/scaling.py` runs CP = 2) measure, in about a
+minute here:
 
 * **the link**: the fastest of several blocking ring shifts (`send_recv`) and all-gathers of
   float32 tensors from 4 KiB to 16 MiB; a least-squares line $t = \alpha + n / B$ through each gives
@@ -16,6 +16,10 @@ seconds here:
   $t_f + t_b = (F_f + F_b + 2 F_{1/2}) / R_\infty$, gives the two-number summary beside it ($F_{1/2}$
   at least $10^{-6}$ GFLOP: on a busy machine the line can pass through the origin, and a profile's
   numbers are positive).
+  The same documents with 1 and 2 heads as well (to 16384 tokens), each length's forward and backward as
+  one pair, give the `by_work` curves the time model prices unwindowed calls by: the rate by the work one
+  head's tiles make, per count of heads (a Ulysses call holds half the heads over twice the work per head
+  of an all-gather call of the same FLOPs, and runs a few percent faster here).
   Windowed calls, one document of $\max(4096, 2W)$ tokens under causal windows of $W$ = 128 to
   4096 keys, give the `band` curve: each width's rate, forward and backward as one pair (every
   mode makes a backward call per forward call), by the band's width.
@@ -57,6 +61,7 @@ LENGTHS = [256, 512, 1024, 2048, 4096, 8192]
 WIDTHS = [128, 256, 512, 1024, 2048, 4096]  # causal windows of W keys before each row: the band curve
 CAPPED = [1024, 4096]  # soft-capped documents: softcap_factor
 HEADS, DIM = 4, 64
+BY_WORK = {1: LENGTHS + [16384], 2: LENGTHS + [16384], 4: LENGTHS}  # the by_work curves: heads -> document lengths
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -150,13 +155,14 @@ def _link(comm, nbytes: int) -> tuple[float, float]:
     return _fastest(lambda: comm.send_recv(x)), _fastest(lambda: comm.all_gather(x))
 
 
-def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator,
-           softcap: float | None = None) -> tuple[KernelCall, float, float]:  # fmt: skip
-    """`(forward call, forward seconds, backward seconds)` of one causal document of `n` tokens under `window`."""
+def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator, softcap: float | None = None,
+           heads: int = HEADS) -> tuple[KernelCall, float, float]:  # fmt: skip
+    """`(forward call, forward seconds, backward seconds)` of one causal document of `n` tokens and `heads` heads
+    under `window`."""
     from cpref.kernels import Varlen
     from sim.plan.dry import band_width
 
-    q, k, v, do = (torch.randn(n, HEADS, DIM, generator=g) for _ in range(4))
+    q, k, v, do = (torch.randn(n, heads, DIM, generator=g) for _ in range(4))
     seqs, scale = Varlen([0, n]), DIM**-0.5
     capped = {} if softcap is None else {"softcap": softcap}
     out, lse = kernel.forward(q, k, v, seqs, causal=True, scale=scale, window=window, **capped)
@@ -164,7 +170,7 @@ def _calls(kernel, n: int, window: tuple[int, int], g: torch.Generator,
     t_b = _fastest(lambda: kernel.backward(do, q, k, v, out, lse, seqs, causal=True, scale=scale, window=window,
                                            **capped), 3)  # fmt: skip
     band = window != (-1, -1)
-    call = KernelCall("forward", seqs.work(True, window), n, n, HEADS, HEADS, DIM, DIM, band, n,
+    call = KernelCall("forward", seqs.work(True, window), n, n, heads, heads, DIM, DIM, band, n,
                       band_width(seqs, True, window) if band else 0)  # fmt: skip
     return call, t_f, t_b
 
@@ -182,9 +188,13 @@ def _measure_rank() -> dict:
     times = [_link(comm, nbytes) for nbytes in SIZES]
     link = {"send_recv": [(n, t[0]) for n, t in zip(SIZES, times)], "all_gather": [(n, t[1]) for n, t in zip(SIZES, times)]}
     g, calls, banded = torch.Generator().manual_seed(comm.rank), [], []
-    for n in LENGTHS:
-        call, t_f, t_b = _calls(kernel, n, (-1, -1), g)
-        calls += [(call.flops, t_f), (_backward(call).flops, t_b)]
+    shaped = []  # (heads, work per head, forward + backward FLOPs, seconds)
+    for heads, lengths in BY_WORK.items():
+        for n in lengths:
+            call, t_f, t_b = _calls(kernel, n, (-1, -1), g, heads=heads)
+            shaped.append((heads, call.work, call.flops + _backward(call).flops, t_f + t_b))
+            if heads == HEADS:
+                calls += [(call.flops, t_f), (_backward(call).flops, t_b)]
     for w in WIDTHS:
         call, t_f, t_b = _calls(kernel, max(4096, 2 * w), (w, 0), g)
         banded.append((call.width, call.flops + _backward(call).flops, t_f + t_b))
@@ -192,7 +202,7 @@ def _measure_rank() -> dict:
     for n in CAPPED:
         times = [_calls(kernel, n, (-1, -1), g, softcap)[1:] for softcap in (None, 50.0)]
         capped.append(tuple(t_f + t_b for t_f, t_b in times))
-    return {"link": link, "calls": calls, "banded": banded, "capped": capped}
+    return {"link": link, "calls": calls, "shaped": shaped, "banded": banded, "capped": capped}
 
 
 def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) -> dict:
@@ -217,6 +227,11 @@ def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) 
     points = sorted([round(f / 1e9, 6), round(f / t / 1e12, 6)] for t, (f, _) in zip(calls[0], calls[1]))
     # each width's forward + backward pair at the slower process's time
     band = [[w, round(f / max(r["banded"][i][2] for r in ranks) / 1e12, 6)] for i, (w, f, _) in enumerate(ranks[0]["banded"])]
+    # each (heads, length)'s forward and backward as one pair, at the slower process's time, by the work per head
+    by_work: dict[str, list] = {}
+    for i, (heads, work, f, _) in enumerate(ranks[0]["shaped"]):
+        seconds = max(r["shaped"][i][3] for r in ranks)
+        by_work.setdefault(str(heads), []).append([round(work / 1e6, 6), round(f / seconds / 1e12, 6)])
     # soft-capped over plain, both lengths together, each at the slower process's time
     slower = [[max(r["capped"][i][j] for r in ranks) for i in range(len(CAPPED))] for j in (0, 1)]
     softcap_factor = round(sum(slower[1]) / sum(slower[0]), 4)
@@ -226,9 +241,12 @@ def calibrate(out: Path | str = PROFILES / "this-machine.json", nproc: int = 2) 
         "ranks_per_node": nproc,
         "links": {"intra": link, "inter": {**link, "source": "one node: no rank reaches another node; the intra figures"}},
         "compute": {"float32": {"peak_tflops": round(peak / 1e12, 6), "half_size_gflop": max(round(overhead * peak / 1e9, 6), 1e-6),
-                                "points": points, "band": band, "softcap_factor": softcap_factor,
+                                "points": points, "by_work": by_work, "band": band, "softcap_factor": softcap_factor,
                                 "source": where + f": TorchKernel forward and backward, one causal document of "
-                                          f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}; band: "
+                                          f"{LENGTHS[0]} to {LENGTHS[-1]} tokens, {HEADS} heads, head dim {DIM}; "
+                                          "by_work: the same with "
+                                          + ", ".join(f"{h} heads to {n[-1]}" for h, n in BY_WORK.items())
+                                          + " tokens, each length's forward and backward as one pair; band: "
                                           f"one document under causal windows of {WIDTHS[0]} to {WIDTHS[-1]} keys; "
                                           f"softcap_factor: logits capped at 50 on {CAPPED} tokens over the same "
                                           "calls without"}},

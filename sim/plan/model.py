@@ -5,7 +5,10 @@ Every term below is a formula of the counts the dry run gives and the numbers of
 $R_\infty$, $F_{1/2}$ per dtype).
 
 **Kernel calls.** A call of $F$ FLOPs takes $t = F / R(F)$ on the profile's curve, $(F + F_{1/2}) /
-R_\infty$ with its two numbers; a windowed call of band width $W$ (the most keys one of its rows
+R_\infty$ with its two numbers; where the profile has `by_work` curves, $t = F / R(w, H_q)$ by the
+call's shape instead: its work per head $w$ (visible query-key pairs) and its query heads $H_q$, so
+that a Ulysses call (half the heads, twice the work per head) and an all-gather call of the same
+FLOPs take the rates each shape runs at; a windowed call of band width $W$ (the most keys one of its rows
 sees) takes $F / R_{\mathrm{band}}(W)$ where the profile has a band curve: its rate is its tiles',
 set by the width, not by the call's size
 ([`Compute.call_seconds`][sim.plan.profile.Compute.call_seconds]).

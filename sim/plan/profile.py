@@ -32,6 +32,15 @@ not a line rate or a datasheet peak, and carries its source next to it in the fi
   FLOPs more. A measured profile may give the curve as `"points": [[gflop, tflops], ...]` instead,
   interpolated linearly in the logarithm of the size (`this-machine` does: a CPU's rate keeps
   growing with the call's size, which two numbers do not follow).
+* `by_work` (optional): the rate by the call's shape rather than its FLOPs, one curve per count of query heads,
+  `{"heads": [[mpairs, tflops], ...], ...}`, `mpairs` the call's work per head
+  ([`KernelCall.work`][sim.plan.dry.KernelCall]: visible query-key pairs, in millions). A CPU kernel computes
+  head by head in tiles, so its rate follows the tiles one head's work makes (a forward and its backward, 2.5 times
+  the FLOPs, run at one rate) and falls a little with more heads in one call: at one call's FLOPs, one head of
+  16384 tokens runs 6 % faster than four heads of 8192 here. A call of $H_q$ heads and work $w$ takes each
+  measured head count's rate at $w$ (linear in $\log w$, held at the ends), then the rate between the two nearest
+  head counts (linear in $\log H_q$, held at the ends). Where given it prices every unwindowed call, in place of
+  `points` and the two numbers (`this-machine` measures it at 1, 2 and 4 heads).
 * `band` (optional): a windowed call's own curve, `[[width, tflops], ...]` by the band's width $W$,
   the most keys one of its rows sees ([`KernelCall.width`][sim.plan.dry.KernelCall]). A kernel
   computes a band in tiles of rows against the keys those rows see, so a windowed call's rate is set
@@ -103,15 +112,24 @@ class Compute:
     half_size: float
     points: tuple[tuple[float, float], ...] = ()
     band: tuple[tuple[float, float], ...] = ()
+    by_work: tuple[tuple[float, tuple[tuple[float, float], ...]], ...] = ()  # ((heads, ((pairs, FLOP/s), ...)), ...)
     softcap_factor: float | None = None  # a soft-capped call's time over the same call's without (None: not measured)
     factor: float = 1.0  # every call's time multiplied by this: `softcap_factor` once the layers are soft-capped
 
     def call_seconds(self, call) -> float:
         """A kernel call's time: a banded (windowed) call's FLOPs at its band's rate where the profile has a `band`
-        curve, any other call's FLOPs on the curve (`seconds`)."""
-        if call.band and self.band and call.work:
-            return self.factor * call.flops / _interpolated(self.band, call.width)
-        return self.seconds(call.flops)
+        curve; any other call's at its shape's rate where it has `by_work` curves (`work_rate`), else on the curve
+        (`seconds`)."""
+        return self._priced(call.flops, call.width if call.band else -1, call.work, call.hq)
+
+    def _priced(self, flops: float, width: float, work: float, heads: float) -> float:
+        """`call_seconds` of a call of `flops` FLOPs, band width `width` (-1: no window), `work` pairs per head,
+        `heads` query heads: the one formula both `call_seconds` and `seconds_array` take."""
+        if width >= 0 and self.band and work:
+            return self.factor * flops / _interpolated(self.band, width)
+        if self.by_work and work:
+            return self.factor * flops / self.work_rate(work, heads)
+        return self.seconds(flops)
 
     def rate(self, flops: float) -> float:
         """FLOP/s of a call of `flops` FLOPs."""
@@ -119,22 +137,29 @@ class Compute:
             return self.peak * flops / (flops + self.half_size)
         return _interpolated(self.points, flops)
 
+    def work_rate(self, work: float, heads: float) -> float:
+        """FLOP/s of a call of `work` query-key pairs per head over `heads` query heads on the `by_work` curves: each
+        head count's rate at `work` (linear in `log work`), then linear in `log heads` between the two nearest head
+        counts, held at the ends of both."""
+        return _interpolated(tuple((h, _interpolated(curve, work)) for h, curve in self.by_work), heads)
+
     def seconds(self, flops: float) -> float:
         """A call of `flops` FLOPs: `flops / rate(flops)` (`(flops + half_size) / peak` on the two-number curve), 0
         for a call with no work."""
         return self.factor * flops / self.rate(flops) if flops > 0 else 0.0
 
-    def seconds_array(self, flops: np.ndarray, band: np.ndarray | None = None, width: np.ndarray | None = None) -> np.ndarray:
-        """`call_seconds` of every call (`sim.plan.scale`'s thousands): `flops`, and where given whether each has a
-        window (`band`) and its band's `width`; each distinct call priced once, by `seconds` or `call_seconds`'s
-        band rate itself, so that both agree to the bit."""
-        if band is None or not self.band or not band.any():
-            sizes, where = np.unique(flops, return_inverse=True)
-            return np.array([self.seconds(float(x)) for x in sizes])[where].reshape(flops.shape)
-        keys = np.stack([flops.ravel(), np.where(band, width, -1).ravel().astype(np.float64)], axis=1)
+    def seconds_array(self, flops: np.ndarray, work: np.ndarray, heads: np.ndarray, band: np.ndarray | None = None,
+                      width: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """`call_seconds` of every call (`sim.plan.scale`'s thousands): their `flops`, `work` per head and query `heads`,
+        and where given whether each has a window (`band`) and its band's `width` (all broadcast to `flops`' shape);
+        each distinct call priced once, by `call_seconds`' own formula, so that both agree to the bit."""
+        shape = flops.shape
+        banded = np.zeros(shape, dtype=bool) if band is None else np.broadcast_to(band, shape)
+        width = np.where(banded, 0 if width is None else width, -1)
+        keys = np.stack([np.broadcast_to(x, shape).ravel().astype(np.float64) for x in (flops, width, work, heads)], axis=1)
         distinct, where = np.unique(keys, axis=0, return_inverse=True)
-        priced = [self.seconds(f) if w < 0 or not f else self.factor * f / _interpolated(self.band, w) for f, w in distinct]
-        return np.array(priced)[where.ravel()].reshape(flops.shape)
+        priced = [self._priced(f, w, n, h) for f, w, n, h in distinct]
+        return np.array(priced)[where.ravel()].reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -200,6 +225,23 @@ def _curve(points: Any, name: str, pair: str, size: str, where: Path, unit: floa
     return curve
 
 
+def _by_work(curves: Any, name: str, where: Path) -> tuple[tuple[float, tuple[tuple[float, float], ...]], ...]:
+    """`{"heads": [[mpairs, tflops], ...], ...}` as `((heads, ((pairs, FLOP/s), ...)), ...)` in increasing heads,
+    refused by `name` unless every head count is a whole number > 0 and every curve a `_curve`."""
+    if not isinstance(curves, dict):
+        raise CPInputError(f"profile {where}: {name} must be {{\"heads\": [[mpairs, tflops], ...], ...}}")
+    out = []
+    for key, points in curves.items():
+        if not key.isdigit() or int(key) < 1:
+            raise CPInputError(f"profile {where}: {name} has the key {key!r}; give the query heads of the curve's "
+                               "calls, a whole number >= 1")  # fmt: skip
+        curve = _curve(points, f"{name}.{key}", "mpairs, tflops", "work", where, 1e6)
+        if not curve:
+            raise CPInputError(f"profile {where}: {name}.{key} is empty; give at least one [mpairs, tflops]")
+        out.append((float(key), curve))
+    return tuple(sorted(out))
+
+
 def load_profile(name_or_path: str | Path) -> Profile:
     """The profile named `name_or_path` (a shipped one) or in that file.
 
@@ -211,8 +253,8 @@ def load_profile(name_or_path: str | Path) -> Profile:
     if not path.is_file():
         shipped = PROFILES / f"{name_or_path}.json"
         if not shipped.is_file() and str(name_or_path) == "this-machine":
-            raise CPInputError("profile 'this-machine' is not measured yet: run python -m sim plan --calibrate (about 15 "
-                               "seconds) to write it")  # fmt: skip
+            raise CPInputError("profile 'this-machine' is not measured yet: run python -m sim plan --calibrate (about a "
+                               "minute) to write it")  # fmt: skip
         if not shipped.is_file():
             raise CPInputError(f"unknown profile {str(name_or_path)!r}: not a file, and not one of the shipped profiles "
                                f"{profile_names()}; give one of those or the path of a JSON file written as "
@@ -244,6 +286,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
         entry = data["compute"][dtype_name]
         curve = _curve(entry.get("points", []), f"compute.{dtype_name}.points", "gflop, tflops", "call size", path, GFLOP)
         band = _curve(entry.get("band", []), f"compute.{dtype_name}.band", "width, tflops", "width", path, 1.0)
+        by_work = _by_work(entry.get("by_work", {}), f"compute.{dtype_name}.by_work", path)
         if "band_rows" in entry:
             raise CPInputError(f"profile {path}: compute.{dtype_name}.band_rows is no longer read: windowed calls take "
                                "a 'band' curve, [[width, tflops], ...]; run python -m sim plan --calibrate again, or "
@@ -252,7 +295,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
         if "softcap_factor" in entry:
             factor = _positive(entry["softcap_factor"], f"compute.{dtype_name}.softcap_factor", path,
                                "a soft-capped call's time over the same call's without, a positive number")  # fmt: skip
-        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, band, factor)
+        compute[dtype_name] = Compute(peak * TFLOP, half * GFLOP, curve, band, by_work, factor)
     memory = _number(data, "memory_GB", path, "the device memory in GB")
     return Profile(str(data.get("name", path.stem)), str(data.get("description", "")), int(rpn), links, compute,
                    memory * GB, path)  # fmt: skip

@@ -494,7 +494,7 @@ class Schedule:
         flops = np.where(self.present, 2 * self.work * heads * per_pair, 0)  # (P, slots)
         band = np.array([s.band for s in self.slots], dtype=bool)[None, :] & (self.width is not None)
         width = np.zeros_like(flops) if self.width is None else self.width
-        seconds = compute.seconds_array(flops.astype(np.float64), np.broadcast_to(band, flops.shape), width)
+        seconds = compute.seconds_array(flops.astype(np.float64), self.work, heads[None, :], band, width)
         t, comm, exposed, busy = (np.zeros(P) for _ in range(4))
         done: dict[int, np.ndarray] = {}
         for kind, _, arg, k in self.events:

@@ -123,7 +123,7 @@ def parser(prog: str) -> Parser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--figure", default=None, metavar="PATH", help="also draw the answer to PATH (a .png or .svg): "
                    "the best candidates' steps, or with several --cp each mode's step against P")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about 15 s) and write the "
+    p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about a minute) and write the "
                    "this-machine profile to --out")
     p.add_argument("--out", default=None, help="where --calibrate writes (default: the shipped profiles' folder)")
     p.add_argument("--check-kernel", metavar="PROFILE", default=None, help="instead: time the default kernel on "

@@ -193,15 +193,54 @@ def test_a_windowed_call_takes_its_bands_rate_by_width_and_every_other_call_the_
     assert no_band.call_seconds(wide) == no_band.seconds(wide.flops)
 
 
+def test_a_call_takes_its_shapes_rate_by_work_per_head_and_heads_where_the_profile_has_by_work(tmp_path):
+    """Linear in log work on each head count's curve, then linear in log heads between the two nearest, held at the
+    ends of both; a forward and its backward (2.5 times the FLOPs) at one rate; windowed calls keep the band's rate."""
+    data = json.loads(json.dumps(GOOD))
+    data["compute"]["bfloat16"].update(by_work={"1": [[1, 20], [100, 40]], "4": [[1, 10], [100, 30]]},
+                                       band=[[128, 5], [2048, 5]])  # fmt: skip
+    curve = load_profile(write(tmp_path, data)).kernel("bfloat16")
+    call = lambda work, heads, d="forward": KernelCall(d, work, 64, 64, heads, 1, 128, 128)  # noqa: E731
+    assert curve.work_rate(10e6, 1) == pytest.approx(30e12) and curve.work_rate(10e6, 4) == pytest.approx(20e12)
+    assert curve.work_rate(10e6, 2) == pytest.approx(25e12)  # 2 heads: halfway between 1 and 4 in log
+    assert curve.work_rate(1e3, 1) == 20e12 and curve.work_rate(1e12, 32) == 30e12  # held at the ends
+    for c in (call(10**7, 2), call(10**7, 2, "backward"), call(10**5, 8), call(10**9, 1)):
+        assert curve.call_seconds(c) == pytest.approx(c.flops / curve.work_rate(c.work, c.hq), rel=1e-15)
+    assert curve.call_seconds(call(10**7, 2, "backward")) == pytest.approx(2.5 * curve.call_seconds(call(10**7, 2)))
+    banded = KernelCall("forward", 10**7, 64, 64, 2, 1, 128, 128, True, 64, 512)
+    assert curve.call_seconds(banded) == pytest.approx(banded.flops / 5e12)
+    assert curve.call_seconds(call(0, 2)) == 0.0
+    # the same FLOPs in one head of twice the work run faster than in two heads: the shape, not the size, sets it
+    assert curve.call_seconds(call(2 * 10**7, 1)) < curve.call_seconds(call(10**7, 2))
+    assert load_profile(write(tmp_path, GOOD)).kernel("bfloat16").by_work == ()
+
+
+@pytest.mark.parametrize("by_work, message", [
+    ([[1, 2]], r"compute.bfloat16.by_work must be \{\"heads\": \[\[mpairs, tflops\], ...\], ...\}"),
+    ({"two": [[1, 2]]}, r"compute.bfloat16.by_work has the key 'two'; give the query heads of the curve's calls"),
+    ({"0": [[1, 2]]}, r"compute.bfloat16.by_work has the key '0'"),
+    ({"2": []}, r"compute.bfloat16.by_work.2 is empty; give at least one \[mpairs, tflops\]"),
+    ({"2": [[1, 2], [1, 3]]}, r"compute.bfloat16.by_work.2 must be in increasing work"),
+    ({"2": [[1, -2]]}, r"compute.bfloat16.by_work.2\[0\]\[1\] is -2; give a positive number"),
+])  # fmt: skip
+def test_bad_by_work_curves_are_refused_naming_them(tmp_path, by_work, message):
+    data = json.loads(json.dumps(GOOD))
+    data["compute"]["bfloat16"]["by_work"] = by_work
+    with pytest.raises(CPInputError, match=message):
+        load_profile(write(tmp_path, data))
+
+
 def test_soft_capped_calls_cost_the_profiles_factor_and_a_profile_without_one_is_refused(tmp_path):
     data = json.loads(json.dumps(GOOD))
     data["compute"]["bfloat16"].update(softcap_factor=1.5, band=[[128, 10], [2048, 50]])
-    profile = load_profile(write(tmp_path, data))
-    plain, capped = profile.kernel("bfloat16"), profile.kernel("bfloat16", softcap=True)
     calls = [KernelCall("forward", 10**6, 4096, 4096, 8, 8, 128, 128), KernelCall("backward", 10**6, 64, 64, 8, 8, 128, 128),
              KernelCall("forward", 10**6, 4096, 4096, 8, 8, 128, 128, True, 4096, 512)]  # plain, small, banded
-    for call in calls:
-        assert capped.call_seconds(call) == pytest.approx(1.5 * plain.call_seconds(call), rel=1e-12)
+    for by_work in ({}, {"8": [[0.1, 20], [10, 60]]}):  # by FLOPs, and by shape
+        data["compute"]["bfloat16"]["by_work"] = by_work
+        profile = load_profile(write(tmp_path, data))
+        plain, capped = profile.kernel("bfloat16"), profile.kernel("bfloat16", softcap=True)
+        for call in calls:
+            assert capped.call_seconds(call) == pytest.approx(1.5 * plain.call_seconds(call), rel=1e-12)
     assert plain.factor == 1.0 and capped.factor == 1.5
     with pytest.raises(CPInputError, match=r"profile 'toy' has no softcap_factor for bfloat16"):
         load_profile(write(tmp_path, GOOD)).kernel("bfloat16", softcap=True)
@@ -225,15 +264,21 @@ def test_a_calibration_whose_line_passes_through_the_origin_still_writes_a_posit
     from sim.plan import calibrate as module
 
     calls = [(float(f), f / 50e9) for f in (1e8, 1e9, 1e10, 1e11)]  # no per-call cost at all
+    shaped = [(1, 10**6, 2e9, 0.1), (1, 10**7, 2e10, 0.5), (4, 10**6, 8e9, 0.2)]  # heads, work, FLOPs, seconds
     ranks = [{"link": {k: [(n, 1e-4 + n / 1e9) for n in module.SIZES] for k in ("send_recv", "all_gather")},
               "calls": [c for c in calls for _ in range(1)], "banded": [(129, 1e9, 0.05), (1025, 1e9, 0.025)],
-              "capped": [(1.0, 1.5), (3.0, 4.5)]}] * 2
+              "shaped": shaped, "capped": [(1.0, 1.5), (3.0, 4.5)]},
+             {"link": {k: [(n, 1e-4 + n / 1e9) for n in module.SIZES] for k in ("send_recv", "all_gather")},
+              "calls": [c for c in calls for _ in range(1)], "banded": [(129, 1e9, 0.05), (1025, 1e9, 0.025)],
+              "shaped": [(h, w, f, t * (2 if h == 4 else 1)) for h, w, f, t in shaped], "capped": [(1.0, 1.5), (3.0, 4.5)]}]
     monkeypatch.setattr("sim.tools.launch.launch", lambda *a, **k: ranks)
     out = tmp_path / "p.json"
     module.calibrate(out)
     curve = load_profile(out).kernel("float32")
     assert curve.half_size > 0 and curve.band == ((129, 20e9), (1025, 40e9))  # each width's pair: 1 GFLOP in its time
     assert curve.softcap_factor == 1.5  # (1.5 + 4.5) / (1 + 3)
+    # each head count's curve by work per head, at the slower process's time (the second's, twice the first's, at 4)
+    assert curve.by_work == ((1.0, ((1e6, 20e9), (1e7, 40e9))), (4.0, ((1e6, 20e9),)))
 
 
 @pytest.mark.parametrize("entry, message", [

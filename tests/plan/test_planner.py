@@ -15,7 +15,7 @@ import torch
 
 from cpref.base.errors import CPInputError
 from sim.plan import load_profile, plan
-from sim.plan.calibrate import WIDTHS
+from sim.plan.calibrate import BY_WORK, WIDTHS
 from sim.plan.dry import dry_run
 from sim.plan.model import rank_time
 from sim.plan.planner import _sharding
@@ -94,7 +94,7 @@ def test_the_command_line_prints_the_ranking_or_json_and_refuses_in_one_line(cap
 
 @pytest.mark.full
 def test_calibrate_writes_a_profile_the_planner_takes(tmp_path, capsys):
-    """`--calibrate` measures this machine (two gloo processes, about 15 s) into a file that loads and plans."""
+    """`--calibrate` measures this machine (two gloo processes, about a minute) into a file that loads and plans."""
     out = tmp_path / "here.json"
     assert cli.main(["--calibrate", "--out", str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
@@ -102,6 +102,8 @@ def test_calibrate_writes_a_profile_the_planner_takes(tmp_path, capsys):
     curve = profile.kernel("float32")
     assert curve.points and all(r > 0 for _, r in curve.points)
     assert [w for w, _ in curve.band] == [w + 1 for w in WIDTHS] and all(r > 0 for _, r in curve.band)
+    assert [h for h, _ in curve.by_work] == [1, 2, 4] and all(r > 0 for _, c in curve.by_work for _, r in c)
+    assert [n for n, _ in curve.by_work[0][1]] == [n * (n + 1) / 2 for n in BY_WORK[1]]  # one document's work each
     assert profile.links["intra"].bandwidth > 0 and profile.ranks_per_node == 2
     result = plan([2048, 1024], heads=(4, 4, 64, 64), dtype="float32", P=2, profile=out, layouts=["zigzag"])
     assert result.kinds["full"].ranked[0].step > 0

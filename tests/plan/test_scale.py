@@ -9,6 +9,7 @@ these at any P without a dry run (counted), prices `a2a` from rank 0 alone (coun
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -23,7 +24,7 @@ from cpref.base.errors import CPInputError
 from cpref.modes.all_gather_plan import build_all_gather_plan
 from cpref.modes.ring_plan import build_ring_plan
 from sim.plan import planner, scale
-from sim.plan.dry import dry_run
+from sim.plan.dry import KernelCall, dry_run
 from sim.plan.model import rank_time
 from sim.plan.profile import Compute, load_profile
 from sim.plan.scale_window import piece_all_gather_covers, piece_ring_covers
@@ -233,10 +234,24 @@ def test_the_overlap_calls_sums_are_varlens(seqs, causal):
     assert scale._sums(seqs, causal) == (varlen.work(causal), varlen.rows_seeing(causal))
 
 
-@pytest.mark.parametrize("curve", [Compute(300e12, 2e10), Compute(1e12, 0, ((1e6, 1e10), (1e8, 5e10), (1e11, 8e10)))])
-def test_seconds_array_is_seconds(curve):
-    flops = np.array([[0, 1e5, 1e6, 3e7], [1e8, 2.5e9, 1e11, 7e12]])
-    assert curve.seconds_array(flops).tolist() == [[curve.seconds(x) for x in row] for row in flops.tolist()]
+BY_WORK = ((2.0, ((1e5, 2e10), (1e8, 6e10))), (8.0, ((1e5, 4e10), (1e8, 5e10))))
+
+
+@pytest.mark.parametrize("curve", [Compute(300e12, 2e10), Compute(1e12, 0, ((1e6, 1e10), (1e8, 5e10), (1e11, 8e10))),
+                                   Compute(1e12, 0, band=((16.0, 1e10), (64.0, 3e10)), by_work=BY_WORK)])  # fmt: skip
+def test_seconds_array_is_call_seconds(curve):
+    """Every call of an array priced as `call_seconds` prices it, to the bit: by FLOPs, by band width, by shape."""
+    work = np.array([[0, 10**3, 10**4, 10**5], [10**6, 10**7, 10**8, 10**9]])
+    heads = np.array([1, 2, 4, 8])
+    band = np.array([False, True, False, True])
+    width = np.array([[0, 16, 0, 40], [0, 100, 0, 8]])
+    calls = [[KernelCall(d, int(work[i, j]), 64, 64, int(heads[j]), 1, 16, 16, bool(band[j]), 64, int(width[i, j]))
+              for j in range(4)] for i, d in enumerate(("forward", "backward"))]  # fmt: skip
+    flops = np.array([[c.flops for c in row] for row in calls], dtype=np.float64)
+    priced = curve.seconds_array(flops, work, heads[None, :], band[None, :], width)
+    assert priced.tolist() == [[curve.call_seconds(c) for c in row] for row in calls]
+    assert curve.seconds_array(flops, work, heads).tolist() == [[curve.call_seconds(dataclasses.replace(c, band=False, width=0))
+                                                                 for c in row] for row in calls]  # fmt: skip
 
 
 def test_ring_steps_by_hand():
@@ -264,11 +279,11 @@ PIECE_MASKS = [{}, {"window": (20, 0)}, {"window": (0, 0)}, {"window": (150, 0)}
 
 
 def band_profile():
-    """The H100 profile with a band curve, so that windowed calls take the band's rate by width."""
-    import dataclasses
-
+    """The H100 profile with a band curve and `by_work` curves, so that windowed calls take the band's rate by width
+    and every other call its shape's (work per head, heads: between the two head counts for 4 and 8 heads)."""
     compute = PROFILE.kernel("bfloat16")
-    banded = dataclasses.replace(compute, band=((16.0, 100e12), (64.0, 300e12)))
+    banded = dataclasses.replace(compute, band=((16.0, 100e12), (64.0, 300e12)),
+                                 by_work=((2.0, ((10.0, 50e12), (1e4, 200e12))), (16.0, ((10.0, 80e12), (1e4, 150e12)))))
     return dataclasses.replace(PROFILE, compute={"bfloat16": banded}), banded
 
 
