@@ -152,14 +152,34 @@ class Compute:
                       width: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """`call_seconds` of every call (`sim.plan.scale`'s thousands): their `flops`, `work` per head and query `heads`,
         and where given whether each has a window (`band`) and its band's `width` (all broadcast to `flops`' shape);
-        each distinct call priced once, by `call_seconds`' own formula, so that both agree to the bit."""
+        each distinct call priced once, by `call_seconds`' own formula, so that both agree to the bit. A call is told
+        apart only by what its price reads: its FLOPs, its band's width where the profile has a band curve, its work
+        and heads where it has `by_work` curves."""
         shape = flops.shape
-        banded = np.zeros(shape, dtype=bool) if band is None else np.broadcast_to(band, shape)
-        width = np.where(banded, 0 if width is None else width, -1)
-        keys = np.stack([np.broadcast_to(x, shape).ravel().astype(np.float64) for x in (flops, width, work, heads)], axis=1)
-        distinct, where = np.unique(keys, axis=0, return_inverse=True)
-        priced = [self._priced(f, w, n, h) for f, w, n, h in distinct]
-        return np.array(priced)[where.ravel()].reshape(shape)
+        banded = band is not None and bool(self.band) and bool(np.any(band))
+        width = np.where(np.broadcast_to(band, shape), width if width is not None else 0, -1) if banded else None
+        columns = [flops, width, *((work, heads) if self.by_work else ())]
+        keys = [np.broadcast_to(c, shape).ravel().astype(np.float64) for c in columns if c is not None]
+        distinct, where = _distinct(keys)
+        n = len(distinct[0])
+        full = [distinct[0], distinct[1] if banded else np.full(n, -1.0), *(distinct[-2:] if self.by_work else (np.zeros(n),) * 2)]
+        priced = [self._priced(f, w, k, h) for f, w, k, h in zip(*(c.tolist() for c in full))]
+        return np.array(priced)[where].reshape(shape)
+
+
+def _distinct(keys: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The distinct rows of the columns `keys` (each of length N) as columns, and each row's index among them
+    (`np.unique(axis=0)`'s, by one `lexsort` rather than a sort of whole rows: thousands of times faster here)."""
+    if len(keys) == 1:
+        distinct, where = np.unique(keys[0], return_inverse=True)
+        return [distinct], where.ravel()
+    order = np.lexsort(keys[::-1])
+    ordered = [k[order] for k in keys]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = np.any([k[1:] != k[:-1] for k in ordered], axis=0)
+    where = np.empty(len(order), dtype=np.int64)
+    where[order] = np.cumsum(new) - 1
+    return [k[new] for k in ordered], where
 
 
 @dataclass(frozen=True)

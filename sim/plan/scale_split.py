@@ -34,6 +34,7 @@ with windows, chunks, head groups, replicated key/value heads and `balance` on a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -175,6 +176,22 @@ def split_hierarchy_covers(mode: str, layout: str, options: dict[str, Any], P: i
         and set(mask) <= {"window", "chunk"} and set(options) <= {"a2a_size", "head_groups", "balance"}
 
 
+@functools.lru_cache(maxsize=2)
+def _split_ring(b, P: int, layout: str, a: int, chunk: int | None, causal: bool, window: tuple[int, int],
+                balance: bool) -> tuple:  # fmt: skip
+    """`(own calls, m, members, halo, shifts, ring amounts)` of `split_hierarchy_schedule`'s steps 1 and 2: cached for
+    the next candidate (its head groups, asked for right after). Read it, never change it: the arrays are read-only."""
+    left, right = window[0], 0 if causal else window[1]
+    shared = exchanged_docs(b, P, layout, a, causal, window, balance)
+    own, shared_rows = _own_calls(b, P, layout, shared, chunk, left, right)
+    m = max(shared_rows)
+    members, real = group_members(b, P, layout, a, shared, m)  # the mode's own members
+    real, members = chunk_real(real), [chunk_pieces(x, chunk) for x in members]
+    halo, shifts, ring = piece_ring_parts(real, members, causal, window)  # ring: (4, P / a, T*S)
+    ring.setflags(write=False)
+    return own, m, members, halo, shifts, ring
+
+
 def split_hierarchy_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype,
                              a2a_size: int, causal: bool = True, window: tuple[int, int] = (-1, -1),
                              chunk: int | None = None, head_groups: int = 1, balance: bool = True) -> Schedule:  # fmt: skip
@@ -191,15 +208,9 @@ def split_hierarchy_schedule(sharding: Any, *, heads: tuple[int, int, int, int],
     _checked("a2a+p2p", sharding, heads, dtype, causal, window, chunk, options, split_hierarchy_covers)
     b, P, layout, a, n = sharding.bounds, sharding.cp_size, sharding.layout, a2a_size, head_groups
     hq, hkv, d, dv = heads
-    left, right = window[0], 0 if causal else window[1]
     # 1) the exchanged documents (balanced within each group); each rank's own call and shared rows
-    shared = exchanged_docs(b, P, layout, a, causal, window, balance)
-    own, shared_rows = _own_calls(b, P, layout, shared, chunk, left, right)
-    m = max(shared_rows)
     # 2) the ring across the P / a groups over their shared pieces (the slots see nothing)
-    members, real = group_members(b, P, layout, a, shared, m)  # the mode's own members
-    real, members = chunk_real(real), [chunk_pieces(x, chunk) for x in members]
-    halo, shifts, ring = piece_ring_parts(real, members, causal, window)  # ring: (4, P / a, T*S)
+    own, m, members, halo, shifts, ring = _split_ring(b, P, layout, a, chunk, causal, window, balance)
     T, S, p = len(shifts), _slots(members), P // a
     # 3) the collectives: the exchange's seven on a m rows, then the ring's shifts (sim.plan.scale_window)
     replicas = head_split(hq, hkv, a)

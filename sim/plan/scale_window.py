@@ -53,6 +53,7 @@ where the full-causal ring's closed forms have one formula per step.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any, Callable
 
@@ -128,9 +129,8 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     a, n = a2a_size, head_groups
     p, replicas = P // a, 1 if hkv % a == 0 else a // hkv
     h_kv, h_q, rows_a = hkv * replicas // (a * n), hq // (a * n), a * local  # per rank and head group
-    real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, p, layout, a)]
     # 1) the shifts' sizes, then the pairs summed into each (ring member, step, slot)'s call
-    halo, shifts, member = piece_ring_parts(real, members, causal, window)  # member: (4, p, T*S)
+    members, halo, shifts, member = _piece_ring(b, p, layout, a, chunk, causal, window)  # member: (4, p, T*S)
     T, S = len(shifts), _slots(members)
     made = member[2] > 0  # a call is made where it has keys
     # 2) the collectives: the exchanges inside the group (kinds 0 .. 6, a2a+p2p), then per distance t >= 1 the
@@ -159,6 +159,18 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
     return Schedule(P, tuple(tl.events), kinds, slots, every(member[0]),
                     np.full((P, 2 * n * T * S), rows_a, dtype=np.int64), every(member[2]), every(member[1]), every(made),
                     saved, every(member[3]) if band else None)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=2)
+def _piece_ring(b, p: int, layout: str, a: int, chunk: int | None, causal: bool,
+                window: tuple[int, int]) -> tuple[list, dict, tuple, np.ndarray]:  # fmt: skip
+    """`(members, *piece_ring_parts)` of the ring over `p` members of `a` ranks each: cached for the next candidate
+    (the planner asks for a2a+p2p's head groups right after the same ring without them). Read it, never change it:
+    the amounts are read-only."""
+    real, members = chunk_real(b.real_in), [chunk_pieces(m, chunk) for m in _members(b, p, layout, a)]
+    halo, shifts, amounts = piece_ring_parts(real, members, causal, window)
+    amounts.setflags(write=False)
+    return members, halo, shifts, amounts
 
 
 def piece_ring_parts(real, members, causal: bool, window: tuple[int, int]) -> tuple[dict, tuple, np.ndarray]:

@@ -213,6 +213,8 @@ def test_a_call_takes_its_shapes_rate_by_work_per_head_and_heads_where_the_profi
     # the same FLOPs in one head of twice the work run faster than in two heads: the shape, not the size, sets it
     assert curve.call_seconds(call(2 * 10**7, 1)) < curve.call_seconds(call(10**7, 2))
     assert load_profile(write(tmp_path, GOOD)).kernel("bfloat16").by_work == ()
+    data["compute"]["bfloat16"]["by_work"] = {"4": [[1, 10], [100, 30]], "1": [[1, 20], [100, 40]]}  # any key order
+    assert load_profile(write(tmp_path, data)).kernel("bfloat16").work_rate(10e6, 2) == pytest.approx(25e12)
 
 
 @pytest.mark.parametrize("by_work, message", [

@@ -252,6 +252,25 @@ def test_seconds_array_is_call_seconds(curve):
     assert priced.tolist() == [[curve.call_seconds(c) for c in row] for row in calls]
     assert curve.seconds_array(flops, work, heads).tolist() == [[curve.call_seconds(dataclasses.replace(c, band=False, width=0))
                                                                  for c in row] for row in calls]  # fmt: skip
+    # the same FLOPs and work in 2 heads of 16 and in 1 head of 32: told apart by their heads alone
+    twins = [KernelCall("forward", 10**6, 64, 64, 2, 1, 16, 16), KernelCall("forward", 10**6, 64, 64, 1, 1, 32, 32)]
+    assert twins[0].flops == twins[1].flops
+    priced = curve.seconds_array(np.array([float(c.flops) for c in twins]), np.array([10**6] * 2), np.array([2, 1]))
+    assert priced.tolist() == [curve.call_seconds(c) for c in twins]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda k: st.lists(st.tuples(*[st.sampled_from([0.0, 1.0, 2.5, -1.0])] * k), min_size=1,
+                                                 max_size=40)))
+def test_distinct_rows_are_numpys(rows):
+    """`_distinct`'s rows and inverse are `np.unique(axis=0)`'s: every row maps back to itself."""
+    from sim.plan.profile import _distinct
+
+    table = np.array(rows, dtype=np.float64)
+    columns, where = _distinct([table[:, j].copy() for j in range(table.shape[1])])
+    expected = np.unique(table, axis=0)
+    assert np.array_equal(np.stack(columns, axis=1), expected)
+    assert np.array_equal(np.stack(columns, axis=1)[where], table)
 
 
 def test_ring_steps_by_hand():
