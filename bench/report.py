@@ -89,7 +89,10 @@ gather, the `index_select`, the `index_add_` and the backward's re-gather (see
 Every mode at CP = 2 in the zigzag and balanced layouts over gloo (two processes, one thread each),
 each also predicted by [the planner](planner.md) (`python -m sim plan` with the `this-machine`
 profile it calibrates at the start of the same run; goals: every prediction within 15%, the modes
-ranked as measured), against CP = 1 (one
+ranked as measured; the profile prices each kernel call by its shape, its work per head and its heads, as
+`by_work` in [the profiles](plan-profiles.md) describes: at equal FLOPs a Ulysses call, half the heads over twice
+the work per head, runs a few percent faster here than an all-gather call, and on one causal document that
+is what orders the modes), against CP = 1 (one
 process, one thread), on one causal document of 16384 tokens and on a packed mix of four,
 with each rank's step split into compute (inside kernel calls), waiting for communication
 (inside collectives and ring-shift waits) and the rest. For the ring (`p2p`) every step is
