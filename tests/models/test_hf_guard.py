@@ -318,6 +318,48 @@ def test_labels_of_a_head_that_is_not_a_causal_lm_are_refused():
     assert model(tokens, cp=cp).logits.shape == (1, 8, VOCAB)  # without labels it runs
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "balanced"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_labels_that_are_already_the_next_tokens_are_refused_on_every_rank(layout, masked):
+    """get_batch_on_this_cp_rank's labels (Megatron's: the next tokens) as labels=: the model would shift them a second
+    time, silently (every token learning the one after next); refused on every rank before any collective."""
+
+    def go(model, b, cp, comm):
+        y = b["labels"].masked_fill(b["loss_mask"] == 0, -100) if masked else b["labels"]
+        return model(b["tokens"][None], position_ids=b["position_ids"][None], labels=y[None].clone(), use_cache=False,
+                     cp=cp).loss  # fmt: skip
+
+    results, trace = run("llama3", 4, layout, go)
+    for err in results:
+        assert isinstance(err, cpref.CPInputError) and not isinstance(err, PeerInputError), err
+        assert "labels= are already the next tokens" in str(err) and "pass them as shift_labels=" in str(err)
+    assert only_the_row(trace)
+
+
+def test_next_token_labels_are_told_by_their_values_alone():
+    """Own ids (transformers' labels) pass, with or without -100; repeated tokens (shifted or not, one loss) pass;
+    without input_ids (inputs_embeds) nothing is compared; the next tokens inside each document are refused, even
+    where the label of a document's last token is another document's first (the stream shifted as a whole)."""
+    from cpref.hf.guard import _next_tokens
+
+    s = cpref.Sharding([0, 5, 11], cp_size=2, layout="contiguous", cu_seqlens_padded=[0, 6, 12])
+    ids = torch.tensor([11, 12, 13, 14, 15, 0, 21, 22, 23, 24, 25, 26])  # the padded stream
+    stream_next = torch.cat([ids[1:], ids[:1]])  # every token's label the stream's next one
+    for rank in range(2):
+        mine = s.shard(ids, rank)
+        assert not _next_tokens(mine, mine, s, rank, -100)
+        assert not _next_tokens(mine.masked_fill(mine % 2 == 0, -100), mine, s, rank, -100)
+        assert not _next_tokens(s.shard(stream_next, rank), None, s, rank, -100)
+        assert _next_tokens(s.shard(stream_next, rank), mine, s, rank, -100)
+        same = torch.full_like(mine, 7)
+        assert not _next_tokens(same, same, s, rank, -100)
+        assert not _next_tokens(torch.full_like(mine, -100), mine, s, rank, -100)
+    # one pair differing from the next id is enough to pass: labels that are the next tokens but for one
+    wrong = s.shard(stream_next, 0).clone()
+    wrong[1] = 99
+    assert not _next_tokens(wrong, s.shard(ids, 0), s, 0, -100)
+
+
 # ---- shard_batch's labels: already the next tokens ---------------------------------------------------------------
 def sharded(comm, P: int = 2, layout: str = "zigzag") -> dict:
     """`pack()` as DataCollatorWithFlattening makes it (position ids restart at every document), through shard_batch."""

@@ -53,6 +53,7 @@ ROWS = {
                  ("integer labels (1, T_l)", "`labels` or `shift_labels` that are not"),
                  ("shifted for causal LMs only", "`labels=` of a head that is not a causal LM"),
                  ("are cpref.hf.shard_batch's labels", "`labels=` that are `shard_batch`'s labels"),
+                 ("labels= are already the next tokens", "`labels=` that are already the next tokens"),
                  ("takes no position_ids", "no `position_ids` parameter"),
                  ("integer positions (1, T_l)", "`position_ids` that are not `(1, T / P)` integers"),
                  ("_wrong_positions(", "`position_ids` that are not `(1, T / P)` integers"),

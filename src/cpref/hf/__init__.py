@@ -97,6 +97,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | `labels` or `shift_labels` that are not this rank's `T / P` integer labels | they label the shard's tokens |
 | forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
 | forward | `labels=` that are `shard_batch`'s labels (already the next tokens; pass `shift_labels=batch["shift_labels"][None]`) | the model would shift them a second time |
+| forward | `labels=` that are already the next tokens (each the id of the token after it in its document: `get_batch_on_this_cp_rank`'s, Megatron's; pass them as `shift_labels=`) | the model would shift them a second time |
 | forward | another rank's inputs that failed these checks (a `cpref.base.errors.PeerInputError` naming that rank) | that rank does not go on to the collectives |
 | forward | ranks that pass different loss arguments, `use_cache` or caches, training modes, activation checkpointing, autograd or position starts | the ranks would compute different things, or refuse at different layers |
 | layer | a layer reached without the model-level checks (called on its own, or the model's forward pre-hook removed) | its positions, masks and labels were not checked |

@@ -42,7 +42,10 @@ it right or refuses, before the model runs:
    loss only where labels are given). Only causal LMs shift; `labels=` of any other head is
    refused, and so are the labels of [`shard_batch`][cpref.hf.batch.shard_batch] passed as
    `labels=` (they are already the next tokens: step 1 tells them by their values and refuses
-   them, naming `shift_labels=`).
+   them, naming `shift_labels=`), and any labels that are already the next tokens
+   ([`get_batch_on_this_cp_rank`][cpref.train.data.get_batch_on_this_cp_rank]'s, Megatron's):
+   step 1 compares each label with the ids of its token and of the next one in the same document
+   on the rank's own shard, and refuses labels equal to the next ones wherever they differ.
 
 $$ \text{shift\_labels}_i = \text{labels}_{g(i) + 1}, \qquad \text{loss}_r = \frac{\sum_{i \in r}
    \ell_i}{\#\{j : \text{labels}_{j+1} \ne -100\}} $$
@@ -60,6 +63,7 @@ from typing import Any
 import torch
 
 from cpref.base.errors import CPInputError, PeerInputError
+from cpref.batch.layout import local_chunks
 from cpref.batch.sharding import Sharding
 from cpref.hf.admit import check_config, check_modules
 from cpref.hf.batch import BatchSharding
@@ -204,11 +208,47 @@ def _check_labels(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
         if key == "labels" and not _causal_lm(model):
             raise CPInputError(f"{what}: labels= under CP are shifted for causal LMs only; compute this head's loss "
                                "from its outputs with cpref.cp_loss (normalised over the whole batch)")  # fmt: skip
-        if key == "labels" and call.get("shift_labels") is None and isinstance(s, BatchSharding) and s.made_labels(
-                y, call.get("input_ids"), rank):  # fmt: skip
+        if key != "labels" or call.get("shift_labels") is not None:
+            continue
+        if isinstance(s, BatchSharding) and s.made_labels(y, call.get("input_ids"), rank):
             raise CPInputError(f"{what}: labels= are cpref.hf.shard_batch's labels, which are already the next tokens: "
                                "the model would shift them a second time; pass shift_labels=batch['shift_labels'][None] "
                                "instead (batch = cpref.hf.shard_batch(...))")  # fmt: skip
+        if _next_tokens(y, call.get("input_ids"), s, rank, call.get("ignore_index", -100)):
+            raise CPInputError(f"{what}: labels= are already the next tokens (each is the input id of the token after "
+                               "it in its document, as cpref.get_batch_on_this_cp_rank's and Megatron's labels are): the "
+                               "model would shift them a second time; pass them as shift_labels= (with -100 where "
+                               "loss_mask is 0), or pass labels=input_ids")  # fmt: skip
+
+
+def _next_tokens(labels: torch.Tensor, ids: Any, s: Sharding, rank: int, ignore: int) -> bool:
+    """Whether this rank's `labels` are the next tokens' ids already: at every pair of neighbours of one document
+    (`_neighbours`) whose label is not `ignore`, the label is the next token's id, and not every one is its own token's
+    (where each is both, the tokens repeat, and shifting or not gives the same loss)."""
+    if not isinstance(ids, torch.Tensor) or ids.numel() != s.local_tokens:
+        return False  # inputs_embeds: no ids to compare with
+    i = _neighbours(s, rank).to(labels.device)  # (n,)
+    y, x = labels.reshape(-1).long(), ids.reshape(-1).to(labels.device).long()  # (T_l,) each
+    given = y[i] != ignore  # (n,)
+    if not bool(given.any()):
+        return False
+    label, following, own = y[i][given], x[i + 1][given], x[i][given]
+    return bool((label == following).all()) and not bool((label == own).all())
+
+
+def _neighbours(s: Sharding, rank: int) -> torch.Tensor:
+    """Rank `rank`'s local rows `i` whose row `i + 1` is the next real token of the same document: LongTensor `(n,)`
+    (a piece's real tokens come first, its padding after them)."""
+
+    def build() -> torch.Tensor:
+        b, rows, at = s.bounds, [], 0
+        for doc, start, end in local_chunks(b, cp_size=s.cp_size, rank=rank, layout=s.layout):
+            real = b.real_in(doc, start - b.padded[doc], end - b.padded[doc])
+            rows.append(torch.arange(at, at + max(real - 1, 0)))
+            at += end - start
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+
+    return s.plan(("hf_neighbours", rank), build)
 
 
 def _causal_lm(model: torch.nn.Module) -> bool:
