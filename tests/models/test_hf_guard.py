@@ -340,7 +340,7 @@ def test_next_token_labels_are_told_by_their_values_alone():
     """Own ids (transformers' labels) pass, with or without -100; repeated tokens (shifted or not, one loss) pass;
     without input_ids (inputs_embeds) nothing is compared; the next tokens inside each document are refused, even
     where the label of a document's last token is another document's first (the stream shifted as a whole)."""
-    from cpref.hf.guard import _next_tokens
+    from cpref.hf.labels import next_tokens as _next_tokens
 
     s = cpref.Sharding([0, 5, 11], cp_size=2, layout="contiguous", cu_seqlens_padded=[0, 6, 12])
     ids = torch.tensor([11, 12, 13, 14, 15, 0, 21, 22, 23, 24, 25, 26])  # the padded stream

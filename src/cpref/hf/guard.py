@@ -11,7 +11,8 @@ it right or refuses, before the model runs:
    ([`cpref.hf.admit`][cpref.hf.admit]); the call's arguments go by name (no extra positional
    ones); one packed sequence (batch size 1) of exactly this rank's `T / P` tokens; no
    `logits_to_keep` (it keeps the shard's last tokens), no image or audio inputs, no `softcap=`
-   or `s_aux=` for the layers.
+   or `s_aux=` for the layers; the loss arguments are this rank's integer labels, of a causal LM,
+   not already shifted ([`cpref.hf.labels`][cpref.hf.labels]).
 2. **Positions.** Missing `position_ids` are filled in from the sharding: every token's
    position in its document (from `padding_idx + 1` for the RoBERTa family, as their
    embeddings count). Given ones must be the sharding's positions of this rank's real tokens,
@@ -32,27 +33,14 @@ it right or refuses, before the model runs:
    else has been communicated. So a layer that refuses (a cache, `use_cache=True` or dropout in
    training) refuses on every rank alike, the same model on each, and no rank waits for
    another in a collective.
-5. **Labels.** `labels=` keeps its meaning in `transformers` (the model shifts them): the
-   ranks all-gather their label shards (`T / P` ints each) and shift them over the unsharded,
-   unpadded stream, exactly as the model does without CP, so each rank gets `shift_labels` for
-   its tokens; `num_items_in_batch` (when not given) is the number of loss tokens of the whole
-   batch. The model's `loss` on a rank is then that rank's share: the shares add up to the
-   mean over the batch. With `shift_labels` and no `num_items_in_batch`, the count is one
-   all-reduce, and `shift_labels` alone are handed on as `labels` too (`transformers` computes a
-   loss only where labels are given). Only causal LMs shift; `labels=` of any other head is
-   refused, and so are the labels of [`shard_batch`][cpref.hf.batch.shard_batch] passed as
-   `labels=` (they are already the next tokens: step 1 tells them by their values and refuses
-   them, naming `shift_labels=`), and any labels that are already the next tokens
-   ([`get_batch_on_this_cp_rank`][cpref.train.data.get_batch_on_this_cp_rank]'s, Megatron's):
-   step 1 compares each label with the ids of its token and of the next one in the same document
-   on the rank's own shard, and refuses labels equal to the next ones wherever they differ.
+5. **Labels.** `labels=` keeps its meaning in `transformers` (the model shifts them): shifted over
+   the unsharded batch, with `num_items_in_batch` the whole batch's loss tokens, so that the
+   model's `loss` on a rank is its share of the batch's mean ([`cpref.hf.labels`][cpref.hf.labels],
+   which also refuses, in step 1, labels that are already the next tokens).
 
-$$ \text{shift\_labels}_i = \text{labels}_{g(i) + 1}, \qquad \text{loss}_r = \frac{\sum_{i \in r}
-   \ell_i}{\#\{j : \text{labels}_{j+1} \ne -100\}} $$
-
-where $g(i)$ is token $i$'s index in the unpadded stream. The gradient of the batch's loss is
-the **sum** of the ranks' gradients (every rank holds a replica of the parameters):
-all-reduce them over the CP group with a sum, as [`cpref.train.training`][cpref.train.training] does.
+The gradient of the batch's loss is the **sum** of the ranks' gradients (every rank holds a
+replica of the parameters): all-reduce them over the CP group with a sum, as
+[`cpref.train.training`][cpref.train.training] does.
 """
 
 from __future__ import annotations
@@ -63,10 +51,9 @@ from typing import Any
 import torch
 
 from cpref.base.errors import CPInputError, PeerInputError
-from cpref.batch.layout import local_chunks
 from cpref.batch.sharding import Sharding
 from cpref.hf.admit import check_config, check_modules
-from cpref.hf.batch import BatchSharding
+from cpref.hf.labels import check_labels, loss_arguments
 from cpref.hf.layer import CP, NAMES, Checked
 from cpref.modes.consistency import exchange
 
@@ -117,7 +104,7 @@ def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
     # 4) every rank's verdict, the arguments that decide what is communicated next and what the layers refuse
     _agree(cp, what, problem, _row(model, call, offset), _device(call))
     # 5) labels over the unsharded batch
-    _loss_arguments(model, call, cp)
+    loss_arguments(model, call, cp)
     call["cp"] = Checked(cp.comm, cp.sharding, cp.mode, cp.options)
     return (), call
 
@@ -193,66 +180,7 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
                                f"{list(s.cu_seqlens)[:8]} (the sharding's); pass the batch through cpref.hf.shard_batch")  # fmt: skip
     for key in ("max_length_q", "max_length_k"):
         call.pop(key, None)  # derived from the boundaries
-    _check_labels(model, call, s, rank, what)
-
-
-def _check_labels(model: torch.nn.Module, call: dict, s: Sharding, rank: int, what: str) -> None:
-    """Step 1's loss arguments: this rank's integer labels, of a causal LM, not shifted already."""
-    for key in ("labels", "shift_labels"):
-        y = call.get(key)
-        if y is None:
-            continue
-        if not isinstance(y, torch.Tensor) or y.is_floating_point() or y.numel() != s.local_tokens:
-            got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
-            raise CPInputError(f"{what}: {key} must be this rank's {s.local_tokens} integer labels (1, T_l), got {got}")
-        if key == "labels" and not _causal_lm(model):
-            raise CPInputError(f"{what}: labels= under CP are shifted for causal LMs only; compute this head's loss "
-                               "from its outputs with cpref.cp_loss (normalised over the whole batch)")  # fmt: skip
-        if key != "labels" or call.get("shift_labels") is not None:
-            continue
-        if isinstance(s, BatchSharding) and s.made_labels(y, call.get("input_ids"), rank):
-            raise CPInputError(f"{what}: labels= are cpref.hf.shard_batch's labels, which are already the next tokens: "
-                               "the model would shift them a second time; pass shift_labels=batch['shift_labels'][None] "
-                               "instead (batch = cpref.hf.shard_batch(...))")  # fmt: skip
-        if _next_tokens(y, call.get("input_ids"), s, rank, call.get("ignore_index", -100)):
-            raise CPInputError(f"{what}: labels= are already the next tokens (each is the input id of the token after "
-                               "it in its document, as cpref.get_batch_on_this_cp_rank's and Megatron's labels are): the "
-                               "model would shift them a second time; pass them as shift_labels= (with -100 where "
-                               "loss_mask is 0), or pass labels=input_ids")  # fmt: skip
-
-
-def _next_tokens(labels: torch.Tensor, ids: Any, s: Sharding, rank: int, ignore: int) -> bool:
-    """Whether this rank's `labels` are the next tokens' ids already: at every pair of neighbours of one document
-    (`_neighbours`) whose label is not `ignore`, the label is the next token's id, and not every one is its own token's
-    (where each is both, the tokens repeat, and shifting or not gives the same loss)."""
-    if not isinstance(ids, torch.Tensor) or ids.numel() != s.local_tokens:
-        return False  # inputs_embeds: no ids to compare with
-    i = _neighbours(s, rank).to(labels.device)  # (n,)
-    y, x = labels.reshape(-1).long(), ids.reshape(-1).to(labels.device).long()  # (T_l,) each
-    given = y[i] != ignore  # (n,)
-    if not bool(given.any()):
-        return False
-    label, following, own = y[i][given], x[i + 1][given], x[i][given]
-    return bool((label == following).all()) and not bool((label == own).all())
-
-
-def _neighbours(s: Sharding, rank: int) -> torch.Tensor:
-    """Rank `rank`'s local rows `i` whose row `i + 1` is the next real token of the same document: LongTensor `(n,)`
-    (a piece's real tokens come first, its padding after them)."""
-
-    def build() -> torch.Tensor:
-        b, rows, at = s.bounds, [], 0
-        for doc, start, end in local_chunks(b, cp_size=s.cp_size, rank=rank, layout=s.layout):
-            real = b.real_in(doc, start - b.padded[doc], end - b.padded[doc])
-            rows.append(torch.arange(at, at + max(real - 1, 0)))
-            at += end - start
-        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-
-    return s.plan(("hf_neighbours", rank), build)
-
-
-def _causal_lm(model: torch.nn.Module) -> bool:
-    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    check_labels(model, call, s, rank, what)
 
 
 def _real(s: Sharding, rank: int) -> torch.Tensor:
@@ -366,24 +294,3 @@ def _agree(cp: CP, what: str, problem: CPInputError | None, row: list[int], devi
                                    "checkpointing and autograd, and positions of the same numbering on every rank")  # fmt: skip
     if problem is not None:
         raise problem
-
-
-def _loss_arguments(model: torch.nn.Module, call: dict, cp: CP) -> None:
-    """Step 5: `shift_labels` over the unsharded stream, and the batch's loss tokens."""
-    labels, shift = call.get("labels"), call.get("shift_labels")
-    if labels is None and shift is not None and _causal_lm(model):
-        labels = call["labels"] = shift  # transformers computes a loss only where labels are given
-    if labels is None:
-        return
-    s, comm, ignore = cp.sharding, cp.comm, call.get("ignore_index", -100)
-    if shift is None:
-        every = comm.all_gather(labels.reshape(-1).long())  # (P T_l,) every rank's labels
-        stream = s.unpad(s.unshard(list(every.split(s.local_tokens))))  # (T_real,) in stream order
-        # the label of token j is the next one's: labels[j + 1], the last one's ignored
-        nxt = torch.cat([stream[1:], stream.new_full((1,), ignore)])  # (T_real,)
-        call["shift_labels"] = s.shard(s.pad(nxt, value=ignore), comm.rank).view(1, -1)  # (1, T_l)
-        if call.get("num_items_in_batch") is None:
-            call["num_items_in_batch"] = (nxt != ignore).sum()
-    elif call.get("num_items_in_batch") is None:
-        mine = (shift.reshape(-1) != ignore).sum().reshape(1)  # (1,) this rank's loss tokens
-        call["num_items_in_batch"] = comm.all_reduce(mine).reshape(())
