@@ -82,6 +82,11 @@ the path or setting, both values and the fix:
 
 After a save interrupted between its renames, `--resume DIR` takes the newest complete
 checkpoint of `DIR`, `DIR.tmp` and `DIR.old`, and says which.
+
+A run that diverges stops at the first step whose loss or gradient norm is not finite (a
+learning rate in range but too large, such as `--lr 3e37`): that step is not taken, the
+checkpoints stay the last finite step's, and the command prints one line naming the step, both
+values and what to change, and exits with status 1 ([training](training.md)).
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ import torch
 import cpref
 from cpref.api import check_mode
 from cpref.base.checks import as_int
-from cpref.base.errors import CPInputError
+from cpref.base.errors import CPInputError, NonFiniteStepError
 from cpref.kernels.contract import NO_WINDOW
 from cpref.models import CausalLM, ModelConfig
 from cpref.train.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
@@ -328,10 +333,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -
             print(line, file=sys.stderr)
         print(f"training {spec.model} with {spec.train.mode}/{spec.train.layout} at DP {spec.dp} x CP {spec.cp} "
               f"on {backend}, {spec.pack_tokens}-token packs", file=sys.stderr)  # fmt: skip
-    if backend == "sim":
-        run_sim(spec, on_step=_print_step)
-    else:
-        from sim.tools.launch import launch
+    from sim.tools.launch import LaunchFailure, launch
 
-        launch(_gloo_rank, spec.dp * spec.cp, args=(spec,), timeout=600.0)
+    try:
+        if backend == "sim":
+            run_sim(spec, on_step=_print_step)
+        else:
+            launch(_gloo_rank, spec.dp * spec.cp, args=(spec,), timeout=600.0)
+    except NonFiniteStepError as exc:  # every simulated rank alike: the run stops, one line
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
+    except LaunchFailure as exc:
+        if exc.root.exc_type != NonFiniteStepError.__name__:
+            raise
+        print(f"{prog}: error: {exc.root.message.strip()}", file=sys.stderr)
+        return 1
     return 0

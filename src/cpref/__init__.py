@@ -37,7 +37,7 @@ outs = sim.SimCluster(4).run(  # every rank's output shard, in rank order
 """
 
 from cpref.api import MODES, attention
-from cpref.base.errors import CPInputError
+from cpref.base.errors import CPInputError, NonFiniteStepError
 from cpref.batch.cache import cache_info, clear_cache
 from cpref.batch.layout import LAYOUTS, bshd_to_thd, thd_to_bshd
 from cpref.batch.seqlens import Boundaries
@@ -54,6 +54,7 @@ __all__ = [
     "Collectives",
     "SingleRank",
     "CPInputError",
+    "NonFiniteStepError",
     "AttentionKernel",
     "TorchKernel",
     "CudaKernel",

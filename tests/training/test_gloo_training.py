@@ -132,3 +132,14 @@ def test_a_dcp_payload_passes_its_process_group_and_directory_to_dcp(tmp_path, m
     assert {k: type(load[k]) for k in readers} == readers and str(load["storage_reader"].path) == want["checkpoint_id"]
     backend.DcpPayload(group, local=True).load(tmp_path, model, opt)  # one process alone: no group, no collective
     assert "process_group" not in calls[2][1] and calls[2][1]["no_dist"] is True
+
+
+def test_a_diverged_run_on_gloo_stops_every_process_in_one_line(capsys):
+    """`--lr 3e37` on gloo processes (the gpt2 preset: its step 1 is NaN): every process raises alike, the launcher
+    reports it, and the command prints the step's one line and exits with status 1, not a traceback."""
+    from sim.__main__ import main
+
+    assert main(["train", "--backend", "gloo", "--model", "gpt2", "--lr", "3e37", "--steps", "3"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m sim train: error: step 1: the loss is nan and the gradients' norm nan")
+    assert "Traceback" not in "\n".join(err)

@@ -1,4 +1,4 @@
-"""cpref's error type for bad input.
+"""cpref's error types: bad input, and a training step that diverged.
 
 `CPInputError` is both a `ValueError` (what Python code expects for a bad argument) and an
 `AssertionError` (what the MindSpeed RFC specifies for its metadata interface), so callers
@@ -8,7 +8,7 @@ alike; where one rank's own inputs fail, the ranks' comparison tells the others,
 too (see [`cpref.modes.consistency`][cpref.modes.consistency]).
 """
 
-__all__ = ["CPInputError", "PeerInputError"]
+__all__ = ["CPInputError", "PeerInputError", "NonFiniteStepError"]
 
 
 class CPInputError(ValueError, AssertionError):
@@ -19,4 +19,13 @@ class PeerInputError(CPInputError):
     """Another rank's input failed validation, and this rank raises too, so that none waits in a collective.
 
     The rank whose own input failed raises a plain `CPInputError` naming it: that one is the root cause.
+    """
+
+
+class NonFiniteStepError(ArithmeticError):
+    """A training step's loss or gradient norm is not finite: the step is not taken.
+
+    Every rank reads the same all-reduced loss and norm, so every rank raises alike; the weights and the optimizer
+    state stay those of the last finite step, and no checkpoint of the diverged step is written. The message names
+    the step, both values and what to change.
     """

@@ -17,7 +17,11 @@ A step of data-parallel x context-parallel training does what a step on one devi
    the **sum** of the ranks' gradients: one all-reduce (sum) over the DP x CP group, of all
    gradients flattened into one buffer.
 4. **Update.** Clip by the global gradient norm (the same on every rank), and step the
-   optimizer. Every replica applies the same update, so the replicas stay identical.
+   optimizer. Every replica applies the same update, so the replicas stay identical. A step
+   whose loss or gradient norm is not finite (a learning rate too large, bf16 overflow, a bad
+   batch) is not taken: every rank raises `NonFiniteStepError` alike (both numbers are
+   all-reduced), naming the step, the two values and what to change, and the weights, the
+   optimizer state and the checkpoints stay those of the last finite step.
 
 $$ \mathcal{L} = \frac{\sum_{\text{ranks}} \sum_{\text{micro-batches}} \sum_x \mathrm{mask}_x\, \mathrm{loss}_x}
                       {\sum_{\text{ranks}} \sum_{\text{micro-batches}} \sum_x \mathrm{mask}_x} $$
@@ -43,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from cpref.base.checks import as_bool, as_choice, as_int
-from cpref.base.errors import CPInputError
+from cpref.base.errors import CPInputError, NonFiniteStepError
 from cpref.batch.layout import LAYOUTS
 from cpref.comm.protocol import Collectives, SingleRank, check_comm
 from cpref.modes.consistency import check_same
@@ -252,13 +256,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
     flat = topo.world.all_reduce(torch.cat([p.grad.flatten() for p in params]))  # (n_params,)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p))
-    # 4) clip by the global norm, update
+    # 4) the step's loss; a loss or norm that is not finite stops the run before the update (every rank alike: both
+    #    are all-reduced); else clip by the global norm, update
+    loss = topo.world.all_reduce(total.reshape(1))  # (1,) the step's mean loss
     norm = flat.double().norm()
+    if not (math.isfinite(float(loss)) and math.isfinite(float(norm))):
+        fixes = [f"lower the learning rate (lr={config.lr:g})",
+                 *(["clip the gradients (grad_clip=None)"] if config.grad_clip is None else []),
+                 *(["train in float32 (bf16=True)"] if config.bf16 else []), "check the batch"]  # fmt: skip
+        raise NonFiniteStepError(f"step {step}: the loss is {float(loss):g} and the gradients' norm {float(norm):g}, not "
+                                 "finite; the step is not taken (the weights are the last finite step's, no checkpoint "
+                                 f"of it is written): {', '.join(fixes[:-1])} or {fixes[-1]}")  # fmt: skip
     if config.grad_clip is not None and norm > config.grad_clip:
         for p in params:
             p.grad.mul_(config.grad_clip / float(norm))
     optimizer.step()
-    loss = topo.world.all_reduce(total.reshape(1))  # (1,) the step's mean loss
     tokens = topo.dp_size * sum(len(p.tokens) for p in packs)
     return StepStats(step, float(loss), float(norm), tokens, time.perf_counter() - start)
 
