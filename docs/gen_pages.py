@@ -105,6 +105,9 @@ PAGE_FIGURES = {
          "planner when this site was built. Ringed: the winner; dotted: where the winner changes; dashed: every FLOP "
          "split evenly at the profile's peak."),
         ("figures/study_910b.png", "The same on eight Ascend 910Bs a node (HCCS inside, RoCE across)."),
+        ("figures/study_whole_h100.png", "The H100s and the 8B-like heads again: each mode's best candidate over the "
+         "layouts that keep documents whole (stream, balanced; solid) beside its best over contiguous or zigzag "
+         "(dotted, from the first figure); dashed: every FLOP split evenly at the profile's peak."),
     ],
     "layout.md": [
         ("figures/layouts.png", "Which rank holds which chunk of each document (contiguous, zigzag), or which "

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from docs import figures as base
 from sim.plan.figures import draw_curves
 from sim.plan.profile import load_profile
-from sim.plan.study import MODELS, curves, study_batch
+from sim.plan.study import MODELS, MODES_SHOWN, curves, study_batch, whole_curves
 
 
 def ideal_seconds(profile: str, heads: tuple[int, int, int, int], P: int) -> float:
@@ -38,7 +38,34 @@ def draw_study(profile: str) -> Figure:
     return fig
 
 
+def draw_whole(profile: str, model: str = "Llama-3-8B-like") -> Figure:
+    """Each mode's best step (ms, log) against P (log 2) over the layouts that keep documents whole (solid) beside its
+    best over the chunked ones (dotted, faint): `whole_curves` against `curves`."""
+    from sim.plan.figures import MODE_MARKERS, mode_color
+
+    heads = MODELS[model]
+    fig = base.plt.figure(figsize=(base.WIDTH, 4.2), constrained_layout=True)
+    ax = fig.add_subplot()
+    whole, chunked = whole_curves(profile, heads), curves(profile, heads)
+    ax.plot(whole.Ps, [ideal_seconds(profile, heads, P) * 1e3 for P in whole.Ps], color="0.6", linestyle="--",
+            label="all FLOPs / P at peak")  # fmt: skip
+    for mode in MODES_SHOWN:
+        for c, style, alpha, label in ((whole, "-", 1.0, mode), (chunked, ":", 0.55, None)):
+            pts = [(p.P, p.step * 1e3) for p in c.points[mode] if p is not None]
+            ax.plot(*zip(*pts), linestyle=style, alpha=alpha, color=mode_color(mode), marker=MODE_MARKERS[mode],
+                    markersize=4, label=label)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(whole.Ps, [str(P) for P in whole.Ps])
+    ax.set_xlabel("CP size P")
+    ax.set_ylabel("step of one layer, ms")
+    ax.legend(frameon=False, loc="lower left")
+    ax.set_title(f"{load_profile(profile).name}, {model}: solid, documents kept whole; dotted, chunked", loc="left")
+    return fig
+
+
 FIGURES = {
     "figures/study_h100.png": lambda: draw_study("h100-sxm"),
     "figures/study_910b.png": lambda: draw_study("ascend-910b"),
+    "figures/study_whole_h100.png": lambda: draw_whole("h100-sxm"),
 }

@@ -50,17 +50,33 @@ layouts that keep documents whole change):
 The stream and balanced layouts keep most documents on one rank, so the modes move only the
 documents that span ranks ([`cpref.batch.balanced`][cpref.batch.balanced]). Every mode's plan over them is
 built at scale ([`sim.plan.scale_window`][sim.plan.scale_window], [`sim.plan.scale_split`][sim.plan.scale_split]),
-so the planner prices them at every $P$; the curves above keep to the chunked layouts, the layouts of the
-published comparisons below. At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below,
-H100s, 8B-like heads), each mode's best candidate in them against its best in contiguous or
-zigzag:
+so the planner prices them at every $P$ ([`whole_curves`][sim.plan.study.whole_curves]); the curves above keep to
+the chunked layouts, the layouts of the published comparisons below. Each mode's best over stream or
+balanced (solid) beside its best over contiguous or zigzag (dotted), on the H100s with the 8B-like heads:
+
+{{ figure figures/study_whole_h100.png }}
+
+* **Kept whole, the packed batch scales past 64 ranks.** `a2a+p2p` over stream or balanced
+  keeps falling all the way to 1024 ranks, to about 1.4 ms a layer, under a quarter of its best
+  in the chunked layouts there: a rank's own documents need no communication, and only the rows
+  of the documents that span ranks go through the all-to-all and round the ring, where a chunked
+  layout cuts every document over every rank. So "nothing scales past about 64 ranks" above is
+  the chunked layouts' verdict, not the batch's.
+* **The ring** over stream or balanced is at its best at 128 ranks, under a fifth of its chunked
+  step there, and slower again beyond: its $P$ steps each pay a kernel call's and a message's
+  fixed cost.
+* **All-gather and Ulysses gain nothing** from keeping documents whole past one node: at 16
+  ranks and more nearly every rank's rows belong to a document that spans ranks, so the
+  all-gather still moves nearly the whole stream's K/V, and Ulysses' all-to-all every rank's rows.
+
+At 8 and 16 ranks (the table "Documents kept whole, at 8 and 16 ranks" below, H100s, 8B-like heads),
+each mode's best candidate in them against its best in contiguous or zigzag:
 
 * inside one node, `all_gather` over balanced with `overlap=True` is the fastest candidate of
   all: it gathers only the shared rows, behind the local call;
 * at 16 ranks `a2a+p2p` still wins, and faster over balanced than over zigzag;
 * the ring over balanced takes at most half its zigzag step at 16 ranks: it sends only the rows
-  of the documents that span ranks, so the "gain nothing past the node boundary" above is the
-  chunked layouts' verdict, not the ring's.
+  of the documents that span ranks.
 
 ## Against published results
 
@@ -117,8 +133,8 @@ zigzag:
 * The candidates are those [built at scale][sim.plan.scale] at every $P$: `p2p`, `all_gather`
   and `a2a+p2p` (every `a2a_size` dividing $P$, with and without head groups) in the contiguous
   and zigzag layouts, `all_gather` with and without `overlap`, and `a2a` with and without head
-  groups. The stream and balanced layouts are left out of the curves (the section "Documents kept
-  whole" compares them at 8 and 16).
+  groups. The stream and balanced layouts have curves of their own (the section "Documents kept
+  whole", H100s and 8B-like heads): every mode, with the same options.
 * The [time model][sim.plan.model] and the profiles' published rates: no contention between a
   rank's communication and its compute, no host time outside kernels and collectives, a
   collective priced by the slowest link it crosses (at the node boundary of a ring, the
@@ -141,8 +157,8 @@ from sim.plan.batches import sample
 from sim.plan.planner import plan
 from sim.plan.profile import Profile, load_profile
 
-__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "scan", "curves", "best_per_mode",
-           "documents_kept_whole", "MODES_SHOWN", "WHOLE_LAYOUTS"]
+__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "scan", "curves", "whole_curves",
+           "best_per_mode", "documents_kept_whole", "MODES_SHOWN", "WHOLE_LAYOUTS"]
 
 STUDY_P = (8, 16, 32, 64, 128, 256, 512, 1024)
 MODELS = {"Llama-3-8B-like": (32, 8, 128, 128), "Llama-3-70B-like": (64, 8, 128, 128)}
@@ -218,6 +234,14 @@ def curves(profile: str, heads: tuple[int, int, int, int], Ps: tuple[int, ...] =
     with its candidates; cached, so that the page's figures and table share one run."""
     return scan(list(study_batch()), heads=heads, dtype="bfloat16", Ps=Ps, profile=profile,
                 layouts=["contiguous", "zigzag"], dry_run_limit=1)["full"]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def whole_curves(profile: str, heads: tuple[int, int, int, int], Ps: tuple[int, ...] = STUDY_P) -> Curves:
+    """`curves` with the candidates of the layouts that keep documents whole (`WHOLE_LAYOUTS`) instead of the
+    chunked ones, every rank of every candidate built at scale: the section "Documents kept whole"."""
+    return scan(list(study_batch()), heads=heads, dtype="bfloat16", Ps=Ps, profile=profile,
+                layouts=list(WHOLE_LAYOUTS), dry_run_limit=1)["full"]  # fmt: skip
 
 
 def best_per_mode(lengths: tuple[int, ...], heads: tuple[int, int, int, int], profile: str, P: int) -> dict[str, Point]:

@@ -110,3 +110,37 @@ def test_inside_one_h100_node_the_ring_hides_its_shifts_where_ulysses_waits():
 def test_usp_at_16_ranks_the_70b_like_heads_pick_4_on_the_h100s():
     c = run("h100-sxm", "Llama-3-70B-like")
     assert a2a_size(c.points["a2a+p2p"][c.Ps.index(16)].name) == 4
+
+
+def whole_and_chunked():
+    from sim.plan.study import whole_curves
+
+    heads = MODELS["Llama-3-8B-like"]
+    return whole_curves("h100-sxm", heads), curves("h100-sxm", heads)
+
+
+def test_kept_whole_a2a_p2p_keeps_scaling_to_1024_ranks():
+    """The page: falls all the way to 1024 ranks, to about 1.4 ms, under a quarter of its chunked best there."""
+    whole, chunked = whole_and_chunked()
+    steps = [step(whole, "a2a+p2p", P) for P in whole.Ps if P >= 16]
+    assert all(b < a for a, b in zip(steps, steps[1:])), steps
+    assert 1.2e-3 <= step(whole, "a2a+p2p", 1024) <= 1.7e-3
+    assert step(whole, "a2a+p2p", 1024) < 0.25 * step(chunked, "a2a+p2p", 1024)
+    assert all(w == "a2a+p2p" for P, w in zip(whole.Ps, whole.winners) if P >= 16)
+
+
+def test_kept_whole_the_ring_is_at_its_best_at_128_ranks():
+    """The page: at its best at 128 ranks, under a fifth of its chunked step there, slower again beyond."""
+    whole, chunked = whole_and_chunked()
+    ring = {P: step(whole, "p2p", P) for P in whole.Ps}
+    assert min(ring, key=ring.get) == 128 and ring[128] < 0.2 * step(chunked, "p2p", 128)
+    assert all(ring[P] > ring[128] for P in (256, 512, 1024))
+
+
+def test_kept_whole_all_gather_and_ulysses_gain_nothing_past_one_node():
+    """The page: no better than in the chunked layouts from 16 ranks on (within 10 %, and Ulysses within 2 %)."""
+    whole, chunked = whole_and_chunked()
+    for P in (P for P in whole.Ps if P >= 16):
+        assert step(whole, "all_gather", P) >= 0.9 * step(chunked, "all_gather", P), P
+        if whole.points["a2a"][whole.Ps.index(P)] is not None:
+            assert step(whole, "a2a", P) >= 0.98 * step(chunked, "a2a", P), P
