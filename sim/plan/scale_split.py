@@ -13,7 +13,7 @@ rank's dry run stands for the others; but every amount is a sum over whole docum
   ([`document_sequences`][cpref.modes.shared.document_sequences]), all heads;
 * the shared call, the same on every rank: the exchanged documents' sequences in order and the padding slots,
   over $P m$ rows of $H_q / P$ query heads (and the key/value heads the exchange leaves, replicated where
-  $H_{kv} < P$), with the exchange's seven all-to-alls ([`exchange_kinds`][sim.plan.scale.exchange_kinds]) on
+  $H_{kv} < P$), with the exchange's seven all-to-alls ([`exchange_kinds`][sim.plan.schedule.exchange_kinds]) on
   $P m$ rows;
 * the timeline the Function writes: the own call, then the exchange blocking around the shared call, each way; in
   head groups, the pipeline of the hierarchy with the own call after the posts
@@ -47,17 +47,17 @@ from cpref.modes.shared import document_sequences, head_split
 from cpref.modes.ulysses_split import exchanged_docs
 from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import sequence_amounts
-from sim.plan.scale import (
+from sim.plan.scale import _saved
+from sim.plan.scale_window import _checked, _slots, piece_ring_parts, piece_ring_timeline
+from sim.plan.schedule import (
     RingShifts,
     Schedule,
     Slot,
     _grouped_template,
-    _saved,
     _Template,
     exchange_kinds,
     hierarchy_template,
 )
-from sim.plan.scale_window import _checked, _slots, piece_ring_parts, piece_ring_timeline
 
 __all__ = ["split_a2a_covers", "split_a2a_schedule", "split_hierarchy_covers", "split_hierarchy_schedule"]
 
@@ -106,7 +106,7 @@ def _own_calls(b, P: int, layout: str, shared: set[int], chunk: int | None, left
 def split_a2a_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtype: torch.dtype, causal: bool = True,
                        window: tuple[int, int] = (-1, -1), chunk: int | None = None, head_groups: int = 1,
                        balance: bool = True) -> Schedule:  # fmt: skip
-    """Every rank of `a2a` over the stream or balanced layout (module docstring), as a `sim.plan.scale.Schedule`.
+    """Every rank of `a2a` over the stream or balanced layout (module docstring), as a `sim.plan.schedule.Schedule`.
 
     Raises:
         CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate
@@ -197,7 +197,7 @@ def split_hierarchy_schedule(sharding: Any, *, heads: tuple[int, int, int, int],
                              chunk: int | None = None, head_groups: int = 1, balance: bool = True) -> Schedule:  # fmt: skip
     """Every rank of `a2a+p2p` over the stream or balanced layout (`cpref.modes.hierarchical_split`: own rows at
     home; shared rows exchanged inside the a2a groups, then the ring over pieces across the groups), as a
-    `sim.plan.scale.Schedule`.
+    `sim.plan.schedule.Schedule`.
 
     Raises:
         CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate

@@ -27,7 +27,7 @@ to no count the time model reads, so only the pairs are summed.
 `a2a+p2p` under a window or chunks, in the contiguous and zigzag layouts, runs the same ring across
 its groups of `a2a_size` ranks, each member a group holding its ranks' pieces
 ([`cpref.batch.layout.group_chunks`][cpref.batch.layout.group_chunks]), on the heads the exchange
-leaves a rank, inside the hierarchy's exchanges ([`hierarchy_template`][sim.plan.scale.hierarchy_template],
+leaves a rank, inside the hierarchy's exchanges ([`hierarchy_template`][sim.plan.schedule.hierarchy_template],
 in one head group or several): every rank of a group makes its group's calls.
 
 `all_gather` on the pieces' plan ([`cpref.modes.all_gather_pieces`][cpref.modes.all_gather_pieces]:
@@ -45,7 +45,7 @@ at P = 2 to 8, in every layout, with windows, chunks and neither, and `a2a+p2p`'
 **Cost.** The build is linear in the pairs of pieces that see each other, in array operations: `piece_pairs` finds
 a document's pairs with two `searchsorted`s per query piece, their amounts are closed forms over arrays
 ([`sequence_amounts`][sim.plan.dry.sequence_amounts]), and the shifts of a distance are one column of
-[`RingShifts`][sim.plan.scale.RingShifts], priced once per pair of link levels. A window much wider than the
+[`RingShifts`][sim.plan.schedule.RingShifts], priced once per pair of link levels. A window much wider than the
 chunks still makes many pairs: at P = 1024 the zigzag ring under a window of 1024 cuts short documents into chunks
 of a few tokens, so its plan has a pair for every chunk a window reaches and a shift for nearly every distance,
 where the full-causal ring's closed forms have one formula per step.
@@ -65,17 +65,15 @@ from cpref.kernels.contract import _visible_sum, compute_dtype
 from cpref.modes.ring_window import _halo_rows, _members, piece_pairs
 from cpref.modes.visible import chunk_pieces, chunk_real
 from sim.plan.dry import Collective, sequence_amounts, sequence_width
-from sim.plan.scale import (
+from sim.plan.scale import _saved, overlap_amounts, validate
+from sim.plan.schedule import (
     RingShifts,
     Schedule,
     Slot,
-    _saved,
     _Template,
     exchange_kinds,
     hierarchy_template,
-    overlap_amounts,
     overlap_template,
-    validate,
 )
 
 __all__ = ["piece_ring_schedule", "piece_ring_covers", "piece_ring_parts", "piece_ring_timeline", "piece_all_gather_schedule",
@@ -113,7 +111,7 @@ def piece_ring_schedule(sharding: Any, *, heads: tuple[int, int, int, int], dtyp
                         window: tuple[int, int] = (-1, -1), chunk: int | None = None, a2a_size: int = 1,
                         head_groups: int = 1) -> Schedule:  # fmt: skip
     """Every rank of `p2p` on the piece ring, or of `a2a+p2p` whose ring across groups of `a2a_size` ranks is one
-    (module docstring), as a `sim.plan.scale.Schedule`.
+    (module docstring), as a `sim.plan.schedule.Schedule`.
 
     Raises:
         CPInputError: as `cpref.attention` refuses the call, naming the value; or for a candidate
@@ -249,7 +247,7 @@ def piece_all_gather_schedule(sharding: Any, *, heads: tuple[int, int, int, int]
                               overlap: bool = False) -> Schedule:  # fmt: skip
     """Every rank of `all_gather` on the pieces' plan (`cpref.modes.all_gather_pieces`): from the plan's own reads of
     every rank, each rank's one call (a sequence per piece: its real queries against the keys `[lo, hi)` its reads
-    cover) and the gathers of `m` rows, as a `sim.plan.scale.Schedule`.
+    cover) and the gathers of `m` rows, as a `sim.plan.schedule.Schedule`.
 
     Raises:
         CPInputError: as `cpref.attention` refuses the call; or for a candidate `piece_all_gather_covers` does not
@@ -305,7 +303,7 @@ def _piece_overlap_schedule(sharding: Any, heads: tuple[int, int, int, int], dty
                             chunk: int | None, m: int) -> Schedule:  # fmt: skip
     """`all_gather` with `overlap=True` on the pieces' plan (`m > 0` rows gathered; `cpref.modes.all_gather_overlap`):
     each sequence of the plan split into the keys the rank holds and the others', the local call's halves by the
-    mode's own `_halves`; the gathers and reduce-scatters of `m` rows around them (`sim.plan.scale.overlap_template`)."""
+    mode's own `_halves`; the gathers and reduce-scatters of `m` rows around them (`sim.plan.schedule.overlap_template`)."""
     b, P, local = sharding.bounds, sharding.cp_size, sharding.local_tokens
     hq, hkv, d, dv = heads
     out = [np.zeros((P, 5), dtype=np.int64) for _ in range(3)] + [np.zeros((P, 5), dtype=bool)]

@@ -319,12 +319,12 @@ def test_sequence_amounts_are_the_per_sequence_closed_forms(shapes, left, right)
 
 @pytest.mark.parametrize("ranks_per_node", [2, 4])
 def test_a_collective_priced_from_the_cache_is_priced_as_alone(tmp_path, ranks_per_node):
-    """`sim.plan.scale._priced`, one cache over every rank of many groups (consecutive, strided, spanning nodes of
+    """`sim.plan.schedule._priced`, one cache over every rank of many groups (consecutive, strided, spanning nodes of
     2 ranks or not) and every op: each answer is `collective_seconds` and `link_bytes` of that very collective. A key
     missing what a price depends on (whether the group spans nodes, the node a rank shares with its successor, how
     many peers share its node) answers another rank's price."""
     from sim.plan.links import link_bytes
-    from sim.plan.scale import _priced
+    from sim.plan.schedule import _priced
 
     toy = load_profile(write(tmp_path, {**GOOD, "ranks_per_node": ranks_per_node}))
     groups = [tuple(range(8)), (0, 1), (1, 2), (0, 2, 4, 6), (1, 3, 4, 5), (0, 3), (2, 3, 4), (5, 6, 7, 0), (0, 1, 2, 3),
