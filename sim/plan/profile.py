@@ -37,7 +37,8 @@ not a line rate or a datasheet peak, and carries its source next to it in the fi
   ([`KernelCall.work`][sim.plan.dry.KernelCall]: visible query-key pairs, in millions). A CPU kernel computes
   head by head in tiles, so its rate follows the tiles one head's work makes (a forward and its backward, 2.5 times
   the FLOPs, run at one rate) and falls a little with more heads in one call: at one call's FLOPs, one head of
-  16384 tokens runs 6 % faster than four heads of 8192 here. A call of $H_q$ heads and work $w$ takes each
+  16384 tokens runs a few percent faster than four heads of 8192 (`bench/results/this-machine.json`, measured by
+  `bench/scaling.py`'s calibration). A call of $H_q$ heads and work $w$ takes each
   measured head count's rate at $w$ (linear in $\log w$, held at the ends), then the rate between the two nearest
   head counts (linear in $\log H_q$, held at the ends). Where given it prices every unwindowed call, in place of
   `points` and the two numbers (`this-machine` measures it at 1, 2 and 4 heads).
