@@ -65,10 +65,12 @@ docs-check: docs
 	$(PY) docs/check_site.py site --shots site-check
 
 # Each benchmark prints its tables (see bench/report.py, the docs' performance page); nothing is
-# asserted. What each prints and what it measured are kept in bench/results/ (.txt, .json); the performance page
-# renders its tables and draws its figures from the .json files.
+# asserted. What each prints and what it measured are kept in bench/out/ (.txt, .json; ignored by git). The
+# performance page renders its tables and draws its figures from the committed bench/results/: KEEP=1 writes
+# there instead (make bench KEEP=1), to be committed.
+KEEP ?=
 bench: $(VENV)/.base
-	$(PY) -m bench.all
+	$(PY) -m bench.all $(if $(filter 1,$(KEEP)),--update-results)
 
 clean:
 	rm -rf $(VENV) site site-check .pytest_cache .hypothesis

@@ -1,7 +1,8 @@
 r"""The planner against the measurement: `bench/scaling.py`'s steps, predicted by `python -m sim plan`.
 
 `bench/scaling.py` calls [`calibrate`][sim.plan.calibrate.calibrate] first (the `this-machine`
-profile, measured in the same run on the same two processes, kept as `bench/results/this-machine.json`),
+profile, measured in the same run on the same two processes, kept beside its results: `bench/out/this-machine.json`,
+or with `make bench KEEP=1` the committed `bench/results/this-machine.json`),
 then, for every batch it measures, [`rows`][bench.predicted.rows] predicts each row's step at
 CP = 2 (the same mode, layout, options, window and batch, priced from its dry run on every rank:
 [`sim.plan.planner.predict`][sim.plan.planner.predict]) and [`markdown`][bench.predicted.markdown]

@@ -16,8 +16,9 @@ cpref is a reference, but one people train with: its kernel and its CP path must
 enough to use. Every figure here is *measured*, side by side in one run on the machine at hand,
 and printed with the load average at the time; none is asserted by a test, because timings
 move with the machine. `make bench` runs each benchmark of `bench/` in turn (in the last run
-{total_minutes} on 2 cores; the goal is under ten), prints its tables and keeps what it measured in `bench/results/`: a
-`.txt` file of what it printed and a `.json` file of its figures. Each section below says what
+{total_minutes} on 2 cores; the goal is under ten), prints its tables and keeps what it measured: a
+`.txt` file of what it printed and a `.json` file of its figures, in `bench/out/` (ignored by git), or with
+`make bench KEEP=1` in `bench/results/`, the committed files this page is built from. Each section below says what
 a benchmark measures and how, then shows its last run, rendered from that `.json` file when
 this site was built (the plots too, `docs/bench_figures.py`), headed by where it ran (CPU, gloo,
 the simulated cluster), when and on what machine. The summary above and its goals are rendered

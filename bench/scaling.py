@@ -87,7 +87,7 @@ from cpref.modes.ring_window import build_window_ring_plan
 from sim.tools.cli import Parser, positive
 from sim.tools.launch import launch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+CALIBRATION = Path(__file__).resolve().parent / "out" / "this-machine.json"  # bench.all.OUT's: never the committed one
 
 TARGET = 0.95  # efficiency against the machine, for zigzag and balanced
 TARGET_LAYOUTS = ("zigzag", "balanced")
@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--window", nargs="+", default=["none", "1024"], metavar="W",
                         help="causal sliding windows of W + 1 keys, window=(W, 0), in CP = 1 and every mode, one table "
                              "each ('none': full causal)")  # fmt: skip
+    parser.add_argument("--calibration", default=str(CALIBRATION), metavar="PATH", help="where the this-machine profile "
+                        "calibrated at the start goes (default: bench/out/this-machine.json, ignored by git; python -m "
+                        "bench.all --update-results writes bench/results/this-machine.json, the committed one)")  # fmt: skip
     args = parser.parse_args(argv)
     windows, P = [_window(parser, w) for w in args.window], args.cp
     if P < 2:
@@ -348,8 +351,9 @@ def main(argv: list[str] | None = None) -> dict:
     from sim.plan.calibrate import calibrate
     from sim.plan.profile import load_profile
 
-    calibrate(RESULTS / "this-machine.json", nproc=P)  # the planner's profile of this machine, measured in this run
-    profile = load_profile(RESULTS / "this-machine.json")
+    Path(args.calibration).parent.mkdir(parents=True, exist_ok=True)
+    calibrate(args.calibration, nproc=P)  # the planner's profile of this machine, measured in this run
+    profile = load_profile(args.calibration)
     batches_run = []
     for window, (name, lengths) in ((w, batch) for w in windows for batch in batches(args.tokens, P).items()):
         shape = (lengths, args.heads, args.head_dim, args.repeats, window)

@@ -81,6 +81,44 @@ def test_every_benchmark_keeps_its_tables_and_results_and_the_page_shows_them(tm
         assert f"{{{{ results {name} }}}}" in page, name
 
 
+def test_make_bench_writes_an_ignored_folder_unless_told_to_update_the_committed_results(tmp_path, monkeypatch, capsys):
+    """`python -m bench.all` (`make bench`) keeps its files, the calibration `bench.scaling` writes included, in
+    `bench/out/`, which git ignores; `--update-results` (`make bench KEEP=1`) in `bench/results/`, the committed files
+    the performance page reads (`load`'s default). Was: every run wrote over the committed results."""
+    import subprocess
+    import sys
+    import types
+    from pathlib import Path
+
+    from bench import all as bench_all
+    from bench import scaling
+
+    root = Path(bench_all.__file__).resolve().parents[1]
+    assert bench_all.OUT == root / "bench" / "out" and bench_all.RESULTS == root / "bench" / "results"
+    assert scaling.CALIBRATION == bench_all.OUT / "this-machine.json"
+    ignored = [subprocess.run(["git", "check-ignore", "-q", f"bench/{f}/kernel.json"], cwd=root).returncode
+               for f in ("out", "results")]  # fmt: skip
+    assert ignored == [0, 1]  # out ignored by git, results not
+    out, results = tmp_path / "out", tmp_path / "results"
+    monkeypatch.setattr(bench_all, "OUT", out)
+    monkeypatch.setattr(bench_all, "RESULTS", results)
+    calls = []
+    fake = types.ModuleType("bench.scaling")  # the one benchmark that writes a file of its own: its calibration
+    fake.main = lambda argv: calls.append(argv) or {"ms": [1.0]}
+    monkeypatch.setitem(sys.modules, "bench.scaling", fake)
+    bench_all.main(["--only", "scaling"])
+    assert (out / "scaling.json").is_file() and not results.exists()
+    assert calls == [["--calibration", str(out / "this-machine.json")]]
+    assert "the performance page's) unchanged: --update-results (make bench KEEP=1)" in capsys.readouterr().out
+    bench_all.main(["--only", "scaling", "--update-results"])
+    assert bench_all.load("scaling", results)["results"] == {"ms": [1.0]}
+    assert calls[-1] == ["--calibration", str(results / "this-machine.json")]
+    for keep, flags in (([], []), (["KEEP=1"], ["--update-results"])):  # the Makefile's target, dry-run
+        made = subprocess.run(["make", "-n", "--no-print-directory", "bench", *keep], cwd=root, capture_output=True,
+                              text=True).stdout  # under make test, a sub-make: without its directory lines
+        assert made.splitlines()[-1].split()[1:] == ["-m", "bench.all", *flags], made
+
+
 def test_fastest_samples_cheap_cases_more_and_every_case_alike():
     """`fastest` runs at least `repeats` rounds, more within the time budget, never more than
     `max_rounds`, and every case once per round: a case timed fewer times than the other
@@ -261,8 +299,8 @@ def test_the_scaling_benchmark_runs_every_configuration_in_one_launch_per_batch(
     folder: a test leaves the kept results (`bench/results/this-machine.json`) as the last `make bench` wrote them."""
     from bench import scaling
 
-    monkeypatch.setattr(scaling, "RESULTS", tmp_path)
-    result = scaling.main(["--tokens", "256", "--heads", "4", "--head-dim", "4", "--window", "none", "--repeats", "2"])
+    result = scaling.main(["--tokens", "256", "--heads", "4", "--head-dim", "4", "--window", "none", "--repeats", "2",
+                           "--calibration", str(tmp_path / "this-machine.json")])  # fmt: skip
     assert [b["name"] for b in result["batches"]] == ["1 x 256", "4 mixed"]
     for batch in result["batches"]:
         assert batch["t1"] > 0 and batch["t_pair"] > 0

@@ -10,7 +10,8 @@
 * [`sim.plan.model`][sim.plan.model]: the time model, a rank's counted step priced by a profile;
 * [`sim.plan.planner`][sim.plan.planner]: every candidate ranked, the deciding term named;
 * [`sim.plan.calibrate`][sim.plan.calibrate]: the `this-machine` profile, measured here;
-* [`sim.plan.study`][sim.plan.study]: which mode wins from 8 to 1024 ranks, on the published profiles.
+* [`sim.plan.study`][sim.plan.study]: which mode wins from 8 to 1024 ranks, on the H100 and 910B profiles;
+* [`sim.plan.report`][sim.plan.report]: the answer as `python -m sim plan` prints it, with the call to paste.
 """
 
 from sim.plan.planner import Plan, plan

@@ -149,13 +149,22 @@ class Prediction:
 
 @dataclass(frozen=True)
 class KindPlan:
-    """One layer kind's candidates: `ranked` (fastest first), `refused`, `unpriced`, and what decided the winner."""
+    """One layer kind's candidates: `ranked` (fastest first), `refused`, `unpriced`, and what decided the winner;
+    `mask`: the kind's arguments of `cpref.attention` as pairs (`(("window", (W, 0)),)`, `(("chunk", C),)`, `()` for full
+    causal)."""
 
     kind: str
     ranked: tuple[Prediction, ...]
     refused: tuple[Prediction, ...]
     decided_by: str
     unpriced: tuple[Prediction, ...] = ()
+    mask: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def against(self) -> Prediction | None:
+        """The candidate `decided_by` names: the best of another mode than the winner's (else the runner-up); None
+        with a single candidate."""
+        return _rival(self.ranked)
 
 
 @dataclass(frozen=True)
@@ -279,11 +288,18 @@ def _order(p: Prediction) -> tuple:
     return p.step, moved, p.peak_saved_bytes, MODES[p.candidate.mode].order, LAYOUTS.index(p.candidate.layout)
 
 
+def _rival(ranked: Sequence[Prediction]) -> Prediction | None:
+    """The best candidate of another mode than the winner's, else the runner-up; None with fewer than two."""
+    if len(ranked) < 2:
+        return None
+    return next((p for p in ranked[1:] if p.candidate.mode != ranked[0].candidate.mode), ranked[1])
+
+
 def _decided_by(ranked: Sequence[Prediction]) -> str:
     """The term by which the best candidate of another mode (else the next one) loses to the winner."""
-    if len(ranked) < 2:
+    rival = _rival(ranked)
+    if rival is None:
         return "the only candidate"
-    rival = next((p for p in ranked[1:] if p.candidate.mode != ranked[0].candidate.mode), ranked[1])
     if rival.step == ranked[0].step:
         mine, theirs = _order(ranked[0]), _order(rival)
         why = next(w for w, a, b in zip(("", "fewer bytes moved", "less memory saved", "the simpler mode", "the simpler layout"),
@@ -377,5 +393,5 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         if not ranked:
             raise CPInputError(f"no candidate runs {kind} layers at P = {P} with heads {tuple(heads)}: "
                                f"{refused[0].name}: {refused[0].refused}")  # fmt: skip
-        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked), unpriced)
+        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked), unpriced, tuple(mask.items()))
     return result

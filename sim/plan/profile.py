@@ -54,9 +54,18 @@ not a line rate or a datasheet peak, and carries its source next to it in the fi
   soft-capped layers multiplies every call's time by it, and is refused on a profile without it
   (none is published: `this-machine` measures it).
 
-Shipped profiles live in this package's `profiles/` folder and are named by their file name
-(`h100-sxm`, `ascend-910b`; `this-machine` once `python -m sim plan --calibrate` has measured it there);
-a user's own is a path to a file written the same way. [`load_profile`][sim.plan.profile.load_profile]
+* `datasheet` (optional, not read by the planner): the hardware's published peaks, each with its source
+  (`bf16_dense_tflops`, `hbm_GBps`, `nvlink_GBps_both_directions`, `ib_Gbps_per_gpu`), beside which the
+  achieved figures above are read: a test holds every achieved figure under its peak.
+
+Shipped profiles live in this package's `profiles/` folder and are named by their file name: `h100-sxm`,
+`a100-sxm`, `h200-sxm`, `b200-sxm` (eight GPUs a node over NVLink and NVSwitch, one InfiniBand NIC per GPU
+across nodes; the attention kernel FlashAttention-2, which PyTorch ships and `CudaKernel` calls: on the B200 it
+runs at about its H100 rate, and the file says what a Blackwell kernel would change) and `ascend-910b`;
+`this-machine` once `python -m sim plan --calibrate` has measured it there (git ignores it; `--calibrate`
+never writes over a published profile). Each figure's `source` gives the public measurement or datasheet it
+comes from, with its address, or how it is derived from them. A user's own is a path to a file written the
+same way; `python -m sim plan --ranks-per-node N` replaces a profile's node size. [`load_profile`][sim.plan.profile.load_profile]
 refuses a file with a missing, non-numeric, zero or negative number, naming it.
 """
 

@@ -3,7 +3,7 @@ r"""Which mode? Every mode's predicted step from 8 to 1024 ranks, and where the 
 The [planner][sim.plan.planner] answers for one batch and one cluster. This page asks it the
 question a team sizing a long-context run asks first: **as the CP group grows, which mode wins,
 and where does that change?** It runs the planner for a 128k-token packed batch at
-$P = 8, 16, \dots, 1024$ on the two published [profiles][sim.plan.profile] (eight H100s per node
+$P = 8, 16, \dots, 1024$ on two of the published [profiles][sim.plan.profile] (eight H100s per node
 over NVLink with InfiniBand across; eight Ascend 910Bs per node over HCCS with RoCE across), with
 the heads of a Llama-3-8B-like layer ($H_q = 32$, $H_{kv} = 8$, $D = 128$) and a Llama-3-70B-like
 one ($H_q = 64$, $H_{kv} = 8$), and keeps each mode's best candidate (its best layout and
@@ -151,13 +151,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from sim.plan.batches import sample
-from sim.plan.planner import plan
+from sim.plan.planner import Plan, plan
 from sim.plan.profile import Profile, load_profile
 
-__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "scan", "curves", "whole_curves",
+__all__ = ["STUDY_P", "MODELS", "PROFILES", "Point", "Curves", "study_batch", "scan", "curves_of", "curves", "whole_curves",
            "best_per_mode", "documents_kept_whole", "MODES_SHOWN", "WHOLE_LAYOUTS"]
 
 STUDY_P = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -206,24 +206,30 @@ class Curves:
 def scan(lengths, *, heads: tuple[int, int, int, int], dtype: str, Ps: tuple[int, ...], profile: str | Profile,
          **planner: Any) -> dict[str, Curves]:  # fmt: skip
     """Each layer kind's `Curves` over `Ps`: the planner (`sim.plan.plan`, its other arguments in `planner`) at every
-    P, each mode's best candidate kept. A P where no candidate of a kind runs, or a P the planner refuses, raises
-    as the planner does; a mode none of whose candidates runs at a P has None there.
+    P, each mode's best candidate kept (`curves_of`). A P where no candidate of a kind runs, or a P the planner
+    refuses, raises as the planner does; a mode none of whose candidates runs at a P has None there.
 
     Raises:
         CPInputError: as `plan` refuses, naming the value (and the P).
     """
     profile = profile if isinstance(profile, Profile) else load_profile(profile)
+    return curves_of([plan(lengths, heads=heads, dtype=dtype, P=P, profile=profile, **planner) for P in Ps])
+
+
+def curves_of(plans: Sequence[Plan]) -> dict[str, Curves]:
+    """Each layer kind's `Curves` over the plans of one batch at several P (`scan`'s, or a caller's that keeps the
+    plans: `python -m sim plan --cp 8,16 --layers ...` prices a model's layers from the same plans)."""
     rows: dict[str, list] = {}
-    for P in Ps:
-        for kind, kp in plan(lengths, heads=heads, dtype=dtype, P=P, profile=profile, **planner).kinds.items():
+    for result in plans:
+        for kind, kp in result.kinds.items():
             best = {mode: next((p for p in kp.ranked if p.candidate.mode == mode), None) for mode in MODES_SHOWN}
             rows.setdefault(kind, []).append((best, kp.ranked[0].candidate.mode, kp.decided_by))
-    out = {}
+    Ps, out = tuple(r.P for r in plans), {}
     for kind, per_P in rows.items():
         points = {mode: tuple(b[mode] and Point(P, b[mode].name, b[mode].step, b[mode].slowest.compute,
                                                 b[mode].slowest.exposed) for P, (b, _, _) in zip(Ps, per_P))
                   for mode in MODES_SHOWN}  # fmt: skip
-        out[kind] = Curves(profile.name, tuple(heads), tuple(Ps), points, tuple(w for _, w, _ in per_P),
+        out[kind] = Curves(plans[0].profile.name, plans[0].heads, Ps, points, tuple(w for _, w, _ in per_P),
                            tuple(d for _, _, d in per_P))  # fmt: skip
     return out
 

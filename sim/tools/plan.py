@@ -1,26 +1,34 @@
 r"""`python -m sim plan`: which CP mode, layout and options, predicted for a batch, a model and a cluster.
 
-Prints, per layer kind (full causal; `--window W`; `--chunk C`), every candidate of
-[`sim.plan`][sim.plan.planner] ranked by its predicted step (the slowest rank's): its compute,
-the communication it leaves exposed and all its communication, the bytes the slowest rank sends
-inside its node and across nodes, and the bytes it saves for the backward; then the winner and the
-term that decided it, and the candidates the modes refuse with the reason. `--json` prints the same
-as one JSON object.
+Prints, per layer kind (full causal; `--window W`, a causal window of `window=(W, 0)`; `--chunk C`), every
+candidate of [`sim.plan`][sim.plan.planner] ranked by its predicted step (the slowest rank's, one layer forward
+and backward): its compute, the communication it leaves exposed and all its communication, the bytes the
+slowest rank sends inside its node and across nodes, and the bytes a rank saves for the backward; a key under
+the tables says what each column is. Then the winner and the term that decided it against the best candidate
+of another mode, which always has a row (after the `--top` rows where it ranks lower); the winner as the lines
+to paste into a model, a `Sharding` of its layout and the `cpref.attention(...)` call with its mode, options and
+the kind's mask ([`sim.plan.report`][sim.plan.report]); and how many candidates the modes refuse
+(`--show-refused` lists each with its reason). `--json` prints the same as one JSON object.
 
     python -m sim plan --lengths 8192x16 --heads 32,8,128,128 --dtype bf16 --cp 8 --profile h100-sxm --window 4096
 
 `--lengths` takes the documents' token counts, comma-separated, `NxM` for `M` documents of `N`;
 `--sample lognormal:4096,1.0 --tokens 131072 --batches 4` draws them instead
 ([`sim.plan.batches`][sim.plan.batches]), and ranks by the mean step over the batches.
-`--calibrate` measures this machine instead and writes the `this-machine` profile
-([`sim.plan.calibrate`][sim.plan.calibrate]); `--check-kernel PROFILE --device cuda` times the device's kernel against
-a profile's curve. `--profile` takes a shipped profile's name (`h100-sxm`, `ascend-910b`, `this-machine`) or a JSON
-file written as [`sim.plan.profile`][sim.plan.profile] describes.
+`--profile` takes a shipped profile's name (`h100-sxm`, `a100-sxm`, `h200-sxm`, `b200-sxm`, `ascend-910b`,
+`this-machine`) or a JSON file written as [`sim.plan.profile`][sim.plan.profile] describes; `--ranks-per-node N`
+replaces the profile's node size (which collectives cross nodes). `--calibrate` measures this machine instead
+and writes the `this-machine` profile ([`sim.plan.calibrate`][sim.plan.calibrate]; git ignores it, and a
+published profile is never written over); `--check-kernel PROFILE --device cuda` times the device's kernel
+against a profile's curve.
 
-`--cp 8,16,32,...` asks for several P at once: per layer kind, each mode's best step at every P, the winner, and
-where it changes ([`sim.plan.study.scan`][sim.plan.study.scan], as the page [Which mode, from 8 to 1024
-ranks][sim.plan.study] shows for one batch). `--figure PATH` draws the answer ([`sim.plan.figures`][sim.plan.figures]):
-the best candidates' steps split into compute and exposed communication, or each mode's step against P.
+`--layers full=24,window=24` prices a model: its layers share one layout (the batch is sharded once), each kind
+with its own mode there; per layout the model's step, the best layout's calls. `--cp 8,16,32,...` asks for several
+P at once: per layer kind, each mode's best step at every P, the winner, and where it changes
+([`sim.plan.study.scan`][sim.plan.study.scan], as the page [Which mode, from 8 to 1024 ranks][sim.plan.study] shows
+for one batch); with `--layers`, the best layout for the model at every P. `--figure PATH` draws the answer
+([`sim.plan.figures`][sim.plan.figures]): the best candidates' steps split into compute and exposed
+communication, or each mode's step against P.
 
 Any P: full causal `p2p`, `all_gather` and `a2a+p2p` in the contiguous and zigzag layouts are built for every
 rank at once ([`sim.plan.scale`][sim.plan.scale]; `--cp 1024` takes seconds), `a2a` from one rank; the other
@@ -35,6 +43,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from sim.plan.profile import profile_names
 from sim.tools.cli import DTYPE_ALIASES, Parser, fail, positive
 
 SHORT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -106,8 +115,10 @@ def parser(prog: str) -> Parser:
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
     p.add_argument("--cp", type=cp_arg, default=None, help="the CP size P (required); several, 8,16,32: each mode's "
                    "best step at every P and where the winner changes")
-    p.add_argument("--profile", default="h100-sxm", help="a shipped profile's name or a JSON file")
-    p.add_argument("--window", type=positive, default=None, help="also plan layers with a causal window of W keys")
+    p.add_argument("--profile", default="h100-sxm", help=f"a shipped profile's name ({', '.join(profile_names())}) or a "
+                   "JSON file written as sim.plan.profile describes")
+    p.add_argument("--window", type=positive, default=None, metavar="W", help="also plan layers with a causal sliding "
+                   "window, window=(W, 0): each query sees the W keys before it and itself")
     p.add_argument("--chunk", type=positive, default=None, help="also plan chunked layers of C positions")
     p.add_argument("--softcap", type=float, default=None, metavar="C", help="every layer's logits soft-capped at C "
                    "(Gemma 2: 50): each kernel call costs the profile's softcap_factor times as much")
@@ -119,67 +130,23 @@ def parser(prog: str) -> Parser:
     p.add_argument("--layers", type=layers_arg, default=None, help="the model's layers of each kind, e.g. "
                    "full=24,window=24: also the best layout for them all (the batch is sharded once) and each kind's "
                    "mode there")
-    p.add_argument("--top", type=positive, default=12, help="candidates shown per layer kind")
+    p.add_argument("--ranks-per-node", type=positive, default=None, metavar="N", help="ranks (GPUs, NPUs) per node, in "
+                   "place of the profile's (8 in every published one): which collectives cross nodes")
+    p.add_argument("--top", type=positive, default=12, help="candidates shown per layer kind (and the one the deciding "
+                   "term names, wherever it ranks)")
+    p.add_argument("--show-refused", action="store_true", help="list every candidate the modes refuse, with the reason "
+                   "(default: how many)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--figure", default=None, metavar="PATH", help="also draw the answer to PATH (a .png or .svg): "
                    "the best candidates' steps, or with several --cp each mode's step against P")
     p.add_argument("--calibrate", action="store_true", help="measure this machine instead (about a minute) and write the "
                    "this-machine profile to --out")
-    p.add_argument("--out", default=None, help="where --calibrate writes (default: the shipped profiles' folder)")
+    p.add_argument("--out", default=None, help="where --calibrate writes (default: sim/plan/profiles/this-machine.json, "
+                   "ignored by git, what --profile this-machine reads; never a published profile)")
     p.add_argument("--check-kernel", metavar="PROFILE", default=None, help="instead: time the default kernel on "
                    "--device against PROFILE's curve in --dtype (the heads of --heads, default 32,32,128)")
     p.add_argument("--device", default="cuda", help="--check-kernel's device (default cuda)")
     return p
-
-
-def as_json(result) -> dict:
-    """The plan as plain data."""
-
-    def rank(r):
-        return {"rank": r.rank, "compute_s": r.compute, "comm_s": r.comm, "exposed_s": r.exposed, "step_s": r.step,
-                "bytes": r.bytes, "saved_bytes": r.saved_bytes, "kernel_calls": r.calls, "flops": r.flops}  # fmt: skip
-
-    return {"P": result.P, "profile": result.profile.name, "heads": list(result.heads), "dtype": result.dtype,
-            "softcap": result.softcap,
-            "lengths": list(result.lengths), "batches": [list(b) for b in result.batches],
-            "kinds": {kind: {"decided_by": kp.decided_by,
-                             "ranked": [{"candidate": p.name, "step_s": p.step, "batch_steps_s": list(p.batch_steps),
-                                         "ranks": [rank(r) for r in p.ranks]}
-                                        for p in kp.ranked],
-                             "refused": [{"candidate": p.name, "reason": p.refused} for p in kp.refused],
-                             "not_priced": [{"candidate": p.name, "reason": p.unpriced} for p in kp.unpriced]}
-                      for kind, kp in result.kinds.items()}}  # fmt: skip
-
-
-def table(result, top: int) -> str:
-    """The plan as Markdown tables, one per layer kind."""
-    mib = 2**20
-    batches = result.batches
-    what = (f"{len(batches[0])} documents, {sum(batches[0])} tokens" if len(batches) == 1 else
-            f"{len(batches)} sampled batches of {sum(batches[0])} tokens ({', '.join(str(len(b)) for b in batches)} "
-            "documents; step: the mean over them, the other columns the slowest batch's)")  # fmt: skip
-    capped = ("" if result.softcap is None else f", soft-capped at {result.softcap:g} (every call "
-              f"{result.profile.kernel(result.dtype, softcap=True).factor:g}x)")  # fmt: skip
-    lines = [f"P = {result.P} on {result.profile.name} ({result.profile.ranks_per_node} ranks per node), heads "
-             f"{result.heads}, {result.dtype}, {what}{capped}"]  # fmt: skip
-    for kind, kp in result.kinds.items():
-        lines += ["", f"## {kind}", "",
-                  "| # | candidate | step ms | compute ms | exposed comm ms | comm ms | sent intra MiB | sent inter MiB | saved MiB |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for i, p in enumerate(kp.ranked[:top], 1):
-            s = p.slowest
-            lines.append(f"| {i} | {p.name} | {p.step * 1e3:.3f} | {s.compute * 1e3:.3f} | {s.exposed * 1e3:.3f} | "
-                         f"{s.comm * 1e3:.3f} | {s.bytes['intra'] / mib:.1f} | {s.bytes['inter'] / mib:.1f} | "
-                         f"{p.peak_saved_bytes / mib:.1f} |")  # fmt: skip
-        if kp.ranked:
-            lines += ["", f"best: **{kp.ranked[0].name}**; decided by {kp.decided_by}"]
-        if kp.refused:
-            lines += ["", f"refused ({len(kp.refused)}): " + "; ".join(
-                f"{p.name} ({p.refused.split(';')[0]})" for p in kp.refused[:4]) + (" ..." if len(kp.refused) > 4 else "")]
-        if kp.unpriced:
-            lines += ["", f"not priced ({len(kp.unpriced)}: {', '.join(p.name for p in kp.unpriced[:4])}"
-                          f"{' ...' if len(kp.unpriced) > 4 else ''}): {kp.unpriced[0].unpriced}"]  # fmt: skip
-    return "\n".join(lines)
 
 
 def _check_kernel(prog: str, args) -> int:
@@ -209,28 +176,66 @@ def _check_kernel(prog: str, args) -> int:
     return 0
 
 
+def _calibrate(prog: str, args) -> int:
+    """`--calibrate`: measure this machine into `--out` (default: `this-machine`, git-ignored), never over a published
+    profile, refused before measuring where the folder cannot take the file."""
+    from sim.plan.calibrate import calibrate
+    from sim.plan.profile import PROFILES, profile_names
+
+    out = Path(args.out) if args.out else PROFILES / "this-machine.json"
+    published = [n for n in profile_names() if n != "this-machine"]
+    if out.resolve().parent == PROFILES.resolve() and out.stem in published:
+        return fail(prog, f"--out {out} is the published profile {out.stem!r}, which --calibrate must not overwrite; "
+                          "leave --out out (this-machine) or give another file")  # fmt: skip
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # before 15 s of measuring, not after
+        return fail(prog, f"cannot write the profile to {out}: {out.parent} is not a writable folder; give --out a "
+                          "file in one")  # fmt: skip
+    try:
+        profile = calibrate(out)
+    except OSError as exc:  # the folder is missing or not writable
+        return fail(prog, f"cannot write the profile to {out}: {exc.strerror or exc}; give --out a writable file")
+    intra, kernel = profile["links"]["intra"], profile["compute"]["float32"]
+    print(f"wrote {out}: link {intra['bandwidth_GBps']} GB/s (a ring shift {intra['send_recv_bandwidth_GBps']} GB/s), "
+          f"latency {intra['latency_us']} us; TorchKernel float32 up to {kernel['peak_tflops'] * 1e3:.1f} GFLOP/s")
+    return 0
+
+
+KINDS = {"full": "full", "window": "window {}", "chunk": "chunk {}"}  # a --layers kind -> the plan's kind name
+
+
+def _plans(args, dtype: str) -> list:
+    """The plan at every `--cp` (1. the batch, sampled or given; 2. the profile, with `--ranks-per-node`; 3. the
+    `--layers` kinds checked against `--window` and `--chunk`; 4. each P planned), refused by `CPInputError`."""
+    import dataclasses
+
+    from cpref.base.errors import CPInputError
+    from sim.plan import load_profile, plan
+
+    batch = args.lengths
+    if args.sample is not None:
+        from sim.plan.batches import sample
+
+        batch = sample(args.sample, tokens=args.tokens, batches=args.batches, seed=args.seed)
+    profile = load_profile(args.profile)
+    if args.ranks_per_node is not None:
+        profile = dataclasses.replace(profile, ranks_per_node=args.ranks_per_node)
+    for kind in ("window", "chunk"):
+        if args.layers and kind in args.layers and getattr(args, kind) is None:
+            raise CPInputError(f"--layers {kind}={args.layers[kind]} needs --{kind}: the {kind} of those layers")
+    options = dict(profile=profile, window=args.window, chunk=args.chunk, modes=args.modes, layouts=args.layouts,
+                   a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit, softcap=args.softcap)  # fmt: skip
+    return [plan(batch, heads=args.heads, dtype=dtype, P=P, **options) for P in args.cp]
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") -> int:
     """Plan, print the tables (or JSON); 2 with a one-line error for bad input."""
     from cpref.base.errors import CPInputError
-    from sim.plan import plan
+    from sim.plan import report
+    from sim.plan.study import curves_of
 
     args = parser(prog).parse_args(argv)
     if args.calibrate:
-        from sim.plan.calibrate import calibrate
-        from sim.plan.profile import PROFILES
-
-        out = Path(args.out) if args.out else PROFILES / "this-machine.json"
-        if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):  # before 15 s of measuring, not after
-            return fail(prog, f"cannot write the profile to {out}: {out.parent} is not a writable folder; give --out a "
-                              "file in one")  # fmt: skip
-        try:
-            profile = calibrate(out)
-        except OSError as exc:  # the folder is missing or not writable
-            return fail(prog, f"cannot write the profile to {out}: {exc.strerror or exc}; give --out a writable file")
-        intra, kernel = profile["links"]["intra"], profile["compute"]["float32"]
-        print(f"wrote {out}: link {intra['bandwidth_GBps']} GB/s (a ring shift {intra['send_recv_bandwidth_GBps']} GB/s), "
-              f"latency {intra['latency_us']} us; TorchKernel float32 up to {kernel['peak_tflops'] * 1e3:.1f} GFLOP/s")
-        return 0
+        return _calibrate(prog, args)
     if args.check_kernel:
         return _check_kernel(prog, args)
     missing = [f"--{name}" for name in ("heads", "cp") if getattr(args, name) is None]
@@ -240,78 +245,38 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
         return fail(prog, f"{', '.join(missing)} required (or --calibrate)")
     dtype = SHORT.get(DTYPE_ALIASES.get(args.dtype, args.dtype), args.dtype)
     try:
-        batch = args.lengths
-        if args.sample is not None:
-            from sim.plan.batches import sample
-
-            batch = sample(args.sample, tokens=args.tokens, batches=args.batches, seed=args.seed)
-        options = dict(profile=args.profile, window=args.window, chunk=args.chunk, modes=args.modes, layouts=args.layouts,
-                       a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit, softcap=args.softcap)  # fmt: skip
-        if len(args.cp) > 1:
-            if args.layers:
-                raise CPInputError(f"--layers with --cp {','.join(map(str, args.cp))}: give one CP size for a model's plan")
-            from sim.plan.study import scan
-
-            result = scan(batch, heads=args.heads, dtype=dtype, Ps=args.cp, **options)
-        else:
-            result = plan(batch, heads=args.heads, dtype=dtype, P=args.cp[0], **options)
-            for kind in ("window", "chunk"):
-                if args.layers and kind in args.layers and getattr(args, kind) is None:
-                    raise CPInputError(f"--layers {kind}={args.layers[kind]} needs --{kind}: the {kind} of those layers")
-            names = {"full": "full", "window": f"window {args.window}", "chunk": f"chunk {args.chunk}"}
-            model = result.by_layout({names[k]: n for k, n in args.layers.items()}) if args.layers else None
+        plans = _plans(args, dtype)
     except CPInputError as exc:
         return fail(prog, str(exc))
-    if len(args.cp) > 1:
-        print(json.dumps(scan_json(result), indent=1) if args.json else scan_table(result, args))
-    elif args.json:
-        data = as_json(result)
-        if model is not None:
-            data["model"] = [{"layout": c.layout, "step_s": c.step, "picks": {k: p.name for k, p in c.picks.items()}}
-                             for c in model]  # fmt: skip
+    named = {k: KINDS[k].format(getattr(args, k, None)) for k in args.layers or {}}
+    if len(plans) > 1:
+        curves = curves_of(plans)
+        if args.json:
+            data = report.scan_json(curves)
+            if args.layers:
+                data["model"] = {str(r.P): _model_json(r, args.layers, named) for r in plans}
+            print(json.dumps(data, indent=1))
+        else:
+            models = report.models_table(plans, args.layers, named) if args.layers else ""
+            print(report.scan_table(curves, args.cp, args.heads) + ("\n" + models if models else ""))
+        return _figure(prog, args, curves) if args.figure else 0
+    result = plans[0]
+    if args.json:
+        data = report.as_json(result)
+        if args.layers:
+            data["model"] = _model_json(result, args.layers, named)
         print(json.dumps(data, indent=1))
     else:
-        print(table(result, args.top) + ("" if model is None else "\n\n" + model_table(model, args.layers)))
+        model = result.by_layout({named[k]: n for k, n in args.layers.items()}) if args.layers else None
+        print(report.plan_table(result, args.top, args.show_refused)
+              + ("" if model is None else "\n\n" + report.model_table(result, model, args.layers)))  # fmt: skip
     return _figure(prog, args, result) if args.figure else 0
 
 
-def model_table(choices: list, layers: dict[str, int]) -> str:
-    """A model's layers over one layout (`Plan.by_layout`) as Markdown: per layout, each kind's pick and the step."""
-    kinds = list(choices[0].picks) if choices else []
-    what = " + ".join(f"{n} {k}" for k, n in layers.items())
-    lines = [f"## the model: {what} layers, one layout for all (the batch is sharded once)", "",
-             "| layout | model step ms | " + " | ".join(kinds) + " |", "| --- | ---: |" + " --- |" * len(kinds)]  # fmt: skip
-    for c in choices:
-        lines.append(f"| {c.layout} | {c.step * 1e3:.3f} | " + " | ".join(
-            f"{p.name} ({p.step * 1e3:.3f} ms)" for p in c.picks.values()) + " |")  # fmt: skip
-    best = choices[0] if choices else None
-    lines += ["", f"best for the model: **{best.layout}**, " + "; ".join(f"{k}: {p.name}" for k, p in best.picks.items())
-              if best else "no layout runs every kind"]  # fmt: skip
-    return "\n".join(lines)
-
-
-def scan_table(curves: dict, args) -> str:
-    """Several P as Markdown: per layer kind, each mode's best step at every P, the winner, and the crossovers."""
-    from sim.plan.study import MODES_SHOWN
-
-    lines = [f"P = {', '.join(map(str, args.cp))} on {next(iter(curves.values())).profile}, heads {tuple(args.heads)}"]
-    for kind, c in curves.items():
-        lines += ["", f"## {kind}", "", "| P | " + " | ".join(f"{m} ms" for m in MODES_SHOWN) + " | winner |",
-                  "| ---: |" + " ---: |" * len(MODES_SHOWN) + " --- |"]  # fmt: skip
-        for i, P in enumerate(c.Ps):
-            cells = [f"{c.points[m][i].step * 1e3:.3f}" if c.points[m][i] else "-" for m in MODES_SHOWN]
-            lines.append(f"| {P} | " + " | ".join(cells) + f" | {c.points[c.winners[i]][i].name} |")
-        lines += [""] + [f"crossover: {w0} at P = {p0}, {w1} at P = {p1}: {c.decided_by[c.Ps.index(p1)]}"
-                         for p0, p1, w0, w1 in c.crossovers] or ["no crossover: one mode wins at every P"]  # fmt: skip
-    return "\n".join(lines)
-
-
-def scan_json(curves: dict) -> dict:
-    """Several P as plain data: per kind, per mode, its best candidate and step at every P (None where none runs)."""
-    return {kind: {"P": list(c.Ps), "winners": list(c.winners), "decided_by": list(c.decided_by),
-                   "modes": {m: [p and {"candidate": p.name, "step_s": p.step, "compute_s": p.compute,
-                                        "exposed_s": p.exposed} for p in pts] for m, pts in c.points.items()}}
-            for kind, c in curves.items()}  # fmt: skip
+def _model_json(result, layers: dict[str, int], named: dict[str, str]) -> list[dict]:
+    """`Plan.by_layout` of the `--layers` as plain data: per layout, its step and each kind's pick."""
+    return [{"layout": c.layout, "step_s": c.step, "picks": {k: p.name for k, p in c.picks.items()}}
+            for c in result.by_layout({named[k]: n for k, n in layers.items()})]  # fmt: skip
 
 
 def _figure(prog: str, args, result) -> int:

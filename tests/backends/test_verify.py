@@ -387,3 +387,100 @@ def test_progress_bar_draws_only_when_asked():
     quiet = io.StringIO()
     Progress(2, "cases", stream=quiet).step()  # not a terminal: nothing drawn
     assert quiet.getvalue() == ""
+
+
+# --- results the table reports in a row's note, not by ending the run ------------------------------------------
+
+
+def notes(out: str) -> dict[tuple[str, int], str]:
+    """`{(impl function, world rank): its row's result and note}` of the `--impl` rows of a table."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith(IMPLS):
+            head, _, result = line.partition("  FAIL" if "  FAIL" in line else "  pass")
+            rows[head.split()[0].split(":")[1], int(head.split()[7])] = (result.strip(" ()") or "pass")
+    return rows
+
+
+@pytest.mark.full
+def test_an_output_of_the_wrong_shape_or_a_q_without_gradient_is_a_row_note(capfd):
+    """On 2 gloo ranks: rank 1's output one row short stops the backward on both ranks (its peer would wait for it
+    in a collective), and both rows say so in the table (was: `CaseFailed` from the backward, no table); a detached
+    `q` is `dq: no gradient` on every rank, and its run at CP size 1 is not reported as raising (was: "the
+    implementation raised at CP size 1 (AttributeError ...)"); `q` detached at CP size 1 alone leaves complete rows
+    without a `vs P=1`: they fail, saying so. Where stderr is not a terminal, a line per case as it finishes."""
+    impls = ("wrong_shape_on_rank_1", "detached_q", "detached_q_without_cp")
+    argv = ["--nproc", "2", "--mode", "p2p", "--layout", "zigzag", *SMALL, *(x for i in impls for x in ("--impl", f"{IMPLS}:{i}"))]
+    assert verify.main(argv) == 1
+    out, err = capfd.readouterr()
+    stopped = "no backward run: out is not the shard's shape on CP rank 1"  # 96 tokens: 48 a rank, 8 heads of 32
+    assert notes(out) == {("wrong_shape_on_rank_1", 0): stopped,
+                          ("wrong_shape_on_rank_1", 1): f"out: shape (47, 8, 32) != (48, 8, 32); {stopped}",
+                          ("detached_q", 0): "dq: no gradient", ("detached_q", 1): "dq: no gradient",
+                          **dict.fromkeys([("detached_q_without_cp", 0), ("detached_q_without_cp", 1)],
+                                          "vs P=1 not computed: the baseline (impl, at CP size 1) gave dq: no gradient")}, out  # fmt: skip
+    assert "raised" not in out and "verification FAILED" in out
+    for label in ("ranks run the cases", "ground truth"):  # the ranks' lines and the parent's, one per case
+        counts = [line[len(label) :].split()[1] for line in err.splitlines() if line.startswith(label + ": ")]
+        assert counts == ["1/3", "2/3", "3/3"], err
+
+
+def test_a_row_without_backward_or_gradient_or_baseline_fails_saying_why():
+    """`check` on the simulated cluster's results (no processes): a rank whose backward did not run is compared on
+    `out` alone and fails with the rank's note, its gradients `-`; a missing gradient is `dq: no gradient`; a complete
+    row whose baseline gave nothing fails with the baseline's note, on every rank."""
+    case = Case("p2p", "zigzag", "fp32", cp=2)
+    per_rank = simulated_results(case)
+    (out, dq, dk, dv), plain = per_rank[1][0]
+    per_rank[0][0] = (per_rank[0][0][0], plain, "no backward run: out is not the shard's shape on CP rank 1")
+    per_rank[1][0] = ((out[:-1], None, None, None), None, "no backward run: out is not the shard's shape on CP rank 1")
+    rows = check(SETUP, [case], per_rank).rows
+    assert [r.ok for r in rows] == [False, False] and list(rows[0].errors) == ["out"] and rows[0].errors["out"] < 1e-5
+    assert rows[1].note == "out: shape (47, 8, 32) != (48, 8, 32); no backward run: out is not the shard's shape on CP rank 1"
+    line = Report(rows).format().splitlines()[2].split()
+    assert line[9:12] == ["-", "-", "-"], line  # dq dk dv
+    per_rank = simulated_results(case)
+    per_rank[1][0] = ((out, None, dk, dv), None)
+    assert [(r.ok, r.note) for r in check(SETUP, [case], per_rank).rows] == [(True, ""), (False, "dq: no gradient")]
+    said = "vs P=1 not computed: the baseline (impl, at CP size 1) gave dq: no gradient"
+    per_rank = simulated_results(case)
+    per_rank[0][0] = (per_rank[0][0][0], ((), "impl", said))  # CP rank 0's run without CP gave no result
+    rows = check(SETUP, [case], per_rank).rows
+    assert [(r.ok, r.ratio, r.note) for r in rows] == [(False, None, said)] * 2
+
+
+def test_a_baseline_that_gives_no_gradient_is_said_so_not_raised():
+    """`run_without_cp` with a local attention that detaches `q`: no baseline, and the note says what was missing
+    (was: `AttributeError: 'NoneType' object has no attribute 'cpu'` out of the harness)."""
+    setup = dataclasses.replace(SETUP, baseline=f"{IMPLS}:local_detached_q")
+    case = Case("p2p", "zigzag", "bf16", cp=2, impl=f"{IMPLS}:blockwise")
+    assert run_without_cp(case, setup, 0, torch.device("cpu"), cpref.TorchKernel()) == (
+        (), f"{IMPLS}:local_detached_q", f"vs P=1 not computed: the baseline ({IMPLS}:local_detached_q, at CP size 1) "
+        "gave dq: no gradient")  # fmt: skip
+
+
+def test_where_stderr_is_not_a_terminal_each_case_is_a_line():
+    from sim.tools.verify.meter import Lines, meter
+
+    log = io.StringIO()
+    lines = meter(2, "ground truth", None, stream=log)
+    assert isinstance(lines, Lines)
+    lines.step("a")
+    lines.step("b")
+    lines.close()
+    assert log.getvalue() == "ground truth: 1/2 a\nground truth: 2/2 b\n"
+    quiet = meter(2, "x", False, stream=log)
+    quiet.step("c")
+    assert log.getvalue().endswith("2/2 b\n")  # --no-progress: nothing
+    bar = meter(2, "x", True, stream=log)  # --progress: the bar, terminal or not
+    assert isinstance(bar, Progress) and bar.enabled
+
+
+def test_padded_says_what_it_did(monkeypatch, capsys):
+    """`--padded`'s note gives each layout's real lengths and the padded boundaries they end in (was: the real
+    lengths alone, said to be "rounded up", where 100 had lost a token)."""
+    monkeypatch.setattr(verify, "run", lambda *args, **kwargs: Report())  # no processes: the lines before the table
+    verify.main(["--layout", "zigzag,stream", "--mode", "p2p", "--docs", "100,250,38", "--padded"])
+    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --padded"))
+    assert "as run: zigzag cp2 99,250,38 in 100,252,40; stream cp2 100,250,37 in 100,250,38 (" in note
+    assert "rounded up" not in note

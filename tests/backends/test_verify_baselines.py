@@ -86,7 +86,7 @@ def _held_to(per_rank: list, cases: list[Case], baseline: str | None):
             again = [run_without_cp(case, setup, 0, torch.device("cpu"), cpref.TorchKernel()) for case in cases]
         finally:
             torch.set_num_threads(threads)
-        per_rank = [[(got, base) for (got, _), base in zip(per_rank[0], again)], *per_rank[1:]]
+        per_rank = [[(got, base, *note) for (got, _, *note), base in zip(per_rank[0], again)], *per_rank[1:]]
     return check(SETUP, cases, per_rank)
 
 

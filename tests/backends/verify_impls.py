@@ -13,6 +13,9 @@ Each has cpref's signature with the process group in place of `comm`:
   the whole stream, the bug of a packed batch run without its boundaries);
 * `raises_on_rank_1`, `killed_mid_collective`, `mismatched_causal`: faults the harness must
   turn into a clear report instead of a hang;
+* `wrong_shape_on_rank_1`, `detached_q`, `detached_q_without_cp`, `local_detached_q`: results the table must
+  report in a row's note (an output that is not the rank's shard, an input without a gradient, a baseline
+  without one) instead of ending the run;
 * `blockwise`: a plain-torch CP attention (K/V gathered, attended block by block with scores `q @ k^T` in the
   input dtype, merged by lse in float32), exact as CP but rounding as most implementations do; and the bugs CP
   implementations have, one each: `blockwise_bf16_merge`, `blockwise_wrong_lse`, `blockwise_off_by_one`,
@@ -88,6 +91,28 @@ def drops_variants(q, k, v, sharding, *, process_group, softcap=None, chunk=None
     """Wrong with soft-capping, chunks or sinks: calls cpref.attention without them (TE's CP paths hard-code no cap,
     and TE's p2p ignored the sink: its gradient exactly 0)."""
     return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+def wrong_shape_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Wrong: rank 1 returns its output one row short (rank 0's is right); no rank can run the backward."""
+    out = cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
+    return out[:-1] if _comm(process_group).rank == 1 else out
+
+
+def detached_q(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Wrong: attends a detached `q`, so that `q` gets no gradient (on one rank or many, CP or not)."""
+    return cpref_over_group(q.detach(), k, v, sharding, process_group=process_group, **kwargs)
+
+
+def detached_q_without_cp(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Wrong at CP size 1 only: right on a group of several ranks, `detached_q` on one (its `vs P=1` has no baseline)."""
+    one = dist.get_world_size(process_group) == 1
+    return cpref_over_group(q.detach() if one else q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+def local_detached_q(q, k, v, sharding, **kwargs) -> torch.Tensor:
+    """`local_blockwise` on a detached `q` (for `--baseline`): a local attention that gives `q` no gradient."""
+    return local_blockwise(q.detach(), k, v, sharding, **kwargs)
 
 
 def raises_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:

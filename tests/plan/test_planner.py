@@ -255,8 +255,6 @@ def test_the_command_line_plans_a_models_layers(capsys):
     assert cli.main([*argv, "--json"]) == 0
     model = json.loads(capsys.readouterr().out)["model"]
     assert {m["layout"] for m in model} == {"zigzag", "stream"} and set(model[0]["picks"]) == {"full", "window 128"}
-    assert cli.main([*argv[:5], "4,8", *argv[6:]]) == 2
-    assert "give one CP size for a model's plan" in capsys.readouterr().err
     assert cli.main([*argv[:-1], "full=3,chunk=2"]) == 2  # no --chunk given
     assert "--layers chunk=2 needs --chunk" in capsys.readouterr().err
     with pytest.raises(SystemExit) as parse:

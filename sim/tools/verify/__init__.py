@@ -85,10 +85,12 @@ has the whole example, how the baseline is chosen, and what the fallback costs.
 
 **Inputs.** `--docs 1000,3000,500` (default) are the document lengths, each rounded up to
 the layout's granularity ($P$ contiguous, $2P$ zigzag); with `--padded` every document ends
-in padding instead (padded boundaries in the batch's `cpref.Sharding`; see [`sim.tools.verify.cases`][sim.tools.verify.cases]).
+in padding instead (padded boundaries in the batch's `cpref.Sharding`; see [`sim.tools.verify.cases`][sim.tools.verify.cases]),
+and a `note:` line gives, per layout, the real lengths and the padded boundaries they end in.
 Heads default to $H_q = 8$, $H_{kv} = 4$ (`--heads`), head dim 32 (`--head-dim`); the mask is
 causal (`--no-causal` for full attention). `--dtype`, `--mode` and `--layout` take a comma
-list or `all`; a sweep runs in **one** launch, with a progress bar on stderr.
+list or `all`; a sweep runs in **one** launch, with a progress bar on stderr (where stderr is not a
+terminal, a line per case as it finishes: [`sim.tools.verify.meter`][sim.tools.verify.meter]).
 
 **Sliding windows.** `--window LEFT,RIGHT` is `cpref.attention`'s `window=(left, right)` (the
 FlashAttention convention, -1 unbounded; causal means RIGHT = 0, so `--window 127,0` is a causal
@@ -193,7 +195,7 @@ from cpref.kernels.contract import NO_WINDOW, check_window
 from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positive_float, positives, seconds
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
 from sim.tools.verify.baselines import BASELINES, EAGER, VARIANTS, label
-from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths
+from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths_note
 from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
 from sim.tools.verify.truth import KEY, Report, check
 
@@ -210,7 +212,8 @@ def run(cases: Sequence[Case], setup: Setup | None = None, *, nproc: int = 2, ba
         nproc: the world size; ignored under torchrun.
         backend: `"gloo"`, `"nccl"` or `"hccl"`.
         timeout: the process-group timeout in seconds.
-        progress: progress bars on stderr (None: if stderr is a terminal).
+        progress: progress bars on stderr (None: if stderr is a terminal, else a line per case;
+            [`meter`][sim.tools.verify.meter.meter]; False: neither).
 
     Returns:
         The report; under torchrun, None on every rank but 0.
@@ -361,7 +364,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                    "SDPA in the dtype), eager (scores and probabilities in the dtype, softmax in float32), kernel "
                    "(cpref's) or package.module:function (your local attention)")  # fmt: skip
     p.add_argument("--timeout", type=seconds, default=300.0, help="process-group timeout in seconds")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: if stderr is a tty")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="a progress bar on stderr "
+                   "(default: if stderr is a terminal, else one line per case as it finishes; --no-progress: neither)")
     args = p.parse_args(_glued(sys.argv[1:] if argv is None else argv))
     try:
         args.window = check_window(args.window, args.causal)  # canonical: (w, 0) under causal, (-1, -1) for none
@@ -422,12 +426,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
               f"(pass/fail), vs P=1: error against the oracle over that of the same attention without CP (baseline "
               f"{label(s.baseline)}; pass: <= 2), "
               "oracle column: against the FP64 oracle", flush=True)  # fmt: skip
-    if printer:
-        used = {f"{c.layout} cp{c.cp}": lengths(s, c)[0] for c in cases}
-        if any(tuple(u) != tuple(s.docs) for u in used.values()):
-            print(f"note: documents {','.join(map(str, s.docs))} as run (each rounded up to its layout's granularity: "
-                  "P tokens for contiguous, 2P for zigzag, the batch to P for stream and balanced): "
-                  + "; ".join(f"{k} {','.join(map(str, u))}" for k, u in used.items()), flush=True)  # fmt: skip
+    note = lengths_note(s, cases)
+    if printer and note:
+        print(note, flush=True)
     try:
         report = run(cases, s, nproc=args.nproc, backend=args.backend, timeout=args.timeout, progress=args.progress)
     except ValueError as exc:

@@ -40,7 +40,7 @@ from cpref.batch.sharding import Sharding
 from cpref.kernels.contract import NO_WINDOW, check_window
 from sim import oracle
 
-__all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "make_batch", "placement",
+__all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "lengths_note", "make_batch", "placement",
            "cp_groups", "build_cases"]  # fmt: skip
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -175,6 +175,34 @@ def lengths(setup: Setup, case: Case) -> tuple[tuple[int, ...], tuple[int, ...]]
         return real, real
     real = tuple(n - 1 if n % g == 0 else n for n in setup.docs)
     return real, tuple(up(n) for n in real)
+
+
+def lengths_note(setup: Setup, cases: Sequence[Case]) -> str:
+    """The `note:` line that says what `lengths` made of `--docs` for `cases` (`""` where each ran as given).
+
+    Without padding it names the lengths rounded up; with padding (`--padded`) the real lengths and the padded
+    boundaries they end in, per layout and CP size, and why a length lost a token.
+
+    Example:
+        >>> note = lengths_note(Setup(docs=(100, 250, 38)), [Case("p2p", "zigzag", "fp32", cp=2, padded=True)])
+        >>> note.split("as run: ")[1].split(" (")[0]  # 100 is a multiple of 2P = 4: it loses a token
+        'zigzag cp2 99,250,38 in 100,252,40'
+    """
+    join = lambda ns: ",".join(map(str, ns))  # noqa: E731
+    padded = {f"{c.layout} cp{c.cp}": lengths(setup, c) for c in cases if c.padded}
+    plain = {f"{c.layout} cp{c.cp}": lengths(setup, c)[0] for c in cases if not c.padded}
+    notes = []
+    if any(tuple(u) != tuple(setup.docs) for u in plain.values()):
+        notes.append(f"note: documents {join(setup.docs)} as run (each rounded up to its layout's granularity: P tokens "
+                     "for contiguous, 2P for zigzag, the batch to P for stream and balanced): "
+                     + "; ".join(f"{k} {join(u)}" for k, u in plain.items()))  # fmt: skip
+    if padded:
+        notes.append("note: --padded: each document's real tokens, then the padded boundaries it ends in "
+                     "(cu_seqlens_padded), as run: " + "; ".join(f"{k} {join(r)} in {join(p)}" for k, (r, p) in padded.items())
+                     + " (contiguous and zigzag: every document ends in padding, up to a multiple of P or 2P tokens, "
+                     "a length that already was one losing its last token; stream and balanced: only the last document "
+                     "does, up to a batch that P divides, losing a token where P already divided it)")  # fmt: skip
+    return "\n".join(notes)
 
 
 def _cu(ns: Sequence[int]) -> torch.Tensor:

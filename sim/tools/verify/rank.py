@@ -9,7 +9,10 @@ starts on every process (or that torchrun's processes run). Per rank:
    (with the batch's `cpref.Sharding`),
    move it to the rank's device (cpu for gloo, `cuda:<local rank>` for NCCL,
    `npu:<local rank>` for HCCL), run the implementation, backpropagate the upstream
-   gradient, and keep `out, dq, dk, dv` on the CPU;
+   gradient, and keep `out, dq, dk, dv` on the CPU; where a rank's output cannot take that
+   gradient (not its shard's shape, not a tensor, not differentiable) no rank of the group runs
+   the backward (its peers would wait for it in a collective), and every rank's row says whose
+   output stopped it: the table is printed all the same;
 3. on CP rank 0 only, run the group's whole batch once more without CP
    ([`run_without_cp`][sim.tools.verify.rank.run_without_cp]: the row's baseline,
    [`sim.tools.verify.baselines`][sim.tools.verify.baselines], in the same dtype, on the same device,
@@ -36,16 +39,16 @@ import cpref
 from cpref.comm import TorchComm
 from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
-from sim.tools.progress import Progress
 from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
 from sim.tools.verify.cases import Case, Setup, call_variants, cp_groups, make_batch, placement
+from sim.tools.verify.meter import meter
 
 __all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
 
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
 Baseline = tuple[tuple[Result, ...], str, str]  # the whole batch's results without CP (one per candidate), its label, a note
-Pair = tuple[Result, Baseline | None]  # (the rank's result, the run without CP on CP rank 0, else None)
+Pair = tuple[Result, Baseline | None, str]  # (the rank's result, the run without CP on CP rank 0 else None, a note)
 
 
 class CaseFailed(RuntimeError):
@@ -60,7 +63,7 @@ class Plan:
         setup: what the cases share.
         cases: the cases, in the order every rank runs them.
         backend: the `torch.distributed` backend (`"gloo"`, `"nccl"`, `"hccl"`).
-        progress: draw a progress bar on rank 0 (None: if stderr is a terminal).
+        progress: rank 0 draws a progress bar (None: if stderr is a terminal, else a line per case; `meter`).
     """
 
     setup: Setup
@@ -123,9 +126,13 @@ def make_groups(plan: Plan) -> dict[Any, tuple[TorchComm, int]]:
     return groups
 
 
-def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.device, kernel: Any) -> Result:
-    """One case on this rank: shard, forward, backward; `(out, dq, dk, dv)` on the CPU, and with `--sinks` the
-    sinks' gradient summed over the CP group (what a DP x CP step's all-reduce sums: the reduction contract)."""
+def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.device, kernel: Any) -> tuple[Result, str]:
+    """One case on this rank: shard, forward, backward; `((out, dq, dk, dv) on the CPU, note)`, and with `--sinks` the
+    sinks' gradient summed over the CP group (what a DP x CP step's all-reduce sums: the reduction contract) fifth.
+
+    The backward runs on every rank of the group or on none: where a rank's output cannot take the upstream gradient
+    (`unusable`: not a tensor, not its shard's shape, not differentiable), its peers' backward would wait for it in a
+    collective, so no rank runs it; the gradients are None and `note` says which rank's output stopped it."""
     # 1) this CP group's batch, and this rank's shard of it on the rank's device
     batch = make_batch(setup, case, dp)
     sharding = batch.sharding  # over comm.size = case.cp ranks, the case's layout
@@ -139,14 +146,41 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
         out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
     else:
         out = load_impl(case.impl)(q, k, v, sharding, process_group=comm.process_group, **kwargs)
-    # 3) backward with the upstream gradient
+    # 3) backward with the upstream gradient, where every rank's output can take it (one tiny host exchange)
+    why = unusable(out, dout)
+    stopped = {r: UNUSABLE[code] for r, (code,) in enumerate(comm.agree([UNUSABLE.index(why)])) if code}
+    got = out.detach().cpu() if isinstance(out, torch.Tensor) else None
+    if stopped:
+        ranks = {w: [r for r, x in stopped.items() if x == w] for w in dict.fromkeys(stopped.values())}
+        return (got, None, None, None, *([None] if "sinks" in variants else [])), "no backward run: " + "; ".join(
+            f"out {w} on CP rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}" for w, rs in ranks.items())
     out.backward(dout)
     grads = (None if t.grad is None else t.grad.detach().cpu() for t in (q, k, v))
     sinks = variants.get("sinks")
     if sinks is None:
-        return (out.detach().cpu(), *grads)
+        return (got, *grads), ""
     share = torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach().clone()
-    return (out.detach().cpu(), *grads, comm.all_reduce(share).cpu())
+    return (got, *grads, comm.all_reduce(share).cpu()), ""
+
+
+UNUSABLE = ("", "is not a tensor", "is not the shard's shape", "does not require grad")  # `unusable`'s answers
+
+
+def unusable(out: Any, dout: torch.Tensor) -> str:
+    """Why `out` cannot take the upstream gradient `dout` (a phrase of `UNUSABLE`), or `""` where it can."""
+    if not isinstance(out, torch.Tensor):
+        return UNUSABLE[1]
+    if out.shape != dout.shape:
+        return UNUSABLE[2]
+    return "" if out.requires_grad else UNUSABLE[3]
+
+
+def _unusable_output(out: Any, dout: torch.Tensor) -> str:
+    """`unusable`'s answer as a phrase of its own: `an output of shape (95, 8, 32), not (96, 8, 32)`, ..."""
+    why = unusable(out, dout)
+    if why == UNUSABLE[2]:
+        return f"an output of shape {tuple(out.shape)}, not {tuple(dout.shape)}"
+    return f"an output that {why}"
 
 
 def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kernel: Any, solo: Any = None) -> Baseline:
@@ -155,7 +189,9 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
 
     `solo` is a process group of this rank alone (for the implementation itself). Where the implementation
     raises at CP size 1, the baseline is the fallback (`baselines.FALLBACK`): SDPA and eager attention both,
-    each tensor of a row held to the one farther from the truth; the note says why."""
+    each tensor of a row held to the one farther from the truth; the note says why. Where it runs but gives
+    no usable result (an output that is not the batch's shape or not differentiable, or an input without a
+    gradient: a detached `q`), there is no baseline: the results are `()` and the note says what was missing."""
     batch = make_batch(setup, case, dp)
     whole = cpref.Sharding(batch.cu, cp_size=1, layout=case.layout, cu_seqlens_padded=batch.cu_padded)  # one rank
     name = resolve(setup.baseline, case.impl)
@@ -165,32 +201,43 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     call = dict(mode=case.mode, causal=case.causal, window=case.window, **options)
     impl = None if case.impl == "cpref" else load_impl(case.impl)
 
-    def once(attempt: str) -> Result:
+    def once(attempt: str) -> tuple[Result, str]:
+        """The baseline `attempt`'s results, and what it failed to give (`""`: nothing)."""
         q, k, v = (t.to(device, copy=True).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
         variants = call_variants(case, setup.heads[0], device=device, grad=True)
         out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call, **variants)
-        out.backward(batch.dout.to(device))
+        dout = batch.dout.to(device)  # (T, Hq, Dv)
+        if unusable(out, dout):
+            return (), _unusable_output(out, dout)
+        out.backward(dout)
+        missing = [n for n, t in zip(("dq", "dk", "dv"), (q, k, v)) if t.grad is None]
+        if missing:
+            return (), ", ".join(f"{n}: no gradient" for n in missing)
         result = (out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu())
         sinks = variants.get("sinks")
         if sinks is None:
-            return result
-        return (*result, (torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach()).cpu())  # none: 0
+            return result, ""
+        return (*result, (torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach()).cpu()), ""  # none: 0
 
     try:
-        return (once(name),), label(name), ""
+        result, missing = once(name)
     except Exception as exc:
         if name != "impl" or case.variants:  # the fallback attends without the variants: no baseline for them
             raise
         note = (f"the implementation raised at CP size 1 ({type(exc).__name__}: {exc}); baseline {label(FALLBACK)}: "
                 "each tensor held to the looser of sdpa and eager")  # fmt: skip
-    return tuple(once(n) for n in FALLBACK), label(FALLBACK), note
+        return tuple(once(n)[0] for n in FALLBACK), label(FALLBACK), note
+    if missing:
+        return (), label(name), f"vs P=1 not computed: the baseline ({label(name)}, at CP size 1) gave {missing}"
+    return (result,), label(name), ""
 
 
 def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
     """Run every case of `plan` on this rank (see the module docstring).
 
     Returns:
-        This rank's `(result, without CP)` per case (the second None but on CP rank 0); under
+        This rank's `(result, without CP, note)` per case (the second None but on CP rank 0; the note says why no
+        backward ran, `run_case`); under
         torchrun, every rank's list on rank 0 (indexed by world rank) and None on the other ranks.
 
     Raises:
@@ -199,14 +246,15 @@ def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
     groups, device = make_groups(plan), _device(plan.device_type)
     kernel = make_kernel(plan.setup.kernel)  # cpref's cases and every case's run without CP
     first = dist.get_rank() == 0
-    bar = Progress(len(plan.cases), "ranks run the cases", enabled=plan.progress if first else False)
+    bar = meter(len(plan.cases), "ranks run the cases", plan.progress if first else False)
     results: list[Pair] = []
     for case in plan.cases:
         comm, dp = groups[(case.cp, case.strided)]
         try:
-            got = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
+            got, note = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
             solo = groups["solo"][0].process_group if "solo" in groups else None
-            results.append((got, run_without_cp(case, plan.setup, dp, device, kernel, solo) if comm.rank == 0 else None))
+            plain = run_without_cp(case, plan.setup, dp, device, kernel, solo) if comm.rank == 0 else None
+            results.append((got, plain, note))
         except Exception as exc:
             where = f"CP group {dp}, CP rank {comm.rank}, world rank {comm.global_rank}"
             raise CaseFailed(f"case {case.label} ({where}): {type(exc).__name__}: {exc}") from exc

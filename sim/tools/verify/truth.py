@@ -73,10 +73,10 @@ import torch
 import cpref
 from cpref.kernels.contract import NO_WINDOW
 from sim.cluster.harness import oracle_padded, run_attention
-from sim.tools.progress import Progress
 from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, call_variants, cp_groups, make_batch
+from sim.tools.verify.meter import meter
 
-__all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "precision_ratio", "shard_ratio",
+__all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "complete", "precision_ratio", "shard_ratio",
            "rms_ratio", "relative_error", "vs_without_cp", "check"]  # fmt: skip
 
 NAMES = ("out", "dq", "dk", "dv")
@@ -194,7 +194,8 @@ KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = wh
   tensor held to the looser of the two; cpref's kernel for cpref; the baseline column shows it when it is not the
   kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the dense FP64 oracle itself.
   dsinks (with --sinks) = the sinks' gradient summed over the CP group, on every rank's row alike.
-  A note in parentheses after the result: why a baseline fell back (CP rank 0), a missing gradient or a wrong shape."""
+  A note in parentheses after the result: why a baseline fell back (CP rank 0) or gave no result, a missing
+  gradient, a wrong shape, or why no backward ran."""
 
 
 def _ratio(x: float) -> str:
@@ -252,13 +253,17 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     return simulated, [cut(oracle_cache[key], r) for r in range(case.cp)], shards
 
 
-def compare(got, want, tol: float) -> tuple[dict[str, float], bool, str]:
-    """`(largest |got - want| per tensor, all within atol = rtol = tol, note)`."""
-    errors, ok, notes = {}, True, []
+def compare(got, want, tol: float, backward: bool = True) -> tuple[dict[str, float], bool, str]:
+    """`(largest |got - want| per tensor, all within atol = rtol = tol, note)`; without `backward` (none ran: the
+    rank's note says why) only `out` is compared, and the row fails."""
+    errors, ok, notes = {}, backward, []
     for name, g, w in zip(NAMES + (SINKS,), got, want):
+        if not backward and name != "out":
+            continue
         if g is None or g.shape != w.shape:
             errors[name], ok = float("nan"), False
-            notes.append(f"{name}: {'no gradient' if g is None else f'shape {tuple(g.shape)} != {tuple(w.shape)}'}")
+            if g is not None or name != "out":  # an output that is not a tensor: the rank's note says so
+                notes.append(f"{name}: {'no gradient' if g is None else f'shape {tuple(g.shape)} != {tuple(w.shape)}'}")
             continue
         diff = (g.double() - w).abs()
         errors[name] = float(diff.max()) if diff.numel() else 0.0
@@ -266,12 +271,17 @@ def compare(got, want, tol: float) -> tuple[dict[str, float], bool, str]:
     return errors, ok, "; ".join(notes)
 
 
+def complete(got, want) -> bool:
+    """Whether every tensor of `got` is there and of `want`'s shape (a row whose `vs P=1` can be computed)."""
+    return all(g is not None and g.shape == w.shape for g, w in zip(got, want))
+
+
 def vs_without_cp(case: Case, got, rank: int, without_cp, oracle) -> float | None:
-    """The largest `shard_ratio` and `rms_ratio` of rank `rank`'s four tensors `got`; None for fp64 or a missing
-    tensor. `oracle`: per rank, its four shards of the oracle; `without_cp`: per candidate baseline, the same of
-    the batch without CP. With several candidates (the fallback) each ratio of each tensor takes the candidate
-    farther from the truth: the smallest ratio."""
-    if case.dtype == "fp64" or without_cp is None or any(g is None or g.shape != w.shape for g, w in zip(got, oracle[rank])):
+    """The largest `shard_ratio` and `rms_ratio` of rank `rank`'s four tensors `got`; None for fp64, a missing
+    tensor, or no baseline (`without_cp` None or empty). `oracle`: per rank, its four shards of the oracle;
+    `without_cp`: per candidate baseline, the same of the batch without CP. With several candidates (the fallback)
+    each ratio of each tensor takes the candidate farther from the truth: the smallest ratio."""
+    if case.dtype == "fp64" or not without_cp or not complete(got, oracle[rank]):
         return None
     dtype, truth = DTYPES[case.dtype], [[w[i] for w in oracle] for i in range(len(got))]  # per tensor, every rank's
     return max(max(min(shard_ratio(g, oracle[rank][i], [p[i] for p in one], truth[i], dtype) for one in without_cp),
@@ -332,27 +342,33 @@ def shard_ratio(got: torch.Tensor, truth: torch.Tensor, without_cp: Tensors, bat
 def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) -> Report:
     """Compare every rank's results with its ground truth and with the run without CP.
 
-    `per_rank[world rank][case]` is `(result, without_cp)`: the rank's `(out, dq, dk, dv)`, and
-    on CP rank 0 of each group the whole batch's at P = 1 (`rank.run_without_cp`'s; None elsewhere). Every CP group of a
-    case (each DP index) gets its own ground truth, from its own batch.
+    `per_rank[world rank][case]` is `(result, without_cp[, note])`: the rank's `(out, dq, dk, dv)`; on CP rank 0 of
+    each group the whole batch's at P = 1 (`rank.run_without_cp`'s; None elsewhere); and, where no backward ran,
+    why (`rank.run_case`'s note: the row fails on its output alone). Every CP group of a case (each DP index) gets
+    its own ground truth, from its own batch.
     """
     world, report, oracle_cache = len(per_rank), Report(), {}
-    bar = Progress(len(cases), "ground truth", enabled=progress)
+    bar = meter(len(cases), "ground truth", progress)
     for i, case in enumerate(cases):
         tol, rows = case.tol(setup), []
         for dp, ranks in enumerate(cp_groups(world, case.cp, case.strided)):
             result, used, note_1 = per_rank[ranks[0]][i][1] or (None, "kernel", "")  # the runs without CP, their label
-            simulated, oracle, plain = ground_truth(setup, case, dp, oracle_cache, result)
+            simulated, oracle, plain = ground_truth(setup, case, dp, oracle_cache, result or None)
             for r, g in enumerate(ranks):
-                got = per_rank[g][i][0]
-                errors, ok, note = compare(got, simulated[r], tol)
+                got, _, *stopped = per_rank[g][i]  # stopped: why no backward ran, where none did
+                backward = not (stopped and stopped[0])
+                errors, ok, note = compare(got, simulated[r], tol, backward)
                 ref_errors, ref_ok, _ = compare(simulated[r], oracle[r], TOL["fp64"])
-                oracle_err = max(compare(got, oracle[r], tol)[0].values())
+                oracle_err = max(compare(got, oracle[r], tol, backward)[0].values())
                 ratio = vs_without_cp(case, got, r, plain, oracle)
                 ok &= ratio is None or ratio <= RATIO_LIMIT
+                # a baseline that gave no result (`result == ()`) leaves a complete row without its check: it fails
+                unchecked = result == () and case.dtype != "fp64" and complete(got, oracle[r])
+                ok &= not unchecked
                 status = "pass" if ok and ref_ok else "FAIL" if not ok else "BAD-REF"
                 note = note or ("" if ref_ok else f"simulated cluster differs from the oracle by {max(ref_errors.values()):.1e}")
-                note = "; ".join(n for n in (note, note_1 if r == 0 else "") if n)
+                said = note_1 if (r == 0 and result != ()) or unchecked else ""
+                note = "; ".join(n for n in (note, "" if backward else stopped[0], said) if n)
                 rows.append(Row(case, g, dp, r, errors, tol, oracle_err, status, note, ratio, used))
         report.rows += sorted(rows, key=lambda row: row.rank)
         bar.step(case.label)
