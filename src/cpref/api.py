@@ -37,6 +37,17 @@ It is differentiable (once) in `q`, `k` and `v`, and handed out as a view
 ([`CPAttentionOutput`][cpref.api.CPAttentionOutput]): an in-place edit of it (`out.add_(1)`) is
 refused by autograd in every mode, naming it; edit `out.clone()` instead.
 
+## Under torch.compile
+
+`attention` is a graph break (`torch.compiler.disable`): a model compiled with `torch.compile`
+(`inductor`, `aot_eager`, ...) compiles the code before and after each call, and the call itself,
+its checks, the host exchange, the mode's collectives and kernels, forward and backward, runs
+eagerly, as without compile. So the output and gradients are those of the eager attention, and a new
+batch's `Sharding` (another object, the same shapes) reuses the compiled graphs. With
+`fullgraph=True`, dynamo raises at the call, naming `attention` and this reason: compile the parts
+around it instead. Why not inside a graph: the checks and the collectives are host code, and the
+kernels write into strided views of their outputs, which functionalization refuses.
+
 ## Modes
 
 `MODES` maps each mode name to the [`ModeSpec`][cpref.modes.spec.ModeSpec] its own file
@@ -51,6 +62,7 @@ import contextlib
 import importlib
 import numbers
 import pkgutil
+import reprlib
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -64,7 +76,7 @@ from cpref.batch.sharding import Sharding
 from cpref.comm.protocol import Collectives, check_comm
 from cpref.kernels import AttentionKernel, check_heads, default_kernel
 from cpref.kernels.contract import FLOAT_DTYPES, NO_WINDOW, SoftCapped, check_softcap, check_window, compute_dtype
-from cpref.modes.call import CPCall
+from cpref.modes.call import CPCall, records_backward
 from cpref.modes.consistency import check_ranks_agree, report_invalid_inputs
 from cpref.modes.costs import ModeCosts
 from cpref.modes.spec import ModeSpec
@@ -192,7 +204,7 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
         )
 
 
-def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, softmax_scale=None, kernel=None,
+def prepare(q, k, v, sharding, *, comm, mode=None, causal=True, window=NO_WINDOW, softmax_scale=None, kernel=None,
             deterministic=False, softcap=None, chunk=None, sinks=None, **options) -> CPCall:  # fmt: skip
     """Validate one `attention` call without communicating; return it as a `CPCall`.
 
@@ -202,6 +214,9 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
     # 1) who we are, what to run, how
     rank, P = check_comm(comm)
     sharding = check_sharding(sharding, P)
+    if mode is None:  # left out
+        raise CPInputError(f"cpref.attention needs mode=, the CP algorithm: one of {sorted(MODES)} (cpref.MODES; the "
+                           "docs' 'Which mode?' compares them), the same on every rank")  # fmt: skip
     mode = as_choice("mode", mode, sorted(MODES))
     options = _check_options(mode, options)
     causal = as_bool("causal", causal)
@@ -223,12 +238,7 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
     _check_tensors(q, k, v)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else as_scale(softmax_scale, compute_dtype(q.dtype))
     # 3) the shard size (the boundaries, validated once per batch, are the sharding's)
-    local = sharding.local_tokens
-    if not q.shape[0] == k.shape[0] == v.shape[0] == local:
-        raise CPInputError(
-            f"q/k/v hold {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens but this rank's shard of {sharding.total} "
-            f"tokens over cp_size={P} has {local}; shard them with sharding.shard(x, comm.rank)"
-        )
+    sharding.check_local(q=q, k=k, v=v)
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
     softcap, chunk, sinks = check_softcap(softcap), _check_chunk(chunk), _check_sinks(sinks, q)
     if softcap is not None:
@@ -238,7 +248,7 @@ def prepare(q, k, v, sharding, *, comm, mode, causal=True, window=NO_WINDOW, sof
                                "hands such calls to it), or leave kernel unset")  # fmt: skip
         kernel = SoftCapped(kernel, softcap)
     call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options),
-                  deterministic, softcap, chunk, sinks)  # fmt: skip
+                  deterministic, softcap, chunk, sinks, records_backward(q, k, v, sinks))  # fmt: skip
     # 4) the mode's own constraints, and what the backend cannot do
     spec = _check_mode_constraints(call, mode)
     missing = spec.collectives & frozenset(comm.unsupported_ops)
@@ -301,18 +311,25 @@ def check_sharding(sharding: Any, cp_size: int) -> Sharding:
     """`sharding` if it is a `Sharding` over `cp_size` ranks (the communicator's size), else a `CPInputError`."""
     if not isinstance(sharding, Sharding):
         raise CPInputError(
-            f"the batch must be described by a cpref.Sharding, got {type(sharding).__name__} {sharding!r:.40}; build it "
+            f"the batch must be described by a cpref.Sharding, got {type(sharding).__name__} {reprlib.repr(sharding)}; build it "
             f"once per batch, e.g. sharding = cpref.Sharding(cu_seqlens, cp_size={cp_size}, layout='zigzag'), shard q, k, v "
             "with sharding.shard(x, rank) and pass it here (it carries the layout, the CP size and the boundaries)"
         )
     if sharding.cp_size != cp_size:
         raise CPInputError(
-            f"the batch is sharded over cp_size={sharding.cp_size} ({sharding!r:.80}) but the communicator has "
+            f"the batch is sharded over cp_size={sharding.cp_size} ({sharding!r}) but the communicator has "
             f"{cp_size} ranks; shard it for this group with cpref.Sharding(..., cp_size={cp_size})"
         )
     return sharding
 
 
+# the "Under torch.compile" section above; the reason is in dynamo's graph-break message and fullgraph=True's error
+EAGER_REASON = ("cpref.attention runs eagerly under torch.compile (a graph break: it checks its inputs on the host and "
+                "communicates across ranks); the code around it compiles; with fullgraph=True compile the code before "
+                "and after it (the layers' projections, MLPs) instead of the whole model")  # fmt: skip
+
+
+@torch.compiler.disable(reason=EAGER_REASON)
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -320,7 +337,7 @@ def attention(
     sharding: Sharding,
     *,
     comm: Collectives,
-    mode: str,
+    mode: str | None = None,
     causal: bool = True,
     window: tuple[int, int] = NO_WINDOW,
     softmax_scale: float | None = None,
@@ -343,7 +360,7 @@ def attention(
             sharding has it, is seen by no query, padding queries give 0 and padding rows get
             zero gradients.
         comm: the CP group's collectives, of `sharding.cp_size` ranks.
-        mode: the CP algorithm; see `MODES`.
+        mode: the CP algorithm, one of `MODES` (required: left out, a `CPInputError` lists them).
         causal: causal (default) or full attention inside each document.
         window: `(left, right)`, a sliding window inside each document: the query at position
             `p` sees the keys at positions `p - left .. p + right` (the FlashAttention

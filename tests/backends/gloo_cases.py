@@ -8,6 +8,8 @@ built independently of the backend, and a group-rank / global-rank mix-up shows.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
 import traceback
@@ -407,6 +409,39 @@ def killed_mid_collective() -> None:
 
 def mismatched_shapes() -> None:
     TorchComm().all_gather(torch.ones(2 + dist.get_rank()))
+
+
+def grad_mode_and_sinks_divergence() -> list[str]:
+    """Issue 56 on real processes, in every mode: rank 1 alone calls attention under `torch.no_grad()` (item 5; was:
+    the others' backward waited in its collectives until the process group's timeout), then with sinks of other
+    values (item 2; was: no error). Every rank raises the same CPInputError within seconds, naming the column;
+    the next collective works. Returns the modes checked."""
+    from cpref.modes.consistency import BACKWARD
+
+    world = TorchComm()
+    P, g = world.size, torch.Generator().manual_seed(56)
+    sharding = cpref.Sharding([0, 8 * P, 16 * P], cp_size=P, layout="zigzag")  # two documents, multiples of 2P
+    q, k, v = (torch.randn(16 * P, 4, 4, generator=g) for _ in range(3))
+    sinks = torch.randn(4, generator=g)
+    others = "rank 0, rank 2, rank 3" if P == 4 else "rank 0"
+    start, checked = time.monotonic(), []
+    for mode in sorted(cpref.MODES):
+        local = [sharding.shard(t, world.rank).requires_grad_() for t in (q, k, v)]
+        train = functools.partial(_train, local, sharding, world, mode)
+        with torch.no_grad() if world.rank == 1 else contextlib.nullcontext():
+            _raises(CPInputError, f"\n  {BACKWARD}: {others}: True; rank 1: False\n", train)
+        theirs = torch.nn.Parameter(sinks + (world.rank == 1))
+        _raises(CPInputError, f"\n  sinks values: {others}: digest", functools.partial(train, sinks=theirs))
+        checked.append(mode)
+    assert time.monotonic() - start < 30, "a rank waited for another"
+    expect(world.all_reduce(torch.ones(2)), torch.full((2,), float(P)), "all_reduce after the failures")
+    return checked
+
+
+def _train(local, sharding, comm, mode, **kw) -> None:
+    """One layer's attention over `local` (q, k, v) and its backward."""
+    out = cpref.attention(*local, sharding, comm=comm, mode=mode, **cpref.MODES[mode].example_options(comm.size), **kw)
+    out.sum().backward()
 
 
 def silent_peer() -> None:

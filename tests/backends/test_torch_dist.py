@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cpref
 from cpref.base.errors import CPInputError
 from cpref.comm import TorchComm, default_exchange, unsupported_ops
 from sim.tools.launch import launch
@@ -30,6 +31,15 @@ def test_every_collective_on_every_group_and_dtype():
     assert [sorted(out) for out in outcomes] == [sorted(names)] * 4
     failed = [f"{name} on rank {rank}:\n{out[name]}" for name in names for rank, out in enumerate(outcomes) if out[name]]
     assert not failed, f"{len(failed)} case(s) failed:\n" + "\n".join(failed)
+
+
+@pytest.mark.full
+def test_ranks_that_differ_in_grad_mode_or_sinks_raise_on_every_gloo_process_in_every_mode():
+    """Issue 56, items 5 and 2, on 4 gloo processes (`gloo_cases.grad_mode_and_sinks_divergence`), with a process-group
+    timeout of 20 s: without the comparison's columns, rank 0's backward waited in the mode's collectives for rank 1,
+    which never made them, until that timeout (61.7 s at 60 s), and other sinks values gave no error."""
+    outcomes = launch(gloo_cases.grad_mode_and_sinks_divergence, 4, timeout=20.0)
+    assert outcomes == [sorted(cpref.MODES)] * 4
 
 
 def test_gloo_exchanges_pairwise_unless_torch_checks_the_calls(monkeypatch):

@@ -111,7 +111,7 @@ ATTENTION_CASES = [
     ("mode list", attn(mode=["all_gather"]), r"unknown mode \['all_gather'\] \(list\); choose one of"),
     ("mode unknown", attn(mode="nope"), r"unknown mode 'nope' \(str\); choose one of \['a2a', 'a2a\+p2p', 'all_gather', 'p2p'\]"),
     ("mode case", attn(mode="All_Gather"), r"unknown mode 'All_Gather'"),
-    ("mode None", attn(mode=None), r"unknown mode None"),
+    ("mode None", attn(mode=None), r"cpref.attention needs mode=, the CP algorithm: one of \['a2a', 'a2a\+p2p', 'all_gather', 'p2p'\]"),
     ("layout unknown", attn(layout="striped"), r"unknown layout 'striped' \(str\); choose one of \['balanced', 'contiguous', 'stream', 'zigzag'\]"),
     ("stream batch not divisible", attn(cu_seqlens=[0, 5, 33], layout="stream"),
      r"the batch has 33 tokens, not a multiple of cp_size=2: .*Sharding\.eod_padded\(cu_seqlens, cp_size=2, layout='stream'\)"),

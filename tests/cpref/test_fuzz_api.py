@@ -3,11 +3,13 @@
 **Attention.** Each example draws a CP size, mode, layout, batch (documents of 1 to 20 tokens, padded by
 `eod_padded`), head counts and head dim, `causal`, a window, a softmax scale and the mode's options, from ranges
 that hold valid and invalid values alike (heads a mode cannot split, a window a mode does not take, a scale of 0,
-`inf` or a string, an `a2a_size` that does not divide `P`), and then perhaps one rank's own mistake (a shard a
-token short, another dtype, keys of another head dim). Run on the simulated cluster, every rank returns its output
+`inf` or a string, an `a2a_size` that does not divide `P`), learnable sinks or none, and then perhaps one rank's own
+mistake (a shard a token short, another dtype, keys of another head dim) or a difference from its peers that each
+rank's own validation cannot see: its grad mode (the call under `torch.no_grad()`, or no input requiring grad,
+while the others train) or its sinks' values (issue 56). Run on the simulated cluster, every rank returns its output
 or its exception. Each example has exactly one of two outcomes: every rank raises a `CPInputError` (a rank whose
 own input failed raises its own, the others a `PeerInputError` naming it), or every rank's output and gradients
-equal the FP64 oracle's within float64's tolerance. Any other exception, a hang (which the cluster reports as a
+(the sinks' summed over the ranks) equal the FP64 oracle's within float64's tolerance. Any other exception, a hang (which the cluster reports as a
 timeout), or a wrong number fails it.
 
 **The rest of the API**, each against what `tests/cpref/by_hand.py` computes from the documented rules:
@@ -21,6 +23,7 @@ call must not be refused, and an invalid one must be: the test says which it is 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -59,9 +62,15 @@ def calls(draw):
     options = dict(cpref.MODES[mode].example_options(P))
     if "a2a_size" in options:
         options["a2a_size"] = draw(st.sampled_from([options["a2a_size"], 1, 2, 3, P]))
-    fault = draw(st.sampled_from([None] * 9 + ["short", "dtype", "head dim"]))
+    fault = draw(st.sampled_from([None] * 9 + ["short", "dtype", "head dim", "no_grad", "no requires_grad", "sinks values"]))
+    if P == 1 and fault in PEER_FAULTS:  # a group of one has no peer to differ from
+        fault = None
+    sinks = fault == "sinks values" or draw(st.booleans())
     return dict(P=P, mode=mode, layout=draw(st.sampled_from(cpref.LAYOUTS)), lengths=lengths, heads=(hq, hkv), d=d,
-                causal=causal, window=window, scale=scale, options=options, fault=fault)  # fmt: skip
+                causal=causal, window=window, scale=scale, options=options, fault=fault, sinks=sinks)  # fmt: skip
+
+
+PEER_FAULTS = ("no_grad", "no requires_grad", "sinks values")  # valid on the rank alone, different from its peers
 
 
 def run(c: dict):
@@ -71,30 +80,35 @@ def run(c: dict):
     (hq, hkv), d, T = c["heads"], c["d"], int(cu[-1])
     g = torch.Generator().manual_seed(sum(c["lengths"]))
     q, k, v, dout = (torch.randn(T, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+    sinks = torch.linspace(-1.0, 2.0, hq, dtype=torch.float64) if c["sinks"] else None
 
     def rank(comm):
         local = [sharding.shard(sharding.pad(t), comm.rank) for t in (q, k, v, dout)]
-        if comm.rank == c["P"] - 1 and c["fault"] is not None:  # the last rank's own mistake
+        fault = c["fault"] if comm.rank == c["P"] - 1 else None  # the last rank's own mistake or difference
+        if fault in ("short", "dtype", "head dim"):
             i, bad = {"short": (0, lambda t: t[:-1]), "dtype": (1, lambda t: t.float()),
-                      "head dim": (1, lambda t: t[..., :-1])}[c["fault"]]  # fmt: skip
+                      "head dim": (1, lambda t: t[..., :-1])}[fault]  # fmt: skip
             local[i] = bad(local[i])
-        q_r, k_r, v_r = (t.clone().requires_grad_() for t in local[:3])
+        trains = fault != "no requires_grad"
+        q_r, k_r, v_r = (t.clone().requires_grad_(trains) for t in local[:3])
+        s_r = None if sinks is None else torch.nn.Parameter(sinks + 2.0**-20 * (fault == "sinks values"), requires_grad=trains)
         try:
-            out = cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode=c["mode"], causal=c["causal"],
-                                  window=c["window"], softmax_scale=c["scale"], **c["options"])  # fmt: skip
+            with torch.no_grad() if fault == "no_grad" else contextlib.nullcontext():
+                out = cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode=c["mode"], causal=c["causal"],
+                                      window=c["window"], softmax_scale=c["scale"], sinks=s_r, **c["options"])  # fmt: skip
             out.backward(local[3])
         except cpref.CPInputError as err:
             return err
-        return out.detach(), q_r.grad, k_r.grad, v_r.grad
+        return out.detach(), q_r.grad, k_r.grad, v_r.grad, None if s_r is None else s_r.grad
 
     results = SimCluster(c["P"], timeout=20.0).run(rank)
-    return results, sharding, (q, k, v, dout, cu)
+    return results, sharding, (q, k, v, dout, cu, sinks)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls())
 def test_every_call_gives_the_oracles_result_or_a_cpinputerror_on_every_rank(c):
-    results, sharding, (q, k, v, dout, cu) = run(c)
+    results, sharding, (q, k, v, dout, cu, sinks) = run(c)
     raised = [isinstance(r, cpref.CPInputError) for r in results]
     event("refused" if any(raised) else "computed")
     if any(raised):
@@ -104,21 +118,38 @@ def test_every_call_gives_the_oracles_result_or_a_cpinputerror_on_every_rank(c):
         return
     assert c["fault"] is None, f"rank {c['P'] - 1}'s {c['fault']} shard was accepted"
     scale = c["scale"]
-    out, _, dq, dk, dv = oracle.forward_backward(q, k, v, cu, dout, causal=c["causal"], scale=scale, window=c["window"])
+    out, _, dq, dk, dv, *dsinks = oracle.forward_backward(q, k, v, cu, dout, causal=c["causal"], scale=scale,
+                                                          window=c["window"], sinks=sinks)  # fmt: skip
     for name, want, i in (("out", out, 0), ("dq", dq, 1), ("dk", dk, 2), ("dv", dv, 3)):
         got = sharding.unpad(sharding.unshard([r[i] for r in results]))
         torch.testing.assert_close(got, want, atol=TOL[torch.float64], rtol=TOL[torch.float64], msg=lambda m, name=name: f"{name}: {m}")
+    if sinks is not None:  # each rank's share, summed over the group as a replicated parameter's gradient is
+        got = sum(r[4] for r in results)
+        torch.testing.assert_close(got, dsinks[0], atol=TOL[torch.float64], rtol=TOL[torch.float64])
 
 
 def test_the_fuzz_reaches_both_outcomes():
     """The argument space is wide enough that both outcomes occur (a fuzz that only ever raised would pass vacuously)."""
     seen = set()
     valid = dict(P=2, mode="p2p", layout="zigzag", lengths=[5, 9], heads=(4, 2), d=8, causal=True, window=(-1, -1),
-                 scale=None, options={}, fault=None)  # fmt: skip
+                 scale=None, options={}, fault=None, sinks=False)  # fmt: skip
     for change in ({}, {"scale": 0.0}, {"fault": "short"}, {"heads": (4, 3)}):
         results, _, _ = run({**valid, **change})
         seen.add(all(isinstance(r, cpref.CPInputError) for r in results))
     assert seen == {True, False}
+
+
+@pytest.mark.parametrize("fault", PEER_FAULTS)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_fuzz_s_differences_between_ranks_are_refused_on_every_rank_and_their_twins_computed(mode, fault):
+    """The classes of issue 56 in every mode at P = 3, each against its twin without the difference: refused on
+    every rank by the ranks' comparison (no rank blames another), and computed (sinks given) without it."""
+    call = dict(P=3, mode=mode, layout="zigzag", lengths=[7, 12], heads=(6, 3), d=4, causal=True, window=(-1, -1),
+                scale=None, options=cpref.MODES[mode].example_options(3), fault=fault, sinks=True)  # fmt: skip
+    results, _, _ = run(call)
+    assert all(type(r) is cpref.CPInputError and "pass different arguments" in str(r) for r in results), results
+    results, _, _ = run({**call, "fault": None})
+    assert not any(isinstance(r, Exception) for r in results) and all(r[4] is not None for r in results), results
 
 
 # ---- the rest of the public API: each call's right result (computed here, independently) or a CPInputError ----------

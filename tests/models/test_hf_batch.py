@@ -15,6 +15,7 @@ the ranks' shares summed) and every parameter's gradient (summed over the ranks)
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 import cpref
 import cpref.hf
-from cpref.hf.batch import documents
+from cpref.base.errors import PeerInputError
+from cpref.hf.batch import BatchSharding, documents
 from sim import SimCluster
 from tests.helpers import assert_close
 from tests.models.test_hf_attention import VOCAB, build
@@ -172,3 +174,83 @@ def test_a_padded_row_may_be_a_pack_and_rows_of_padding_only_are_skipped():
 def test_batches_that_are_not_what_they_claim_are_refused(batch, match):
     with pytest.raises(cpref.CPInputError, match=match):
         cpref.hf.shard_batch(batch, cp_size=2, rank=0)
+
+
+# ---- labels= of a padded batch: shifted inside each row, as transformers does ----------------------------------------
+def own_labels(b: dict, path: str) -> torch.Tensor:
+    """The labels `hf_batch(path)` gives the model without CP, on this rank's shard: each token's own id, and -100 at
+    each document's first token where `hf_batch` has it (left padding, the collator)."""
+    return b["tokens"] if path == "padded right" else b["tokens"].masked_fill(b["position_ids"] == 0, -100)
+
+
+@pytest.mark.parametrize("P, path", [(1, "padded right"), (2, "padded right"), (4, "padded right"), (1, "padded left"),
+                                     (2, "padded left"), (4, "padded left"), (2, "flattened")])  # fmt: skip
+def test_labels_of_a_padded_batch_are_shifted_inside_each_row(references, P, path):
+    """Issue 56: `labels=input_ids` of a padded batch were shifted over the packed rows, each row's last token learning
+    the next row's first: 47 loss tokens against transformers' 44 here (rows of 13, 7, 20 (no padding) and 5). Now the
+    ranks' losses add up to transformers' own loss on the padded batch (-100 at the padding), and their gradients to
+    its gradients, at CP = 1, 2 and 4, padding on either side; and the flattened batch (one row) still crosses its
+    documents as transformers does."""
+    if ("llama3", path) not in references:
+        references["llama3", path] = reference("llama3", path)
+    _, want_loss, want_grads = references["llama3", path]
+    cpref.hf.register()
+    base = build("llama3", cpref.hf.NAME)
+    batch = hf_batch(path)
+
+    def rank(comm):
+        model = copy.deepcopy(base)
+        b = cpref.hf.shard_batch(batch, cp_size=P, rank=comm.rank, layout=cpref.LAYOUTS[P % 4])
+        cp = cpref.hf.CP(comm, b["sharding"], "p2p")
+        out = model(b["tokens"][None], position_ids=b["position_ids"][None], labels=own_labels(b, path)[None],
+                    use_cache=False, cp=cp)  # fmt: skip
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    results = SimCluster(P).run(rank)
+    assert_close(sum(r[0] for r in results), want_loss, torch.float32, msg=f"P={P} {path}: loss")
+    for n, g in want_grads.items():
+        assert_close(sum(r[1][n] for r in results), g, torch.float32, msg=f"P={P} {path}: gradient of {n}")
+
+
+def test_the_rows_marks_of_shard_batch():
+    """Rows padded right, left, on both sides, not at all, a pack in a row, a row of padding only: each row's last
+    token, and the first of each row padded on its left, in the stream; pickled and copied, the marks stay."""
+    ids = torch.ones(5, 6, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0] * 6])
+    pos = torch.tensor([[0, 1, 2, 0, 0, 0], [0, 0, 0, 1, 2, 3], [0, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3], [0] * 6])
+    b = cpref.hf.shard_batch({"input_ids": ids, "attention_mask": mask, "position_ids": pos}, cp_size=2, rank=1)
+    s = b["sharding"]
+    assert s.cu_seqlens == (0, 3, 7, 11, 13, 17)  # the fourth row: a pack of 2 and 4
+    assert s.row_ends == (2, 6, 10, 16) and s.left_firsts == (3, 7)
+    flags = torch.zeros(17, dtype=torch.bool)
+    flags[[3, 7]] = True
+    assert torch.equal(s.left_padded_firsts(0), s.shard(s.pad(flags, value=False), 0))
+    for again in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+        assert type(again) is BatchSharding and again == s and again.row_ends == s.row_ends
+        assert again.left_firsts == s.left_firsts and again.rank == 1 and torch.equal(again.labels, s.labels)
+
+
+def test_labels_that_would_have_padding_predict_a_rows_first_token_are_refused_on_every_rank():
+    """transformers' shift has the pad before a left-padded row's first token predict it; shard_batch dropped that
+    pad, so `labels=input_ids` of left padding cannot be transformers' loss: refused, naming shift_labels=, on every
+    rank, before any collective but the guard's row."""
+    cpref.hf.register()
+    base = build("llama3", cpref.hf.NAME)
+    batch = hf_batch("padded left")
+
+    def rank(comm):
+        b = cpref.hf.shard_batch(batch, cp_size=2, rank=comm.rank)
+        try:
+            copy.deepcopy(base)(b["tokens"][None], position_ids=b["position_ids"][None], labels=b["tokens"][None],
+                                use_cache=False, cp=cpref.hf.CP(comm, b["sharding"]))  # fmt: skip
+        except cpref.CPInputError as err:
+            return err
+
+    cluster = SimCluster(2)
+    errors = cluster.run(rank)
+    own, peer = errors  # zigzag: every document's first chunk is rank 0's
+    assert type(own) is cpref.CPInputError and "labels= label the first token of 3 rows padded on their left" in str(own)
+    assert "pass shift_labels=batch['shift_labels'][None], or labels with -100 at every row's first token" in str(own)
+    assert isinstance(peer, PeerInputError) and "the inputs of rank 0" in str(peer)
+    assert [e.op for e in cluster.trace] == ["all_gather"]

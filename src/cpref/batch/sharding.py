@@ -159,8 +159,10 @@ class Sharding:
         return hash(self._key())
 
     def __repr__(self) -> str:
-        padded = f", cu_seqlens_padded={list(self.cu_seqlens_padded)}" if self.bounds.is_padded else ""
-        return f"Sharding({list(self.cu_seqlens)}, cp_size={self._cp_size}, layout={self._layout!r}{padded})"
+        """The boundaries written out, or past 8 entries their first three, last one and length (a message stays
+        readable whatever the batch): `Sharding([0, 8, 16, ..., 4096] (129 entries), cp_size=2, layout='zigzag')`."""
+        padded = f", cu_seqlens_padded={_listed(self.cu_seqlens_padded)}" if self.bounds.is_padded else ""
+        return f"Sharding({_listed(self.cu_seqlens)}, cp_size={self._cp_size}, layout={self._layout!r}{padded})"
 
     def __reduce__(self):
         padded = self.cu_seqlens_padded if self.bounds.is_padded else None
@@ -187,9 +189,21 @@ class Sharding:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             real = isinstance(x, torch.Tensor) and _is_real(x, self)
             fix = "; pad it first with sharding.pad(x)" if self.bounds.is_padded and real else ""
+            fix = fix or (_transposed({"x": x}, self.total) if isinstance(x, torch.Tensor) else "")
             raise CPInputError(f"x has shape {got} but the sharded stream has {self.total} tokens: dim 0 must "
                                f"hold the whole (padded) stream{fix}")  # fmt: skip
         return x.index_select(0, self.global_index(rank).to(x.device))  # (T/P, ...)
+
+    def check_local(self, **tensors: torch.Tensor) -> None:
+        """Raise a `CPInputError` unless every tensor (by name) holds this batch's shard of one rank in dim 0:
+        `T / P` tokens. A tensor laid out `(H, T / P, D)`, its tokens in dim 1, is named with its fix."""
+        local = self.local_tokens
+        if all(t.shape[0] == local for t in tensors.values()):
+            return
+        held = "/".join(str(t.shape[0]) for t in tensors.values())
+        raise CPInputError(f"{'/'.join(tensors)} hold {held} tokens but this rank's shard of {self.total} tokens over "
+                           f"cp_size={self._cp_size} has {local}; shard them with sharding.shard(x, comm.rank)"
+                           + _transposed(tensors, local))  # fmt: skip
 
     def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of [`shard`][cpref.batch.sharding.Sharding.shard]: every rank's shard, in rank order -> `(T, ...)`."""
@@ -251,6 +265,23 @@ class Sharding:
 
     def _rank(self, rank: int) -> int:
         return as_int("rank", rank, lo=0, hi=self._cp_size)
+
+
+def _transposed(tensors: dict[str, torch.Tensor], tokens: int) -> str:
+    """A hint naming the tensors whose dim 1, not dim 0, holds the expected `tokens` (laid out `(H, T, D)`), or ""."""
+    turned = [name for name, t in tensors.items() if t.dim() >= 2 and t.shape[0] != tokens and t.shape[1] == tokens]
+    if not turned:
+        return ""
+    return (f"; {', '.join(turned)} {'has' if len(turned) == 1 else 'have'} the {tokens} tokens in dim 1, as if laid out "
+            "(heads, tokens, head dim), but dim 0 is the tokens, (tokens, heads, head dim): pass "
+            + ", ".join(f"{name}.transpose(0, 1)" for name in turned))  # fmt: skip
+
+
+def _listed(values: Sequence[int]) -> str:
+    """`values` as a list, or past 8 entries its first three, last one and length: `[0, 8, 16, ..., 4096] (129 entries)`."""
+    if len(values) <= 8:
+        return repr(list(values))
+    return f"[{', '.join(map(str, values[:3]))}, ..., {values[-1]}] ({len(values)} entries)"
 
 
 def _is_real(x: torch.Tensor, sharding: Sharding) -> bool:

@@ -51,9 +51,12 @@ code would get wrong on a shard, on every rank alike:
   refused where it marks a real token as padding;
   [`shard_batch`][cpref.hf.batch.shard_batch] is how a padded batch becomes the sharding's;
 * **labels**: `labels=` keeps its meaning (the model shifts them), shifted over the unsharded
-  batch (one all-gather of the label ids), and `num_items_in_batch` counts the whole batch's
-  loss tokens, so the model's `loss` on a rank is its share of the batch's mean. The labels of
-  `shard_batch` are already the next tokens: the model's loss takes them as
+  batch (one all-gather of the label ids) inside each row of the batch `shard_batch` was given,
+  so the loss is `transformers`' own on that batch with `-100` at its padding (no token predicts
+  another row's first, nor padding); `num_items_in_batch` counts the whole batch's loss tokens,
+  so the model's `loss` on a rank is its share of the batch's mean. Labels that would have a
+  left-padded row's padding predict its first token are refused. The labels of `shard_batch`
+  are already the next tokens: the model's loss takes them as
   `shift_labels=b["shift_labels"][None]` (alone: cpref hands them on as `labels` too); as
   `labels=` they are refused.
 
@@ -66,6 +69,15 @@ sum, as [`cpref.train.training`][cpref.train.training] does. A mean would make i
 (GQA: fewer key/value heads than query heads), `is_causal`, and `sliding_window`, which
 `transformers` gives as the number of keys a query sees, itself included: `window=(W - 1, 0)`
 in cpref's convention ([the kernel contract][cpref.kernels.contract]).
+
+## Under torch.compile
+
+`torch.compile(model)` compiles the model's own code (embeddings, RoPE, norms, MLPs, the loss)
+and leaves cpref's to run eagerly: the model-level checks ([`cpref.hf.guard`][cpref.hf.guard], a
+forward pre-hook) and every layer's [`attention`][cpref.hf.layer.attention] are graph breaks
+(`torch.compiler.disable`), as [`cpref.attention`][cpref.api.attention] is. The loss and gradients
+are the eager model's, and the next batch (another `CP`, another sharding) reuses the compiled
+graphs. With `fullgraph=True`, dynamo refuses at the checks, naming them.
 
 ## Everything refused
 
@@ -98,6 +110,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | `labels=` of a head that is not a causal LM | only causal LM labels are shifted |
 | forward | `labels=` that are `shard_batch`'s labels (already the next tokens; pass `shift_labels=batch["shift_labels"][None]`) | the model would shift them a second time |
 | forward | `labels=` that are already the next tokens (each the id of the token after it in its document: `get_batch_on_this_cp_rank`'s, Megatron's; pass them as `shift_labels=`) | the model would shift them a second time |
+| forward | `labels=` that label the first token of a row padded on its left (pass `shift_labels=batch["shift_labels"][None]`, or -100 there) | `transformers` would have the padding before it predict it, and `shard_batch` dropped that padding |
 | forward | another rank's inputs that failed these checks (a `cpref.base.errors.PeerInputError` naming that rank) | that rank does not go on to the collectives |
 | forward | ranks that pass different loss arguments, `use_cache` or caches, training modes, activation checkpointing, autograd or position starts | the ranks would compute different things, or refuse at different layers |
 | layer | a layer reached without the model-level checks (called on its own, or the model's forward pre-hook removed) | its positions, masks and labels were not checked |

@@ -38,6 +38,14 @@ shifted, would be shifted a second time: one token off, silently. The batch's `s
 [`BatchSharding`][cpref.hf.batch.BatchSharding], equal to the plain `Sharding`) remembers this
 rank's labels, and the model-level checks ([`cpref.hf.guard`][cpref.hf.guard]) refuse them as
 `labels=`, naming `shift_labels=` (on every rank alike, before any communication).
+
+**`labels=input_ids`** (the shard's `tokens`) is the other way: the model's own labels, shifted
+by cpref over the batch ([`cpref.hf.labels`][cpref.hf.labels]). The `BatchSharding` also remembers
+where the batch's rows end, so that they are shifted inside each row, as `transformers` shifts a
+padded batch: the loss is `transformers`' own on the batch with `-100` at its padding. A row padded
+on its left is the one case it cannot be: `transformers` has the pad before the row's first token
+predict it, and that pad is dropped here; such labels are refused, naming the fix (`-100` at
+each row's first token, or `shift_labels`).
 """
 
 from __future__ import annotations
@@ -102,28 +110,66 @@ def shard_batch(batch: Mapping[str, Any], *, cp_size: int, rank: int, layout: st
             out[name] = x.reshape(-1, *x.shape[2:])[take]  # (T, ...)
     b = get_batch_on_this_cp_rank(out, cu, cp_size=cp_size, rank=rank, layout=layout, pad_token_id=pad_token_id)
     b["shift_labels"] = b["labels"].masked_fill(b["loss_mask"] == 0, IGNORE)  # (T / P,) for shift_labels=
-    b["sharding"] = BatchSharding.of(b["sharding"], rank, b["labels"], b["loss_mask"])
+    ends, firsts = _row_marks(rows, ids.shape[1])  # where labels= are shifted inside each row (cpref.hf.labels)
+    b["sharding"] = BatchSharding.of(b["sharding"], rank, b["labels"], b["loss_mask"], ends, firsts)
     return b
 
 
-class BatchSharding(Sharding):
-    """The `Sharding` of a batch `shard_batch` made, which also holds this rank's `labels` and `loss_mask`.
+def _row_marks(rows: list[tuple[int, int]], L: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The stream index of every batch row's last token, and of the first token of every row padded on its left.
 
-    It is the batch's `Sharding` (equal to it, the same plans; pickled or copied, a plain one); what it
-    adds is what tells its labels (already the next tokens) if a forward gets them as `labels=`.
+    `rows` are `documents`' flat index ranges `[a, e)` of the `(B, L)` batch, in stream order (a batch row may
+    hold several documents: row `a // L`)."""
+    ends, firsts, at = [], [], 0
+    for i, (a, e) in enumerate(rows):
+        if (i == 0 or rows[i - 1][0] // L != a // L) and a % L:  # a row's first token, with padding before it
+            firsts.append(at)
+        at += e - a
+        if i + 1 == len(rows) or rows[i + 1][0] // L != a // L:  # a row's last token
+            ends.append(at - 1)
+    return tuple(ends), tuple(firsts)
+
+
+class BatchSharding(Sharding):
+    """The `Sharding` of a batch `shard_batch` made, which also holds this rank's `labels` and `loss_mask`, and
+    where the batch's rows end and start.
+
+    It is the batch's `Sharding` (equal to it, the same plans; pickled or copied, a `BatchSharding` still); what
+    it adds is what tells its labels (already the next tokens) if a forward gets them as `labels=`, and the
+    rows that `labels=` are shifted inside ([`cpref.hf.labels`][cpref.hf.labels]).
+
+    Attributes:
+        rank: the rank whose `labels` and `loss_mask` it holds.
+        labels: `shard_batch`'s labels `(T / P,)` of that rank (the next tokens).
+        loss_mask: their loss mask `(T / P,)`.
+        row_ends: the index in the real (unpadded) stream of every batch row's last token, in order.
+        left_firsts: the index in the real stream of the first token of every row padded on its left.
     """
 
-    __slots__ = ("rank", "labels", "loss_mask")
+    __slots__ = ("rank", "labels", "loss_mask", "row_ends", "left_firsts")
 
     @classmethod
-    def of(cls, sharding: Sharding, rank: int, labels: torch.Tensor, loss_mask: torch.Tensor) -> BatchSharding:
-        """`sharding`, holding rank `rank`'s `labels` and `loss_mask` `(T / P,)` too."""
+    def of(cls, sharding: Sharding, rank: int, labels: torch.Tensor, loss_mask: torch.Tensor,
+           row_ends: tuple[int, ...], left_firsts: tuple[int, ...]) -> BatchSharding:  # fmt: skip
+        """`sharding`, holding rank `rank`'s `labels` and `loss_mask` `(T / P,)` and the rows' marks too."""
         made = object.__new__(cls)
         for name in Sharding.__slots__:
             object.__setattr__(made, name, object.__getattribute__(sharding, name))
-        for name, value in (("rank", rank), ("labels", labels), ("loss_mask", loss_mask)):
+        for name, value in zip(cls.__slots__, (rank, labels, loss_mask, tuple(row_ends), tuple(left_firsts))):
             object.__setattr__(made, name, value)
         return made
+
+    def __reduce__(self):
+        """Pickled (and deep-copied) with its labels and rows: a batch made in a `DataLoader` worker keeps them."""
+        plain = Sharding.__reduce__(self)
+        extra = tuple(getattr(self, name) for name in BatchSharding.__slots__)
+        return (_rebuild_batch, (plain, extra))
+
+    def left_padded_firsts(self, rank: int) -> torch.Tensor:
+        """Which of rank `rank`'s tokens are the first of a row padded on its left: bool `(T / P,)`."""
+        flag = torch.zeros(self.cu_seqlens[-1], dtype=torch.bool)  # (T_real,)
+        flag[list(self.left_firsts)] = True
+        return self.shard(self.pad(flag, value=False), rank)  # (T / P,)
 
     def made_labels(self, labels: torch.Tensor, input_ids: torch.Tensor | None, rank: int) -> bool:
         """Whether a forward's `labels` on rank `rank` are these labels (on the loss tokens), not the tokens' own ids."""
@@ -227,3 +273,8 @@ def _check_derived(batch: Mapping[str, Any], cu: list[int], rows: list[tuple[int
         if seq.numel() <= int(take.max()) or not torch.equal(seq[take].long(), want):
             raise CPInputError("seq_idx does not number the batch's documents in order (from its attention_mask and "
                                "position_ids)")  # fmt: skip
+
+
+def _rebuild_batch(plain: tuple, extra: tuple) -> BatchSharding:
+    rebuild, args = plain
+    return BatchSharding.of(rebuild(*args), *extra)

@@ -34,13 +34,18 @@ it right or refuses, before the model runs:
    training) refuses on every rank alike, the same model on each, and no rank waits for
    another in a collective.
 5. **Labels.** `labels=` keeps its meaning in `transformers` (the model shifts them): shifted over
-   the unsharded batch, with `num_items_in_batch` the whole batch's loss tokens, so that the
+   the unsharded batch, inside each row of a `shard_batch` batch (no token predicts the next row's
+   first), with `num_items_in_batch` the whole batch's loss tokens, so that the
    model's `loss` on a rank is its share of the batch's mean ([`cpref.hf.labels`][cpref.hf.labels],
    which also refuses, in step 1, labels that are already the next tokens).
 
 The gradient of the batch's loss is the **sum** of the ranks' gradients (every rank holds a
 replica of the parameters): all-reduce them over the CP group with a sum, as
 [`cpref.train.training`][cpref.train.training] does.
+
+Under `torch.compile` the hook is a graph break (`torch.compiler.disable`): the checks run
+eagerly before the model's compiled code, and a new batch's `CP` and sharding compile nothing
+new (traced, the checks' host code and exchange made dynamo compile every batch anew).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_embeds", "input_feat
 LAYER_ONLY = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}  # what a layer gives itself, from its config
 # step 4's row after "inputs valid": what the ranks must pass alike (the layers' refusals read the middle ones)
 ROW = (*LOSS_KEYS, "use_cache", "training", "activation checkpointing", "autograd", "cached tokens", "the position_ids' start")
+EAGER = ("cpref.hf's model-level checks run eagerly under torch.compile (host checks and one exchange across "
+         "ranks, once a forward, before the model's compiled code)")  # dynamo's graph-break reason
 
 
 def _check_is_causal(model: torch.nn.Module, given: Any, what: str) -> None:
@@ -77,6 +84,7 @@ def _check_is_causal(model: torch.nn.Module, given: Any, what: str) -> None:
                            "attends with; call the model without is_causal=, or build it with the layers you mean")  # fmt: skip
 
 
+@torch.compiler.disable(reason=EAGER)
 def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The forward pre-hook (`with_kwargs=True`): the module docstring's five steps; returns the call's arguments."""
     if model.config._attn_implementation not in NAMES:

@@ -1,4 +1,4 @@
-r"""Labels under CP: `labels=` shifted over the unsharded batch, and labels already shifted refused.
+r"""Labels under CP: `labels=` shifted over the unsharded batch inside each row, and labels already shifted refused.
 
 A causal LM in `transformers` takes `labels=` as each token's own id and shifts them itself: the
 label of token $j$ is token $j + 1$'s. On a shard that shift would pair each token with the next
@@ -20,6 +20,12 @@ the model would shift them a second time, silently (every token learning the one
   repeat, and shifting or not gives the same loss; labels that equal their own ids
   (`transformers`' convention) are never refused.
 
+And of a [`shard_batch`][cpref.hf.batch.shard_batch] batch padded on the left, labels that
+label a row's first token are refused: `transformers`' own shift has the pad before it predict it
+(unless that label is `-100`), a prediction from no token of the row that cpref cannot make, since
+`shard_batch` dropped the padding. The fix it names: `shift_labels=batch["shift_labels"][None]`, or
+`-100` at every row's first token.
+
 A rank whose labels are refused raises in step 1; the guard's agreement row makes every other
 rank raise too, so no rank waits in a collective.
 
@@ -31,8 +37,18 @@ model's `loss` on a rank is then that rank's share: the shares add up to the mea
 With `shift_labels` and no `num_items_in_batch`, the count is one all-reduce, and `shift_labels`
 alone are handed on as `labels` too (`transformers` computes a loss only where labels are given).
 
-$$ \text{shift\_labels}_i = \text{labels}_{g(i) + 1}, \qquad \text{loss}_r = \frac{\sum_{i \in r}
-   \ell_i}{\#\{j : \text{labels}_{j+1} \ne -100\}} $$
+The stream is shifted **inside each row** of the batch: a `shard_batch` batch remembers where its
+rows end ([`BatchSharding`][cpref.hf.batch.BatchSharding]`.row_ends`), and a row's last token
+predicts nothing, as in `transformers`' shift of a padded `(B, L)` batch, where it predicts the
+padding (`-100`) or nothing. So `labels=input_ids` of a padded batch is `transformers`' loss on that
+batch with `-100` at the padding, and of a flattened one (one row) its loss on that row, across
+the row's documents as `transformers` shifts it (labels with `-100` at every document's first
+token, as `DataCollatorWithFlattening` makes them, keep the documents apart). Any other
+sharding's stream is one row: `transformers`' loss on the packed `(1, T)` sequence.
+
+$$ \text{shift\_labels}_i = \begin{cases} \text{labels}_{g(i) + 1} & g(i) \text{ not a row's last} \\
+   -100 & \text{otherwise} \end{cases}, \qquad \text{loss}_r = \frac{\sum_{i \in r}
+   \ell_i}{\#\{i : \text{shift\_labels}_i \ne -100\}} $$
 
 where $g(i)$ is token $i$'s index in the unpadded stream.
 """
@@ -75,6 +91,20 @@ def check_labels(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wha
                                "it in its document, as cpref.get_batch_on_this_cp_rank's and Megatron's labels are): the "
                                "model would shift them a second time; pass them as shift_labels= (with -100 where "
                                "loss_mask is 0), or pass labels=input_ids")  # fmt: skip
+        if isinstance(s, BatchSharding):
+            _check_left_padded(y, s, rank, call.get("ignore_index", -100), what)
+
+
+def _check_left_padded(labels: torch.Tensor, s: BatchSharding, rank: int, ignore: int, what: str) -> None:
+    """`labels=` of a row padded on its left must ignore the row's first token: `transformers`' own shift has the pad
+    before it predict it, from no token of the row, and `shard_batch` dropped that pad."""
+    hit = s.left_padded_firsts(rank).to(labels.device) & (labels.reshape(-1) != ignore)  # (T_l,)
+    if bool(hit.any()):
+        raise CPInputError(f"{what}: labels= label the first token of {int(hit.sum())} rows padded on their left on rank "
+                           f"{rank} (the first at shard token {int(hit.nonzero()[0, 0])}): transformers' own shift has "
+                           "the padding before a row's first token predict it, which cpref cannot (shard_batch drops "
+                           "the padding); pass shift_labels=batch['shift_labels'][None], or labels with "
+                           f"{ignore} at every row's first token")  # fmt: skip
 
 
 def next_tokens(labels: torch.Tensor, ids: Any, s: Sharding, rank: int, ignore: int) -> bool:
@@ -125,6 +155,8 @@ def loss_arguments(model: torch.nn.Module, call: dict, cp: CP) -> None:
         stream = s.unpad(s.unshard(list(every.split(s.local_tokens))))  # (T_real,) in stream order
         # the label of token j is the next one's: labels[j + 1], the last one's ignored
         nxt = torch.cat([stream[1:], stream.new_full((1,), ignore)])  # (T_real,)
+        if isinstance(s, BatchSharding):  # a row's last token: the next token in the stream is another row's
+            nxt[list(s.row_ends)] = ignore
         call["shift_labels"] = s.shard(s.pad(nxt, value=ignore), comm.rank).view(1, -1)  # (1, T_l)
         if call.get("num_items_in_batch") is None:
             call["num_items_in_batch"] = (nxt != ignore).sum()

@@ -6,6 +6,10 @@ with the model's forward's keyword arguments in `kwargs`, `cp=` among them. Its 
 the function registered under the same name with `AttentionMaskInterface`: [`mask`][cpref.hf.layer.mask]
 here, which refuses what cpref cannot honour and hands on a padding mask that the model-level
 checks ([`cpref.hf.guard`][cpref.hf.guard]) did not take, for the layer to refuse.
+
+Under `torch.compile`, [`attention`][cpref.hf.layer.attention] is a graph break
+(`torch.compiler.disable`): the layer's checks and its `cpref.attention` call run eagerly, the
+model's code around them compiles ([`cpref.hf`][cpref.hf]).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ NAMES: set[str] = set()  # the attn_implementation names cpref.hf.register() add
 
 # options each layer gives itself: an option of that name in CP would collide with it
 LAYER_OWN = {"causal": "is_causal", "softmax_scale": "scaling", "window": "sliding_window"}
+# dynamo's graph-break reason: the layer's checks and its cpref.attention call run eagerly, the model's code around them compiles
+EAGER = "cpref.hf's attention runs eagerly under torch.compile: its checks, and cpref.attention (communication across ranks)"
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ def chunk_of(module: torch.nn.Module) -> int | None:
     return int(config.attention_chunk_size)
 
 
+@torch.compiler.disable(reason=EAGER)
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
               **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip

@@ -17,7 +17,7 @@ from cpref.batch.seqlens import Boundaries
 from cpref.batch.sharding import Sharding
 from cpref.kernels.contract import AttentionKernel
 
-__all__ = ["CPCall"]
+__all__ = ["CPCall", "records_backward"]
 
 V = TypeVar("V")
 
@@ -42,6 +42,9 @@ class CPCall:
             (`cpref.kernels.contract.SoftCapped`).
         chunk: chunked attention's `C`: a query sees only the keys of its own chunk of `C` positions (None: none).
         sinks: `(Hq,)` learnable sink logits, added once to every row's softmax (None: none).
+        backward: whether the call records a backward on this rank ([`records_backward`][cpref.modes.call.records_backward]
+            of q, k, v and the sinks); the ranks compare it, as a rank without one would leave the others waiting in
+            the backward's collectives.
     """
 
     sharding: Sharding
@@ -58,6 +61,7 @@ class CPCall:
     softcap: float | None = None
     chunk: int | None = None
     sinks: torch.Tensor | None = None
+    backward: bool = False
 
     @property
     def variants(self) -> frozenset[str]:
@@ -93,3 +97,19 @@ class CPCall:
     def plan(self, key: Hashable, build: Callable[[], V]) -> V:
         """The cached plan `key` of this batch (built once by `build()`)."""
         return self.entry.plan(key, build)
+
+
+def records_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on `tensors` records a backward, as `torch.autograd.Function` decides it: grad mode is on
+    (not under `torch.no_grad()` or `torch.inference_mode()`) and one of them requires grad (`None`, sinks not
+    given, is skipped).
+
+    Examples:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> records_backward(x, torch.ones(2), None)
+        True
+        >>> with torch.no_grad():
+        ...     records_backward(x)
+        False
+    """
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

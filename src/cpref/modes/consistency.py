@@ -2,17 +2,32 @@
 
 Validation without communication sees only this rank's values. Some disagreements it cannot
 see give wrong results with no error at all: ranks that pass different `causal`,
-`softmax_scale`, `layout`, mode, or `cu_seqlens` with the same total, compute different
+`softmax_scale`, `layout`, mode, `sinks` values, or `cu_seqlens` with the same total, compute different
 functions and still meet in the same collectives; a rank alone without `deterministic=True`
 makes the whole run unrepeatable. Others make the ranks call different
 collectives (another mode, dtype or head count), which a real backend does not report: gloo
-aborts the process (`SIGABRT`, no Python traceback), NCCL hangs until its timeout.
+aborts the process (`SIGABRT`, no Python traceback), NCCL hangs until its timeout. A rank that
+records no backward (under `torch.no_grad()`, or with no input requiring grad) while the others
+do leaves them waiting in the backward's collectives, in every mode, until the timeout.
 
 So **every** call, before any of the mode's communication, all-gathers a **fingerprint** of
 its arguments (a few int64s: `check_ranks`, the choices, the scale's bits, digests of the
-boundaries' values, the shapes) and compares the table: any column that differs raises the
-same `CPInputError` on every rank, naming the argument and what each rank passed (the
-boundaries themselves, from their first differing document, where the values differ).
+boundaries' values and of the sinks' values, the shapes, whether the call records a backward)
+and compares the table: any column that differs raises the same `CPInputError` on every rank,
+naming the argument and what each rank passed (the boundaries and the sinks themselves, from
+their first difference, where the values differ) and, for the sinks and the backward, the fix.
+
+| column | what each rank puts in it |
+| --- | --- |
+| `inputs valid` | 1, or 0 where its own inputs failed validation (below) |
+| `check_ranks`, `causal`, `deterministic` | the flag |
+| `mode`, `window`, `mode options`, `heads (Hq, Hkv, D, Dv)` | a digest of the value |
+| `layout`, `dtype` | its index among the choices |
+| `softmax_scale` | the float's 64 bits |
+| `cu_seqlens`, `cu_seqlens_padded` | a digest of the values (not the tensor's identity) |
+| `variants (softcap, chunk, sinks)` | a digest of softcap, chunk, and whether sinks are given |
+| `sinks values` | a digest of the sinks' values as float64 (below) |
+| `backward (grad enabled, an input requiring grad)` | `torch.is_grad_enabled()` and any of q, k, v, sinks requiring grad |
 
 ## Why every call, and why it costs no device sync
 
@@ -29,13 +44,48 @@ serves it and on a gloo group of the same ranks under NCCL or HCCL) moves Python
 comparison never waits for the accelerator's stream: no host-device synchronisation, on any
 layer (the hardening test counts them). Its cost is one round trip between the CP group's
 hosts per call, a few dozen bytes; `python -m bench.collectives` measures it beside the
-collectives the modes make. A communicator without `agree` gets the same comparison through its
+collectives the modes make. The one exception: sinks on an accelerator, read once per
+tensor (see "Sinks: their values"). A communicator without `agree` gets the same comparison through its
 own `all_gather` (or, where the backend has none for the group size, two all-reduces, max and
 min) on the call's device, and a host copy of the table per call.
 
 Identical values are identical: the boundaries enter as digests of their **values**, so a new
 tensor with the same `cu_seqlens`, or a rank that called `cpref.clear_cache()`, changes
 nothing.
+
+## Sinks: their values
+
+Sinks are a parameter, `(Hq,)` logits that every rank of the group must hold alike (initialised from
+one seed or loaded from one checkpoint, and their gradient summed over the group as every replicated
+weight's). Ranks whose sinks differ compute another softmax and meet in the same collectives, so
+their values are compared too, as a digest of the values in float64 (exact for every float dtype:
+a new tensor, or another dtype, of the same values is the same). Where they are read:
+
+* **sinks on the CPU**: at every call. Their memory is the host's, so reading them is no
+  synchronisation; an in-place change on one rank (`sinks.add_(...)`) is named at the next call.
+* **sinks on an accelerator**: once per tensor, at the first call that passes it (one copy of
+  `Hq` numbers to the host, a synchronisation, at the first step); the later calls with that
+  tensor compare the values read then (the reads are kept per tensor, by its identity, and go
+  with it). Reading them at every call would make every layer wait for the
+  device. So sinks that differ from the start (initialised or loaded differently on one rank) are
+  named at the first step; an in-place change afterwards (an optimizer step, or a later load) is not
+  read. Ranks whose gradients are summed over the group step alike; ranks whose replicas drift
+  apart drift in every weight, which an attention call cannot see. A new tensor at every call (a
+  cast of the parameter, `sinks.float()`) is read at every call: pass the parameter itself.
+
+Where they differ, the message shows every rank's sinks from the head before the first that differs
+(the values read for the comparison, sent in two more exchanges, on the error path only).
+
+## Grad mode: who runs a backward
+
+Every mode's backward communicates (the ring's sends, the all-gather's reduce-scatter, Ulysses'
+all-to-alls), so a rank that records no backward for a call while its peers do leaves them
+waiting in the backward until the process group's timeout. Whether a call records one is what
+`torch.autograd.Function` decides: grad mode on and any of q, k, v and sinks requiring grad
+([`records_backward`][cpref.modes.call.records_backward]). That bit is a column: a rank under
+`torch.no_grad()` (or `torch.inference_mode()`), or whose inputs do not require grad, is named on
+every rank, with the fix, before any communication. Which inputs require grad does not matter as
+long as every rank records a backward: the backward's collectives are the same.
 
 ## `check_ranks`
 
@@ -71,6 +121,22 @@ named; no tensor is copied to the host after the first layer, whatever the numbe
 On 4 gloo processes (`tests/backends/gloo_cases.py::extra_later_layer_divergence`) the same
 triggers raise within seconds on every rank; without the check, the rank that differs would
 run other collectives than its peers, and gloo ends such a run with a `SIGABRT`.
+
+The sinks and the backward (`tests/cpref/test_agree_sinks_and_backward.py`), in every mode: rank 1's
+sinks differing in one head are named with both ranks' values from that head, and an in-place
+change on one rank between two calls at the next call; sinks on one rank only are "none" beside a
+digest; equal values in a new tensor of another dtype at every call change no output bit. The
+accelerator's policy, run on the CPU (`_on_host` answering no): one host copy per tensor, none
+after the first step of 3 layers x 2 steps (the hardening count), replicas that drift apart
+afterwards unread (the limit above), sinks that differ from the start named. Rank 1 under
+`torch.no_grad()`, under `torch.inference_mode()`, with q, k, v not requiring grad, or with frozen
+sinks where rank 0 trains only its sinks, is named on every rank with nothing of the mode
+communicated (was: rank 0 waited in the backward); ranks that train different inputs but all
+record a backward run it, their gradients bitwise those of ranks that train all three. On 4 gloo
+processes (`tests/backends/test_torch_dist.py::test_ranks_that_differ_in_grad_mode_or_sinks_raise_on_every_gloo_process_in_every_mode`,
+full tier, a process-group timeout of 20 s) rank 1 under `torch.no_grad()` and rank 1 with other
+sinks raise on every rank in every mode within seconds. The API fuzz (`tests/cpref/test_fuzz_api.py`)
+draws both as one rank's difference from its peers.
 """
 
 from __future__ import annotations
@@ -80,9 +146,10 @@ import struct
 import threading
 import warnings
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cpref.base.errors import CPInputError, PeerInputError
 from cpref.batch.seqlens import LAYOUTS
@@ -90,7 +157,8 @@ from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import FLOAT_DTYPES
 from cpref.modes.call import CPCall
 
-__all__ = ["FIELDS", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange", "check_same"]
+__all__ = ["FIELDS", "BACKWARD", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange", "check_same",
+           "SINKS_READ"]  # fmt: skip
 
 _DTYPES, _LAYOUTS = FLOAT_DTYPES, LAYOUTS  # a column holds the index of the value in its tuple
 
@@ -100,10 +168,50 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "little")
 
 
+BACKWARD = "backward (grad enabled, an input requiring grad)"
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
 FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "window", "softmax_scale", "cu_seqlens",
           "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options", "deterministic",
-          "variants (softcap, chunk, sinks)")  # fmt: skip
+          "variants (softcap, chunk, sinks)", "sinks values", BACKWARD)  # fmt: skip
+# what to do, for the columns whose fix the closing sentence does not say
+_FIXES = {
+    "sinks values": "Sinks are a parameter that every rank of the CP group holds alike: initialise them from one seed "
+                    "or load one checkpoint on every rank, and sum their gradient over the group as every replicated "
+                    "weight's",
+    BACKWARD: "A rank that records no backward (under torch.no_grad() or torch.inference_mode(), or none of q, k, v and "
+              "sinks requiring grad) would leave the others waiting in the backward's collectives until the timeout: "
+              "call attention under the same grad mode on every rank, with the same inputs requiring grad",
+}  # fmt: skip
+
+
+def _on_host(device: torch.device) -> bool:
+    """Whether a tensor on `device` is read without a host-device synchronisation: the CPU's memory is the host's."""
+    return device.type == "cpu"
+
+
+class _SinksRead:
+    """The sinks' values as the comparison reads them, as float64 (exact for every float dtype): on the host at every
+    call; on an accelerator once per tensor, at the first call that passes it (see "Sinks: their values")."""
+
+    def __init__(self) -> None:
+        self.lock, self.by_tensor = threading.Lock(), WeakIdKeyDictionary()  # a dead tensor's entry goes with it
+
+    def __call__(self, sinks: torch.Tensor | None) -> tuple[float, ...] | None:
+        if sinks is None:
+            return None
+        if _on_host(sinks.device):
+            return tuple(sinks.detach().double().tolist())
+        with self.lock:
+            held = self.by_tensor.get(sinks)
+        if held is None:
+            held = tuple(sinks.detach().double().tolist())  # (Hq,) to the host: one synchronisation, once per tensor
+            with self.lock:
+                self.by_tensor[sinks] = held
+        return held
+
+
+SINKS_READ = _SinksRead()
+_NO_SINKS = _digest(None)  # the sinks values column of a call without sinks
 
 
 def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple[str, int]]:
@@ -124,7 +232,9 @@ def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple
         _DTYPES.index(call.dtype),
         _digest(options),
         int(call.deterministic),  # a rank summing in another order makes the run unrepeatable, not wrong
-        _digest((call.softcap, call.chunk, call.sinks is not None)),  # whether sinks are given (their values: a parameter)
+        _digest((call.softcap, call.chunk, call.sinks is not None)),  # whether sinks are given
+        _digest(SINKS_READ(call.sinks)),  # their values (None: none)
+        int(call.backward),  # a rank without a backward would leave the others waiting in the backward's collectives
     ]
     return list(zip(FIELDS, codes))
 
@@ -137,6 +247,8 @@ _DECODE = {
     "softmax_scale": lambda c: repr(struct.unpack("<d", struct.pack("<q", c))[0]),
     "dtype": lambda c: str(_DTYPES[c]),
     "deterministic": lambda c: repr(bool(c)),
+    BACKWARD: lambda c: repr(bool(c)),
+    "sinks values": lambda c: "none" if c == _NO_SINKS else f"digest {c:014x}",
 }
 
 
@@ -230,22 +342,7 @@ def check_ranks_agree(call: CPCall, mode: str, comm: Collectives, check_ranks: b
         )
     bad = [i for i in range(len(fields)) if len({row[i] for row in rows}) > 1]
     if bad:
-        lines = []
-        for i in bad:
-            name = fields[i][0]
-            groups: dict[int, list[str]] = {}
-            for label, row in zip(who, rows):
-                groups.setdefault(row[i], []).append(label)
-            lines.append(f"  {name}: " + "; ".join(f"{', '.join(g)}: {_show(name, code)}" for code, g in groups.items()))
-            if name.startswith("cu_seqlens") and who[0] == "rank 0":  # every rank is here: show the values
-                values = call.bounds.real if name == "cu_seqlens" else call.bounds.padded
-                lines.append(_boundaries(comm, list(values), call.device, name))
-        raise CPInputError(
-            "the ranks of the CP group pass different arguments to cpref.attention, which would give wrong "
-            "results without any error:\n" + "\n".join(lines)
-            + "\nPass the same mode, layout, causal, window, softmax_scale, softcap, chunk, sinks, cu_seqlens (and cu_seqlens_padded), "
-            "head counts, dtype, options and check_ranks on every rank."
-        )
+        raise CPInputError(_disagreement(call, comm, [fields[i][0] for i in bad], [[row[i] for row in rows] for i in bad], who))
     if AGREED.get(comm) is None:
         AGREED.set(comm, check_ranks)
 
@@ -263,21 +360,55 @@ def _skipped(comm: Any, check_ranks: bool) -> bool:
     return True
 
 
-def _boundaries(comm: Any, values: list[int], device: torch.device, name: str) -> str:
-    """Every rank's boundaries from their first difference with rank 0's (a second exchange, error path only)."""
+def _disagreement(call: CPCall, comm: Any, names: list[str], columns: list[list[int]], who: list[str]) -> str:
+    """The message of a comparison whose columns `names` differ (`columns[i]`: every row's code of `names[i]`)."""
+    lines = []
+    for name, codes in zip(names, columns):
+        groups: dict[int, list[str]] = {}
+        for label, code in zip(who, codes):
+            groups.setdefault(code, []).append(label)
+        lines.append(f"  {name}: " + "; ".join(f"{', '.join(g)}: {_show(name, code)}" for code, g in groups.items()))
+        if who[0] == "rank 0" and (name.startswith("cu_seqlens") or name == "sinks values" and _NO_SINKS not in codes):
+            lines.append(_values(comm, call, name))  # every rank is here, and has values to show
+    fixes = "".join(f"\n{_FIXES[name]}." for name in names if name in _FIXES)
+    return ("the ranks of the CP group pass different arguments to cpref.attention, which would give wrong results "
+            "without any error, or leave ranks waiting in collectives the others do not call:\n" + "\n".join(lines) + fixes
+            + "\nPass the same mode, layout, causal, window, softmax_scale, softcap, chunk, sinks (their values), "
+            "cu_seqlens (and cu_seqlens_padded), head counts, dtype, options and check_ranks on every rank, under the "
+            "same grad mode.")  # fmt: skip
+
+
+def _values(comm: Any, call: CPCall, name: str) -> str:
+    """Every rank's boundaries or sinks from their first difference with rank 0's (error path only)."""
+    if name == "sinks values":  # as the float64 bits, back to floats to show them
+        sinks = SINKS_READ(call.sinks) or ()
+        rows = _every_rank(comm, [struct.unpack("<q", struct.pack("<d", x))[0] for x in sinks], call.device)
+        return _from_first_difference(rows, name, "head", lambda c: repr(struct.unpack("<d", struct.pack("<q", c))[0]))
+    values = call.bounds.real if name == "cu_seqlens" else call.bounds.padded
+    return _from_first_difference(_every_rank(comm, list(values), call.device), f"{name} values", "entry", str)
+
+
+def _every_rank(comm: Any, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's list of ints, of any length: two more exchanges (the lengths, then the lists)."""
     lengths, _ = exchange(comm, [len(values)], device)
     longest = max(n for (n,) in lengths)
     rows, _ = exchange(comm, values + [-1] * (longest - len(values)), device)  # (P, longest), -1 past the end
-    rows = [row[:n] for row, (n,) in zip(rows, lengths)]
+    return [row[:n] for row, (n,) in zip(rows, lengths)]
+
+
+def _from_first_difference(rows: list[list[int]], name: str, what: str, render: Callable[[int], str]) -> str:
+    """Every rank's row from one entry before the first that differs from rank 0's, six entries of it at most."""
     first = min((next((i for i, (a, b) in enumerate(zip(row, rows[0])) if a != b), min(len(row), len(rows[0])))
                  for row in rows[1:]), default=0)  # fmt: skip
     start = max(first - 1, 0)
 
     def shown(row: list[int]) -> str:
+        if not row:
+            return "none"
         cut = row[start : start + 6]
-        return ("[" if start == 0 else "[..., ") + ", ".join(map(str, cut)) + (", ...]" if start + 6 < len(row) else "]")
+        return ("[" if start == 0 else "[..., ") + ", ".join(map(render, cut)) + (", ...]" if start + 6 < len(row) else "]")
 
-    return (f"    {name} values from entry {start} (first difference at entry {first}): "
+    return (f"    {name} from {what} {start} (first difference at {what} {first}): "
             + "; ".join(f"rank {r}: {shown(row)}" for r, row in enumerate(rows)))  # fmt: skip
 
 
