@@ -76,6 +76,10 @@ GUIDE = [
     ("train.md", "Train a model with CP", "sim.tools.train"),
     ("checkpoint.md", "Checkpoints", "cpref.train.checkpoint"),
     ("checkpoint-files.md", "Where checkpoints live", "cpref.train.checkpoint_files"),
+    ("checkpoint-meta.md", "What a checkpoint records", "cpref.train.checkpoint_meta"),
+    ("checkpoint-swap.md", "A save a crash cannot lose", "cpref.train.checkpoint_swap"),
+    ("checkpoint-lock.md", "One run saves at a time", "cpref.train.checkpoint_lock"),
+    ("checkpoint-errors.md", "When a save fails", "cpref.train.checkpoint_errors"),
     ("torch-dist.md", "Collectives over torch.distributed", "cpref.comm.torch_dist"),
     ("backend-facts.md", "What each backend can do", "cpref.comm.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
@@ -358,7 +362,8 @@ SECTIONS = [
     ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-labels.md", "hf-admit.md", "training.md", "train.md",
                              "checkpoint.md"]),
     ("Performance", ["performance.md"]),
-    ("Internals", ["seqlens.md", "cache.md", "mode-spec.md", "ring-plan.md", "all-gather-pieces.md", "checkpoint-files.md"]),
+    ("Internals", ["seqlens.md", "cache.md", "mode-spec.md", "ring-plan.md", "all-gather-pieces.md", "checkpoint-files.md",
+                   "checkpoint-meta.md", "checkpoint-swap.md", "checkpoint-lock.md", "checkpoint-errors.md"]),
     ("Reference", ["glossary.md", "references.md"]),
 ]  # fmt: skip
 

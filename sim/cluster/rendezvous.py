@@ -22,6 +22,7 @@ served, and raises instead of waiting:
 | a member returned from its function without making this call | `PeerFailure` naming it |
 | a member gave up on this very call (timed out, or saw a failure) | `PeerFailure` naming it |
 | nothing happened for `timeout` seconds (a genuine deadlock) | `CollectiveTimeout` |
+| the run was interrupted (`SimCluster.run` got Ctrl-C) | `Interrupted`, at once or at its next call |
 
 `SimCluster.run` gathers the ranks' exceptions into one `ClusterFailure`, which names the root
 cause: the first failure that is not a `PeerFailure` (peer failures are its consequences).
@@ -45,6 +46,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "Interrupted",
     "PeerFailure",
     "Position",
     "Rendezvous",
@@ -135,6 +137,19 @@ class CollectiveTimeout(CollectiveError):
         )
 
 
+class Interrupted(CollectiveError):
+    """The run was interrupted (Ctrl-C in `SimCluster.run`): a rank raises it in the collective it waits in, or
+    at its next one, so that every rank thread ends.
+
+    Attributes:
+        rank: the global rank that raised this error.
+    """
+
+    def __init__(self, rank: int, pos: Position) -> None:
+        self.rank = rank
+        super().__init__(f"rank {rank} stopped in {pos}: the run was interrupted")
+
+
 class ClusterFailure(RuntimeError):
     """Some ranks of a `SimCluster.run` raised, and not all the same exception.
 
@@ -201,6 +216,7 @@ class Rendezvous:
         self._where: list[str | tuple[Position, float]] = ["running"] * world_size
         self._failed: dict[int, BaseException] = {}  # insertion order = order of failure
         self._finished: set[int] = set()
+        self._interrupted = False
         self.reduction = "exact"  # how SimComm reduces fp16/bf16 in this run (see sim.cluster.simcluster)
 
     # --8<-- [start:rendezvous]
@@ -214,6 +230,8 @@ class Rendezvous:
             CollectiveMismatch, PeerFailure, CollectiveTimeout: see the module docstring.
         """
         with self._cond:
+            if self._interrupted:
+                raise Interrupted(rank, pos)
             slot = self._slots.setdefault((pos.gid, pos.seq), _Slot(len(pos.group)))
             # 1) a member that already failed or finished will never come: fail fast
             self._raise_if_doomed(rank, pos, slot)
@@ -245,6 +263,8 @@ class Rendezvous:
     def _wait(self, rank: int, local: int, pos: Position, slot: _Slot) -> Any:
         deadline = time.monotonic() + self.timeout
         while slot.outputs is None:
+            if self._interrupted:
+                raise Interrupted(rank, pos)
             if slot.mismatch is not None:
                 raise CollectiveMismatch(rank, pos, slot.mismatch)
             self._raise_if_doomed(rank, pos, slot)
@@ -305,6 +325,17 @@ class Rendezvous:
         with self._cond:
             self._failed[rank] = error
             self._cond.notify_all()
+
+    def interrupt(self) -> None:
+        """Make every rank raise `Interrupted`: those waiting now at once, the others at their next collective."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
+
+    def forget(self) -> None:
+        """Drop the exceptions recorded so far (and the frames their tracebacks hold)."""
+        with self._cond:
+            self._failed.clear()
 
     def waiting(self) -> bool:
         """Whether some rank is waiting inside a collective right now."""

@@ -49,6 +49,15 @@ left running as a daemon). `run` re-raises rank 0's exception if every rank rais
 one (e.g. the same validation error), and otherwise raises `ClusterFailure`: every rank's
 exception, and the root cause (see `sim.cluster.rendezvous.ClusterFailure`).
 
+**Ctrl-C.** A `KeyboardInterrupt` reaches `run`'s own thread, not the ranks'. `run` then makes
+every rank raise `Interrupted` in the collective it waits in, or at its next one, waits for the
+rank threads to end (the same margin, `min(timeout, 5 s)`), lets go of what they left (their
+exceptions, and with them the `finally` blocks of generators they were suspended in, which run then:
+a checkpoint on the disk is as they leave it when `run` returns), and re-raises the `KeyboardInterrupt`.
+No rank is left running into the interpreter's exit, where a thread inside torch's C++ code is
+ended mid-call and the C++ runtime aborts the process ("terminate called without an active
+exception", SIGABRT) instead of the exit status of Ctrl-C.
+
 ## On an accelerator
 
 The ranks' tensors may live on a GPU (`python -m sim.tools.demo --device cuda`): the ranks are
@@ -78,6 +87,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import math
 import operator
 import sys
@@ -434,7 +444,16 @@ class SimCluster:
         threads = [threading.Thread(target=rank_main, args=(g,), name=f"sim-rank-{g}", daemon=True) for g in ranks]
         for t in threads:
             t.start()
-        stuck = self._join(threads, rdv)
+        try:
+            stuck = self._join(threads, rdv)
+        except KeyboardInterrupt:  # Ctrl-C: no rank thread may outlive the run (module docstring)
+            rdv.interrupt()
+            deadline = time.monotonic() + min(self.timeout, 5.0)
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            rdv.forget()  # the ranks' exceptions, and the frames they hold: their `finally`s run now, not later
+            gc.collect()
+            raise
         # 3) results, or the failures: identical on every rank -> re-raise, else ClusterFailure
         errors = {**rdv.failures(), **stuck}
         if not errors:

@@ -45,13 +45,24 @@ answers even in C++) before it stops it. A rank outside `torch.distributed` then
 the collective that the others timed out in: it is reported as `hung`, with that stack, and is
 the root cause. A rank inside is itself waiting in a collective, and is `terminated`, its stack
 kept in its `RankFailure`. (After a real error, ranks still running are `terminated`, and
-asked nothing.)
+asked nothing.) A rank that does not answer within a second is not running at all: it is
+`hung`, and its message says whether it is stopped (SIGSTOP, Ctrl-Z; the launcher continues it
+as it ends it).
 
 A mismatched program need not wait that long: with `check_calls=True` (the default) torch
 compares every collective's op, shapes and dtypes across the group first
 (`TORCH_DISTRIBUTED_DEBUG=DETAIL`), so mismatched calls raise "Detected mismatch between
 collectives" at once instead of returning garbage, which gloo otherwise can. It costs one
 small extra collective per call: pass `check_calls=False` for timings.
+
+## Ctrl-C
+
+Ctrl-C in a terminal sends SIGINT to every process of the foreground job: the launcher and its
+ranks. Only the launcher acts on it: the ranks start with SIGINT blocked (inherited from the
+launcher, which blocks it while it starts them), so none of them prints a `KeyboardInterrupt`
+traceback of its own or dies half-way through a collective while the others wait in it. The
+launcher's `KeyboardInterrupt` ends every rank (SIGTERM), removes its temporary folder, and
+propagates to the caller.
 
 ## Under torchrun
 
@@ -63,8 +74,10 @@ only. `nproc` is then ignored; the world is torchrun's, which is how a run goes 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import pickle
 import shutil
@@ -76,7 +89,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -296,15 +309,16 @@ def _launch_local(fn: Callable[..., Any], args: tuple, nproc: int, setup: tuple)
     sweep()
     with tempfile.TemporaryDirectory(prefix=f"{PREFIX}{os.getpid()}-") as folder:
         try:
-            # 2) one process per rank, each with a pipe back to us
-            for rank in range(nproc):
-                recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_rank_main, args=(payload, rank, nproc, folder, setup, send),
-                                   name=f"cpref-rank-{rank}", daemon=True)  # fmt: skip
-                proc.start()
-                send.close()  # the child holds the only write end: EOF means it is gone
-                procs.append(proc)
-                conns[recv] = rank
+            # 2) one process per rank, each with a pipe back to us and SIGINT blocked (module docstring: Ctrl-C)
+            with _sigint_blocked():
+                for rank in range(nproc):
+                    recv, send = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_rank_main, args=(payload, rank, nproc, folder, setup, send),
+                                       name=f"cpref-rank-{rank}", daemon=True)  # fmt: skip
+                    proc.start()
+                    send.close()  # the child holds the only write end: EOF means it is gone
+                    procs.append(proc)
+                    conns[recv] = rank
             # 3) collect every outcome; the first failure starts the grace period
             results, failures = _collect(conns, procs, folder)
             finished = not failures
@@ -315,6 +329,22 @@ def _launch_local(fn: Callable[..., Any], args: tuple, nproc: int, setup: tuple)
     if failures:
         raise LaunchFailure(failures, nproc, results)
     return [results[rank] for rank in range(nproc)]
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread meanwhile: processes started then inherit the blocked signal (a SIGINT that
+    arrives meanwhile is delivered here once the block is lifted)."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: the ranks take Ctrl-C themselves
+        yield
+        return
+    # multiprocessing starts its resource tracker with the first process, and *unblocks* SIGINT after: start it first
+    multiprocessing.resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _collect(conns: dict[Connection, int], procs: list, folder: str) -> tuple[dict[int, Any], dict[int, RankFailure]]:
@@ -359,7 +389,11 @@ def _still_running(failures: dict[int, RankFailure], pids: dict[int, int], folde
     still: dict[int, RankFailure] = {}
     for rank in pids:
         stack = stacks.get(rank, "")
-        if in_collective(stack):  # waiting itself, for a rank that hung
+        if not stack:  # faulthandler answers even in C++: a rank that does not is not running
+            state = "is stopped (SIGSTOP, Ctrl-Z)" if _stopped(pids[rank]) else "did not answer"
+            why = f"it {state}: no answer to the launcher's request for its stack"
+            still[rank] = RankFailure(rank, "hung", message=why, at=now)
+        elif in_collective(stack):  # waiting itself, for a rank that hung
             still[rank] = RankFailure(rank, "terminated", message="it was waiting in a collective", traceback=stack, at=now)
         else:
             why = f"it never reached the collective that {waiters} timed out in"
@@ -367,11 +401,22 @@ def _still_running(failures: dict[int, RankFailure], pids: dict[int, int], folde
     return still
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (Linux: state `T` in /proc; elsewhere not known: False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _stop(proc, patience: float) -> None:
     """Give a process `patience` seconds to exit; then terminate it (and kill it if that fails)."""
     proc.join(timeout=patience)
     if proc.is_alive():
         proc.terminate()
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            os.kill(proc.pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) takes the SIGTERM only once continued
         proc.join(timeout=5.0)
     if proc.is_alive():
         proc.kill()

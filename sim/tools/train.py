@@ -35,7 +35,11 @@ torchrun --nproc-per-node 4 -m sim train --backend gloo --cp 2 --dp 2   # the sa
 ```
 
 starts `dp x cp` gloo processes (`sim.tools.launch`; under torchrun, torchrun's), each a replica of the
-model, and runs the same loop over `cpref.comm.TorchComm`.
+model, and runs the same loop over `cpref.comm.TorchComm`. They run without torch's comparison of every
+collective's shapes (`check_calls=False`): every rank runs one program, cpref compares what its calls need to
+agree on itself, the exchanges are pairwise (faster on gloo), and a rank that dies fails the others' next
+collective at once, where the comparison's barrier printed the misleading "Rank 1 failed to pass
+monitoredBarrier in 600000 ms" first.
 
 Both take the same options. `--model gpt2|llama|qwen3` chooses the family (small presets that
 train in seconds on a CPU), `--mode` and `--layout` the CP algorithm, `--a2a-size` the
@@ -55,7 +59,9 @@ the simulated cluster, `torch.distributed.checkpoint` with `--backend gloo`), so
 at most two steps; the second continues at step 10 on 4 ranks, in another mode, exactly as the
 first run would have continued (tested step for step, and bit for bit after a `kill -9` at a
 random step on gloo). CP splits the sequence, never the parameters, so a checkpoint fits any
-CP size, and either backend's checkpoint resumes on the other ([Checkpoints](checkpoint.md)).
+CP size, and either backend's checkpoint resumes on the other ([Checkpoints](checkpoint.md)). Rank 0
+says on stderr what it resumed from (`resumed from ckpt at step 10`) and each checkpoint it saved
+(`saved step 12 to ckpt`), one line each.
 
 Everything that could go wrong with the checkpoints is refused **before the first step**, with
 the path or setting, both values and the fix:
@@ -63,8 +69,12 @@ the path or setting, both values and the fix:
 - `--save` into a directory that is neither empty nor a cpref checkpoint, a checkpoint that holds
   files of yours or does not verify (damaged or edited: `--overwrite` replaces it), a link, next to
   a `DIR.tmp` or `DIR.old` that a save of cpref's did not leave (a copy of yours named so is kept),
-  inside a checkpoint, under a file, where nothing can be written, or onto the current directory
-  ([where checkpoints live](checkpoint-files.md));
+  inside a checkpoint, under a file, where nothing can be written, onto a checkpoint (or a folder
+  in it, or a leftover beside it) that this process may not change, being read-only or immutable,
+  or onto the current directory ([where checkpoints live](checkpoint-files.md));
+- `--save` into a directory another run is saving to (a requeued job whose first copy still runs):
+  that run holds a lock on it, `DIR.lock`, and this one is refused naming its process; a run that
+  died holds nothing ([the save lock][cpref.train.checkpoint_lock]);
 - `--save` onto a checkpoint this run does not continue (it did not `--resume` from it), or at a
   later step than this run's first save (a step never moves back); `--overwrite` replaces it
   deliberately, and even then only cpref's own files go;
@@ -80,17 +90,45 @@ the path or setting, both values and the fix:
   run's value and prints what it overrode;
 - a checkpoint whose files or `meta.json` fields do not match their SHA-256 sums, naming them.
 
-After a save interrupted between its renames, `--resume DIR` takes the newest complete
-checkpoint of `DIR`, `DIR.tmp` and `DIR.old`, and says which.
+After a save interrupted anywhere (between its renames, before its swap, while it deleted the
+previous checkpoint), `--resume DIR` takes the newest complete checkpoint of `DIR`, `DIR.tmp` and
+`DIR.old` and says which, and the next save with `--save DIR` puts it in place and clears what
+the interrupted save left ([a save a crash cannot lose][cpref.train.checkpoint_swap]). A save that
+fails, a full disk above all, stops the run with one line naming the cause, the path and the
+bytes needed and free; its partial `DIR.tmp` is deleted, and `DIR` is as it was
+([when a save fails][cpref.train.checkpoint_errors]).
 
 A run that diverges stops at the first step whose loss or gradient norm is not finite (a
 learning rate in range but too large, such as `--lr 3e37`): that step is not taken, the
 checkpoints stay the last finite step's, and the command prints one line naming the step, both
 values and what to change, and exits with status 1 ([training](training.md)).
+
+## When a run stops early
+
+However a run stops, the command prints one line on stderr, ending with the last checkpoint it can
+continue from (read from the save directory, whichever process wrote it), and exits with a status of its
+own: 1 diverged (above), 2 refused (a bad argument, or a `CPInputError` while it ran, such as a save
+into a checkpoint another run is saving to), 3 a rank failed (killed by a signal, or raised an error of
+its own, whose traceback comes first), 4 timed out, 130 interrupted (Ctrl-C); the table is in
+`sim.tools.stops`, and `--help` lists them. For example, after `kill -9` of one gloo process:
+
+```text
+python -m sim train: error: rank 1 was killed by signal 9 (SIGKILL) without reporting a result; the last checkpoint is step 4 in ckpt
+```
+
+A rank that stops taking part, stopped (`kill -STOP`), asleep or looping outside any collective,
+leaves the others waiting in a collective: `--timeout SECONDS` (default 600) is how long they wait,
+on the simulated cluster and in every process group of a gloo run (the CP and DP groups split from
+the world included), before the run stops with status 4 and names the stalled rank:
+
+```bash
+.venv/bin/python -m sim train --backend gloo --cp 2 --steps 1000 --timeout 30   # a stalled rank: named after 30 s
+```
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -102,13 +140,15 @@ import torch
 import cpref
 from cpref.api import check_mode
 from cpref.base.checks import as_int
-from cpref.base.errors import CPInputError, NonFiniteStepError
+from cpref.base.errors import CPInputError
 from cpref.kernels.contract import NO_WINDOW
 from cpref.models import CausalLM, ModelConfig
 from cpref.train.checkpoint import CheckpointMeta, check_fits, check_save, find_checkpoint, load_checkpoint, overridden
+from cpref.train.checkpoint_lock import hold, probe
 from cpref.train.packing import BYTE_VOCAB, stdlib_documents
 from cpref.train.training import Checkpointing, PackSource, StepStats, Topology, TrainConfig, check_packs, train
-from sim.tools.cli import Parser, dtype_name, fail, positive, positive_float
+from sim.tools.cli import Parser, dtype_name, fail, positive, positive_float, seconds
+from sim.tools.stops import STATUS, report
 
 __all__ = ["RunSpec", "PRESETS", "run_rank", "run_sim", "main"]
 
@@ -192,9 +232,11 @@ def check_lr(lr: float, dtype: torch.dtype) -> None:
                            "last about lr); pass a learning rate such as 3e-3")  # fmt: skip
 
 
-def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
+def preflight(spec: RunSpec, *, probe_lock: bool = True) -> tuple[Any, list[str]]:
     """Everything about the checkpoints of a run that can be refused before it starts (pure reads,
-    the same on every rank): `(checkpoint to resume from or None, lines to print)`.
+    the same on every rank): `(checkpoint to resume from or None, lines to print)`. `probe_lock`:
+    refuse a save target another run holds the lock of now (`probe`: before the ranks start, not in
+    a rank, where it could meet its own rank 0's lock).
 
     Raises:
         CPInputError: a resume with nothing to train or that does not fit this run, or a save target
@@ -219,6 +261,8 @@ def preflight(spec: RunSpec) -> tuple[Any, list[str]]:
     elif spec.override:
         raise CPInputError(f"--override {' '.join(spec.override)} without --resume: there is no checkpoint to differ from")
     if spec.save:
+        if probe_lock:  # another run saving there now: said first, whatever else its saves changed meanwhile
+            probe(spec.save)
         first = Checkpointing(spec.save, spec.meta, spec.save_every).saves(start, spec.steps)[0]
         check_save(spec.save, first, overwrite=spec.overwrite, resumed=spec.resume)
     return found, notes
@@ -235,27 +279,32 @@ def topology(world: Any, spec: RunSpec) -> Topology:
 
 
 def run_rank(world: Any, spec: RunSpec, payload: Any = None, on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:
-    """Everything one rank does: topology, model, optimizer, data, (resume,) train, (save)."""
-    resume, _ = preflight(spec)  # before any communication: every rank refuses alike
+    """Everything one rank does: topology, model, optimizer, data, (resume,) train, (save). Rank 0 says on stderr
+    what it resumed from and each checkpoint it saved, one line each."""
+    resume, _ = preflight(spec, probe_lock=False)  # before any communication: every rank refuses alike
     topo = topology(world, spec)
     model = CausalLM(spec.model_config(), seed=spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, betas=BETAS)
-    start = 0
-    if resume is not None:
-        start = load_checkpoint(resume, model, optimizer, expect=spec.meta(0), payload=payload, override=spec.override).step
-    source = PackSource(spec.documents, spec.pack_tokens)
-    plan = Checkpointing(spec.save, spec.meta, spec.save_every, payload, spec.overwrite, spec.resume) if spec.save else None
-    return train(model, optimizer, source, topo, spec.train, spec.steps, start=start,
-                 on_step=on_step if world.rank == 0 else None, checkpoint=plan)  # fmt: skip
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if world.rank == 0 else (lambda line: None)
+    with hold(spec.save, world) if spec.save else contextlib.nullcontext() as lock:  # a second run: refused before it resumes
+        start = 0
+        if resume is not None:
+            start = load_checkpoint(resume, model, optimizer, expect=spec.meta(0), payload=payload, override=spec.override).step
+            say(f"resumed from {resume} at step {start}")
+        source = PackSource(spec.documents, spec.pack_tokens)
+        plan = Checkpointing(spec.save, spec.meta, spec.save_every, payload, spec.overwrite, spec.resume, lock=lock,
+                             on_save=lambda step, path: say(f"saved step {step} to {path}")) if spec.save else None  # fmt: skip
+        return train(model, optimizer, source, topo, spec.train, spec.steps, start=start,
+                     on_step=on_step if world.rank == 0 else None, checkpoint=plan)  # fmt: skip
 
 
-def run_sim(spec: RunSpec, on_step: Callable[[StepStats], Any] | None = None) -> list[StepStats]:
-    """The run on the simulated cluster (one process); rank 0's stats."""
+def run_sim(spec: RunSpec, on_step: Callable[[StepStats], Any] | None = None, timeout: float = 600.0) -> list[StepStats]:
+    """The run on the simulated cluster (one process); rank 0's stats. A rank waits `timeout` seconds in a collective."""
     from cpref.train.dcp import LocalPayload
     from sim import SimCluster
 
     payload = LocalPayload()  # writes state.pt once, reads a gloo run's dcp/ too
-    return SimCluster(spec.dp * spec.cp, timeout=600.0).run(lambda world: run_rank(world, spec, payload, on_step))[0]
+    return SimCluster(spec.dp * spec.cp, timeout=timeout).run(lambda world: run_rank(world, spec, payload, on_step))[0]
 
 
 def _gloo_rank(spec: RunSpec) -> list[StepStats]:
@@ -273,10 +322,12 @@ DATA = ("byte-level tokens of this interpreter's standard-library source files (
         "cut to a spread of lengths and packed end to end with an end-of-document token")
 
 
-def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tuple[RunSpec, str]:
-    """`(spec, backend)` from the command line; a bad argument exits with one line and status 2."""
+def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tuple[RunSpec, str, float]:
+    """`(spec, backend, timeout)` from the command line; a bad argument exits with one line and status 2."""
     sizes = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in kw.items() if k != "family") for name, kw in PRESETS.items())
-    p = Parser(prog=prog, description=__doc__.splitlines()[0], epilog=f"data: {DATA}. models: {sizes}.")
+    statuses = ", ".join(f"{n} {why}" for why, n in STATUS.items())
+    p = Parser(prog=prog, description=__doc__.splitlines()[0], epilog=f"data: {DATA}. models: {sizes}. exit status: 0 "
+               f"trained, {statuses} (one line on stderr says which rank, what, and the last checkpoint)")  # fmt: skip
     p.add_argument("--model", choices=sorted(PRESETS), default="llama", help="the model preset (sizes below)")
     p.add_argument("--cp", type=positive, default=2, help="CP size")
     p.add_argument("--dp", type=positive, default=1, help="DP size (world = dp x cp)")
@@ -298,6 +349,8 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
     p.add_argument("--override", action="append", default=[], choices=sorted(RunSpec().settings()),
                    help="on --resume, let this setting differ from the checkpoint's (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="let --save replace a checkpoint at a later step")
+    p.add_argument("--timeout", type=seconds, default=600.0, metavar="SECONDS", help="how long a rank waits in a "
+                   "collective for the others (the process group's timeout); then the stalled ranks are named")  # fmt: skip
     a = p.parse_args(argv)
     options = cpref.MODES[a.mode].example_options(a.cp)  # what the mode runs with at this CP size
     takes = [m for m in sorted(cpref.MODES) if any(o.name == "a2a_size" for o in cpref.MODES[m].options)]
@@ -317,12 +370,13 @@ def parse(argv: Sequence[str] | None, prog: str = "python -m sim train") -> tupl
                        window=NO_WINDOW if window is None else (window, 0), **options)  # fmt: skip
     except CPInputError as exc:
         p.error(str(exc))
-    return spec, a.backend
+    return spec, a.backend, a.timeout
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -> int:
-    """Run the training the arguments describe; rank 0 prints one line per step."""
-    spec, backend = parse(argv, prog)
+    """Run the training the arguments describe; rank 0 prints one line per step. Its exit status: 0, or how the run
+    stopped early (`sim.tools.stops`), with one line on stderr."""
+    spec, backend, timeout = parse(argv, prog)
     try:
         check_packs(PackSource(spec.documents, spec.pack_tokens), spec.steps, spec.dp, spec.train.micro_batches)
         _, notes = preflight(spec)  # refused here, before any process starts or step trains
@@ -333,19 +387,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim train") -
             print(line, file=sys.stderr)
         print(f"training {spec.model} with {spec.train.mode}/{spec.train.layout} at DP {spec.dp} x CP {spec.cp} "
               f"on {backend}, {spec.pack_tokens}-token packs", file=sys.stderr)  # fmt: skip
-    from sim.tools.launch import LaunchFailure, launch
+    from sim.tools.launch import launch
 
     try:
         if backend == "sim":
-            run_sim(spec, on_step=_print_step)
+            run_sim(spec, on_step=_print_step, timeout=timeout)
         else:
-            launch(_gloo_rank, spec.dp * spec.cp, args=(spec,), timeout=600.0)
-    except NonFiniteStepError as exc:  # every simulated rank alike: the run stops, one line
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 1
-    except LaunchFailure as exc:
-        if exc.root.exc_type != NonFiniteStepError.__name__:
-            raise
-        print(f"{prog}: error: {exc.root.message.strip()}", file=sys.stderr)
-        return 1
+            launch(_gloo_rank, spec.dp * spec.cp, args=(spec,), timeout=timeout, check_calls=False)  # docstring
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 -- every way a run stops early: one line, a status
+        status, lines = report(exc, timeout, (spec.save, spec.resume), prog)
+        print("\n".join(lines), file=sys.stderr)
+        return status
     return 0

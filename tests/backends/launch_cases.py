@@ -95,3 +95,81 @@ def raise_while_peer_sleeps() -> None:
     if dist.get_rank() == 0:
         raise ValueError("rank 0 rejects its input")
     time.sleep(120)
+
+
+def stalls_in_a_split_group(sleep_s: float) -> None:
+    """Rank 1 sleeps `sleep_s` seconds outside any collective; rank 0 waits for it in an all-reduce on a group split
+    from the world (the world's timeout is the launch's)."""
+    from cpref.comm import TorchComm
+
+    sub = TorchComm().split([[0, 1]])  # the same two ranks, a process group of their own
+    if dist.get_rank() == 1:
+        time.sleep(sleep_s)
+    sub.all_reduce(torch.ones(4))
+
+
+def blocked_signals() -> list[str]:
+    """The signals this rank has blocked, by name."""
+    import signal
+
+    return sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+# gloo's own collectives: run on its worker threads, which let go of their tensors after the caller has woken
+GLOO_WORKER_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                     "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+                     "reduce", "gather", "scatter")  # fmt: skip
+
+
+def what_torch_comm_hands_gloo_s_workers() -> list[str]:
+    """Every `torch.distributed` collective that gloo runs on its worker threads, recorded (and run) while this rank
+    trains `examples/own_module.py`'s model and calls every protocol call of `TorchComm` on the world and on a
+    split; the calls recorded, in order."""
+    import cpref.comm.torch_dist as torch_dist
+    from cpref.comm import TorchComm
+    from examples.own_module import train
+
+    called: list[str] = []
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            called.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in GLOO_WORKER_CALLS:
+        if hasattr(dist, name):
+            setattr(dist, name, recorded(name, getattr(dist, name)))
+    for alias in ("_all_gather_base", "_reduce_scatter_base"):  # bound at import: the torch 2.13 names or the old ones
+        setattr(torch_dist, alias, recorded(alias, getattr(torch_dist, alias)))
+    world = TorchComm()
+    for comm in (world, world.split([[0, 1]])):
+        train(comm, steps=2)
+        x = torch.arange(6.0).view(3, 2) + comm.rank
+        comm.all_gather(x), comm.reduce_scatter(torch.ones(4, 2)), comm.all_to_all(torch.ones(4, 2))
+        comm.all_reduce(x), comm.all_reduce(x, "max"), comm.all_reduce(x, "min"), comm.send_recv(x)
+        comm.agree([1, 2]), comm.barrier()
+        for posted in (comm.all_gather_async(x), comm.reduce_scatter_async(x[:2]), comm.send_recv_async(x)):
+            posted.wait()
+    return called
+
+
+def pairwise_all_reduce_against_the_simulator() -> list[str]:
+    """`TorchComm.all_reduce` with gloo's pairwise exchange against the simulated cluster's `native` fold (every
+    partial sum rounded to the dtype, in rank order), bit for bit, for each op, dtype and shape (one of each not a
+    multiple of the group size, and a scalar); what differs, by name."""
+    from cpref.comm import TorchComm
+    from sim.cluster.simcluster import _reduce
+
+    comm, wrong = TorchComm(), []
+    assert comm.exchange == "p2p"
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64):
+        for shape in ((7,), (3, 5), (), (2 * comm.size, 4)):
+            xs = [torch.randn(shape, generator=torch.Generator().manual_seed(10 * r + len(shape))).mul(100).to(dtype)
+                  for r in range(comm.size)]  # fmt: skip
+            for op in ("sum", "max", "min"):
+                got = comm.all_reduce(xs[comm.rank], op)
+                if got.dtype != dtype or got.shape != shape or not torch.equal(got, _reduce(xs, op, "native")):
+                    wrong.append(f"{op} {dtype} {shape}")
+    return wrong

@@ -151,3 +151,41 @@ def test_runs_in_process_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     results = [(tmp_path / f"result-{r}").read_text() for r in range(2)]
     assert results == [f"[({r}, 2, 1, 'torchrun')]" for r in range(2)]
+
+
+@pytest.mark.full
+def test_a_group_split_from_the_world_times_out_as_the_world_does():
+    """Issue 56, item 6: `TorchComm.split` passes the world's timeout to `new_group`. Rank 0 waits for a sleeping
+    rank 1 in an all-reduce on the split group: the launch's 3 s end it (rank 1 named, hung); on main the group
+    waited torch's default 30 minutes, so rank 0 waited until rank 1 woke after 40 s, and the launch succeeded."""
+    failure, elapsed = failing_launch(launch_cases.stalls_in_a_split_group, timeout=3.0, args=(40.0,), check_calls=False)
+    assert (failure.root.rank, failure.root.kind) == (1, "hung")
+    assert "Timed out waiting 3000ms" in failure.failures[0].message
+    assert elapsed < 35.0
+
+
+@pytest.mark.full
+def test_the_ranks_leave_ctrl_c_to_the_launcher():
+    """Issue 56, item 12: Ctrl-C reaches every process of the job; the ranks start with SIGINT blocked, so that the
+    launcher alone acts on it (it ends them); the launcher's own mask is as it was."""
+    import signal
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert launch(launch_cases.blocked_signals, 2, timeout=60.0) == [["SIGINT"]] * 2
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+def test_a_stopped_process_is_ended_by_sigterm_at_once():
+    """`_stop` continues a stopped rank (SIGCONT) after its SIGTERM: it dies of that signal at once, instead of
+    5 s later of SIGKILL."""
+    import multiprocessing
+    import signal
+
+    from sim.tools.launch import _stop
+
+    proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60.0,))
+    proc.start()
+    os.kill(proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    _stop(proc, patience=0.0)
+    assert proc.exitcode == -signal.SIGTERM and time.monotonic() - start < 4.0

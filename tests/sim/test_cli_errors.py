@@ -66,7 +66,7 @@ def test_torch_dtype_names_are_accepted(capsys):
     from sim.tools.verify import parse_args
 
     assert parse_args(["--dtype", "float32,torch.bfloat16,float64"]).dtypes == ["fp32", "bf16", "fp64"]
-    spec, _ = parse(["--dtype", "bfloat16"])
+    spec, _, _ = parse(["--dtype", "bfloat16"])
     assert spec.train.bf16
 
 
@@ -78,6 +78,9 @@ def test_train_help_shows_defaults_the_data_and_the_model_sizes(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 512)" in out and "(default: p2p)" in out
     assert "standard-library source files" in out and "llama: hidden_size=" in out
+    # issue 56, item 12: each way a run stops has its status (sim.tools.stops), and --timeout its default
+    assert "exit status: 0 trained, 1 diverged, 2 refused, 3 failed, 4 timeout, 130 interrupted" in out
+    assert "--timeout SECONDS" in out and "(default: 600.0)" in out
 
 
 # ---- every value of every tool: checked by its type before any work --------------------------------------------------

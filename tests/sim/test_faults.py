@@ -270,3 +270,35 @@ def test_the_rank_whose_input_failed_is_the_root_cause_not_the_one_that_raised_f
     assert isinstance(failure.errors[0], PeerInputError) and not isinstance(failure.errors[1], PeerInputError)
     assert failure.root_rank == 1 and "root cause: rank 1 raised CPInputError" in str(failure)
     assert "rank 1: CPInputError" in str(failure).split("<- root cause")[0].splitlines()[-1]
+
+
+# --- Ctrl-C ---------------------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_ends_every_rank_thread_before_run_re_raises_it():
+    """Issue 56, item 12: a KeyboardInterrupt in run()'s thread (what Ctrl-C delivers) while the ranks compute and wait.
+    run() re-raises it only once every rank thread has ended, each having raised `Interrupted` in its collective or at
+    its next one, so that none runs on into the interpreter's exit (where a rank inside torch's C++ code aborted the
+    process: 'terminate called without an active exception', exit -6). Was: the ranks ran on after run() had left."""
+    import _thread
+
+    from sim.cluster.rendezvous import Interrupted
+
+    seen: dict[int, BaseException] = {}
+
+    def fn(comm):
+        try:
+            for step in range(2000):
+                if comm.rank == 0 and step == 20:
+                    _thread.interrupt_main()  # Ctrl-C, as the main thread sees it
+                comm.all_reduce(torch.ones(8))
+                if comm.rank == 1:
+                    time.sleep(0.001)  # rank 1 is often outside any collective when it comes
+        except Interrupted as exc:
+            seen[comm.rank] = exc
+            raise
+
+    with pytest.raises(KeyboardInterrupt):
+        SimCluster(3, timeout=30.0).run(fn)
+    assert not [t for t in threading.enumerate() if t.name.startswith("sim-rank-") and t.is_alive()]  # ended before run() raised
+    assert sorted(seen) == [0, 1, 2] and "the run was interrupted" in str(seen[1])

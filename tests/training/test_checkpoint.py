@@ -55,7 +55,7 @@ def test_resuming_at_another_cp_size_continues_the_run_step_for_step(tmp_path, r
 def test_only_rank_0_writes_and_loading_is_weights_only(tmp_path, monkeypatch):
     written = []
     real_save = torch.save
-    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: written.append(str(f)) or real_save(obj, f, *a, **k))
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: written.append(str(getattr(f, "name", f))) or real_save(obj, f, *a, **k))
     run_sim(spec(4, 1, save=str(tmp_path / "ckpt")))
     assert sorted(p.rsplit("/", 1)[1] for p in written) == ["rng.pt", "state.pt"]  # once, not once per rank
     state = torch.load(tmp_path / "ckpt" / "state.pt", weights_only=True)  # no pickled code inside
@@ -112,10 +112,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
         raise OSError("disk full")
 
     monkeypatch.setattr(cpref.train.checkpoint.TorchPayload, "save", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CPInputError, match=rf"could not write the checkpoint of step 3 to {path}.tmp: disk full "
+                                           rf"\(OSError\); {path} is as it was"):  # fmt: skip
         run_sim(spec(2, 3, save=str(path), resume=str(path)))
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
-    assert read_meta(path).step == 2
+    assert read_meta(path).step == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial ckpt.tmp
 
 
 def test_meta_json_is_plain_data(tmp_path):
@@ -123,7 +124,8 @@ def test_meta_json_is_plain_data(tmp_path):
     assert record["format"] == "cpref-checkpoint/2" and record["model"]["family"] == "llama"
     assert set(record["sha256"]) == {"state.pt", "rng.pt"}
     assert record["payload"] == "torch" and record["settings"] == {"lr": 3e-3, "grad_clip": 1.0, "bf16": False, "pack_tokens": 64}
-    fields = {"step", "dp", "cp", "mode", "layout", "micro_batches", "model", "settings", "payload"}
+    assert record["dtype"] == "float32"
+    fields = {"step", "dp", "cp", "mode", "layout", "micro_batches", "model", "settings", "payload", "dtype"}
     assert set(record["fields_sha256"]) == fields and set(record) == fields | {"format", "sha256", "fields_sha256"}
 
 

@@ -17,6 +17,8 @@ import torch
 import cpref
 import cpref.train.checkpoint as ck
 import cpref.train.checkpoint_files as cf
+import cpref.train.checkpoint_meta as cm
+import cpref.train.checkpoint_swap as cs
 from cpref.base.errors import CPInputError
 from cpref.comm.protocol import SingleRank
 from cpref.models import CausalLM
@@ -193,6 +195,18 @@ def test_no_complete_checkpoint_anywhere_names_each_candidate(tmp_path):
         ck.find_checkpoint(tmp_path / "nothing")
 
 
+def test_the_command_says_on_stderr_what_it_resumed_from_and_each_save_once(tmp_path, capsys):
+    """`python -m sim train` said nothing of its saves and resumes (issue 56): now one line each, from rank 0."""
+    c = tmp_path / "ckpt"
+    argv = ["--model", "llama", "--cp", "4", "--pack-tokens", "64", "--micro-batches", "2", "--mode", "p2p"]
+    assert main([*argv, "--steps", "3", "--save", str(c), "--save-every", "2"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("saved ", "resumed "))]
+    assert said == [f"saved step 2 to {c}", f"saved step 3 to {c}"]
+    assert main([*argv, "--steps", "4", "--resume", str(c), "--save", str(c)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("saved ", "resumed "))]
+    assert said == [f"resumed from {c} at step 3", f"saved step 4 to {c}"]
+
+
 # --- periodic saves: a crash loses at most N steps, and the resumed run is the same run ---
 
 
@@ -293,7 +307,7 @@ def resign(path: Path) -> None:
     """Recompute every SHA-256 sum of a checkpoint's meta.json, as anyone editing it can."""
     record = json.loads((path / "meta.json").read_text())
     fields = {k: v for k, v in record.items() if k not in ("format", "sha256", "fields_sha256")}
-    record.update(sha256=ck._file_sums(path), fields_sha256=ck._field_sums(fields))
+    record.update(sha256=cm._file_sums(path), fields_sha256=cm._field_sums(fields))
     (path / "meta.json").write_text(json.dumps(record))
 
 
@@ -450,7 +464,7 @@ def test_recovery_puts_the_newer_complete_sibling_in_place(tmp_path):
     (tmp_path / "b" / cf.MARK).write_text("")
     (tmp_path / "a").rename(tmp_path / "ckpt.old")
     (tmp_path / "b").rename(tmp_path / "ckpt.tmp")
-    cf.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
+    cs.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
     assert not (tmp_path / "ckpt" / cf.MARK).exists()
     assert ck.read_meta(tmp_path / "ckpt").step == 4 and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
@@ -459,14 +473,14 @@ def test_recovery_deletes_no_foreign_sibling_even_if_it_appeared_after_the_check
     (tmp_path / "ckpt.tmp").mkdir()
     (tmp_path / "ckpt.tmp" / "notes.txt").write_text("mine")  # appeared between check_target and the save
     with pytest.raises(CPInputError, match="ckpt.tmp exists and was not written by cpref; it is left as it is"):
-        cf.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
+        cs.recover(tmp_path / "ckpt", lambda p: ck.read_meta(p).step)
     assert (tmp_path / "ckpt.tmp" / "notes.txt").read_text() == "mine"
 
 
 def test_a_save_claims_its_tmp_exclusively(tmp_path):
     (tmp_path / "ckpt.tmp").mkdir()  # another save got there first
     with pytest.raises(CPInputError, match="appeared while this save was starting"):
-        cf.claim(tmp_path / "ckpt")
+        cs.claim(tmp_path / "ckpt")
 
 
 def test_a_save_at_the_same_step_as_the_checkpoint_there_is_refused_too(tmp_path):

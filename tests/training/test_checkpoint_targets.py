@@ -3,16 +3,20 @@
 The cases of issue 41, each failing on the main it was filed against: a save over a checkpoint into which the
 user put a folder and a notes file (it replaced them), a target inside the checkpoint being resumed (the outer
 one no longer loaded), a target under a regular file (a raw `NotADirectoryError` after training), a fresh run
-saving over another run's checkpoint. Then a fuzz over directory states (user files and folders, links,
-siblings that are a save's leftovers or the user's copies, nested targets, truncated and edited files): a save
-either writes a complete checkpoint and changes nothing but cpref's own files, or is refused in one line
-before anything changes.
+saving over another run's checkpoint; and of issue 56: a checkpoint (or a folder in it, or a leftover beside it)
+that cannot be changed, read-only or immutable, passed the preflight and failed after training. Then a fuzz over
+directory states (user files and folders, links, siblings that are a save's leftovers or the user's copies,
+nested targets, truncated and edited files, and the class "concurrent saves": a `DIR.lock` held by another run,
+left by a dead one, or the user's): a save either writes a complete checkpoint and changes nothing but cpref's
+own files, or is refused in one line before anything changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpref.train.checkpoint_files as cf
+import cpref.train.checkpoint_lock as lk
 from cpref.base.errors import CPInputError
 from cpref.comm.protocol import SingleRank
 from cpref.train.checkpoint import CheckpointMeta, check_save, find_checkpoint, read_meta, save_checkpoint
@@ -74,6 +79,51 @@ def test_a_target_under_a_file_or_where_nothing_can_be_written_is_refused_before
     err = capsys.readouterr().err
     assert f"nothing can be written in {tmp_path} (PermissionError: Permission denied)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@contextlib.contextmanager
+def frozen(path: Path, root: Path):
+    """`path` made unchangeable: immutable (`chattr +i`) as root, whom a mode of 0o555 does not stop; else 0o555.
+    Undone under `root`, wherever a save that should not have run moved it."""
+    if os.geteuid() == 0:
+        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+            pytest.skip("as root, only an immutable directory cannot be changed, and chattr +i fails here")
+        undo = ["chattr", "-R", "-i", str(root)]
+    else:
+        path.chmod(0o555)
+        undo = ["chmod", "-R", "u+w", str(root)]
+    try:
+        yield
+    finally:
+        subprocess.run(undo, check=True, capture_output=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("what", ["the checkpoint", "a folder in it", "a leftover beside it"])
+def test_a_checkpoint_directory_that_cannot_be_changed_is_refused_before_training(tmp_path, capsys, what):
+    """Was: the preflight tried only the parent; the run trained, and its save failed with a 52-line PermissionError
+    (a save writes its mark into the checkpoint and deletes the previous one's files, and leftovers beside it)."""
+    from cpref.models import CausalLM
+    from cpref.train.dcp import DcpPayload
+
+    c = tmp_path / "c"
+    run = spec(2, save=str(c))
+    model = CausalLM(run.model_config(), seed=0)
+    payload = DcpPayload(local=True) if what == "a folder in it" else None  # a checkpoint with a folder: dcp/
+    save_checkpoint(c, model, torch.optim.AdamW(model.parameters()), run.meta(2), SingleRank(), payload)
+    if what == "a leftover beside it":
+        (tmp_path / "c.old").mkdir()
+        (tmp_path / "c.old" / cf.OLD_MARK).write_text("")  # what a deletion cut short leaves
+    locked = {"the checkpoint": c, "a folder in it": c / "dcp", "a leftover beside it": tmp_path / "c.old"}[what]
+    argv = ["--model", "llama", "--steps", "3", "--pack-tokens", "64", "--micro-batches", "2", "--mode", "p2p"]
+    with frozen(locked, tmp_path):
+        before = tree(tmp_path)
+        assert main([*argv, "--resume", str(c), "--save", str(c)]) == 2
+        out, err = capsys.readouterr()
+        assert tree(tmp_path) == before
+    assert "step " not in out and err.count("\n") == 1, err
+    assert f"cannot save a checkpoint to {c}: this process may not change {locked} (read-only, immutable" in err
+    assert "make it writable (chmod u+w, chattr -i) or save elsewhere" in err
 
 
 def test_a_fresh_run_does_not_replace_another_runs_checkpoint_unless_told_to(tmp_path):
@@ -229,19 +279,45 @@ def outside_state(root: Path) -> None:
     make(root / "elsewhere-ckpt", "checkpoint", None, 7)
 
 
+# the class "concurrent saves": the state of `DIR.lock`, the file a run saving to DIR locks
+LOCKS = ["absent", "left by a dead run", "held by another run", "user file", "user dir", "link"]
+
+
+def make_lock(path: Path, kind: str, stack: contextlib.ExitStack) -> None:
+    """Put a `DIR.lock` state of `kind` beside `path` (one held is let go when `stack` closes)."""
+    file = cf.lock_file(path)
+    if kind == "left by a dead run":  # its content, unlocked: the kernel let go with the process
+        file.write_text(f"{cf.LOCK_HEADER}: pid 1 on gone, since then\n")
+    elif kind == "held by another run":  # another open file of this process: flock tells them apart as two runs
+        held = lk.SaveLock(path)
+        held.acquire()
+        stack.callback(held.release)
+    elif kind == "user file":
+        file.write_text("the user's")
+    elif kind == "user dir":
+        (file / "sub").mkdir(parents=True)
+    elif kind == "link":
+        os.symlink(path.parent / "outside.txt", file)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(target=st.sampled_from(KINDS), tmp=st.sampled_from(KINDS), old=st.sampled_from(KINDS),
-       nested=st.booleans(), resume=st.booleans(), overwrite=st.booleans())  # fmt: skip
+       nested=st.booleans(), resume=st.booleans(), overwrite=st.booleans(), lock=st.sampled_from(LOCKS))  # fmt: skip
 def test_a_save_changes_nothing_but_cpref_s_own_files_or_is_refused_in_one_line(tmp_path_factory, target, tmp, old,
-                                                                                 nested, resume, overwrite):  # fmt: skip
-    root = tmp_path_factory.mktemp("state")
+                                                                                 nested, resume, overwrite, lock):  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        check_one_state(tmp_path_factory.mktemp("state"), target, tmp, old, nested, resume, overwrite, lock, stack)
+
+
+def check_one_state(root: Path, target, tmp, old, nested, resume, overwrite, lock, stack) -> None:
     outside_state(root)
     make(root / "c", target, None, 3)
     make(root / "c.tmp", tmp, cf.MARK, 5)
     make(root / "c.old", old, cf.OLD_MARK, 2)
+    make_lock(root / "c", lock, stack)
     dest = root / "c" / "inner" if nested else root / "c"
     before = snapshot(root)
-    mine = owned(root, before)  # what cpref may replace or delete
+    mine = owned(root, before) | ({"c.lock"} if lock == "left by a dead run" and not nested else set())  # cpref's
     if resume:  # what a resume finds there: a checkpoint, or one line naming each candidate
         try:
             find_checkpoint(root / "c")
@@ -253,7 +329,13 @@ def test_a_save_changes_nothing_but_cpref_s_own_files_or_is_refused_in_one_line(
     except CPInputError as err:
         assert "\n" not in str(err) and snapshot(root) == before  # refused in one line, nothing changed
         return
-    one_rank_save(dest, 9, overwrite=overwrite, resumed=root / "c" if resume else None)
+    try:
+        one_rank_save(dest, 9, overwrite=overwrite, resumed=root / "c" if resume else None)
+    except CPInputError as err:  # only another run's lock refuses a save check_save let through
+        assert lock == "held by another run" and not nested and "another run is saving there" in str(err), err
+        assert "\n" not in str(err) and snapshot(root) == before
+        return
+    assert lock != "held by another run" or nested, "a save went on while another run held the lock"
     after = snapshot(root)
     for rel, data in before.items():
         if rel not in mine and not (data is None and rel in ("c", "c.tmp", "c.old")):
@@ -261,3 +343,4 @@ def test_a_save_changes_nothing_but_cpref_s_own_files_or_is_refused_in_one_line(
     assert read_meta(dest).step == 9 and cf.foreign(dest) == []
     for sibling, mark in zip(cf.siblings(dest), (cf.MARK, cf.OLD_MARK)):
         assert not cf.is_ours(sibling, mark)  # no leftover of a save beside it
+    assert not os.path.lexists(cf.lock_file(dest))  # nor its lock

@@ -126,7 +126,9 @@ def test_a_dcp_payload_passes_its_process_group_and_directory_to_dcp(tmp_path, m
     payload.save(tmp_path, model, opt, None)
     payload.load(tmp_path, model, opt)
     want = {"checkpoint_id": str(tmp_path / "dcp"), "process_group": group}
-    assert calls[0] == ("save", want)
+    (verb, save), writer = calls[0], backend._ErrnoWriter  # the writer that keeps each rank's errno (a full disk)
+    assert verb == "save" and {k: save[k] for k in want} == want and type(save["storage_writer"]) is writer
+    assert str(save["storage_writer"].path) == want["checkpoint_id"]
     (verb, load), readers = calls[1], {"storage_reader": backend.SafeReader, "planner": backend.SafePlanner}
     assert verb == "load" and {k: load[k] for k in want} == want  # and the readers that run no code:
     assert {k: type(load[k]) for k in readers} == readers and str(load["storage_reader"].path) == want["checkpoint_id"]

@@ -13,14 +13,14 @@ dim 0, no autograd history through a collective (inputs are detached).
 | `send_recv(x, shift)` | `batch_isend_irecv`: send to `r + shift`, receive from `r - shift` |
 | `send_recv_async(x, shift)` | the same ops, posted; `wait()` on the handle completes them |
 | `all_gather_async(x)`, `reduce_scatter_async(x)`, `all_to_all_async(x)` | the same calls with `async_op=True` (gloo: the exchange posted); `wait()` completes them (and sums, for the exchange's reduce-scatter) |
-| `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN` |
+| `all_reduce(x, op)` | `all_reduce` with `SUM`, `MAX` or `MIN`; gloo: pairwise reduce-scatter, rank-order fold, pairwise all-gather |
 | `barrier()` | `barrier` |
 | `agree(row)` | `all_gather` of a CPU int64 row, on this group where gloo serves it, else on a gloo group of the same ranks |
-| `split(groups)` | `new_group(ranks, use_local_synchronization=True, sort_ranks=False)` |
+| `split(groups)` | `new_group(ranks, timeout=<this group's>, use_local_synchronization=True, sort_ranks=False)` |
 
 ## Two ways to move the data: `exchange`
 
-`all_gather`, `reduce_scatter` and `all_to_all` move dim-0 chunks between every pair of
+`all_gather`, `reduce_scatter`, `all_to_all` and `all_reduce` move dim-0 chunks between every pair of
 ranks. With `exchange="native"` they are the backend's collectives (the table's left part);
 with `exchange="p2p"` each is **one pairwise exchange**: every rank posts, in one
 `batch_isend_irecv`, a send of chunk $j$ to rank $j$ and a receive from rank $j$ for every
@@ -28,10 +28,37 @@ $j \ne r$, waits, and finishes locally (all-gather and all-to-all keep their own
 reduce-scatter sums its $P$ chunks in rank order, $(\dots(x_0 + x_1) + \dots) + x_{P-1}$, in
 the input dtype: the fold `reduction="native"` of the simulated cluster models, bit for bit).
 The bytes each rank sends are the same, $(P - 1)\,n$ rows, as for a ring collective.
+`all_reduce` is two of them: the flattened tensor, zero-padded to $P$ equal chunks, is
+reduce-scattered (each rank folds its chunk over the ranks in rank order, with the sum, max or
+min) and the folded chunks all-gathered, $2 (P - 1) / P$ of the tensor sent per rank, as a ring
+all-reduce sends; every rank holds the same bits, the simulator's `native` fold.
 
 The default is `"p2p"` on gloo and `"native"` elsewhere, for the reasons (measured) given in
 [`cpref.comm.capabilities`][cpref.comm.capabilities], which also lists the backend facts
 `TorchComm` relies on.
+
+## Leaving the process: no abort at exit on gloo
+
+A process that returns from its last collective and exits must exit 0. gloo runs its own
+collectives (`all_reduce`, the tensor all-gather, ...) on worker threads of its own, and a worker
+lets go of a finished collective a moment *after* it has woken the caller; the collective holds
+the caller's tensors, and letting go of a tensor that Python also holds takes Python's lock. A
+caller that exits at once can reach the interpreter's shutdown first: the worker then asks for
+the lock during shutdown, which ends the thread inside a C++ destructor, and the C++ runtime
+aborts the process, "terminate called without an active exception" (SIGABRT, after correct
+results; about 1 run in 10 of a torchrun script on 2 gloo processes). Sends and receives are
+never run by those threads: they complete in the caller's wait and are released where the caller
+drops them. So with `exchange="p2p"` (gloo's default) every protocol call is sends and receives,
+`all_reduce` too, and `barrier` hands gloo no tensor: no worker of gloo's ever holds a tensor of
+`TorchComm`'s, and a script that leaves after its last call exits 0, without `destroy_process_group`
+or `os._exit`. (Collectives called on the process group directly, outside `TorchComm`, are gloo's
+own: call `torch.distributed.destroy_process_group()` and drop the group before leaving.)
+
+## Timeouts
+
+A group made by `split` (and the control group of `agree`) waits as long as the group it was split
+from: `new_group` is passed that group's timeout (`init_process_group(timeout=...)`), where torch's
+default would be 30 minutes whatever the world's was.
 
 ## Group ranks and global ranks
 
@@ -64,6 +91,7 @@ the same order and number (true when all run the same program, as CP training do
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import operator
 from typing import Callable, Sequence
@@ -79,6 +107,7 @@ from cpref.comm.protocol import REDUCE_OPS, check_partition, check_payload
 __all__ = ["TorchComm", "TorchPending"]
 
 _REDUCE_OP = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_FOLD = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}  # out= variants: the fold writes in place
 # torch 2.13 renamed the tensor all-gather / reduce-scatter; older builds have the old names
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -234,11 +263,7 @@ class TorchComm:
             parts = [mine[s] if s == self.rank else torch.empty_like(mine[s]) for s in range(self.size)]
 
             def rank_order_sum() -> torch.Tensor:
-                out = parts[0].clone() if self.rank == 0 else parts[0]  # (n, ...), never a view of x
-                # out <- out + x_s for s = 1 .. P-1, rounded to the dtype each time
-                for part in parts[1:]:
-                    out += part
-                return out.to(x.dtype)
+                return _rank_order_fold(parts, "sum", owned=self.rank != 0).to(x.dtype)  # never a view of x
 
             return TorchPending(self._post_pairwise(mine, parts), rank_order_sum, where)
         out = send.new_empty((send.shape[0] // self.size, *send.shape[1:]))  # (n, ...)
@@ -317,9 +342,32 @@ class TorchComm:
         """
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+        if self.exchange == "p2p":
+            return self._all_reduce_pairwise(x, op)
         out = self._wire("all_reduce", x, copy=True)  # reduced in place: never the caller's tensor
         dist.all_reduce(out, op=_REDUCE_OP[op], group=self.process_group)
         return out.to(x.dtype)
+
+    def _all_reduce_pairwise(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """`all_reduce` as two pairwise exchanges (module docstring): reduce-scatter, rank-order fold, all-gather."""
+        send = self._wire("all_reduce", x)
+        n, p = send.numel(), self.size
+        if n == 0 or p == 1:
+            return send.clone().to(x.dtype)
+        m = -(-n // p)  # chunk length: ceil(n / P)
+        flat = send.new_zeros(p * m)  # (P m,): the padding is only ever folded with padding
+        flat[:n] = send.reshape(-1)  # (...) -> (n,)
+        mine = flat.chunk(p)  # P x (m,): chunk s goes to rank s
+        parts = [mine[s] if s == self.rank else torch.empty_like(mine[s]) for s in range(p)]
+        for work in self._post_pairwise(mine, parts):
+            work.wait()
+        folded = _rank_order_fold(parts, op, owned=True)  # (m,): chunk `rank` of the result, in a buffer of ours
+        out = flat.new_empty(p * m)  # (P m,)
+        chunks = out.chunk(p)
+        chunks[self.rank].copy_(folded)
+        for work in self._post_pairwise([folded] * p, chunks):
+            work.wait()
+        return out[:n].view(send.shape).to(x.dtype)  # (P m,) -> (n,) -> x's shape
 
     def agree(self, row: Sequence[int]) -> list[list[int]]:
         """Every rank's `row` of ints, in rank order, over the host (`cpref.modes.consistency`'s comparison).
@@ -336,7 +384,7 @@ class TorchComm:
             return self
         if self._ctl is None:
             options = capabilities.new_group_options(self.group, capabilities.NEW_GROUP_PARAMS)  # keeps the order
-            pg = self._ctl_pg or dist.new_group(list(self.group), backend="gloo", **options)
+            pg = self._ctl_pg or dist.new_group(list(self.group), backend="gloo", timeout=self._timeout(), **options)
             self._ctl = TorchComm(pg)
         return self._ctl
 
@@ -367,7 +415,7 @@ class TorchComm:
             options = {part: capabilities.new_group_options([self.group[r] for r in part], known) for part in parts}
             mine = next(part for part in parts if self.rank in part)
             ranks = [self.group[r] for r in mine]  # group ranks -> global ranks, listed order
-            pg = dist.new_group(ranks, **options[mine])
+            pg = dist.new_group(ranks, timeout=self._timeout(), **options[mine])
             self._splits[parts] = TorchComm(pg, exchange=self.exchange)
         return self._splits[parts]
 
@@ -382,6 +430,19 @@ class TorchComm:
                 f"split: the ranks of group {self.group} passed different partitions (rank {self.rank} passed "
                 f"{[list(p) for p in parts]}); every rank must pass the same groups"
             )
+
+    def _timeout(self) -> datetime.timedelta | None:
+        """This group's timeout, for the groups split from it (module docstring); None (torch's default) where the
+        backend does not say."""
+        for device in getattr(self.process_group, "_device_types", ()):
+            try:
+                backend = self.process_group._get_backend(device)
+            except RuntimeError:  # no backend for that device type
+                continue
+            timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+            if isinstance(timeout, datetime.timedelta):
+                return timeout
+        return None
 
     def _where(self, name: str) -> str:
         """How a handle names its call in messages: the call's number on this communicator, and the group."""
@@ -399,3 +460,13 @@ class TorchComm:
             )
         wire = x.detach().to(self._widen.get(x.dtype, x.dtype)).contiguous()  # a copy unless x already fits
         return wire.clone() if copy and wire.data_ptr() == x.data_ptr() else wire
+
+
+def _rank_order_fold(parts: Sequence[torch.Tensor], op: str, owned: bool) -> torch.Tensor:
+    """`(...((x_0 op x_1) op x_2) ...) op x_{P-1}` in the dtype of the parts, rounded at every step (the simulator's
+    `native` fold), written into `parts[0]` when `owned` (a buffer of ours), else into a copy of it."""
+    out = parts[0] if owned else parts[0].clone()  # (m, ...)
+    # out <- out (op) x_s for s = 1 .. P-1
+    for part in parts[1:]:
+        _FOLD[op](out, part, out=out)
+    return out

@@ -1,37 +1,33 @@
 """Where a checkpoint lives on disk, and what a save may replace.
 
-A checkpoint `DIR` is written beside itself and swapped into place, so that a crash at any
-moment leaves a complete checkpoint somewhere:
-
-1. `DIR.tmp` is **created exclusively** (`mkdir` without `exist_ok`) and marked as cpref's with a
-   file `.cpref-save` before anything else goes in;
-2. the payload, the RNG state and last `meta.json` are written into it;
-3. `DIR` (the previous checkpoint, if any) is marked `.cpref-old` and renamed to `DIR.old`,
-   `DIR.tmp` renamed to `DIR` and its mark removed, and `DIR.old` deleted.
-
-A kill between the renames of step 3 leaves `DIR.old` and `DIR.tmp`, both complete and both
-marked, and no `DIR`. The next save **recovers** first: it finishes the swap (the newer
-complete one becomes `DIR`), and resuming picks the newest complete one of the three
-([`find`][cpref.train.checkpoint_files.find]).
+A checkpoint `DIR` is written beside itself and swapped into place
+([a save a crash cannot lose][cpref.train.checkpoint_swap]), so a save uses three names beside `DIR`:
+`DIR.tmp` (the new checkpoint being written), `DIR.old` (the previous one, while it is
+replaced) and `DIR.lock` (the [lock][cpref.train.checkpoint_lock] a run holds while it may save there).
 
 **A save never deletes, moves or overwrites a file it did not write.** cpref's files are the
 ones a checkpoint's `meta.json` lists in its sums, `meta.json` itself, and its two marks;
 anything else (a `notes.txt`, a `sub/` folder, a link) is the user's. A save replaces `DIR`
 only if `DIR` does not exist, is an empty directory, or is a cpref checkpoint that holds
 nothing but cpref's files; it deletes a sibling `DIR.tmp` or `DIR.old` only if it carries the
-mark cpref put there for that purpose, so a user's copy named `DIR.old` is never taken for a
-leftover. [`check_target`][cpref.train.checkpoint_files.check_target], which a training run calls
-**before its first step**, refuses every other target in one line naming the path and the fix:
+mark cpref put there for that purpose (`.cpref-save`, `.cpref-old`), so a user's copy named
+`DIR.old` is never taken for a leftover. A sibling whose deletion was interrupted is still
+recognised: cpref deletes a directory's mark last, so what is left is a marked subset of its
+files, the mark alone, or an empty directory. [`check_target`][cpref.train.checkpoint_files.check_target],
+which a training run calls **before its first step**, refuses every other target in one line
+naming the path and the fix:
 
 * a target that holds files cpref did not write, or beside a `DIR.tmp` / `DIR.old` that is
-  not a save's own;
+  not a save's own, or a `DIR.lock` that is not cpref's lock file;
 * a target that is a link (to a folder, a file or nothing): a save would replace what it points to,
   perhaps another checkpoint, so only the link's name is resolved, never the link;
 * a target **inside a checkpoint** (saving there would add files that checkpoint's sums do not
-  list: it would no longer load), or named as another checkpoint's `.tmp` or `.old`;
+  list: it would no longer load), or named as another checkpoint's `.tmp`, `.old` or `.lock`;
 * a target that cannot be written: under a file, in a directory this process may not write
-  to (checked by creating and removing an empty directory there), or with a name (or a `DIR.tmp`
-  beside it) too long for the filesystem;
+  to (checked by creating and removing an empty directory there), with a name (or a `DIR.tmp`
+  beside it) too long for the filesystem, or a `DIR` (or a leftover of cpref's beside it, or a
+  folder in either) that this process may not change, being read-only, immutable or another
+  user's: a save writes its mark into `DIR` and deletes the previous checkpoint's files;
 * the current directory or one holding it, and the filesystem root.
 
 The same ownership is checked again at the moment of each deletion: a file that appeared in
@@ -43,18 +39,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from cpref.base.errors import CPInputError
 
-__all__ = ["MARK", "OLD_MARK", "FORMAT_PREFIX", "resolve", "siblings", "foreign", "is_checkpoint", "is_ours",
-           "check_target", "claim", "swap", "recover", "find"]  # fmt: skip
+__all__ = ["MARK", "OLD_MARK", "LOCK_HEADER", "FORMAT_PREFIX", "resolve", "siblings", "lock_file", "foreign",
+           "is_checkpoint", "is_ours", "is_our_lock", "check_target"]  # fmt: skip
 
 MARK = ".cpref-save"  # inside DIR.tmp while a save is writing it
 OLD_MARK = ".cpref-old"  # inside DIR.old, the previous checkpoint a save is replacing
+LOCK_HEADER = "cpref checkpoint lock"  # how a DIR.lock that cpref wrote begins
 FORMAT_PREFIX = "cpref-checkpoint/"
 NOT_SUMMED = ("meta.json", MARK, OLD_MARK)  # cpref's files that meta.json's sums do not list
 
@@ -78,6 +73,11 @@ def resolve(directory: str | Path) -> Path:
 def siblings(path: Path) -> tuple[Path, Path]:
     """`(DIR.tmp, DIR.old)` of a resolved checkpoint directory."""
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+
+
+def lock_file(path: Path) -> Path:
+    """`DIR.lock`, the file a run saving to the resolved checkpoint directory `path` locks."""
+    return path.with_name(path.name + ".lock")
 
 
 def _summed(path: Path) -> set[str] | None:
@@ -122,11 +122,41 @@ def foreign(path: Path) -> list[str]:
     return sorted(out)
 
 
+def _emptied(path: Path, mark: str) -> bool:
+    """Whether `path` is a directory that holds nothing but, perhaps, `mark` and empty folders: what a deletion
+    of cpref's (mark last, then the directory) leaves where it was interrupted."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    for root, dirs, names in os.walk(path, followlinks=False):
+        if any((Path(root) / d).is_symlink() for d in dirs) or any(Path(root, n) != path / mark for n in names):
+            return False
+    return not (path / mark).is_symlink()
+
+
 def is_ours(path: Path, mark: str | None = None) -> bool:
-    """Whether `path` is a directory cpref wrote and holds nothing else (and, given `mark`, carries it)."""
+    """Whether `path` is a directory cpref wrote and holds nothing else (and, given `mark`, carries it).
+
+    Given `mark`, also a directory left by an interrupted deletion of cpref's: the mark alone, or empty.
+    """
+    if mark is not None and _emptied(path, mark):
+        return True
     if not is_checkpoint(path) or (mark is not None and not (path / mark).is_file()):
         return False
     return not foreign(path)
+
+
+def is_our_lock(file: Path) -> bool:
+    """Whether `DIR.lock` is absent or cpref's: a plain file, empty or beginning with `LOCK_HEADER`."""
+    if not (file.exists() or file.is_symlink()):
+        return True
+    if file.is_symlink() or not file.is_file():
+        return False
+    try:
+        with open(file, "rb") as f:
+            head = f.read(len(LOCK_HEADER))
+    except OSError:
+        return False
+    return head in (b"", LOCK_HEADER.encode())
 
 
 def _shown(names: list[str], most: int = 4) -> str:
@@ -139,7 +169,7 @@ def check_target(directory: str | Path, *, pending: bool = False) -> Path:
     Reads only (and one empty directory made and removed to prove the place writable), the same on
     every rank: call it before training starts. Returns the resolved path. `pending`: the save is
     about to be written (after training), so files of the user's in `DIR` do not stop it here: it
-    writes `DIR.tmp` and [`swap`][cpref.train.checkpoint_files.swap] leaves `DIR` as it is, saying where
+    writes `DIR.tmp` and [`swap`][cpref.train.checkpoint_swap.swap] leaves `DIR` as it is, saying where
     the new checkpoint is.
 
     Raises:
@@ -176,7 +206,24 @@ def _check_target(path: Path, directory: str | Path, pending: bool) -> Path:
         if (sibling.exists() or sibling.is_symlink()) and not is_ours(sibling, mark):
             raise CPInputError(f"cannot save a checkpoint to {path}: {sibling} exists and was not written by cpref "
                                f"(a save uses that name for its own files, and deletes it); {fix}")  # fmt: skip
+    if not is_our_lock(lock_file(path)):
+        raise CPInputError(f"cannot save a checkpoint to {path}: {lock_file(path)} exists and is not cpref's lock file "
+                           f"(a save locks that name, and writes into it); {fix}")  # fmt: skip
+    for d in (path, *siblings(path)):
+        _check_changeable(path, d)
     return path
+
+
+def _check_changeable(path: Path, directory: Path) -> None:
+    """Refuse where this process may not add or delete files in `directory` or a folder in it (read-only, immutable)."""
+    if not directory.is_dir() or directory.is_symlink() or directory == path and foreign(path):
+        return  # nothing there, or files of the user's in DIR: the swap leaves DIR as it is
+    for root, _, _ in os.walk(directory, followlinks=False):
+        if not os.access(root, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            raise CPInputError(f"cannot save a checkpoint to {path}: this process may not change {root} (read-only, "
+                               "immutable, or another user's), and a save writes its mark into the checkpoint there and "
+                               f"deletes the previous one's files; make it writable (chmod u+w, chattr -i) or save "
+                               "elsewhere")  # fmt: skip
 
 
 def _check_place(path: Path) -> None:
@@ -185,7 +232,7 @@ def _check_place(path: Path) -> None:
         if is_checkpoint(parent):
             raise CPInputError(f"cannot save a checkpoint to {path}: it is inside the checkpoint {parent}, which would "
                                "then hold files its sums do not list and no longer load; save beside it, not in it")  # fmt: skip
-    for suffix in (".tmp", ".old"):
+    for suffix in (".tmp", ".old", ".lock"):
         if path.name.endswith(suffix) and is_checkpoint(path.with_name(path.name.removesuffix(suffix))):
             raise CPInputError(f"cannot save a checkpoint to {path}: that is the name a save of the checkpoint "
                                f"{path.with_name(path.name.removesuffix(suffix))} uses beside it; name another directory")  # fmt: skip
@@ -200,112 +247,3 @@ def _check_place(path: Path) -> None:
     except OSError as exc:
         raise CPInputError(f"cannot save a checkpoint to {path}: nothing can be written in {place} "
                            f"({type(exc).__name__}: {exc.strerror}); choose a directory you can write to") from None  # fmt: skip
-
-
-def _remove(path: Path, mark: str) -> None:
-    """Delete a sibling cpref left (it carries `mark` and holds nothing else); refuse anything else."""
-    if path.exists() or path.is_symlink():
-        if not is_ours(path, mark):  # checked before training; checked again at the moment of deleting
-            raise CPInputError(f"{path} exists and was not written by cpref; it is left as it is: move it away")
-        shutil.rmtree(path)
-
-
-def _steps(paths, complete) -> tuple[dict[Path, int], list[str]]:
-    """`{path: step}` of the complete checkpoints among `paths`, and what is wrong with the others."""
-    found, problems = {}, []
-    for p in paths:
-        if p.exists():
-            try:
-                found[p] = complete(p)
-            except CPInputError as exc:
-                problems.append(f"{p}: {exc}")
-    return found, problems
-
-
-def _leftovers(path: Path) -> list[Path]:
-    """The siblings of `path` that an interrupted save left, each carrying its mark."""
-    return [p for p, mark in zip(siblings(path), (MARK, OLD_MARK)) if is_ours(p, mark)]
-
-
-def recover(path: Path, complete: Callable[[Path], int]) -> None:
-    """Finish a swap that a crash interrupted, then delete cpref's leftovers beside `path`.
-
-    `complete(p)` returns the step of the complete, verified checkpoint at `p`, or raises
-    `CPInputError`. Where `path` is missing, the newer complete one of `DIR.tmp` and `DIR.old`
-    becomes `path`.
-    """
-    tmp, old = siblings(path)
-    if not path.exists():
-        found, _ = _steps(_leftovers(path), complete)
-        if found:
-            max(found, key=lambda p: found[p]).rename(path)
-    for mark in (MARK, OLD_MARK):  # a mark left inside the checkpoint by a kill during the swap
-        if path.is_dir() and (path / mark).is_file() and _summed(path) is not None:
-            (path / mark).unlink()
-    _remove(tmp, MARK)
-    _remove(old, OLD_MARK)
-
-
-def claim(path: Path) -> Path:
-    """Create `DIR.tmp` exclusively and mark it as cpref's; returns it."""
-    tmp, _ = siblings(path)
-    try:
-        tmp.mkdir(parents=True)
-    except FileExistsError:
-        raise CPInputError(f"{tmp} appeared while this save was starting (another run saving here?)") from None
-    (tmp / MARK).write_text("a cpref checkpoint being written\n")
-    return tmp
-
-
-def swap(path: Path) -> None:
-    """Put the complete `DIR.tmp` in place of `DIR` (step 3 of the module docstring)."""
-    tmp, old = siblings(path)
-    if old.exists() or old.is_symlink():
-        raise CPInputError(f"{old} appeared during training; it is left as it is, and the new checkpoint is complete in "
-                           f"{tmp}: move {old.name} away and rename {tmp.name} to {path.name}")  # fmt: skip
-    if path.exists() and any(path.iterdir()):
-        mine = foreign(path)
-        if mine:
-            raise CPInputError(f"{path} now holds files cpref did not write ({_shown(mine)}); it is left as it is, and the "
-                               f"new checkpoint is complete in {tmp}: move those files away and save again")  # fmt: skip
-        (path / OLD_MARK).write_text("the checkpoint a cpref save is replacing\n")
-        path.rename(old)
-    tmp.rename(path)  # the new checkpoint appears complete, or not at all (over an empty directory too)
-    (path / MARK).unlink()
-    if old.exists():
-        _remove(old, OLD_MARK)
-
-
-def _marked(path: Path, mark: str) -> bool:
-    try:
-        return (path / mark).is_file()
-    except OSError:  # e.g. DIR.tmp of a DIR whose name is as long as the filesystem allows: it cannot exist
-        return False
-
-
-def find(directory: str | Path, complete: Callable[[Path], int]) -> tuple[Path, str | None]:
-    """The checkpoint to resume from: `DIR` if complete, else the newest complete sibling a save left.
-
-    Returns `(path, note)`; `note` says why a sibling was chosen (None for `DIR` itself).
-
-    Raises:
-        CPInputError: if none of `DIR` and the siblings an interrupted save left holds a complete
-            checkpoint, with what is wrong with each.
-    """
-    path = resolve(directory)
-    tmp, old = siblings(path)
-    try:
-        found, problems = _steps((path, *(p for p, mark in ((tmp, MARK), (old, OLD_MARK)) if _marked(p, mark))), complete)
-    except OSError as exc:  # a name too long for the filesystem, a folder that cannot be read
-        raise CPInputError(f"cannot resume from {path}: {type(exc).__name__}: {exc.strerror or exc} (for "
-                           f"{exc.filename or path})") from None  # fmt: skip
-    if path in found:
-        return path, None
-    if found:
-        best = max(found, key=lambda p: found[p])
-        return best, (f"{path} holds no complete checkpoint (a save was interrupted); resuming from {best}, "
-                      f"the newest complete one (step {found[best]})")  # fmt: skip
-    if not problems:
-        raise CPInputError(f"no checkpoint to resume from at {path}: neither it nor a {tmp.name} or {old.name} that a "
-                           "save left exists")  # fmt: skip
-    raise CPInputError(f"no complete checkpoint to resume from at {path}: " + "; ".join(problems))

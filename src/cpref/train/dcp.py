@@ -36,7 +36,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,11 +44,12 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cpref.base.errors import CPInputError
 from cpref.train.checkpoint import TorchPayload
+from cpref.train.checkpoint_meta import check_dtypes
 
 __all__ = ["DcpPayload", "LocalPayload", "MetadataUnpickler", "SafeReader", "SafePlanner"]
 
@@ -112,6 +113,43 @@ class SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+class _ErrnoWriter(FileSystemWriter):
+    """`FileSystemWriter` whose failure is the `OSError` under it, where there is one (errno, file): DCP sends each
+    rank's failure to the others pickled, which keeps an `OSError`'s errno but drops what torch's zip writer wraps
+    (`RuntimeError: ... unexpected pos`, its context the `OSError` of a full disk)."""
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        """`FileSystemWriter.write_data`, failing with the `OSError` under its failure."""
+        try:
+            return super().write_data(*args, **kwargs)
+        except Exception as exc:
+            under = _under(exc)
+            if under is exc:
+                raise
+            raise under from exc
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        """`FileSystemWriter.finish` (rank 0 writes `.metadata`), failing with the `OSError` under its failure."""
+        try:
+            return super().finish(*args, **kwargs)
+        except Exception as exc:
+            under = _under(exc)
+            if under is exc:
+                raise
+            raise under from exc
+
+
+def _under(exc: BaseException) -> BaseException:
+    """The first `OSError` in `exc`'s chain, with its errno and file; else `exc`."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return OSError(e.errno, e.strerror, e.filename) if e.errno else e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return exc
+
+
 class DcpPayload:
     """`cpref.train.checkpoint.Payload` over `torch.distributed.checkpoint` (a process group must be initialised).
 
@@ -127,19 +165,32 @@ class DcpPayload:
         self.process_group, self.local = process_group, local
 
     def save(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: Any) -> None:
-        """Collective: every rank takes part, each replicated tensor is written once."""
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory / "dcp"),
-                 process_group=self.process_group)  # fmt: skip
+        """Collective: every rank takes part, each replicated tensor is written once.
 
-    def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Collective (unless `local`): every rank reads the whole state into its replica, running no code.
-        A `"torch"` checkpoint (`state.pt`) is read by every rank alone."""
-        if not (directory / "dcp").is_dir() and (directory / "state.pt").is_file():
-            return TorchPayload().load(directory, model, optimizer)
+        Raises:
+            RuntimeError: from DCP's `CheckpointException` (a `BaseException`), which holds every rank's failure.
+        """
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
         where = directory / "dcp"
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(where),
+                     storage_writer=_ErrnoWriter(where), process_group=self.process_group)  # fmt: skip
+        except CheckpointException as exc:
+            raise RuntimeError(f"torch.distributed.checkpoint failed on ranks {sorted(exc.failures)}") from exc
+
+    def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             cast: bool = False) -> None:  # fmt: skip
+        """Collective (unless `local`): every rank reads the whole state into its replica, running no code.
+        A tensor of another dtype than the replica's is refused unless `cast`. A `"torch"` checkpoint
+        (`state.pt`) is read by every rank alone."""
+        if not (directory / "dcp").is_dir() and (directory / "state.pt").is_file():
+            return TorchPayload().load(directory, model, optimizer, cast=cast)
+        where = directory / "dcp"
+        if not cast and (where / ".metadata").is_file():  # (without it, DCP's load below refuses the checkpoint)
+            # DCP copies each tensor read into the replica's: another dtype would be cast silently
+            check_dtypes(str(directory), _dtypes(SafeReader(where).read_metadata(), model))
+        model_state, optim_state = get_state_dict(model, optimizer)  # makes the optimizer's state: after the checks
+        state = {"model": model_state, "optimizer": optim_state}
         kwargs = {"no_dist": True} if self.local else {"process_group": self.process_group}
         try:
             dcp.load(state, checkpoint_id=str(where), storage_reader=SafeReader(where), planner=SafePlanner(), **kwargs)
@@ -153,13 +204,30 @@ class DcpPayload:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def _dtypes(metadata: dcp_metadata.Metadata, model: torch.nn.Module) -> Iterator[tuple[str, torch.dtype, torch.dtype]]:
+    """`(name, saved dtype, live dtype)` of every tensor of a DCP checkpoint that the model's state or the optimizer's
+    moments (which take their parameter's dtype) would receive."""
+    live, params = model.state_dict(), dict(model.named_parameters())
+    for name, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, dcp_metadata.TensorStorageMetadata):
+            continue
+        saved = item.properties.dtype
+        if name.removeprefix("model.") in live and name.startswith("model."):
+            yield name.removeprefix("model."), saved, live[name.removeprefix("model.")].dtype
+        elif name.startswith("optimizer.state.") and saved.is_floating_point:
+            fqn, key = name.removeprefix("optimizer.state.").rsplit(".", 1)
+            if key != "step" and fqn in params:
+                yield f"the optimizer's {key} of {fqn}", saved, params[fqn].dtype
+
+
 class LocalPayload(TorchPayload):
     """`TorchPayload` that also reads a `"dcp"` checkpoint, in this process alone (the simulated cluster)."""
 
     formats = ("torch", "dcp")
 
-    def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             cast: bool = False) -> None:  # fmt: skip
         """`state.pt` as `TorchPayload` reads it, or `dcp/` without a process group."""
         if (directory / "dcp").is_dir():
-            return DcpPayload(local=True).load(directory, model, optimizer)
-        return super().load(directory, model, optimizer)
+            return DcpPayload(local=True).load(directory, model, optimizer, cast=cast)
+        return super().load(directory, model, optimizer, cast=cast)

@@ -41,6 +41,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -52,6 +53,7 @@ from cpref.batch.layout import LAYOUTS
 from cpref.comm.protocol import Collectives, SingleRank, check_comm
 from cpref.modes.consistency import check_same
 from cpref.train.checkpoint import CheckpointMeta, Payload, check_save, save_checkpoint
+from cpref.train.checkpoint_lock import SaveLock, hold
 from cpref.train.data import cp_loss, get_batch_on_this_cp_rank
 from cpref.train.packing import Pack, labels_for, pack_documents
 
@@ -288,6 +290,10 @@ class Checkpointing:
         overwrite: allow replacing a checkpoint this run does not continue, or one at the first save's step
             or later (only cpref's own files ever go).
         resumed: the checkpoint this run resumed from: a save may replace it with a later step.
+        lock: the lock on `directory` the caller holds for the whole run
+            ([`hold`][cpref.train.checkpoint_lock.hold], e.g. taken before resuming); None: `train` takes it
+            before the first step and lets go at the end.
+        on_save: `on_save(step, path)` after each save, on every rank (e.g. to say so).
     """
 
     directory: Any
@@ -296,6 +302,8 @@ class Checkpointing:
     payload: Payload | None = None
     overwrite: bool = False
     resumed: Any = None
+    lock: SaveLock | None = None
+    on_save: Callable[[int, Path], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.every is not None:
@@ -317,7 +325,9 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
     """Steps `start .. steps - 1`; `on_step` sees every step's stats (e.g. to print); `forward` as in `train_step`.
 
     With `checkpoint`, the save target is checked before the first step (on every rank alike:
-    see [`check_save`][cpref.train.checkpoint.check_save]) and a checkpoint is written whenever
+    see [`check_save`][cpref.train.checkpoint.check_save]), the run holds its lock from then to its
+    end (unless `checkpoint.lock` is held already: a second run saving there is refused, see
+    [`checkpoint_lock`][cpref.train.checkpoint_lock]), and a checkpoint is written whenever
     `checkpoint.due(done, steps)`.
     """
     steps, start = as_int("steps", steps, lo=0), as_int("start", start, lo=0)
@@ -325,19 +335,24 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: Pack
     run = {"config": config, "steps": steps, "start": start, "saves": saves, "dp_size": topo.dp_size}
     check_same(topo.world, "cpref.train.training.train", run)  # before any step: a rank alone with other settings is named
     check_packs(source, steps, topo.dp_size, config.micro_batches)  # not cut short at the last pack the data fills
+    held = contextlib.nullcontext(None if checkpoint is None else checkpoint.lock)
     if saves:
-        check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite, resumed=checkpoint.resumed)
+        path = check_save(checkpoint.directory, saves[0], overwrite=checkpoint.overwrite, resumed=checkpoint.resumed)
+        held = held if checkpoint.lock is not None else hold(path, topo.world)
     # what a save may replace: the checkpoint resumed from, then the run's own last save (overwrite: the first only)
     continues, first = (None if checkpoint is None else checkpoint.resumed), True
     stats = []
-    for step in range(start, steps):
-        s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step, forward)
-        stats.append(s)
-        if on_step is not None:
-            on_step(s)
-        if step + 1 in saves:
-            save_checkpoint(checkpoint.directory, model, optimizer, checkpoint.meta(step + 1), topo.world,
-                            checkpoint.payload, overwrite=checkpoint.overwrite and first,
-                            resumed=continues)  # fmt: skip
-            continues, first = checkpoint.directory, False
+    with held as lock:
+        for step in range(start, steps):
+            s = train_step(model, optimizer, step_packs(source, step, topo, config.micro_batches), topo, config, step, forward)
+            stats.append(s)
+            if on_step is not None:
+                on_step(s)
+            if step + 1 in saves:
+                saved = save_checkpoint(checkpoint.directory, model, optimizer, checkpoint.meta(step + 1), topo.world,
+                                        checkpoint.payload, overwrite=checkpoint.overwrite and first, resumed=continues,
+                                        lock=lock)  # fmt: skip
+                continues, first = checkpoint.directory, False
+                if checkpoint.on_save is not None:
+                    checkpoint.on_save(step + 1, saved)
     return stats
