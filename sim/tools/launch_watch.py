@@ -40,7 +40,10 @@ __all__ = ["die_with_parent", "arm_stack_dump", "dump_stacks", "is_timeout", "in
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # gloo: "Timed out waiting 3000ms for recv operation to complete"; the DETAIL checks: "Ranks 1
 # failed to pass monitoredBarrier in 3000 ms"; the FileStore: "Timeout waiting for key: ...", "Wait timeout"
-_TIMEOUTS = re.compile(r"Timed out waiting \d+ ?ms|failed to pass monitoredBarrier|Timeout waiting for key|Wait timeout")
+# gloo's words for a collective that timed out: "Timed out waiting 5000ms for recv", or, on a pair an earlier timeout
+# closed (a rank stopped during a save: seen in 1 of 3 runs), "Application timeout caused pair closure"
+_TIMEOUTS = re.compile(r"Timed out waiting \d+ ?ms|failed to pass monitoredBarrier|Timeout waiting for key|Wait timeout"
+                       r"|Application timeout caused pair closure")
 _TORCH_DISTRIBUTED = re.compile(r"[/\\]torch[/\\]distributed[/\\]")
 
 

@@ -6,7 +6,12 @@ variant of issue 45: soft-capping (Gemma 2's `c = 50`), learnable sinks of about
 attention (`C = 16`, cutting every document of the batch). The queries are scaled so that the logits are x1, x30
 and x1000 the plain batch's: soft-capping then saturates, a sink competes with logits far above it, and a mode that
 rounds a partial result before the sink enters, or caps one call's logits and not another's, shows here. The
-sinks' gradient (the ranks' sum) is held to the same criterion.
+sinks' gradient (the ranks' sum) is held to the same criterion, with the floor of a sum whose terms cancel: a
+row's term $e^{s_h - \mathrm{lse}_{xh}} \Delta_{xh}$ stored in float32 moves the sum by up to half an ulp of the
+term, so results within `eps / 2` of the terms' summed magnitudes are as exact as float32 allows
+(`precision_ratio(condition=)`; measured here: per batch, the CP and P = 1 errors of the gradient, 4 entries, each
+about 1 to 13 ulps of its largest, with ratios from 0.1 to 17 either way, so the worst of five batches of each was
+a draw that the criterion with the plain floor lost on some CPUs).
 
 **The worst over five batches.** Capped at 50, logits x1000 saturate: many keys of a row sit a few ulps below 50,
 near-ties everywhere, and which of two results a batch favours is chance. The ring's dQ at P = 2, capped, x1000,
@@ -22,6 +27,7 @@ import pytest
 import torch
 
 import cpref
+from sim import oracle
 from sim.cluster.harness import oracle_padded
 from sim.cluster.simcluster import SimCluster
 from sim.tools.verify.truth import RATIO_LIMIT, precision_ratio
@@ -73,6 +79,19 @@ def references(name: str, logits: int, dtype: str, seed: int):
     return truth, without_cp
 
 
+@lru_cache(maxsize=None)
+def sinks_condition(logits: int, dtype: str, seed: int) -> float:
+    """The condition number of the sinks' gradient as a sum over the rows, from the FP64 oracle:
+    `max_h sum_x |e^(s_h - lse_xh) Delta_xh| / max_h |dL/ds_h|` (`cpref.kernels.sinks`), what
+    `precision_ratio(condition=)` raises its floor by: rows whose terms cancel leave a sum that no
+    float32 computation of the terms gets to its last bit."""
+    q, k, v, dout = (t.double() for t in batch(logits, dtype, seed))
+    sinks = variant("sinks", dtype)["sinks"].double()
+    out, lse = oracle.attention(q, k, v, cu_from_lengths(LENGTHS), sinks=sinks)  # (T, H, D), (T, H)
+    terms = torch.exp(sinks[None, :] - lse) * (dout * out).sum(-1)  # (T, H)
+    return float(terms.abs().sum(0).max() / terms.sum(0).abs().max())
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("logits", LOGITS, ids=[f"x{s}" for s in LOGITS])
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -100,5 +119,7 @@ def test_every_variant_in_every_mode_is_within_twice_the_error_of_the_kernel_wit
                 got[4].append(sum(results[r][4].float() for r in range(P)).to(results[0][4].dtype))
                 plain[4].append(without_cp[4])
                 truth[4].append(want[4])
-        ratios = {n: precision_ratio(g, p, t, DTYPES[dtype]) for n, g, p, t in zip(names, got, plain, truth)}
+        condition = {"dsinks": max(sinks_condition(logits, dtype, seed) for seed in SEEDS)} if name == "sinks" else {}
+        ratios = {n: precision_ratio(g, p, t, DTYPES[dtype], condition.get(n, 1.0))
+                  for n, g, p, t in zip(names, got, plain, truth)}  # fmt: skip
         assert max(ratios.values()) <= RATIO_LIMIT, f"{name} P = {P}: CP error / P = 1 error per tensor {ratios}"

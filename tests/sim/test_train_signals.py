@@ -92,9 +92,9 @@ def test_a_stopped_gloo_rank_is_named_after_the_timeout(tmp_path):
     stopped = time.monotonic()
     status, lines = finish(proc)
     assert time.monotonic() - stopped < 5.0 + 30.0  # the timeout, the launcher's grace and its stop; not 600 s
-    assert status == 4 and lines == [
+    assert (status, lines) == (4, [
         "python -m sim train: error: rank 1 stalled: the others waited 5 s (--timeout) for it in a collective (rank 1: "
-        f"it is stopped (SIGSTOP, Ctrl-Z): no answer to the launcher's request for its stack); {last(save)}"]  # fmt: skip
+        f"it is stopped (SIGSTOP, Ctrl-Z): no answer to the launcher's request for its stack); {last(save)}"])  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", ["gloo", "sim"])

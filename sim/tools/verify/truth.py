@@ -92,14 +92,17 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (float(diff.max()) if diff.numel() else 0.0) / (scale or 1.0)
 
 
-def precision_ratio(got: Tensors, without_cp: Tensors, truth: Tensors, dtype: torch.dtype) -> float:
+def precision_ratio(got: Tensors, without_cp: Tensors, truth: Tensors, dtype: torch.dtype, condition: float = 1.0) -> float:
     """How many times farther from `truth` the CP result `got` is than `without_cp`, the same kernel
     at P = 1 on the same inputs in the same `dtype` (see "Relative to the kernel" above).
 
-    `relative_error(got) / max(relative_error(without_cp), eps / 2)` with `eps` the machine
+    `relative_error(got) / max(relative_error(without_cp), condition * eps / 2)` with `eps` the machine
     epsilon of `dtype`: the floor is the largest error that storing the exact result in `dtype`
     can make, relative to its largest entry, so two results exact to their last bit give no
-    0 / 0. Each argument may also be a sequence, one tensor per batch: each error is then the
+    0 / 0. For a result that is a sum whose terms cancel (the sinks' gradient), storing each exact
+    term in `dtype` already moves the sum by up to `eps / 2` of the terms' magnitudes: `condition`
+    is that sum of magnitudes over the result's largest entry (the sum's condition number), and the
+    floor is `condition` times higher. Each argument may also be a sequence, one tensor per batch: each error is then the
     worst over the batches. Returns 0.0 when `got` is exact, inf when only `got` is off an
     all-zero truth.
 
@@ -108,11 +111,13 @@ def precision_ratio(got: Tensors, without_cp: Tensors, truth: Tensors, dtype: to
         >>> cp, plain = torch.tensor([1.0, -2.0 + 2**-20]), torch.tensor([1.0 + 2**-21, -2.0])
         >>> precision_ratio(cp, plain, truth, torch.float32)  # twice as far: just within the limit
         2.0
+        >>> precision_ratio(cp, plain, truth, torch.float32, condition=8.0)  # a sum of terms 8 times its size
+        1.0
     """
     got, without_cp, truth = ([x] if isinstance(x, torch.Tensor) else list(x) for x in (got, without_cp, truth))
     err = max(relative_error(g, t) for g, t in zip(got, truth, strict=True))
     err_1 = max(relative_error(p, t) for p, t in zip(without_cp, truth, strict=True))
-    floor = torch.finfo(dtype).eps / 2 if any(t.numel() and bool(t.abs().max() > 0) for t in truth) else 0.0
+    floor = condition * torch.finfo(dtype).eps / 2 if any(t.numel() and bool(t.abs().max() > 0) for t in truth) else 0.0
     if err == 0.0:
         return 0.0
     return err / max(err_1, floor) if max(err_1, floor) > 0 else float("inf")
