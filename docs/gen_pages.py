@@ -47,6 +47,8 @@ GUIDE = [
     ("seqlens.md", "Real and padded boundaries", "cpref.batch.seqlens"),
     ("cache.md", "The batch cache", "cpref.batch.cache"),
     ("sharding.md", "Sharding a batch", "cpref.batch.sharding"),
+    ("mask.md", "Masks as slices", "cpref.batch.mask"),
+    ("mask-union.md", "The union of slices", "cpref.batch.mask_union"),
     ("metadata.md", "Load-balanced metadata", "cpref.modes.all_gather_plan"),
     ("all-gather-pieces.md", "All-gather over pieces", "cpref.modes.all_gather_pieces"),
     ("all-gather.md", "KV all-gather CP (MindSpeed RFC)", "cpref.modes.all_gather"),
@@ -348,7 +350,7 @@ TOP_WORDS = 60
 SECTIONS = [
     ("Start", ["index.md", "quickstart.md"]),
     ("Learn CP", [page for page, _ in LEARN]),
-    ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "data.md",
+    ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "mask.md", "data.md",
                    "which-mode.md"]),
     ("Plan a run", ["planner.md", "mode-study.md", "sim-plan.md", "plan-model.md", "plan-profiles.md", "plan-dry-run.md",
                     "plan-scale.md", "plan-schedule.md", "plan-scale-window.md", "plan-scale-split.md", "plan-links.md",
@@ -362,7 +364,7 @@ SECTIONS = [
     ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-labels.md", "hf-admit.md", "training.md", "train.md",
                              "checkpoint.md"]),
     ("Performance", ["performance.md"]),
-    ("Internals", ["seqlens.md", "cache.md", "mode-spec.md", "ring-plan.md", "all-gather-pieces.md", "checkpoint-files.md",
+    ("Internals", ["seqlens.md", "mask-union.md", "cache.md", "mode-spec.md", "ring-plan.md", "all-gather-pieces.md", "checkpoint-files.md",
                    "checkpoint-meta.md", "checkpoint-swap.md", "checkpoint-lock.md", "checkpoint-errors.md"]),
     ("Reference", ["glossary.md", "references.md"]),
 ]  # fmt: skip

@@ -28,6 +28,18 @@ the model's RoPE positions are):
 
 $$ M^{C}_{xy} = M_{xy} \wedge \lfloor \mathrm{pos}(y) / C \rfloor = \lfloor \mathrm{pos}(x) / C \rfloor . $$
 
+**Masks given as slices** (`cpref.Mask`). A mask is a union of slices $(q_0, q_1, k_0, k_1,
+\text{kind})$ over the global token indices; with $i = x - q_0$, $j = y - k_0$, $L_q = q_1 - q_0$,
+$L_k = k_1 - k_0$, the slice shows $(x, y)$ iff $q_0 \le x < q_1$, $k_0 \le y < k_1$ and
+
+$$ \text{full: always}; \quad \text{causal: } j \le i + L_k - L_q; \quad
+   \text{inv\_causal: } j \ge i; \quad \text{bi\_causal: both} , $$
+
+and $M_{xy}$ is true iff some slice shows $(x, y)$ (`slice_mask`, the definition read pair by pair,
+which cpref's normalisation of a mask is tested against). `attention(..., mask=M)` takes any
+$(T, T)$ boolean `M` in place of the documents' mask. A row that sees no key gives $o = 0$ and
+$\mathrm{lse} = -\infty$ (with sinks, $\mathrm{lse} = s_h$) and zero gradients.
+
 **GQA.** With $H_q$ query heads and $H_{kv}$ key/value heads, $G = H_q / H_{kv}$ query heads
 share one key/value head: query head $h$ reads key/value head $\lfloor h / G \rfloor$.
 
@@ -62,7 +74,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attention", "forward_backward", "visibility_mask"]
+__all__ = ["attention", "forward_backward", "visibility_mask", "slice_mask"]
 
 
 # atol = rtol per dtype against this oracle, as the issues state them (the MindSpeed RFC's and
@@ -107,6 +119,30 @@ def visibility_mask(cu_seqlens: torch.Tensor, *, causal: bool = True, window: tu
     return mask
 
 
+def slice_mask(slices, total: int) -> torch.Tensor:
+    """The `(T, T)` boolean mask of a union of slices `(q0, q1, k0, k1, kind)`, from the kinds' definitions.
+
+    Examples:
+        >>> slice_mask([(0, 3, 0, 3, "causal"), (1, 3, 1, 3, "full")], 3).int()
+        tensor([[1, 0, 0],
+                [1, 1, 1],
+                [1, 1, 1]], dtype=torch.int32)
+    """
+    x, y = torch.arange(total)[:, None], torch.arange(total)[None, :]  # (T, 1), (1, T)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    for q0, q1, k0, k1, kind in slices:
+        i, j = x - q0, y - k0  # local indices
+        shows = (q0 <= x) & (x < q1) & (k0 <= y) & (y < k1)  # (T, T): inside the rectangle
+        if kind in ("causal", "bi_causal"):
+            shows &= j <= i + (k1 - k0) - (q1 - q0)
+        if kind in ("inv_causal", "bi_causal"):
+            shows &= j >= i
+        if kind not in ("full", "causal", "inv_causal", "bi_causal"):
+            raise ValueError(f"unknown kind {kind!r}")
+        mask |= shows
+    return mask
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -119,6 +155,7 @@ def attention(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 attention over a packed stream: the definition of correct.
 
@@ -133,6 +170,8 @@ def attention(
         chunk: chunked attention's `C` (None: none).
         softcap: logit soft-capping's `c` (None: none).
         sinks: `(Hq,)` sink logits (None: none).
+        mask: a `(T, T)` boolean mask in place of the documents' (`cu_seqlens`, `causal`, `window` and `chunk`
+            then unused); None: the documents'.
 
     Returns:
         `(out, lse)`: `out` of shape `(T, Hq, Dv)` and `lse` of shape `(T, Hq)`, both
@@ -157,8 +196,14 @@ def attention(
     if softcap is not None:
         # S -> c tanh(S / c), before the mask
         scores = softcap * torch.tanh(scores / softcap)  # (Hq, T, T)
-    mask = visibility_mask(cu_seqlens, causal=causal, window=window, chunk=chunk).to(q.device)  # (T, T)
+    if mask is None:
+        mask = visibility_mask(cu_seqlens, causal=causal, window=window, chunk=chunk)  # (T, T)
+    mask = mask.to(q.device)
+    empty = ~mask.any(dim=1)  # (T,): rows that see no key
     scores = scores.masked_fill(~mask, float("-inf"))  # (Hq, T, T)
+    if sinks is None and bool(empty.any()):
+        # a row that sees no key: scores of 0 (finite, so no NaN reaches autograd), then no weight below
+        scores = scores.masked_fill(empty[None, :, None], 0.0)  # (Hq, T, T)
     if sinks is not None:
         # one more logit per row, s_h, with no value: a column of the softmax that is dropped after it
         sink = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)  # (Hq, T, 1)
@@ -167,6 +212,9 @@ def attention(
     lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)  # (Hq, T) -> (T, Hq)
     # 4) o_xh = sum_y softmax_y(S_hxy) v_yh
     probs = torch.softmax(scores, dim=-1)[..., : k64.shape[0]]  # (Hq, T, T): the sink's column carries no value
+    if sinks is None and bool(empty.any()):  # a row that sees no key: o = 0, lse = -inf
+        probs = probs * mask  # (Hq, T, T)
+        lse = lse.masked_fill(empty[:, None], float("-inf"))  # (T, Hq)
     out = torch.einsum("hxy,yhd->xhd", probs, v64)  # (T, Hq, Dv)
     return out, lse
 
@@ -184,6 +232,7 @@ def forward_backward(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """`attention` and its gradients for the upstream gradient `dout`, all in float64.
 
@@ -199,6 +248,7 @@ def forward_backward(
         chunk: as for `attention`.
         softcap: as for `attention`.
         sinks: as for `attention`; given, their gradient is returned too.
+        mask: as for `attention`.
 
     Returns:
         `(out, lse, dq, dk, dv)`, all float64 and detached; `dq, dk, dv` are shaped like
@@ -208,7 +258,7 @@ def forward_backward(
     leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v, *(() if sinks is None else (sinks,)))]
     with torch.enable_grad():
         out, lse = attention(*leaves[:3], cu_seqlens, causal=causal, scale=scale, window=window, chunk=chunk,
-                             softcap=softcap, sinks=None if sinks is None else leaves[3])  # fmt: skip
+                             softcap=softcap, sinks=None if sinks is None else leaves[3], mask=mask)  # fmt: skip
         # 2) dq, dk, dv (, dsinks) = d<out, dout>/d(q, k, v (, sinks))
         grads = torch.autograd.grad(out, leaves, grad_outputs=dout.double())
     return (out.detach(), lse.detach(), *grads)

@@ -5,7 +5,8 @@ The package, from the bottom up (each part imports only the parts above it in th
 * [`cpref.base`][cpref.base]: the error type, argument checks, determinism;
 * [`cpref.batch`][cpref.batch]: the batch description: document boundaries, the four layouts
   (contiguous, zigzag, stream, balanced), `Sharding` (the one object saying how a batch is
-  split, which shards, unshards and is what `cpref.attention` takes) and the batch cache;
+  split, which shards, unshards and is what `cpref.attention` takes), `Mask` (which keys each
+  query sees, as slices) and the batch cache;
 * [`cpref.kernels`][cpref.kernels]: the attention kernel contract (varlen, bottom-right causal,
   out + lse), the portable `TorchKernel`, `CudaKernel` (flash on CUDA), `NpuKernel` (Ascend);
 * [`cpref.comm`][cpref.comm]: the collectives protocol every algorithm is written against, and
@@ -40,6 +41,7 @@ from cpref.api import MODES, attention
 from cpref.base.errors import CPInputError, NonFiniteStepError
 from cpref.batch.cache import cache_info, clear_cache
 from cpref.batch.layout import LAYOUTS, bshd_to_thd, thd_to_bshd
+from cpref.batch.mask import Mask
 from cpref.batch.seqlens import Boundaries
 from cpref.batch.sharding import Sharding
 from cpref.comm.protocol import Collectives, SingleRank
@@ -60,6 +62,7 @@ __all__ = [
     "CudaKernel",
     "Varlen",
     "Sharding",
+    "Mask",
     "Boundaries",
     "LAYOUTS",
     "bshd_to_thd",

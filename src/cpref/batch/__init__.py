@@ -11,6 +11,8 @@ Read in this order:
 * [`cpref.batch.sharding`][cpref.batch.sharding]: `Sharding`, the one object that says how a
   batch is split (boundaries, CP size, layout), shards and unshards tensors, and is what
   `cpref.attention` takes;
+* [`cpref.batch.mask`][cpref.batch.mask]: `Mask`, which keys each query sees, as a union of
+  slices of four kinds, normalised by [`cpref.batch.mask_union`][cpref.batch.mask_union];
 * [`cpref.batch.cache`][cpref.batch.cache]: the batch cache, where everything derived from one
   batch's boundaries (every mode's per-rank plan) is kept.
 
