@@ -72,6 +72,7 @@ import cpref.modes
 from cpref.base.checks import as_bool, as_choice, as_int, as_scale, missing_members
 from cpref.base.errors import CPInputError
 from cpref.batch.layout import LAYOUTS
+from cpref.batch.mask import Mask, check_mask
 from cpref.batch.sharding import Sharding
 from cpref.comm.protocol import Collectives, check_comm
 from cpref.kernels import AttentionKernel, check_heads, default_kernel
@@ -163,7 +164,8 @@ def _costed_call(mode: str, sharding: Any, *, heads: Any, dtype: Any, rank: int 
     return call
 
 
-VARIANTS = {"chunk": "chunked attention", "sinks": "learnable sinks", "softcap": "logit soft-capping"}
+VARIANTS = {"chunk": "chunked attention", "sinks": "learnable sinks", "softcap": "logit soft-capping",
+            "mask": "a mask given as slices"}
 
 
 def _check_chunk(chunk: Any) -> int | None:
@@ -205,7 +207,7 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
 
 
 def prepare(q, k, v, sharding, *, comm, mode=None, causal=True, window=NO_WINDOW, softmax_scale=None, kernel=None,
-            deterministic=False, softcap=None, chunk=None, sinks=None, **options) -> CPCall:  # fmt: skip
+            deterministic=False, softcap=None, chunk=None, sinks=None, mask=None, **options) -> CPCall:  # fmt: skip
     """Validate one `attention` call without communicating; return it as a `CPCall`.
 
     Raises:
@@ -241,6 +243,7 @@ def prepare(q, k, v, sharding, *, comm, mode=None, causal=True, window=NO_WINDOW
     sharding.check_local(q=q, k=k, v=v)
     heads = (q.shape[1], k.shape[1], q.shape[2], v.shape[2])
     softcap, chunk, sinks = check_softcap(softcap), _check_chunk(chunk), _check_sinks(sinks, q)
+    mask = check_mask(mask, sharding.cu_seqlens[-1], causal=causal, window=window, chunk=chunk)
     if softcap is not None:
         if "softcap" not in getattr(kernel, "variants", ()):
             raise CPInputError(f"softcap={softcap} needs a kernel that soft-caps its logits, but {_kernel_name(kernel)} does "
@@ -248,7 +251,7 @@ def prepare(q, k, v, sharding, *, comm, mode=None, causal=True, window=NO_WINDOW
                                "hands such calls to it), or leave kernel unset")  # fmt: skip
         kernel = SoftCapped(kernel, softcap)
     call = CPCall(sharding, rank, causal, window, scale, kernel, heads, q.dtype, q.device, MappingProxyType(options),
-                  deterministic, softcap, chunk, sinks, records_backward(q, k, v, sinks))  # fmt: skip
+                  deterministic, softcap, chunk, sinks, records_backward(q, k, v, sinks), mask)  # fmt: skip
     # 4) the mode's own constraints, and what the backend cannot do
     spec = _check_mode_constraints(call, mode)
     missing = spec.collectives & frozenset(comm.unsupported_ops)
@@ -346,6 +349,7 @@ def attention(
     softcap: float | None = None,
     chunk: int | None = None,
     sinks: torch.Tensor | None = None,
+    mask: Mask | None = None,
     check_ranks: bool = True,
     **options: Any,
 ) -> torch.Tensor:
@@ -386,6 +390,11 @@ def attention(
             denominator once and carries no value ([`cpref.kernels.sinks`][cpref.kernels.sinks]); a parameter:
             each rank's gradient is its rows' and heads' share, summed over the CP group as every replicated
             parameter's is; not with `head_groups > 1` (refused). Default None: none.
+        mask: which keys each query sees, any mask as a union of slices over the real batch's tokens
+            ([`cpref.Mask`][cpref.batch.mask.Mask]: prefix-LM, bidirectional image spans, shared prompts, dense
+            masks, FlexAttention `mask_mod`s), in place of `causal`, `window` and `chunk` (given together,
+            refused); in every mode and layout, each rank's kernel calls computing only the pairs the mask shows
+            ([`cpref.modes.mask_plan`][cpref.modes.mask_plan]). Default None: causal (or full) documents.
         check_ranks: compare the arguments across ranks with one tiny host exchange on every
             call (see `cpref.modes.consistency`); if every rank passes `False` on the first call of a
             communicator, its later calls skip it.
@@ -405,7 +414,7 @@ def attention(
     try:
         call = prepare(q, k, v, sharding, comm=comm, mode=mode, causal=causal, window=window,
                        softmax_scale=softmax_scale, kernel=kernel, deterministic=deterministic, softcap=softcap,
-                       chunk=chunk, sinks=sinks, **options)  # fmt: skip
+                       chunk=chunk, sinks=sinks, mask=mask, **options)  # fmt: skip
     except CPInputError:
         if _usable(comm):  # the others may be entering the comparison: meet them there
             with contextlib.suppress(Exception):  # if that fails too, this rank's own error is still the one to see

@@ -231,16 +231,16 @@ def test_a_call_over_some_rows_of_a_block_is_rewritten_to_read_the_block_as_it_i
     """The ring of one's rewrite: rows no sequence reads become keys of sequences without queries, in place; shifts
     kept where they are not the bottom-right ones (None in, bottom-right out); runs out of order are refused."""
     from cpref.kernels import Varlen
-    from cpref.modes.ring_window import _reading_the_block
+    from cpref.modes.ring_window import reading_the_block
 
     seqs = Varlen.from_lengths([3, 4, 2], [3, 0, 5])  # bottom-right (the last: shift 3); the middle sees no key
-    got = _reading_the_block(seqs, torch.tensor([1, 2, 3, 6, 7, 8, 9, 10]), 12)
+    got = reading_the_block(seqs, torch.tensor([1, 2, 3, 6, 7, 8, 9, 10]), 12)
     assert (got.cu_q, got.cu_kv, got.shifts) == ((0, 0, 3, 7, 7, 9, 9), (0, 1, 4, 4, 6, 11, 12), None)
     assert got.work(True) == seqs.work(True)
     shifted = Varlen.from_lengths([2, 2], [4, 2], [1, 0])  # the first query stands at key 1, not 2
-    got = _reading_the_block(shifted, torch.tensor([0, 1, 2, 3, 4, 5]), 6)
+    got = reading_the_block(shifted, torch.tensor([0, 1, 2, 3, 4, 5]), 6)
     assert (got.cu_kv, got.shifts) == ((0, 4, 6), (1, 0)) and got.work(True) == shifted.work(True)
-    assert _reading_the_block(Varlen.from_lengths([1, 1], [1, 1]), torch.tensor([3, 0]), 4) is None
+    assert reading_the_block(Varlen.from_lengths([1, 1], [1, 1]), torch.tensor([3, 0]), 4) is None
 
 
 @settings(max_examples=120, deadline=None)

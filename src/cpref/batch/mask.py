@@ -38,6 +38,23 @@ so a mask reads as what it is:
 
 The second answer sees the prompt (`full`) and itself (`causal`), and not the first answer.
 
+**Attention under a mask.** `cpref.attention(..., mask=mask)` runs it in every mode and layout,
+in place of `causal`, `window` and `chunk`; every rank computes exactly the pairs the mask shows
+of its queries, and the ring and the all-gather move only the key rows some query of another rank
+sees ([masks in the modes][cpref.modes.mask_plan]):
+
+```python
+# given: cu_seqlens, q, k, v; a packed batch (every document a multiple of 2P = 4 tokens)
+import sim
+
+cu = cu_seqlens.tolist()
+mask = cpref.Mask.prefix_lm(cu, prefix_lengths=[min(4, b - a) for a, b in zip(cu, cu[1:])])  # 4-token prompts
+sharding = cpref.Sharding(cu, cp_size=2, layout="zigzag")
+shards = sim.SimCluster(2).run(lambda comm: cpref.attention(
+    *(sharding.shard(x, comm.rank) for x in (q, k, v)), sharding, comm=comm, mode="p2p", mask=mask))
+out = sharding.unshard(shards)  # (T, Hq, Dv), exactly the dense oracle's under the mask
+```
+
 **Constructors.** [`from_slices`][cpref.batch.mask.Mask.from_slices] (any slices),
 [`causal_documents`][cpref.batch.mask.Mask.causal_documents] (today's default),
 [`prefix_lm`][cpref.batch.mask.Mask.prefix_lm], [`bidirectional_spans`][cpref.batch.mask.Mask.bidirectional_spans],
@@ -55,6 +72,7 @@ constructors' slices are the ones shown above; bad input is refused by name.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from typing import Any, Callable, Iterable, Sequence
 
@@ -65,7 +83,7 @@ from cpref.base.errors import CPInputError
 from cpref.batch import mask_union
 from cpref.batch.mask_union import KINDS, Piece
 
-__all__ = ["Mask", "KINDS"]
+__all__ = ["Mask", "KINDS", "check_mask"]
 
 Slice = tuple[int, int, int, int, str]
 _BLOCK_ELEMENTS = 1 << 22  # elements of one block of rows that from_dense / from_mask_mod reads at once
@@ -81,11 +99,20 @@ class Mask:
         total: the batch's real tokens `T`, or None where the mask was given without it (`from_slices`).
     """
 
-    __slots__ = ("slices", "total")
+    __slots__ = ("slices", "total", "_digest")
 
     def __init__(self, slices: tuple[Slice, ...], total: int | None) -> None:
         object.__setattr__(self, "slices", slices)
         object.__setattr__(self, "total", total)
+        object.__setattr__(self, "_digest", None)
+
+    @property
+    def digest(self) -> int:
+        """A 56-bit digest of the slices and the total, the same in every process (the ranks' comparison's column)."""
+        if self._digest is None:
+            data = repr((self.slices, self.total)).encode()
+            object.__setattr__(self, "_digest", int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little"))
+        return self._digest
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a Mask cannot be changed ({name}); build another")
@@ -266,6 +293,35 @@ class Mask:
             d = y[:, k0:k1] - x[q0:q1]  # (Lq, Lk): key minus query, global
             out[q0:q1, k0:k1] |= (d >= (d_lo if d_lo is not None else -T)) & (d <= (d_hi if d_hi is not None else T))
         return out
+
+
+def check_mask(mask: Any, total: int, *, causal: bool, window: tuple[int, int], chunk: int | None) -> Mask | None:
+    """`mask` if it is a `Mask` over a batch of `total` real tokens, given without `causal=False`, `window=` or
+    `chunk=` (a mask replaces them: windows and chunks are masks too); None stays None.
+
+    Raises:
+        CPInputError: naming what is wrong and the fix.
+    """
+    if mask is None:
+        return None
+    if not isinstance(mask, Mask):
+        raise CPInputError(f"mask is {type(mask).__name__}, not a cpref.Mask; build one with cpref.Mask.from_slices, "
+                           "Mask.prefix_lm, Mask.bidirectional_spans, Mask.shared_prompt, Mask.from_dense or "
+                           "Mask.from_mask_mod")  # fmt: skip
+    given = [name for name, on in (("causal=False", not causal), (f"window={window}", window != (-1, -1)),
+                                   (f"chunk={chunk}", chunk is not None)) if on]  # fmt: skip
+    if given:
+        raise CPInputError(f"mask= replaces causal, window and chunk, but {', '.join(given)} was given too; write the "
+                           "window or the chunks into the mask's slices (a window is a causal slice over a document's "
+                           "first rows and a bi_causal band below), or leave mask out")  # fmt: skip
+    if mask.total is not None and mask.total != total:
+        raise CPInputError(f"the mask is over a batch of {mask.total} tokens, this batch has {total} real tokens (the "
+                           "sharding's cu_seqlens[-1]); build the mask for this batch")  # fmt: skip
+    reach = max((max(sl[1], sl[3]) for sl in mask.slices), default=0)
+    if reach > total:
+        raise CPInputError(f"the mask reaches token {reach - 1}, past this batch of {total} real tokens (its slices "
+                           "index the real, unpadded batch); build the mask for this batch")  # fmt: skip
+    return mask
 
 
 def _count(name: str, value: Any, lo: int) -> int:

@@ -147,6 +147,7 @@ from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import NO_WINDOW, AttentionKernel, compute_dtype
 from cpref.kernels.sinks import add_sinks, sinks_grad
+from cpref.modes.all_gather_mask import MaskedAllGatherFunc, mask_gather_plan
 from cpref.modes.all_gather_overlap import OverlapPlan, build_overlap_plan, overlap_backward, overlap_forward
 from cpref.modes.all_gather_pieces import build_piece_all_gather_plan
 from cpref.modes.all_gather_plan import AllGatherPlan, build_all_gather_plan
@@ -312,7 +313,10 @@ def all_gather_plan(call: CPCall) -> AllGatherPlan:
 
 def run_all_gather(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
     """Run the mode: this rank's plan from the batch cache (and its overlap split, where the rule says so), then
-    the Function."""
+    the Function; under a mask, the mask's plan ([`cpref.modes.all_gather_mask`][cpref.modes.all_gather_mask])."""
+    if call.mask is not None:
+        return MaskedAllGatherFunc.apply(q, k, v, mask_gather_plan(call), comm, call.kernel, call.scale,
+                                         call.deterministic, call.options["save_gathered_kv"], call.sinks)  # fmt: skip
     plan = all_gather_plan(call)
     ov = None
     if overlaps(call.options["overlap"], call.P, call.window, gathered_rows(plan)):
@@ -344,7 +348,10 @@ def gathered_rows(plan: AllGatherPlan) -> int | None:
 
 
 def check_all_gather(call: CPCall) -> None:
-    """Refuse `overlap=True` under a sliding window or chunked attention, before any communication."""
+    """Refuse `overlap=True` under a sliding window, chunked attention or a mask, before any communication."""
+    if call.options["overlap"] is True and call.mask is not None and call.P > 1:
+        raise CPInputError("mode='all_gather' with overlap=True does not run a mask (its two calls split the keys by "
+                           "owner, not by the mask's slices); pass overlap=False with mask=")  # fmt: skip
     if call.options["overlap"] is True and call.chunk is not None and call.P > 1:
         raise CPInputError(
             f"mode='all_gather' with overlap=True: the overlap needs a plain causal or full mask, not chunk={call.chunk} "
@@ -395,7 +402,7 @@ MODE = ModeSpec(
     costs=all_gather_costs,
     sizes=all_gather_sizes,
     windows=True,
-    variants=frozenset({"chunk", "sinks"}),
+    variants=frozenset({"chunk", "sinks", "mask"}),
     check=check_all_gather,
     options=(
         Option("save_gathered_kv", False, lambda value: as_bool("save_gathered_kv", value),

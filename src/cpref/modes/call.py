@@ -13,6 +13,7 @@ from typing import Any, Callable, Hashable, Mapping, TypeVar
 import torch
 
 from cpref.batch.cache import BatchEntry
+from cpref.batch.mask import Mask
 from cpref.batch.seqlens import Boundaries
 from cpref.batch.sharding import Sharding
 from cpref.kernels.contract import AttentionKernel
@@ -42,6 +43,8 @@ class CPCall:
             (`cpref.kernels.contract.SoftCapped`).
         chunk: chunked attention's `C`: a query sees only the keys of its own chunk of `C` positions (None: none).
         sinks: `(Hq,)` learnable sink logits, added once to every row's softmax (None: none).
+        mask: which keys each query sees, as slices (`cpref.batch.mask`), in place of `causal`, `window` and
+            `chunk` (None: those).
         backward: whether the call records a backward on this rank ([`records_backward`][cpref.modes.call.records_backward]
             of q, k, v and the sinks); the ranks compare it, as a rank without one would leave the others waiting in
             the backward's collectives.
@@ -62,11 +65,12 @@ class CPCall:
     chunk: int | None = None
     sinks: torch.Tensor | None = None
     backward: bool = False
+    mask: Mask | None = None
 
     @property
     def variants(self) -> frozenset[str]:
-        """The attention variants of the call: `"softcap"`, `"chunk"`, `"sinks"`."""
-        given = {"softcap": self.softcap, "chunk": self.chunk, "sinks": self.sinks}
+        """The attention variants of the call: `"softcap"`, `"chunk"`, `"sinks"`, `"mask"`."""
+        given = {"softcap": self.softcap, "chunk": self.chunk, "sinks": self.sinks, "mask": self.mask}
         return frozenset(name for name, value in given.items() if value is not None)
 
     @property

@@ -28,6 +28,7 @@ their first difference, where the values differ) and, for the sinks and the back
 | `variants (softcap, chunk, sinks)` | a digest of softcap, chunk, and whether sinks are given |
 | `sinks values` | a digest of the sinks' values as float64 (below) |
 | `backward (grad enabled, an input requiring grad)` | `torch.is_grad_enabled()` and any of q, k, v, sinks requiring grad |
+| `mask` | 0 without a mask, else a digest of its slices and total (`cpref.Mask.digest`) |
 
 ## Why every call, and why it costs no device sync
 
@@ -172,7 +173,7 @@ BACKWARD = "backward (grad enabled, an input requiring grad)"
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
 FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "window", "softmax_scale", "cu_seqlens",
           "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options", "deterministic",
-          "variants (softcap, chunk, sinks)", "sinks values", BACKWARD)  # fmt: skip
+          "variants (softcap, chunk, sinks)", "sinks values", BACKWARD, "mask")  # fmt: skip
 # what to do, for the columns whose fix the closing sentence does not say
 _FIXES = {
     "sinks values": "Sinks are a parameter that every rank of the CP group holds alike: initialise them from one seed "
@@ -235,6 +236,7 @@ def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple
         _digest((call.softcap, call.chunk, call.sinks is not None)),  # whether sinks are given
         _digest(SINKS_READ(call.sinks)),  # their values (None: none)
         int(call.backward),  # a rank without a backward would leave the others waiting in the backward's collectives
+        0 if call.mask is None else call.mask.digest,  # its slices and total
     ]
     return list(zip(FIELDS, codes))
 
@@ -373,7 +375,7 @@ def _disagreement(call: CPCall, comm: Any, names: list[str], columns: list[list[
     fixes = "".join(f"\n{_FIXES[name]}." for name in names if name in _FIXES)
     return ("the ranks of the CP group pass different arguments to cpref.attention, which would give wrong results "
             "without any error, or leave ranks waiting in collectives the others do not call:\n" + "\n".join(lines) + fixes
-            + "\nPass the same mode, layout, causal, window, softmax_scale, softcap, chunk, sinks (their values), "
+            + "\nPass the same mode, layout, causal, window, softmax_scale, softcap, chunk, mask, sinks (their values), "
             "cu_seqlens (and cu_seqlens_padded), head counts, dtype, options and check_ranks on every rank, under the "
             "same grad mode.")  # fmt: skip
 

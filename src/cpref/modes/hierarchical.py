@@ -86,8 +86,6 @@ ring keeps it (see the ring's Precision).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections import Counter
 from typing import Any
 
@@ -97,95 +95,21 @@ from cpref.base.checks import as_bool, as_int
 from cpref.base.errors import CPInputError
 from cpref.batch.seqlens import CHUNKED_LAYOUTS
 from cpref.comm.protocol import Collectives
-from cpref.kernels.contract import compute_dtype
-from cpref.kernels.sinks import add_sinks, head_slice, on_all_heads, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.costs import ModeCosts, combine, exchange_costs, halo_costs, kept_output_bytes, ring_costs
-from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
-from cpref.modes.hierarchical_split import (
-    SplitHierarchicalFunc,
-    SplitHierarchicalPlan,
-    ring_attend,
-    split_hierarchical_plan,
-)
-from cpref.modes.ring import ring_backward, ring_forward, ring_plan, saved_out_dtype
+from cpref.modes.exchange import A2APlan, a2a_plan
+from cpref.modes.exchange_ring import HierarchicalFunc, mask_exchange_plan, run_masked, subgroups
+from cpref.modes.hierarchical_split import SplitHierarchicalFunc, SplitHierarchicalPlan, split_hierarchical_plan
+from cpref.modes.ring import ring_plan
 from cpref.modes.ring_plan import RingPlan
-from cpref.modes.shared import head_split, no_double_backward
+from cpref.modes.shared import head_split
 from cpref.modes.spec import ModeSpec, Option
-from cpref.modes.ulysses import check_a2a_heads, check_head_groups, check_sinks_in_one_exchange, pipelines
-from cpref.modes.ulysses_pipeline import pipelined_backward, pipelined_forward
+from cpref.modes.ulysses import check_a2a_heads, check_head_groups, check_sinks_in_one_exchange
+from cpref.modes.ulysses_pipeline import pipelines
 from cpref.modes.ulysses_split import BALANCE_DOC
 
 __all__ = ["HierarchicalFunc", "subgroups", "run_hierarchical", "check_hierarchical", "example_a2a_size",
            "hierarchical_plan", "hierarchical_costs", "MODE"]
-
-_SUBGROUPS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Collectives, Collectives]]]" = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
-
-
-def subgroups(comm: Collectives, a: int) -> tuple[Collectives, Collectives]:
-    """`(a2a group, ring)` of this rank for `a2a_size = a`: made once per communicator (two splits)."""
-    with _LOCK:
-        cached = _SUBGROUPS.get(comm, {}).get(a)
-    if cached is not None:
-        return cached
-    P, p = comm.size, comm.size // a
-    a2a = comm.split([list(range(g * a, (g + 1) * a)) for g in range(p)])  # consecutive ranks
-    ring = comm.split([list(range(j, P, a)) for j in range(a)])  # one rank of every a2a group
-    with _LOCK:
-        _SUBGROUPS.setdefault(comm, {})[a] = (a2a, ring)
-    return a2a, ring
-
-
-class HierarchicalFunc(torch.autograd.Function):
-    """Autograd Function: a2a in, ring across, a2a out; the backward takes the same way back (in `groups` head
-    groups, each group's ring while the next group's exchange travels, when `groups > 1`)."""
-
-    @staticmethod
-    def forward(ctx: Any, q, k, v, a2a: A2APlan, ring, a2a_comm, ring_comm, kernel, scale: float, deterministic: bool = False,
-                groups: int = 1, sinks=None):  # fmt: skip
-        """Ulysses' exchange inside the a2a group, ring attention across the groups (the sinks of this rank's heads
-        added once, after the ring's merge), exchange back."""
-        ctx.plans, ctx.comms, ctx.kernel, ctx.scale = (a2a, ring), (a2a_comm, ring_comm), kernel, scale
-        ctx.dtypes, ctx.deterministic, ctx.groups = (k.dtype, v.dtype), deterministic, groups
-        if groups > 1:  # the pipeline: every group's exchange posted, each group's ring while the next travels
-            attend, _ = ring_attend(ring, ring_comm, kernel, scale, q.dtype, deterministic)
-            out, saved = pipelined_forward(q, k, v, a2a, a2a_comm, kernel, groups, causal=True, scale=scale, attend=attend)
-            ctx.save_for_backward(*saved)
-            return out
-        # 1) inside the a2a group: all the group's tokens for H/a heads, in the zigzag-over-p order
-        qg = a2a_gather(q, a2a, a2a_comm)  # (a T_l, Hq/a, D)
-        kg = a2a_gather(replicate(k, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, D)
-        vg = a2a_gather(replicate(v, a2a.replicas), a2a, a2a_comm)  # (a T_l, Hkv'/a, Dv)
-        # 2) across the groups: ring attention over p ranks
-        kept, own = saved_out_dtype(q.dtype, ring), head_slice(sinks, a2a_comm.rank, a2a_comm.size)
-        out_g, lse_g = ring_forward(qg, kg, vg, ring, ring_comm, kernel, scale=scale,
-                                    out_dtype=kept if own is None else compute_dtype(q.dtype))  # (a T_l, Hq/a, Dv)
-        if own is not None:
-            out_g, lse_g = add_sinks(out_g, lse_g, own)
-            out_g = out_g.to(kept)  # as the ring keeps it
-        ctx.save_for_backward(qg, kg, vg, out_g, lse_g, own)
-        # 3) back to sequence shards of all heads
-        return a2a_scatter(out_g.to(q.dtype), a2a, a2a_comm)  # (T_l, Hq, Dv)
-
-    @staticmethod
-    def backward(ctx: Any, dout):
-        """dout through the exchange, the ring's backward, the gradients back through the exchange."""
-        no_double_backward()
-        (a2a, ring), (a2a_comm, ring_comm) = ctx.plans, ctx.comms
-        if ctx.groups > 1:
-            _, attend_backward = ring_attend(ring, ring_comm, ctx.kernel, ctx.scale, dout.dtype, ctx.deterministic)
-            grads = pipelined_backward(dout.contiguous(), list(ctx.saved_tensors), a2a, a2a_comm, ctx.kernel, ctx.groups,
-                                       causal=True, scale=ctx.scale, attend_backward=attend_backward)  # fmt: skip
-            return (*grads, None, None, None, None, None, None, None, None, None)
-        qg, kg, vg, out_g, lse_g, own = ctx.saved_tensors
-        dout_g = a2a_gather(dout.contiguous(), a2a, a2a_comm)  # (a T_l, Hq/a, Dv)
-        dsinks = None if own is None else on_all_heads(sinks_grad(dout_g, out_g, lse_g, own), a2a_comm.rank, a2a_comm.size)
-        grads = list(ring_backward(dout_g, qg, kg, vg, out_g, lse_g, ring, ring_comm, ctx.kernel, scale=ctx.scale,
-                                   kv_grad_dtype=kv_grad_dtype(a2a, kg.dtype), deterministic=ctx.deterministic))  # fmt: skip
-        del dout_g  # freed before the exchanges
-        return (*scatter_grads(grads, a2a, a2a_comm, ctx.dtypes), None, None, None, None, None, None, None, None, dsinks)
-
 
 def example_a2a_size(P: int) -> int:
     """The a2a group size to suggest, and that the tools and tests take when none is given: 2 for an
@@ -213,17 +137,22 @@ def check_hierarchical(call: CPCall) -> None:
 def hierarchical_plan(call: CPCall) -> tuple[A2APlan, RingPlan] | SplitHierarchicalPlan:
     """`(exchange, ring)`: this rank's a2a group exchange plan and its plan in the ring of `P / a` groups; for the
     stream and balanced layouts, the split plan (`cpref.modes.hierarchical_split`: only the documents that span
-    ranks travel)."""
-    if call.layout not in CHUNKED_LAYOUTS and call.P > 1:
-        return split_hierarchical_plan(call)
+    ranks travel); under a mask, the group's tokens rank-major and the mask's ring (`cpref.modes.mask_plan`)."""
     a = call.options["a2a_size"]
     g = call.rank // a  # this rank's place in its ring: the index of its a2a group
+    if call.mask is not None:
+        return mask_exchange_plan(call, a), ring_plan(call, call.P // a, g, call.layout, a)
+    if call.layout not in CHUNKED_LAYOUTS and call.P > 1:
+        return split_hierarchical_plan(call)
     return a2a_plan(call, a, g, call.heads[1], with_attention=False), ring_plan(call, call.P // a, g, call.layout, a)
 
 
 def run_hierarchical(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """Run the mode: the sub-groups, the exchange and ring plans, then the Function."""
+    """Run the mode: the sub-groups, the exchange and ring plans, then the Function (under a mask,
+    [`run_masked`][cpref.modes.exchange_ring.run_masked])."""
     a = call.options["a2a_size"]
+    if call.mask is not None:
+        return run_masked(q, k, v, call, comm, a)
     a2a_comm, ring_comm = subgroups(comm, a)
     plan = hierarchical_plan(call)
     groups = call.options["head_groups"] if pipelines(call.options["head_groups"], a) else 1
@@ -303,6 +232,6 @@ MODE = ModeSpec(
     ),
     check=check_hierarchical,
     windows=True,
-    variants=frozenset({"chunk", "sinks"}),
+    variants=frozenset({"chunk", "sinks", "mask"}),
 )
 # --8<-- [end:declaration]

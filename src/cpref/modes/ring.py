@@ -123,6 +123,7 @@ from cpref.kernels.merge import merge_partial
 from cpref.kernels.sinks import add_sinks, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.costs import ModeCosts, halo_costs, kept_output_bytes, ring_costs, shard_bytes
+from cpref.modes.mask_plan import mask_ring_plan, stacked_runs
 from cpref.modes.ring_plan import RingCall, RingPlan, build_ring_plan
 from cpref.modes.ring_window import build_window_ring_plan, halo_backward, halo_forward
 from cpref.modes.shared import no_double_backward
@@ -268,7 +269,13 @@ def saved_out_dtype(dtype: torch.dtype, plan: RingPlan) -> torch.dtype:
 
 def ring_plan(call: CPCall, P: int, rank: int, layout: str, group: int = 1) -> RingPlan:
     """The cached ring plan of member `rank` in a ring of `P` over the call's batch (under its window and chunks, if any);
-    each member a group of `group` consecutive ranks (the ring of `a2a+p2p`) holding `cpref.batch.layout.group_chunks`."""
+    each member a group of `group` consecutive ranks (the ring of `a2a+p2p`) holding `cpref.batch.layout.group_chunks`.
+    Under a mask, a member's buffer holds its ranks' shards one after the other (rank-major, as the exchange leaves
+    them)."""
+    if call.mask is not None:  # a mask: the calls its slices make, and the rows they read (cpref.modes.mask_plan)
+        return call.plan(("ring mask", P, rank, layout, group, str(call.device), call.mask), lambda: mask_ring_plan(
+            call.mask.slices, [stacked_runs(call.bounds, P * group, layout, range(m * group, (m + 1) * group))
+                               for m in range(P)], rank, call.device))  # fmt: skip
     if P == 1:  # one member holds the batch in natural order, one sequence a document, whatever the layout
         layout, group = "contiguous", 1
     key = ("ring", P, rank, layout, call.causal, str(call.device))
@@ -317,5 +324,5 @@ MODE = ModeSpec(
     costs=p2p_costs,
     sizes=p2p_sizes,
     windows=True,
-    variants=frozenset({"chunk", "sinks"}),
+    variants=frozenset({"chunk", "sinks", "mask"}),
 )

@@ -130,7 +130,8 @@ class RingPlan:
     def whole_rows(self) -> bool:
         """Whether one kernel call sees every key of every row: a ring of one (the classic one, or one member's over
         pieces, `cpref.modes.ring_window`), no merge, no send."""
-        return self.halo is None and len(self.steps) == 1 and len(self.steps[0].calls) == 1
+        return (self.halo is None and len(self.steps) == 1 and len(self.steps[0].calls) == 1
+                and self.steps[0].calls[0].kv_index is None)  # fmt: skip
 
 
 def _doc_sequences(b: Boundaries, i: int, mult: int, mine: list[int], theirs: list[int], causal: bool):

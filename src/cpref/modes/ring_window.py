@@ -85,8 +85,8 @@ from cpref.modes.ring_plan import Halo, RingCall, RingPlan, RingStep
 from cpref.modes.shared import padded_rows
 from cpref.modes.visible import chunk_pieces, chunk_real
 
-__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "window_distances", "Pairs", "piece_pairs",
-           "visible_pairs", "halo_forward", "halo_backward"]
+__all__ = ["build_window_ring_plan", "build_piece_ring_plan", "halo_ring_plan", "reading_the_block", "window_distances",
+           "Pairs", "piece_pairs", "visible_pairs", "halo_forward", "halo_backward"]
 
 Real = Callable[[int, int, int], int]  # real(doc, a, z): the real tokens of positions [a, z) of document doc
 
@@ -260,23 +260,37 @@ def build_piece_ring_plan(real: Real, members, rank: int, causal: bool, window: 
     P = len(members)
     if P == 1:  # a ring of one member: its one call reads the own block as it is (no halo, no copy, no merge)
         calls = _calls(real, members, rank, rank, causal, window)
-        whole = _reading_the_block(*calls[0], _rows(members[0])) if len(calls) == 1 else None
+        whole = reading_the_block(*calls[0], _rows(members[0])) if len(calls) == 1 else None
         if whole is not None:
             return RingPlan((RingStep(rank, (RingCall(whole, causal, None, window),)),))
     halo = _halo_rows(real, members, causal, window)
+
+    def calls_of(r: int, s: int) -> list[tuple[Varlen, torch.Tensor, bool, tuple[int, int]]]:
+        return [(seqs, rows, causal, window) for seqs, rows in _calls(real, members, r, s, causal, window)]
+
+    return halo_ring_plan(calls_of, P, rank, halo, device)
+
+
+Calls = Callable[[int, int], list[tuple[Varlen, torch.Tensor, bool, tuple[int, int]]]]
+
+
+def halo_ring_plan(calls_of: Calls, P: int, rank: int, halo: dict[int, list[int]], device: torch.device) -> RingPlan:
+    """The steps of member `rank` and the rows each shift carries, from `calls_of(r, s)`: the calls of member `r`'s
+    queries against member `s`'s block, `(seqs, rows of the block, causal, window)` each; `halo`: `{d: [|R_d(s)| for
+    every s]}` for the distances where some member reads (`_halo_rows`). A step per distance in `(0, *halo)`."""
     shifts = (0, *halo)
 
     @functools.cache
     def reads(r: int, d: int) -> torch.Tensor:
         """`R_d(r - d)`: the rows of the block of rank `r - d` that rank `r`'s calls read (sorted, unique)."""
-        rows = [rows for _, rows in _calls(real, members, r, (r - d) % P, causal, window)]
+        rows = [rows for _, rows, _, _ in calls_of(r, (r - d) % P)]
         return torch.unique(torch.cat(rows)) if rows else torch.zeros(0, dtype=torch.int64)
 
     steps = []
     for d in shifts:
         held = reads(rank, d) if d else None  # None: the whole own block
         calls = []
-        for seqs, rows in _calls(real, members, rank, (rank - d) % P, causal, window):
+        for seqs, rows, causal, window in calls_of(rank, (rank - d) % P):
             local = rows if held is None else torch.searchsorted(held, rows)  # positions among the rows received
             calls.append(RingCall(seqs, causal, local.to(device), window))
         steps.append(RingStep((rank - d) % P, tuple(calls)))
@@ -290,7 +304,7 @@ def _rows(pieces) -> int:
     return pieces[-1][3] + pieces[-1][2] - pieces[-1][1] if pieces else 0
 
 
-def _reading_the_block(seqs: Varlen, rows: torch.Tensor, n: int) -> Varlen | None:
+def reading_the_block(seqs: Varlen, rows: torch.Tensor, n: int) -> Varlen | None:
     """A call over `block[rows]` (each sequence's keys one run of consecutive rows, `_calls`) rewritten to read the
     `n`-row block as it is: each run of rows no sequence reads becomes the keys of a sequence without queries (no
     work, as the split Ulysses' padding keys), so the kernel takes the block itself, no `index_select`. None if the

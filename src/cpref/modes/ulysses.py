@@ -83,9 +83,10 @@ from cpref.kernels.sinks import add_sinks, head_slice, on_all_heads, sinks_grad
 from cpref.modes.call import CPCall
 from cpref.modes.costs import ModeCosts, exchange_costs
 from cpref.modes.exchange import A2APlan, a2a_gather, a2a_plan, a2a_scatter, kv_grad_dtype, replicate, scatter_grads
+from cpref.modes.exchange_ring import run_masked
 from cpref.modes.shared import head_split, no_double_backward
 from cpref.modes.spec import ModeSpec, Option
-from cpref.modes.ulysses_pipeline import head_groups_that_work, pipelined_backward, pipelined_forward
+from cpref.modes.ulysses_pipeline import head_groups_that_work, pipelined_backward, pipelined_forward, pipelines
 from cpref.modes.ulysses_split import BALANCE_DOC, SplitUlyssesFunc, split_plan
 
 __all__ = ["UlyssesFunc", "check_a2a_heads", "check_head_groups", "pipelines", "run_ulysses", "ulysses_plan",
@@ -187,12 +188,6 @@ def check_head_groups(n: int, hq: int, hkv: int, P: int, what: str = "mode 'a2a'
         )
 
 
-def pipelines(groups: int, P: int) -> bool:
-    """Whether Ulysses runs its exchange in head groups (`cpref.modes.ulysses_pipeline`): only where asked
-    (`head_groups > 1`) and there is an exchange (`P > 1`)."""
-    return groups > 1 and P > 1
-
-
 def ulysses_plan(call: CPCall):
     """The group's exchange plan and its one kernel call, from the batch cache; for the stream and balanced
     layouts, the split plan (`cpref.modes.ulysses_split`: only the documents that span ranks travel)."""
@@ -202,7 +197,10 @@ def ulysses_plan(call: CPCall):
 
 
 def run_ulysses(q, k, v, call: CPCall, comm: Collectives) -> torch.Tensor:
-    """Run the mode: the plan, then the Function."""
+    """Run the mode: the plan, then the Function; under a mask, the hierarchy with one a2a group of all P ranks (its
+    ring of one member runs the mask's calls on the whole stream, `cpref.modes.mask_plan`)."""
+    if call.mask is not None:
+        return run_masked(q, k, v, call, comm, call.P)
     plan = ulysses_plan(call)
     func = UlyssesFunc if isinstance(plan, A2APlan) else SplitUlyssesFunc
     groups = call.options["head_groups"] if pipelines(call.options["head_groups"], call.P) else 1
@@ -255,5 +253,5 @@ MODE = ModeSpec(
     ),
     check=check_ulysses,
     windows=True,
-    variants=frozenset({"chunk", "sinks"}),
+    variants=frozenset({"chunk", "sinks", "mask"}),
 )

@@ -60,7 +60,14 @@ from cpref.comm.protocol import Collectives, Pending
 from cpref.kernels.contract import AttentionKernel
 from cpref.modes.exchange import A2APlan
 
-__all__ = ["group_heads", "ungroup", "post_groups", "pipelined_forward", "pipelined_backward", "head_groups_that_work"]
+__all__ = ["pipelines", "group_heads", "ungroup", "post_groups", "pipelined_forward", "pipelined_backward",
+           "head_groups_that_work"]
+
+
+def pipelines(groups: int, P: int) -> bool:
+    """Whether the exchange runs in head groups: only where asked (`head_groups > 1`) and there is an exchange
+    (`P > 1`)."""
+    return groups > 1 and P > 1
 
 
 def head_groups_that_work(hkv_per_rank: int) -> list[int]:
