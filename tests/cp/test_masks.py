@@ -242,3 +242,36 @@ def test_the_modes_options_run_under_a_mask(mode, opts, name):
     for r in range(P):
         for i, n in enumerate(NAMES):
             assert_close(results[r][i], want[r][i], torch.float64, msg=f"{mode} {opts} rank {r} {n}")
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("logits", [1, 30], ids=["x1", "x30"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["prefix_lm", "shared_prompt", "random"])
+def test_under_a_mask_every_mode_is_within_twice_the_error_of_the_kernel_without_cp(name, mode, dtype, logits):
+    """fp32 and bf16 at logits x1 and x30: every rank's out, dq, dk, dv at P = 2 and 4, zigzag, over three batches,
+    at most twice as far from the FP64 oracle as the same kernel at P = 1 under the same mask (the `vs P=1`
+    criterion, `sim.tools.verify.truth.precision_ratio`); cross-rank sums rounded as NCCL rounds them."""
+    from sim.cluster.simcluster import SimCluster
+    from sim.tools.verify.truth import RATIO_LIMIT, precision_ratio
+
+    mask = MASKS[name]()
+    for P in (2, 4):
+        sharding = cpref.Sharding.eod_padded(CU, cp_size=P, layout="zigzag")
+        whole = cpref.Sharding.eod_padded(CU, cp_size=1, layout="zigzag")
+        got, plain, truth = ([[] for _ in NAMES] for _ in range(3))
+        for seed in range(3):
+            q, k, v, dout = attention_inputs(T, HEADS, seed=seed)
+            q, k, v = (t * logits**0.5 for t in (q, k, v))
+            q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+            results, _ = run_cp(*(sharding.pad(t) for t in (q, k, v, dout)), sharding, mode=mode, mask=mask,
+                                cluster=SimCluster(P, timeout=30.0, reduction="native"), **options(mode, P))  # fmt: skip
+            alone, _ = run_cp(q, k, v, dout, whole, mode="p2p", mask=mask)
+            want = oracle_shards(*(t.double() for t in (q, k, v, dout)), whole, mask=mask.dense())[0]
+            for i in range(len(NAMES)):
+                got[i].append(sharding.unpad(sharding.unshard([results[r][i] for r in range(P)])))
+                plain[i].append(alone[0][i])
+                truth[i].append(want[i])
+        ratios = {n: precision_ratio(g, p, t, dtype) for n, g, p, t in zip(NAMES, got, plain, truth)}
+        assert max(ratios.values()) <= RATIO_LIMIT, f"{name} {mode} P = {P}: CP error / P = 1 error {ratios}"
