@@ -34,7 +34,7 @@ import torch
 from sim.tools.cli import Parser
 
 BENCHMARKS = ("kernel", "window", "overhead", "scaling", "memory", "all_gather", "collectives", "layouts", "variants",
-              "plan")
+              "plan", "masks")
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"  # committed: what the performance page shows
 OUT = ROOT / "bench" / "out"  # ignored by git: where a run writes unless told to update RESULTS

@@ -318,6 +318,20 @@ leaves to the dry run (nothing, today). `python -m bench.plan --quick` is a quic
 
 {{ results plan }}
 
+## 12. Masks (`bench/masks.py`)
+
+What a mask ([Masks as slices](mask.md)) costs at CP = 2, and what the layout balanced by the mask evens out. A
+packed batch of 16384 tokens, forward + backward on the simulated cluster (two ranks, two threads), every mode in
+zigzag under full causal, a prefix-LM (each document's first half its prompt) and image spans (a quarter of each
+document seen whole), and `p2p` in the layout balanced by each mask: the step's time against full causal's, the
+mask's visible pairs against causal's (the work every mode computes), and the bytes the busiest rank sent. Then,
+counted, the busiest rank's mask work over the mean on the lognormal pack of [section 9](#9-the-layouts-on-packed-batches-benchlayoutspy)
+under a prefix-LM, image spans and shared-prompt groups at P = 2, 4, 8, for zigzag, the causal `balanced` layout and
+`balanced` given the mask ([The balanced layout given a mask](balanced-mask.md)); the goal: the last within 1.05.
+`python -m bench.masks --quick` is a quick run.
+
+{{ results masks }}
+
 ## Measured while this page was built
 
 **CPU, the machine that built this site** · *when this page was built*
@@ -332,7 +346,20 @@ import re
 
 import torch
 
-from bench import all_gather, collectives, kernel, layouts, memory, overhead, plan, predicted, scaling, variants, window
+from bench import (
+    all_gather,
+    collectives,
+    kernel,
+    layouts,
+    masks,
+    memory,
+    overhead,
+    plan,
+    predicted,
+    scaling,
+    variants,
+    window,
+)
 from bench.all import BENCHMARKS, load
 from bench.kernel import cases, fastest, markdown
 
@@ -388,6 +415,7 @@ RENDER = {
     + window.band_report(r["band"], *r["band_shape"]),
     "variants": lambda r: r["title"] + ".\n\n" + variants.report(r),
     "plan": lambda r: r["title"] + ".\n\n" + plan.report(r),
+    "masks": lambda r: r["title"] + ".\n\n" + masks.report(r),
     "layouts": lambda r: "\n\n".join(
         [r["title"] + ". Per pack (open each below), every `P`: each layout's padding, busiest rank's causal work over the mean and "
          "shared rows, and the bytes the busiest rank sends in each mode, forward + backward (the full tables, with "
@@ -428,6 +456,7 @@ WHERE = {
     "layouts": "simulated cluster, counted (nothing timed)",
     "variants": "CPU: one process, and the simulated cluster",
     "plan": "CPU, one process (plans counted and priced, nothing run)",
+    "masks": "CPU: the simulated cluster (two threads), and counted",
 }
 HEADER = re.compile(r"Measured (?P<date>\S+) (?P<time>\S+) UTC on (?P<machine>.+)\.$")  # `bench.all.header`
 

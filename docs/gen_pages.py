@@ -36,6 +36,7 @@ from mkdocs.structure.files import InclusionLevel  # noqa: E402
 GUIDE = [
     ("layout.md", "Data model and layouts", "cpref.batch.layout"),
     ("balanced.md", "The balanced layout", "cpref.batch.balanced"),
+    ("balanced-mask.md", "The balanced layout given a mask", "cpref.batch.balanced_mask"),
     ("oracle.md", "The FP64 oracle", "sim.oracle"),
     ("kernel-contract.md", "The attention kernel contract", "cpref.kernels.contract"),
     ("torch-kernel.md", "TorchKernel", "cpref.kernels.torch_kernel"),
@@ -171,6 +172,13 @@ PAGE_FIGURES = {
          "block it held and how many scores it computed (identified from the kernel's inputs). Zigzag does the "
          "same work on every rank at every step; contiguous skips the blocks of later ranks."),
     ],
+    "balanced-mask.md": [
+        ("figures/balanced_mask.png",
+         "A long-tailed pack of 24 documents under a prefix-LM (every document's prompt a random share of it) over "
+         "`P = 4`: which rank holds which tokens in zigzag, in the causal balanced layout and in the layout balanced "
+         "given the mask, and each rank's work under the mask, counted from the mask. Zigzag and the causal plan "
+         "balance causal documents, whose rows cost their position; a prompt's rows all cost the whole prompt."),
+    ],
     "balanced.md": [
         ("figures/balanced.png",
          "A long-tailed pack of 24 documents over `P = 4`: which rank holds which tokens in the zigzag layout "
@@ -268,6 +276,7 @@ LEARN = [
     ("learn/ulysses.md", "7. Ulysses: trade tokens for heads"),
     ("learn/hierarchy.md", "8. The hierarchy: Ulysses inside, ring across"),
     ("learn/which-mode.md", "9. Which mode?"),
+    ("learn/masks.md", "10. Masks under CP"),
 ]
 
 # Figures of the hand-written pages (`docs/learn_figures.py`, drawn from real runs): page -> [(figure path, caption)],
@@ -342,6 +351,22 @@ HAND_FIGURES = {
          "lines from cpref's cost model, dots measured on the simulated cluster at a small size and scaled (the "
          "figure's build checks that they are equal)."),
     ],
+    "learn/masks.md": [
+        ("figures/learn/mask_kinds.png",
+         "One slice of each kind over fewer queries than keys (above) and more (below), from "
+         "`Mask.from_slices(...).dense()`: `causal` is aligned at the bottom-right corner, `inv_causal` at the "
+         "top-left."),
+        ("figures/learn/mask_slices.png",
+         "The page's masks over a small packed batch, as `.slices` gives them: every pair coloured by the kind "
+         "of the normalised slice that shows it, each slice outlined."),
+        ("figures/learn/mask_balance.png",
+         "Each rank's pairs under each mask over the mean, contiguous and zigzag, counted from the mask's slices (the "
+         "page's example; the tests hold them to the pairs the kernel computed in a real run)."),
+        ("figures/learn/mask_traffic.png",
+         "The bytes the busiest rank sent in one forward + backward of each mode under each mask, read from the "
+         "simulated cluster's trace (the page's example), with every document cut over every rank (zigzag) and "
+         "documents kept whole but at the cuts (stream)."),
+    ],
 }
 TOP_WORDS = 60
 
@@ -352,7 +377,7 @@ TOP_WORDS = 60
 SECTIONS = [
     ("Start", ["index.md", "quickstart.md"]),
     ("Learn CP", [page for page, _ in LEARN]),
-    ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "mask.md", "data.md",
+    ("Use cpref", ["your-model.md", "api.md", "variants.md", "layout.md", "sharding.md", "balanced.md", "balanced-mask.md", "mask.md", "data.md",
                    "which-mode.md"]),
     ("Plan a run", ["planner.md", "mode-study.md", "sim-plan.md", "plan-model.md", "plan-profiles.md", "plan-dry-run.md",
                     "plan-scale.md", "plan-schedule.md", "plan-scale-window.md", "plan-scale-split.md", "plan-links.md",
@@ -639,7 +664,8 @@ def main() -> None:
     figures = _load_docs_module("figures")
     drawn = {**figures.FIGURES, **_load_docs_module("mode_figures").FIGURES, **_load_docs_module("train_figures").FIGURES,
              **_load_docs_module("bench_figures").FIGURES, **_load_docs_module("learn_figures").FIGURES,
-             **_load_docs_module("plan_figures").FIGURES}
+             **_load_docs_module("plan_figures").FIGURES, **_load_docs_module("learn_masks").FIGURES,
+             **_load_docs_module("balanced_mask_figure").FIGURES}
     used = [path for entries in (*PAGE_FIGURES.values(), *HAND_FIGURES.values()) for path, _ in entries]
     if sorted(used) != sorted(drawn):
         raise RuntimeError(f"every figure must appear exactly once: drawn {sorted(drawn)}, used {sorted(used)}")

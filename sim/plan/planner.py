@@ -151,7 +151,7 @@ class Prediction:
 class KindPlan:
     """One layer kind's candidates: `ranked` (fastest first), `refused`, `unpriced`, and what decided the winner;
     `mask`: the kind's arguments of `cpref.attention` as pairs (`(("window", (W, 0)),)`, `(("chunk", C),)`, `()` for full
-    causal)."""
+    causal, `(("mask", None),)` for a `cpref.Mask`, one per batch)."""
 
     kind: str
     ranked: tuple[Prediction, ...]
@@ -159,6 +159,7 @@ class KindPlan:
     decided_by: str
     unpriced: tuple[Prediction, ...] = ()
     mask: tuple[tuple[str, Any], ...] = ()
+    balanced_by_mask: bool = False  # the balanced layout's sharding places tokens by the planned cpref.Mask
 
     @property
     def against(self) -> Prediction | None:
@@ -230,25 +231,37 @@ def candidates(P: int, modes: Sequence[str], layouts: Sequence[str], a2a_size: i
 
 
 @functools.lru_cache(maxsize=16)
-def _sharding(lengths: tuple[int, ...], P: int, layout: str):
-    """The batch padded as `layout` needs; one object per (batch, P, layout), so that candidates share its plans."""
+def _sharding(lengths: tuple[int, ...], P: int, layout: str, balance: Any = None):
+    """The batch padded as `layout` needs (balanced by the mask `balance`, where one is planned); one object per
+    (batch, P, layout, mask), so that candidates share its plans."""
     from cpref.batch.sharding import Sharding
 
-    return Sharding.eod_padded([0, *itertools.accumulate(lengths)], cp_size=P, layout=layout)
+    balance = balance if layout == "balanced" else None
+    return Sharding.eod_padded([0, *itertools.accumulate(lengths)], cp_size=P, layout=layout, mask=balance)
 
 
 def predict(candidate: Candidate, lengths: Sequence[int], *, heads, dtype: str, P: int, profile: Profile,
-            mask: dict[str, Any], dry_run_limit: int = 32, softcap: float | None = None) -> Prediction:  # fmt: skip
+            mask: dict[str, Any], dry_run_limit: int = 32, softcap: float | None = None,
+            balance: Any = None) -> Prediction:  # fmt: skip
     """`candidate` priced on every rank, or refused: built at scale where `sim.plan.scale` covers it, else dry-run
     (on rank 0 alone where every rank does the same), else, above `dry_run_limit` ranks, not priced. Soft-capped
-    (`softcap`), the dry run runs with it and every call costs the profile's `softcap_factor` times as much."""
+    (`softcap`), the dry run runs with it and every call costs the profile's `softcap_factor` times as much. Under a
+    `cpref.Mask` (`mask["mask"]`) every rank is dry-run; `balance`, the mask the balanced layout places tokens by."""
     compute = profile.kernel(dtype, softcap=softcap is not None)
     if softcap is not None:
         mask = {**mask, "softcap": softcap}
-    sharding = _sharding(tuple(lengths), P, candidate.layout)
+    sharding = _sharding(tuple(lengths), P, candidate.layout, balance)
     options = dict(candidate.options)
     try:
         counted = {k: v for k, v in mask.items() if k != "softcap"}  # soft-capping changes no count
+        if "mask" in counted:  # no builder at scale states a mask's plan: the modes' own code, on every rank
+            if P > dry_run_limit:
+                scale.validate(candidate.mode, sharding, heads, DTYPES[dtype], {**mask, **options})
+                return Prediction(candidate, unpriced=f"P = {P} > dry_run_limit = {dry_run_limit}: a mask is priced "
+                                                      "by dry-running every rank")  # fmt: skip
+            runs = [dry_run(candidate.mode, sharding, r, heads=heads, dtype=DTYPES[dtype], **mask, **options)
+                    for r in range(P)]  # fmt: skip
+            return Prediction(candidate, tuple(rank_time(run, profile, compute) for run in runs))
         if scale.covers(candidate.mode, candidate.layout, options, P, counted):
             built = scale.schedule(candidate.mode, sharding, heads=heads, dtype=DTYPES[dtype], **counted, **options)
             return Prediction(candidate, built.price(profile, compute))
@@ -337,7 +350,8 @@ def _check(lengths, heads, dtype, P, modes, layouts, a2a_size) -> None:
 def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, int, int, int], dtype: str, P: int,
          profile: str | Profile, window: int | None = None, chunk: int | None = None,
          modes: Sequence[str] | None = None, layouts: Sequence[str] | None = None,
-         a2a_size: int | None = None, dry_run_limit: int = 32, softcap: float | None = None) -> Plan:  # fmt: skip
+         a2a_size: int | None = None, dry_run_limit: int = 32, softcap: float | None = None,
+         mask: Any = None, mask_name: str = "mask") -> Plan:  # fmt: skip
     """Rank every candidate for a batch, per layer kind (module docstring).
 
     Args:
@@ -356,6 +370,10 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
             (`sim.plan.scale` builds the others at any P).
         softcap: every layer's logits soft-capped at this value (Gemma 2): the same counts, every kernel call
             priced at the profile's `softcap_factor` times its time (refused on a profile without one).
+        mask: the model's attention mask in place of full causal: a `cpref.Mask` of the batch, or (several
+            batches) a function of a batch's lengths returning its mask. Its layers are the kind
+            `"mask {mask_name}"`, every rank dry-run; the balanced layout is then balanced by the mask, in every kind.
+        mask_name: how the mask's kind is named (`sim plan --mask prefix-lm`: `"prefix-lm"`).
 
     Raises:
         CPInputError: for an unknown mode, layout, profile or dtype, bad lengths, heads or P, an `a2a_size` that does
@@ -372,16 +390,19 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
     if softcap is not None:
         check_softcap(softcap)
     profile.kernel(dtype, softcap=softcap is not None)
-    kinds = {"full": {}}
+    build = mask if callable(mask) or mask is None else (lambda lengths: mask)
+    kinds = {"full": {}} if mask is None else {f"mask {mask_name}": {"mask": None}}  # the mask: per batch, below
     if window is not None:
         kinds[f"window {window}"] = {"window": (int(window), 0)}
     if chunk is not None:
         kinds[f"chunk {chunk}"] = {"chunk": chunk}
     result = Plan(P, profile, tuple(heads), dtype, tuple(tuple(b) for b in batches), softcap=softcap)
-    for kind, mask in kinds.items():
-        preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile, mask=mask,
-                                        dry_run_limit=dry_run_limit, softcap=softcap)
-                                for batch in batches])
+    masks = [None if build is None else build(tuple(batch)) for batch in batches]
+    for kind, args in kinds.items():
+        preds = [_over_batches([predict(c, batch, heads=tuple(heads), dtype=dtype, P=P, profile=profile,
+                                        mask={**args, "mask": m} if "mask" in args else args,
+                                        dry_run_limit=dry_run_limit, softcap=softcap, balance=m)
+                                for batch, m in zip(batches, masks)])
                  for c in candidates(P, modes, layouts, a2a_size)]  # fmt: skip
         ranked = tuple(sorted((p for p in preds if p.ranks), key=_order))
         refused = tuple(p for p in preds if p.refused)
@@ -393,5 +414,6 @@ def plan(lengths: Sequence[int] | Sequence[Sequence[int]], *, heads: tuple[int, 
         if not ranked:
             raise CPInputError(f"no candidate runs {kind} layers at P = {P} with heads {tuple(heads)}: "
                                f"{refused[0].name}: {refused[0].refused}")  # fmt: skip
-        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked), unpriced, tuple(mask.items()))
+        result.kinds[kind] = KindPlan(kind, ranked, refused, _decided_by(ranked), unpriced, tuple(args.items()),
+                                      balanced_by_mask=mask is not None)  # fmt: skip
     return result

@@ -55,8 +55,9 @@ def attention_call(P: int, kp, softcap: float | None = None, pick=None) -> str:
     and the kind's mask (`softcap` given, soft-capped)."""
     c = (pick or kp.ranked[0]).candidate
     named = [("mode", c.mode), *c.options, *kp.mask, *([] if softcap is None else [("softcap", softcap)])]
-    args = [f"{k}={_literal(v)}" for k, v in named]
-    return (f'sharding = cpref.Sharding.eod_padded(cu_seqlens, cp_size={P}, layout="{c.layout}")\n'
+    args = ["mask=mask" if k == "mask" else f"{k}={_literal(v)}" for k, v in named]  # a planned Mask: the user's own
+    by_mask = ", mask=mask" if kp.balanced_by_mask and c.layout == "balanced" else ""
+    return (f'sharding = cpref.Sharding.eod_padded(cu_seqlens, cp_size={P}, layout="{c.layout}"{by_mask})\n'
             f"out = cpref.attention(q, k, v, sharding, comm=comm, {', '.join(args)})")  # fmt: skip
 
 

@@ -33,6 +33,14 @@ communication, or each mode's step against P.
 Any P: full causal `p2p`, `all_gather` and `a2a+p2p` in the contiguous and zigzag layouts are built for every
 rank at once ([`sim.plan.scale`][sim.plan.scale]; `--cp 1024` takes seconds), `a2a` from one rank; the other
 candidates are dry-run rank by rank up to `--dry-run-limit` ranks (32) and listed as not priced above it.
+
+`--mask prefix-lm` (or `spans`, `shared-prompt`, `random`) plans the model's global layers under that mask
+instead of full causal, the kind `mask prefix-lm`, built from each batch's documents as
+[`sim verify --mask`][sim.tools.verify.masks] builds it: every candidate is dry-run on every rank (the mask's
+kernel work and the rows each mode moves are the modes' own), and the `balanced` layout is the one placed by the
+mask ([`cpref.batch.balanced_mask`][cpref.batch.balanced_mask]). The winner's lines then say `mask=mask`.
+
+    python -m sim plan --lengths 4096,1024x4,512x8 --heads 32,8,128,128 --cp 4 --mask prefix-lm --window 1024
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from typing import Sequence
 
 from sim.plan.profile import profile_names
 from sim.tools.cli import DTYPE_ALIASES, Parser, fail, positive
+from sim.tools.verify.masks import MASKS, mask_of
 
 SHORT = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -120,6 +129,9 @@ def parser(prog: str) -> Parser:
     p.add_argument("--window", type=positive, default=None, metavar="W", help="also plan layers with a causal sliding "
                    "window, window=(W, 0): each query sees the W keys before it and itself")
     p.add_argument("--chunk", type=positive, default=None, help="also plan chunked layers of C positions")
+    p.add_argument("--mask", choices=MASKS, default=None, help="the model's global layers under this mask instead of "
+                   "full causal, built from each batch's documents as `sim verify --mask` builds it (every rank "
+                   "dry-run; the balanced layout placed by the mask; --layers full=N counts those layers)")
     p.add_argument("--softcap", type=float, default=None, metavar="C", help="every layer's logits soft-capped at C "
                    "(Gemma 2: 50): each kernel call costs the profile's softcap_factor times as much")
     p.add_argument("--modes", type=names, default=None, help="comma-separated modes (default: all)")
@@ -224,6 +236,8 @@ def _plans(args, dtype: str) -> list:
             raise CPInputError(f"--layers {kind}={args.layers[kind]} needs --{kind}: the {kind} of those layers")
     options = dict(profile=profile, window=args.window, chunk=args.chunk, modes=args.modes, layouts=args.layouts,
                    a2a_size=args.a2a_size, dry_run_limit=args.dry_run_limit, softcap=args.softcap)  # fmt: skip
+    if args.mask is not None:  # one mask per batch, from its documents
+        options.update(mask=lambda lengths: mask_of(args.mask, lengths, seed=args.seed), mask_name=args.mask)
     return [plan(batch, heads=args.heads, dtype=dtype, P=P, **options) for P in args.cp]
 
 
@@ -248,7 +262,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim plan") ->
         plans = _plans(args, dtype)
     except CPInputError as exc:
         return fail(prog, str(exc))
-    named = {k: KINDS[k].format(getattr(args, k, None)) for k in args.layers or {}}
+    named = {k: f"mask {args.mask}" if k == "full" and args.mask else KINDS[k].format(getattr(args, k, None))
+             for k in args.layers or {}}  # fmt: skip
     if len(plans) > 1:
         curves = curves_of(plans)
         if args.json:

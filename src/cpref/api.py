@@ -288,9 +288,9 @@ def _kernel_name(kernel: Any) -> str:
 
 
 def check_mode(mode: str, *, cp_size: int, heads: tuple[int, int], causal: bool = True, window=NO_WINDOW,
-               layout: str = "zigzag", **options: Any) -> None:  # fmt: skip
-    """Refuse, as `attention` would, a mode that cannot run at `cp_size` with `heads = (Hq, Hkv)`, without tensors
-    or a communicator: what a tool checks of its arguments before it starts a process.
+               layout: str = "zigzag", mask: bool = False, **options: Any) -> None:  # fmt: skip
+    """Refuse, as `attention` would, a mode that cannot run at `cp_size` with `heads = (Hq, Hkv)` (under a mask, where
+    `mask` is True), without tensors or a communicator: what a tool checks of its arguments before it starts a process.
 
     Raises:
         ValueError: (`CPInputError`) an unknown mode, layout or option, a window the mode does not take, heads
@@ -305,8 +305,9 @@ def check_mode(mode: str, *, cp_size: int, heads: tuple[int, int], causal: bool 
         raise CPInputError(f"heads: Hq = {hq} is not a multiple of Hkv = {hkv} (GQA shares each key/value head "
                            "among Hq / Hkv query heads)")  # fmt: skip
     sharding = Sharding.eod_padded([0, 1], cp_size=P, layout=as_choice("layout", layout, list(LAYOUTS)))
+    any_mask = Mask.causal_documents([0, 1]) if as_bool("mask", mask) else None  # what the mode checks is that there is one
     call = CPCall(sharding, 0, causal, window, 1.0, None, (hq, hkv, 1, 1), torch.float32, torch.device("cpu"),
-                  MappingProxyType(options))  # fmt: skip
+                  MappingProxyType(options), mask=any_mask)  # fmt: skip
     _check_mode_constraints(call, mode)
 
 

@@ -8,6 +8,9 @@ Each has cpref's signature with the process group in place of `comm`:
 * `off_within_tolerance_on_rank_1`: wrong by less than the fixed tolerance, but about ten times
   the kernel's own error: only the `vs P=1` column catches it;
 * `drops_window`: wrong under a sliding window (it runs without the window it was given);
+* under `--mask`: `ignores_mask`, wrong (it takes `mask=` and runs causal documents instead: accelerate #4177's
+  mask silently replaced by `is_causal=True`), `takes_no_mask` (no `mask` parameter: skipped), and
+  `blockwise_masked`, `blockwise` with each block's visibility read from `mask.slices` (`visible`);
 * `stream_ulysses` (`examples.stream_ulysses`): a correct peer, a DeepSpeed-style Ulysses over the
   stream layout, and `stream_ulysses_without_eod_reset`, the same attending across documents (causal over
   the whole stream, the bug of a packed batch run without its boundaries);
@@ -85,6 +88,17 @@ def off_within_tolerance_on_rank_1(q, k, v, sharding, *, process_group, **kwargs
 def drops_window(q, k, v, sharding, *, process_group, window, **kwargs) -> torch.Tensor:
     """Wrong under a window: calls cpref.attention without it (plain causal or full attention)."""
     return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+def ignores_mask(q, k, v, sharding, *, process_group, mask=None, **kwargs) -> torch.Tensor:
+    """Wrong under a mask: takes `mask=` and calls cpref.attention without it, causal documents instead (accelerate
+    #4177: a mask silently replaced by `is_causal=True`)."""
+    return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+def takes_no_mask(q, k, v, sharding, *, process_group, mode, causal, window) -> torch.Tensor:
+    """Right without a mask, and no `mask` parameter (nor `**options`): `--mask` skips it."""
+    return cpref_over_group(q, k, v, sharding, process_group=process_group, mode=mode, causal=causal, window=window)
 
 
 def drops_variants(q, k, v, sharding, *, process_group, softcap=None, chunk=None, sinks=None, **kwargs) -> torch.Tensor:
@@ -217,6 +231,35 @@ def _merge_blocks(q, blocks, bug=None) -> torch.Tensor:
         if bug == "bf16 merge":  # and the running merge too
             out, lse = out.to(dtype).float(), lse.to(dtype).float()
     return out.to(dtype)
+
+
+# --8<-- [start:visible]
+def visible(mask, sharding) -> torch.Tensor:
+    """`(T, T)` over the padded stream: whether query x sees key y, read from `mask.slices` (global indices of the
+    real tokens; a slice's local indices i, j count from its q_start and k_start); padding sees nothing."""
+    token = sharding.pad(torch.arange(sharding.cu_seqlens[-1]), value=-1)  # (T,): each row's real token, -1 padding
+    seen = torch.zeros(sharding.total, sharding.total, dtype=torch.bool)
+    for q_start, q_end, k_start, k_end, kind in mask.slices:
+        i, j = token[:, None] - q_start, token[None, :] - k_start  # (T, 1), (1, T): local indices in the slice
+        inside = (i >= 0) & (i < q_end - q_start) & (j >= 0) & (j < k_end - k_start)  # (T, T)
+        if kind in ("causal", "bi_causal"):  # below the diagonal through the bottom-right corner
+            inside &= j <= i + (k_end - k_start) - (q_end - q_start)
+        if kind in ("inv_causal", "bi_causal"):  # above the diagonal through the top-left corner
+            inside &= j >= i
+        seen |= inside  # the union: a pair two slices show counts once
+    return seen
+# --8<-- [end:visible]
+
+
+def blockwise_masked(q, k, v, sharding, *, process_group, mask=None, **kwargs) -> torch.Tensor:
+    """`blockwise` under `--mask`: rank r's queries see in rank s's block what `visible` shows (without a mask,
+    `blockwise` itself)."""
+    if mask is None:
+        return blockwise(q, k, v, sharding, process_group=process_group, **kwargs)
+    P, r = dist.get_world_size(process_group), dist.get_rank(process_group)
+    K, V = (_GatherKV.apply(x, process_group, True) for x in (k, v))  # (P, T_l, Hkv, X)
+    seen, rows = visible(mask, sharding), [sharding.global_index(s) for s in range(P)]  # (T, T), (T_l,) each
+    return _merge_blocks(q, [(K[s], V[s], seen[rows[r]][:, rows[s]]) for s in range(P)])
 
 
 def local_blockwise(q, k, v, sharding, *, causal, window, **kwargs) -> torch.Tensor:

@@ -63,6 +63,14 @@ def options(mode: str, P: int) -> dict:
     return cpref.MODES[mode].example_options(P)
 
 
+LAYOUTS = (*cpref.LAYOUTS, "balanced by the mask")  # the last: Sharding(..., layout="balanced", mask=mask)
+
+
+def sharding_for(mask: cpref.Mask, P: int, layout: str, cu: torch.Tensor = CU) -> cpref.Sharding:
+    by_mask = layout == "balanced by the mask"
+    return cpref.Sharding.eod_padded(cu, cp_size=P, layout="balanced" if by_mask else layout, mask=mask if by_mask else None)
+
+
 def real_index(sharding: cpref.Sharding, rank: int) -> torch.Tensor:
     """Each of the rank's rows' real token, -1 for padding: `(T / P,)`."""
     return sharding.pad(torch.arange(sharding.cu_seqlens[-1]), value=-1)[sharding.global_index(rank)]
@@ -70,15 +78,17 @@ def real_index(sharding: cpref.Sharding, rank: int) -> torch.Tensor:
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("variant", ["plain", "sinks", "softcap"])
-@pytest.mark.parametrize("P", [1, 2, 4])
-@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(MASKS))
 def test_every_mode_and_layout_under_a_mask_is_the_oracle_rank_by_rank(name, mode, layout, P, variant):
     mask = MASKS[name]()
-    sharding = cpref.Sharding.eod_padded(CU, cp_size=P, layout=layout)
-    q, k, v, dout = (sharding.pad(t) for t in attention_inputs(T, HEADS, seed=7))
-    extra = {"sinks": torch.tensor([3.0, -1.0, 0.5, 20.0], dtype=torch.float64)} if variant == "sinks" else \
+    sharding = sharding_for(mask, P, layout)
+    heads = HEADS if P < 8 else (8, 2, 8, 6)  # Ulysses at P = 8 splits 8 query heads
+    q, k, v, dout = (sharding.pad(t) for t in attention_inputs(T, heads, seed=7))
+    sinks = torch.tensor([3.0, -1.0, 0.5, 20.0, -4.0, 1.0, 0.0, 7.0][: heads[0]], dtype=torch.float64)
+    extra = {"sinks": sinks} if variant == "sinks" else \
         {"softcap": 2.0} if variant == "softcap" else {}  # fmt: skip
     results, _ = run_cp(q, k, v, dout, sharding, mode=mode, mask=mask, **options(mode, P), **extra)
     oracle = {key: (val.double() if isinstance(val, torch.Tensor) else val) for key, val in extra.items()}
@@ -94,14 +104,15 @@ def test_every_mode_and_layout_under_a_mask_is_the_oracle_rank_by_rank(name, mod
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("layout", cpref.LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(MASKS))
 def test_the_kernel_computes_exactly_the_pairs_the_mask_shows(name, mode, layout):
     """Per rank, the forward calls' work (exact pairs per head) is the mask's pairs of the rows the rank computes:
-    its own rows (all_gather, p2p), every row (a2a: all heads' split), its a2a group's rows (a2a+p2p)."""
+    its own rows (all_gather, p2p: `sharding.attention_work(r, mask=)`), every row (a2a: all heads' split), its a2a
+    group's rows (a2a+p2p)."""
     P, mask = 4, MASKS[name]()
-    sharding = cpref.Sharding.eod_padded(CU, cp_size=P, layout=layout)
+    sharding = sharding_for(mask, P, layout)
     q, k, v, dout = (sharding.pad(t) for t in attention_inputs(T, HEADS))
     kernels = [CountingKernel() for _ in range(P)]
     run_cp(q, k, v, None, sharding, mode=mode, mask=mask, kernels=kernels, **options(mode, P))
@@ -110,6 +121,8 @@ def test_the_kernel_computes_exactly_the_pairs_the_mask_shows(name, mode, layout
         rows = {"a2a": range(P), "a2a+p2p": range(r // 2 * 2, r // 2 * 2 + 2)}.get(mode, [r])
         real = torch.cat([real_index(sharding, s) for s in rows])
         assert kernel.forward_work() == int(per_row[real[real >= 0]].sum()), f"rank {r}"
+        if mode in ("p2p", "all_gather"):
+            assert kernel.forward_work() == sharding.attention_work(r, mask=mask), f"rank {r}"
 
 
 SHORT = [5 + (7 * i) % 9 for i in range(30)]  # many short documents: most stay on one rank under stream, balanced
@@ -128,14 +141,14 @@ def reads(mask: cpref.Mask, sharding: cpref.Sharding, reader: int, owner: int) -
     return {row for row, token in enumerate(theirs.tolist()) if token >= 0 and bool(seen[token])}
 
 
-@pytest.mark.parametrize("layout", ["stream", "balanced", "zigzag"])
+@pytest.mark.parametrize("layout", ["stream", "balanced", "zigzag", "balanced by the mask"])
 @pytest.mark.parametrize("name", sorted(SHORT_MASKS))
 def test_the_ring_sends_each_block_only_the_rows_its_reader_sees(name, layout):
     """p2p under a mask, many short documents: at each distance d where some rank reads a key of the block d ranks
     back, one shift of the most rows any block sends there (`R_d`, from the oracle's matrix); nothing else travels.
     Backward: the shifts again and the dK/dV of those rows home. Far less than the classic ring's P - 1 blocks."""
     P, mask = 4, SHORT_MASKS[name]()
-    sharding = cpref.Sharding.eod_padded(SHORT_CU, cp_size=P, layout=layout)
+    sharding = sharding_for(mask, P, layout, SHORT_CU)
     q, k, v, dout = (sharding.pad(t) for t in attention_inputs(sum(SHORT), HEADS))
     _, cluster = run_cp(q, k, v, dout, sharding, mode="p2p", mask=mask, check_ranks=False,
                         between=lambda comm: comm.barrier())  # fmt: skip
@@ -147,11 +160,11 @@ def test_the_ring_sends_each_block_only_the_rows_its_reader_sees(name, layout):
         (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
         assert (fwd, bwd) == (want.forward_bytes, want.backward_bytes), f"rank {r}"
         assert fwd_ops == dict(want.forward_ops) and bwd_ops == dict(want.backward_ops), f"rank {r}"
-    if layout != "zigzag" and name != "shared_prompt":  # documents kept whole, a mask inside them: little travels
+    if layout in ("stream", "balanced") and name != "shared_prompt":  # documents kept whole: little travels
         assert want.forward_bytes < full.forward_bytes / 4
 
 
-@pytest.mark.parametrize("layout", ["stream", "balanced", "zigzag"])
+@pytest.mark.parametrize("layout", ["stream", "balanced", "zigzag", "balanced by the mask"])
 @pytest.mark.parametrize("name", sorted(SHORT_MASKS))
 def test_the_all_gather_moves_only_the_rows_another_rank_sees(name, layout):
     """all_gather under a mask, many short documents: each rank contributes the rows of its shard another rank's
@@ -160,14 +173,14 @@ def test_the_all_gather_moves_only_the_rows_another_rank_sees(name, layout):
     from cpref.api import mode_costs
 
     P, mask = 4, SHORT_MASKS[name]()
-    sharding = cpref.Sharding.eod_padded(SHORT_CU, cp_size=P, layout=layout)
+    sharding = sharding_for(mask, P, layout, SHORT_CU)
     q, k, v, dout = (sharding.pad(t) for t in attention_inputs(sum(SHORT), HEADS))
     _, cluster = run_cp(q, k, v, dout, sharding, mode="all_gather", mask=mask, check_ranks=False,
                         between=lambda comm: comm.barrier())  # fmt: skip
     m = max(len(set().union(*(reads(mask, sharding, r, s) for r in range(P) if r != s))) for s in range(P))
     want = mode_costs("all_gather", P=P, local_tokens=sharding.local_tokens, heads=HEADS, dtype=torch.float64,
                       selected_kv_rows=0, halo_sizes=None, gathered_rows=m)  # fmt: skip
-    if layout != "zigzag" and name != "shared_prompt":  # documents kept whole, a mask inside them: little travels
+    if layout in ("stream", "balanced") and name != "shared_prompt":  # documents kept whole: little travels
         assert 0 < m < sharding.local_tokens / 4
     for r in range(P):
         (fwd, fwd_ops), (bwd, bwd_ops) = trace_split(cluster.trace, r)
@@ -275,3 +288,38 @@ def test_under_a_mask_every_mode_is_within_twice_the_error_of_the_kernel_without
                 truth[i].append(want[i])
         ratios = {n: precision_ratio(g, p, t, dtype) for n, g, p, t in zip(NAMES, got, plain, truth)}
         assert max(ratios.values()) <= RATIO_LIMIT, f"{name} {mode} P = {P}: CP error / P = 1 error {ratios}"
+
+
+def chunk_slices(chunk: int) -> list[tuple]:
+    """Chunked attention written as slices: in each document, causal inside every run of `chunk` positions."""
+    bounds = CU.tolist()
+    return [(s, min(s + chunk, b), s, min(s + chunk, b), "causal") for a, b in zip(bounds, bounds[1:])
+            for s in range(a, b, chunk)]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("written, given", [(lambda: window_slices(4), {"window": (4, 0)}),
+                                            (lambda: chunk_slices(8), {"chunk": 8})], ids=["window", "chunk"])
+def test_a_window_or_chunks_written_as_slices_are_window_and_chunk(mode, written, given):
+    """Windows and chunks are masks too: the mask of their slices gives what `window=` and `chunk=` give, every
+    rank's output and gradients, at P = 4 in zigzag."""
+    P = 4
+    sharding = cpref.Sharding.eod_padded(CU, cp_size=P, layout="zigzag")
+    q, k, v, dout = (sharding.pad(t) for t in attention_inputs(T, HEADS, seed=5))
+    masked, _ = run_cp(q, k, v, dout, sharding, mode=mode, mask=cpref.Mask.from_slices(written(), T), **options(mode, P))
+    plain, _ = run_cp(q, k, v, dout, sharding, mode=mode, **given, **options(mode, P))
+    for r in range(P):
+        for i, n in enumerate(NAMES):
+            assert_close(masked[r][i], plain[r][i], torch.float64, msg=f"{mode} rank {r} {n}")
+
+
+def test_a_mask_plan_is_built_once_per_sharding_and_mask():
+    """The plan is cached per (sharding, mask): a second call with an equal mask builds nothing, another mask does."""
+    sharding = cpref.Sharding.eod_padded(CU, cp_size=2, layout="zigzag")
+    q, k, v, dout = (sharding.pad(t) for t in attention_inputs(T, HEADS))
+    run_cp(q, k, v, dout, sharding, mode="p2p", mask=MASKS["spans"]())
+    before = cpref.cache_info().misses
+    run_cp(q, k, v, dout, sharding, mode="p2p", mask=MASKS["spans"]())  # an equal mask, built again
+    assert cpref.cache_info().misses == before
+    run_cp(q, k, v, dout, sharding, mode="p2p", mask=MASKS["prefix_lm"]())
+    assert cpref.cache_info().misses > before

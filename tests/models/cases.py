@@ -82,3 +82,20 @@ def run_cp(model, tokens, cu, *, P, mode, layout) -> list[tuple[torch.Tensor, cp
     """Every rank's `forward_on_rank` on a simulated cluster of `P` ranks."""
     return SimCluster(P).run(lambda comm: forward_on_rank(model, tokens, cu, comm, mode=mode, layout=layout,
                                                           **options(mode, P)))  # fmt: skip
+
+
+def assert_hf_parity(results, want, what: str) -> None:
+    """Every rank's `(logits, loss, grads, sharding)` of a Hugging Face model under CP against `want`, the same
+    model's `(logits, loss, grads)` without CP: the real rows' logits, the loss summed over the ranks, every
+    parameter's gradient summed over the ranks (a rank that never reached a parameter, an image tower without its
+    image, counts 0), each within float32's tolerance."""
+    from tests.helpers import assert_close
+
+    want_logits, want_loss, want_grads = want
+    sharding = results[0][3]
+    logits = sharding.unpad(sharding.unshard([r[0] for r in results]))  # (T, V), the real rows
+    assert_close(logits, want_logits, torch.float32, msg=f"{what}: logits")
+    assert_close(sum(r[1] for r in results), want_loss, torch.float32, msg=f"{what}: loss")
+    for n, g in want_grads.items():
+        got = sum(r[2][n] if r[2][n] is not None else torch.zeros_like(g) for r in results)
+        assert_close(got, g, torch.float32, msg=f"{what}: gradient of {n}")

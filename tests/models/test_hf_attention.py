@@ -29,6 +29,7 @@ from cpref.hf.layer import Checked
 from sim import SimCluster
 from sim.cluster.harness import CountingKernel
 from tests.helpers import assert_close
+from tests.models.cases import assert_hf_parity
 from tests.models.test_hf_parity import random_hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -136,15 +137,7 @@ def run_cp(name: str, P: int, mode: str, layout: str, checkpointing: bool = Fals
 def test_logits_loss_and_gradients_equal_hugging_faces(references, name, P, mode, layout):
     if name not in references:
         references[name] = reference(name)
-    want_logits, want_loss, want_grads = references[name]
-    results = run_cp(name, P, mode, layout)
-    sharding = results[0][3]
-    logits = sharding.unpad(sharding.unshard([r[0] for r in results]))  # (T, V), the real rows
-    what = f"{name} P={P} {mode} {layout}"
-    assert_close(logits, want_logits, torch.float32, msg=f"{what}: logits")
-    assert_close(sum(r[1] for r in results), want_loss, torch.float32, msg=f"{what}: loss")
-    for n, g in want_grads.items():
-        assert_close(sum(r[2][n] for r in results), g, torch.float32, msg=f"{what}: gradient of {n}")
+    assert_hf_parity(run_cp(name, P, mode, layout), references[name], f"{name} P={P} {mode} {layout}")
 
 
 class _Layer(torch.nn.Module):

@@ -19,6 +19,7 @@ from sim.plan.calibrate import BY_WORK, WIDTHS
 from sim.plan.dry import dry_run
 from sim.plan.model import rank_time
 from sim.plan.planner import _sharding
+from sim.plan.report import attention_call
 from sim.tools import plan as cli
 
 HEADS = (8, 2, 64, 64)
@@ -291,3 +292,87 @@ def test_soft_capped_layers_cost_the_profiles_factor_on_every_call_and_move_the_
     assert cli.main(["--lengths", "2048", "--heads", "8,2,64", "--cp", "2", "--softcap", "30"]) == 2
     err = capsys.readouterr().err
     assert "has no softcap_factor" in err and err.count("\n") == 1
+
+
+def _masked_plan(lengths, mask, **kw):
+    return plan(lengths, heads=HEADS, dtype="bfloat16", P=4, profile="h100-sxm", mask=mask, mask_name="prefix-lm", **kw)
+
+
+def test_a_mask_is_its_own_layer_kind_priced_from_every_ranks_dry_run_and_balanced_by_the_mask():
+    """`mask=`: the kind `mask NAME` replaces full causal; every candidate is its P ranks' dry runs under the mask
+    (the kernel work of each p2p rank exactly the mask's pairs of its rows), the balanced layout's sharding placed
+    by the mask; the winning call says `mask=mask` (and the sharding's, where balanced wins)."""
+    import cpref
+
+    lengths = [1000, 600, 300, 120, 80, 40]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    mask = cpref.Mask.prefix_lm(cu, [n // 2 for n in lengths])
+    result = _masked_plan(lengths, mask, window=64, modes=["p2p", "a2a"])
+    assert list(result.kinds) == ["mask prefix-lm", "window 64"]
+    kp, profile = result.kinds["mask prefix-lm"], load_profile("h100-sxm")
+    for p in kp.ranked:
+        sharding = _sharding(tuple(lengths), 4, p.candidate.layout, mask)
+        assert (sharding.mask is mask) == (p.candidate.layout == "balanced")
+        runs = [dry_run(p.candidate.mode, sharding, r, heads=HEADS, dtype=torch.bfloat16, mask=mask,
+                        **dict(p.candidate.options)) for r in range(4)]  # fmt: skip
+        assert list(p.ranks) == [rank_time(run, profile, profile.kernel("bfloat16")) for run in runs]
+        if p.candidate.mode == "p2p":
+            for r, run in enumerate(runs):
+                work = sum(c.work for c in run.calls if c.direction == "forward")
+                assert work == sharding.attention_work(r, mask=mask), (p.name, r)
+    balanced = next(p for p in kp.ranked if p.candidate.layout == "balanced")
+    call = attention_call(4, kp, pick=balanced)
+    assert 'layout="balanced", mask=mask)' in call and call.endswith(", mask=mask)")
+    assert "window=(64, 0)" in attention_call(4, result.kinds["window 64"])
+
+
+def test_under_a_prefix_lm_the_ring_moves_what_the_mask_reads_not_the_causal_rings_blocks():
+    """Many short documents, stream layout: under full causal the stream ring moves the rows of the documents cut
+    between ranks; under a prefix-LM mask no more than that; a mask that reads no other rank's row, nothing."""
+    import cpref
+
+    lengths = [64] * 32
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    args = dict(heads=HEADS, dtype="bfloat16", P=4, profile="h100-sxm", modes=["p2p"], layouts=["stream", "zigzag"])
+    causal = plan(lengths, **args).kinds["full"]
+    masked = plan(lengths, **args, mask=cpref.Mask.prefix_lm(cu, [16] * 32), mask_name="prefix-lm").kinds["mask prefix-lm"]
+
+    def sent(kp, layout):
+        p = next(p for p in kp.ranked if p.candidate.layout == layout)
+        return max(r.bytes["intra"] + r.bytes["inter"] for r in p.ranks)
+
+    assert sent(masked, "stream") == 0 < sent(masked, "zigzag") <= sent(causal, "zigzag")
+
+
+def test_several_batches_take_a_mask_per_batch():
+    import cpref
+
+    def prefix(lengths):
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        return cpref.Mask.prefix_lm(cu, [n // 2 for n in lengths])
+
+    batches = [[512, 256], [256, 256, 256]]
+    result = _masked_plan(batches, prefix, modes=["p2p"], layouts=["zigzag"])
+    alone = [_masked_plan(b, prefix(b), modes=["p2p"], layouts=["zigzag"]).kinds["mask prefix-lm"].ranked[0].step
+             for b in batches]  # fmt: skip
+    assert result.kinds["mask prefix-lm"].ranked[0].step == pytest.approx(sum(alone) / 2)
+
+
+def test_the_planner_ranks_the_layout_balanced_by_the_mask_by_its_work_calls_and_bytes():
+    """`cpref.batch.balanced_mask`'s example: p2p over 13 documents under a prefix-LM at P = 4 on the H100 profile.
+    Balanced by the mask, the busiest rank does a tenth less work than zigzag's, makes no more kernel calls and
+    sends a third of the bytes; the planner ranks it first."""
+    from sim.tools.verify.masks import mask_of
+
+    lengths = (4096, *[1024] * 4, *[512] * 8)
+    mask = mask_of("prefix-lm", lengths, seed=0)
+    result = plan(list(lengths), heads=(32, 8, 128, 128), dtype="bfloat16", P=4, profile="h100-sxm", modes=["p2p"],
+                  layouts=["balanced", "zigzag"], mask=mask, mask_name="prefix-lm")  # fmt: skip
+    ranked = {p.candidate.layout: p for p in result.kinds["mask prefix-lm"].ranked}
+    assert list(ranked) == ["balanced", "zigzag"]
+    work = {layout: max(_sharding(lengths, 4, layout, mask).attention_work(r, mask=mask) for r in range(4))
+            for layout in ranked}  # fmt: skip
+    assert work["balanced"] * 1.10 < work["zigzag"]
+    calls = {layout: max(r.calls for r in p.ranks) for layout, p in ranked.items()}
+    sent = {layout: max(sum(r.bytes.values()) for r in p.ranks) for layout, p in ranked.items()}
+    assert calls["balanced"] <= calls["zigzag"] and 3 * sent["balanced"] == sent["zigzag"]

@@ -114,6 +114,13 @@ simulated cluster's sum. `--baseline sdpa` and `eager` attend without them and a
 refused with them; where an `--impl` raises at CP size 1, a case with variants has no fallback
 baseline and fails.
 
+**Masks.** `--mask prefix-lm,spans,shared-prompt,random` (or `all`) runs every case once under each mask made of
+its documents ([`sim.tools.verify.masks`][sim.tools.verify.masks]), `cpref.attention`'s `mask=`: the ranks, their
+run without CP, the simulated cluster and the oracle take it, and the table gains a `mask` column. An `--impl`
+receives the `cpref.Mask` as `mask=` (its `.slices` say which keys each query sees; `causal` and `window` keep their
+defaults, and `--no-causal`, `--window` and `--chunk` are refused with `--mask`: a mask replaces them); one that
+cannot take it is skipped, with a note ([Verify your implementation](verify-your-implementation.md#7-masks-mask)).
+
 ## Running it
 
 | where | command |
@@ -195,8 +202,9 @@ from cpref.kernels.contract import NO_WINDOW, check_window
 from sim.tools.cli import Parser, dtype_name, fail, nonnegative, positive, positive_float, positives, seconds
 from sim.tools.launch import LaunchFailure, launch, under_torchrun
 from sim.tools.verify.baselines import BASELINES, EAGER, VARIANTS, label
-from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths_note
-from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main
+from sim.tools.verify.cases import DTYPES, Case, Setup, build_cases, lengths, lengths_note
+from sim.tools.verify.masks import MASKS, random_note
+from sim.tools.verify.rank import DEVICE_TYPES, Plan, load_impl, rank_main, takes_mask
 from sim.tools.verify.truth import KEY, Report, check
 
 __all__ = ["run", "main", "parse_args", "cases_from_args"]
@@ -254,11 +262,13 @@ def _check(cases: Sequence[Case], world: int, backend: str, heads: tuple[int, in
         if case.cp < 1 or world % case.cp:
             raise ValueError(f"case {case.label}: CP size {case.cp} does not divide the world size {world}")
         if case.impl != "cpref":
-            load_impl(case.impl)
+            if not takes_mask(load_impl(case.impl)) and case.mask is not None:
+                raise ValueError(f"case {case.label}: --impl {case.impl} does not take mask= (a keyword, or **options); "
+                                 "the command line skips it under --mask")  # fmt: skip
         else:  # what cpref.attention would refuse on every rank (heads that do not split, an option that does not fit)
             try:
                 check_mode(case.mode, cp_size=case.cp, heads=heads, causal=case.causal, window=case.window,
-                           layout=case.layout, **dict(case.options))  # fmt: skip
+                           layout=case.layout, mask=case.mask is not None, **dict(case.options))  # fmt: skip
             except ValueError as exc:
                 raise ValueError(f"case {case.label}: {exc}") from None
 
@@ -321,8 +331,46 @@ def _windowed_modes(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return [m for m in args.modes if m not in skipped], skipped
 
 
+def _masked(args: argparse.Namespace) -> list[str | None]:
+    """`--mask`'s names (`[None]` without it); refused with `--no-causal`, `--window` or `--chunk`, which it replaces."""
+    if args.mask is None:
+        return [None]
+    names = _names(args.mask, MASKS, "mask")
+    given = [flag for flag, on in (("--no-causal", not args.causal), (f"--window {_pair(args.window)}", args.window != NO_WINDOW),
+                                   (f"--chunk {args.chunk}", args.chunk is not None)) if on]  # fmt: skip
+    if given:
+        raise ValueError(f"--mask {args.mask} with {' and '.join(given)}: a mask replaces causal, window and chunk "
+                         "(cpref.attention's mask=); leave them out, or --mask")  # fmt: skip
+    return names
+
+
+def _mask_takers(cases: Sequence[Case]) -> tuple[list[Case], dict[str, int]]:
+    """`(cases to run, {impl: cases skipped})`: under a mask, the cases of an `--impl` that does not take `mask=`."""
+    skipped: dict[str, int] = {}
+    for case in cases:
+        if case.mask is None or case.impl == "cpref":
+            continue
+        try:
+            fn = load_impl(case.impl)
+        except ValueError:  # one that does not import: `_check` names it
+            continue
+        if not takes_mask(fn):
+            skipped[case.impl] = skipped.get(case.impl, 0) + 1
+    return [c for c in cases if c.impl not in skipped or c.mask is None], skipped
+
+
 def _pair(window: tuple[int, int]) -> str:
     return f"{window[0]},{window[1]}"
+
+
+def _mask_name(args: argparse.Namespace) -> str:
+    """How the run's description names its mask: `mask prefix-lm,spans`, `causal` or `full`."""
+    return f"mask {','.join(args.masks)}" if args.mask is not None else "causal" if args.causal else "full"
+
+
+def _random_totals(setup: Setup, cases: Sequence[Case]) -> dict[str, int]:
+    """`{"zigzag cp2": T}`: the real tokens of every batch a `--mask random` case draws its slices over."""
+    return {f"{c.layout} cp{c.cp}{' pad' if c.padded else ''}": sum(lengths(setup, c)[0]) for c in cases if c.mask == "random"}
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> argparse.Namespace:
@@ -356,6 +404,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                         "gradient, summed over the CP group, is a fifth column")  # fmt: skip
     p.add_argument("--chunk", type=positive, metavar="C",
                    help="chunked attention: a query sees only its chunk of C positions (Llama 4: 8192); every mode")
+    p.add_argument("--mask", metavar="NAMES", help=f"comma list or all; of {', '.join(MASKS)}: every case once under each "
+                   "mask, built from its documents and given as cpref.attention's mask= (an --impl gets the cpref.Mask); "
+                   "replaces causal, --window and --chunk (default: none, the documents' causal or full mask)")  # fmt: skip
     p.add_argument("--padded", action="store_true", help="real lengths off the granularity, with cu_seqlens_padded")
     p.add_argument("--impl", action="append", metavar="package.module:function", help="verify this function (repeatable)")
     p.add_argument("--baseline", default="auto", metavar="NAME", help="the run without CP of the vs P=1 column: auto "
@@ -372,6 +423,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
     except ValueError as exc:  # RIGHT > 0 under causal
         p.error(f"--window {_pair(args.window)}: {exc} (--no-causal)")
     try:
+        args.masks = _masked(args)
         args.modes = _names(args.mode, sorted(cpref.MODES), "mode")
         args.modes, args.skipped = _windowed_modes(args)
         unknown = [name for name, _ in args.option if all(name not in cpref.MODES[m].defaults() for m in args.modes)]
@@ -388,8 +440,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m sim ver
                              "use --baseline auto (cpref's kernel, or your implementation on one rank) or kernel")  # fmt: skip
         baseline = EAGER if args.baseline == "eager" else args.baseline  # eager is a function, named as yours is
         args.setup = Setup(args.docs, tuple(args.heads), args.head_dim, args.seed, args.kernel, baseline)
-        if ":" in baseline:
-            load_impl(baseline, "--baseline")
+        if ":" in baseline and not takes_mask(load_impl(baseline, "--baseline")) and args.mask is not None:
+            raise ValueError(f"--baseline {args.baseline} does not take mask= (a keyword, or **options), which every "
+                             f"run without CP gets under --mask {args.mask}; give it one, or use --baseline auto")  # fmt: skip
     except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
         p.error(str(exc))
     return args
@@ -401,7 +454,7 @@ def cases_from_args(args: argparse.Namespace, world: int) -> list[Case]:
     return build_cases(args.modes, args.layouts, args.dtypes, cp=cp, strided=args.cp_ranks == "strided",
                        padded=(args.padded,), causal=args.causal, impls=args.impl or ("cpref",),
                        a2a_size=args.a2a_size, window=args.window, options=dict(args.option),
-                       variants=args.variants)  # fmt: skip
+                       variants=args.variants, masks=args.masks)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") -> int:
@@ -409,6 +462,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
     args = parse_args(argv, prog)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
     cases, printer = cases_from_args(args, world), int(os.environ.get("RANK", "0")) == 0
+    cases, maskless = _mask_takers(cases)
+    if printer and maskless:
+        print("".join(f"note: --mask {args.mask}: --impl {impl} skipped (does not take mask=): {n} case(s); give it a "
+                      "mask keyword (a cpref.Mask: its .slices say which keys each query sees) to verify it under masks\n"
+                      for impl, n in maskless.items()), end="", flush=True)  # fmt: skip
+    if not cases:
+        return fail(prog, f"--mask {args.mask}: no case left to run, every --impl skipped (does not take mask=)")
     try:
         _check(cases, world, args.backend, args.setup.heads)  # refused in one line, before anything is printed
     except ValueError as exc:
@@ -421,12 +481,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sim verify") 
     if printer:
         print(f"rank-by-rank verification: {len(cases)} case(s) on {world} {args.backend} rank(s), kernel {s.kernel}; "
               f"documents {','.join(map(str, s.docs))}{' padded' if args.padded else ''}, Hq={s.heads[0]} "
-              f"Hkv={s.heads[1]} D={s.head_dim}, {'causal' if args.causal else 'full'}{window}, seed {s.seed}; "
+              f"Hkv={s.heads[1]} D={s.head_dim}, {_mask_name(args)}{window}, seed {s.seed}; "
               "errors against the simulated cluster in FP64 "
               f"(pass/fail), vs P=1: error against the oracle over that of the same attention without CP (baseline "
               f"{label(s.baseline)}; pass: <= 2), "
               "oracle column: against the FP64 oracle", flush=True)  # fmt: skip
-    note = lengths_note(s, cases)
+    note = "\n".join(n for n in (lengths_note(s, cases), random_note(s.seed, _random_totals(s, cases))) if n)
     if printer and note:
         print(note, flush=True)
     try:

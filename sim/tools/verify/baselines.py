@@ -11,7 +11,7 @@ run on the whole batch. So the baseline of a row is chosen with `--baseline`:
 | `sdpa` | PyTorch's SDPA over every document, in the dtype ([`packed_sdpa`][sim.tools.verify.baselines.packed_sdpa]) |
 | `eager` | attention as plain torch writes it, in the dtype ([`eager`][sim.tools.verify.baselines.eager]) |
 | `kernel` | cpref's fused kernel (`cpref.attention` on a `SingleRank`) |
-| `package.module:function` | your local attention: `fn(q, k, v, sharding, *, mode, causal, window, **options)` on the whole batch |
+| `package.module:function` | your local attention: `fn(q, k, v, sharding, *, mode, causal, window, **options)` on the whole batch (under `--mask`, `mask=` too) |
 
 An implementation whose local attention computes `q @ k^T` in bf16 (most written on plain
 torch) is as exact as CP can be and still farther from the truth than cpref's kernel, which
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import cpref
+from sim.oracle import slice_mask
 
 __all__ = ["BASELINES", "EAGER", "FALLBACK", "eager", "label", "packed_sdpa", "resolve", "run_baseline"]
 
@@ -62,9 +63,19 @@ def label(name: str | tuple[str, ...]) -> str:
     return "/".join(label(n) for n in name) if isinstance(name, tuple) else "eager" if name == EAGER else name
 
 
-def _mask(s: cpref.Sharding, causal: bool, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(allowed (T, T), real (T,))` over the padded stream: the same document, real keys, causal, the band.
-    A padding query may see only itself (its output is zeroed), so that no row of the mask is empty."""
+def _mask(s: cpref.Sharding, causal: bool, window: tuple[int, int],
+          mask: cpref.Mask | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`(allowed (T, T), live (T,))` over the padded stream: the same document, real keys, causal, the band; or
+    given `mask` (a `cpref.Mask` over the real tokens), its pairs. `live` marks the rows that see a key (real tokens;
+    under a mask, those it shows a key): any other row may see only itself, its output zeroed, so that no row of the
+    mask is empty."""
+    if mask is not None:
+        token = s.pad(torch.arange(s.cu_seqlens[-1]), value=-1)  # (T,): each row's real token, -1 for padding
+        real = token >= 0
+        allowed = torch.zeros(s.total, s.total, dtype=torch.bool)
+        allowed[real.nonzero()[:, 0, None], real.nonzero()[:, 0]] = slice_mask(mask.slices, s.cu_seqlens[-1])
+        live = allowed.any(1)
+        return allowed | torch.diag(~live), live
     doc = torch.zeros(s.total, dtype=torch.int64)
     pos = torch.zeros(s.total, dtype=torch.int64)
     real = torch.zeros(s.total, dtype=torch.bool)
@@ -83,13 +94,15 @@ def _mask(s: cpref.Sharding, causal: bool, window: tuple[int, int]) -> tuple[tor
 
 
 def packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding: cpref.Sharding, *, causal: bool = True,
-                window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None) -> torch.Tensor:  # fmt: skip
+                window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                mask: cpref.Mask | None = None) -> torch.Tensor:  # fmt: skip
     """PyTorch's SDPA over a whole packed stream in its dtype: `(T, Hq, D)`, `(T, Hkv, D)`, `(T, Hkv, Dv)` -> `(T, Hq, Dv)`.
 
     Every document attends only itself (a block-diagonal mask from `sharding`'s boundaries, causal
-    and the window as `cpref.attention` reads them); padding rows get a zero output and gradient.
+    and the window as `cpref.attention` reads them), or given `mask` (a `cpref.Mask`), each query the keys
+    it shows; padding rows, and rows that see no key, get a zero output and gradient.
     """
-    allowed, real = (t.to(q.device) for t in _mask(sharding, causal, tuple(window)))
+    allowed, real = (t.to(q.device) for t in _mask(sharding, causal, tuple(window), mask))
     group = q.shape[1] // k.shape[1]  # query heads per key/value head (GQA)
     k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # (T, Hq, X)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed,
@@ -98,18 +111,20 @@ def packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding: cpr
 
 
 def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding: cpref.Sharding, *, causal: bool = True,
-          window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None, **options: Any) -> torch.Tensor:  # fmt: skip
+          window: tuple[int, int] = (-1, -1), softmax_scale: float | None = None, mask: cpref.Mask | None = None,
+          **options: Any) -> torch.Tensor:  # fmt: skip
     """Attention as plain torch writes it (Hugging Face's eager attention), one document at a time, in the input dtype:
     `(T, Hq, D)`, `(T, Hkv, D)`, `(T, Hkv, Dv)` -> `(T, Hq, Dv)`; masks as `packed_sdpa`'s. `mode` and options are ignored.
 
     Scores `q @ k^T` and their scale in the input dtype, softmax in float32, the probabilities cast back
     to the input dtype and multiplied with `v` there: the rounding of most local attentions written on torch.
+    Under a `mask` (which may cross documents) the whole stream is one block.
     """
-    allowed, real = (t.to(q.device) for t in _mask(sharding, causal, tuple(window)))
+    allowed, real = (t.to(q.device) for t in _mask(sharding, causal, tuple(window), mask))
     group, scale = q.shape[1] // k.shape[1], softmax_scale or q.shape[-1] ** -0.5
     wide = torch.promote_types(q.dtype, torch.float32)  # the softmax's dtype
     k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))  # (T, Hq, X)
-    bounds = sharding.cu_seqlens_padded
+    bounds = sharding.cu_seqlens_padded if mask is None else (0, sharding.total)
     outs = []
     for a, b in zip(bounds, bounds[1:]):
         qd, kd, vd = (x[a:b].transpose(0, 1) for x in (q, k, v))  # (Hq, n, X): one document
@@ -126,14 +141,15 @@ def run_baseline(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     """The baseline `name`'s output over the whole batch (`whole`: its sharding at CP size 1), differentiable.
 
     `impl` is the row's implementation and `solo` a process group of this one rank (for `impl`); `call`
-    holds `mode`, `causal`, `window` and the mode options, as the implementation receives them.
+    holds `mode`, `causal`, `window`, the mode options and under `--mask` the `mask`, as the implementation receives
+    them.
     """
     if name == "kernel":
         variants = {key: call[key] for key in VARIANTS if key in call}  # the kernel's calls take them as the ranks' do
         return cpref.attention(q, k, v, whole, comm=cpref.SingleRank(), mode="all_gather", causal=call["causal"],
-                               window=call["window"], kernel=kernel, **variants)  # fmt: skip
+                               window=call["window"], kernel=kernel, mask=call.get("mask"), **variants)  # fmt: skip
     if name == "sdpa":
-        return packed_sdpa(q, k, v, whole, causal=call["causal"], window=call["window"])
+        return packed_sdpa(q, k, v, whole, causal=call["causal"], window=call["window"], mask=call.get("mask"))
     if name == "impl":
         return impl(q, k, v, whole, process_group=solo, **call)
     from sim.tools.verify.rank import load_impl  # a local attention function, named as --impl names one

@@ -36,11 +36,13 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from cpref.batch.layout import layout_multiple
+from cpref.batch.mask import Mask
 from cpref.batch.sharding import Sharding
 from cpref.kernels.contract import NO_WINDOW, check_window
 from sim import oracle
+from sim.tools.verify.masks import MASKS, mask_of
 
-__all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "lengths_note", "make_batch", "placement",
+__all__ = ["DTYPES", "TOL", "TOL_BF16_GQA", "Setup", "Case", "Batch", "lengths", "lengths_note", "make_batch", "case_mask", "placement",
            "cp_groups", "build_cases"]  # fmt: skip
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -106,6 +108,9 @@ class Case:
         options: mode options, e.g. `(("a2a_size", 2),)`.
         variants: the attention variants of `cpref.attention` every call of the case takes, e.g.
             `(("softcap", 30.0), ("chunk", 512))` (`--softcap`, `--chunk`).
+        mask: a name of `sim.tools.verify.masks.MASKS` (`--mask`): every call takes that mask of the case's
+            documents as `mask=`, which replaces `causal`, `window` and `chunk` (so those keep their defaults);
+            None: the documents' causal (or full) mask.
     """
 
     mode: str
@@ -119,9 +124,18 @@ class Case:
     options: tuple[tuple[str, Any], ...] = field(default=())
     window: tuple[int, int] = NO_WINDOW
     variants: tuple[tuple[str, Any], ...] = field(default=())
+    mask: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", check_window(self.window, self.causal))  # a CPInputError (ValueError) if bad
+        if self.mask is not None:
+            if self.mask not in MASKS:
+                raise ValueError(f"mask {self.mask!r} unknown; choose from {', '.join(MASKS)}")
+            given = [x for x, on in (("full attention", not self.causal), ("a window", self.windowed),
+                                     ("chunk", "chunk" in dict(self.variants))) if on]  # fmt: skip
+            if given:  # cpref.attention's rule: mask= replaces causal, window and chunk
+                raise ValueError(f"mask {self.mask} with {' and '.join(given)}: a mask replaces causal, window and chunk "
+                                 "(cpref.attention's mask=); leave them out, or the mask")  # fmt: skip
 
     @property
     def windowed(self) -> bool:
@@ -130,9 +144,10 @@ class Case:
 
     @property
     def label(self) -> str:
-        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/window=L,R][/variants][/options][/impl]`."""
+        """`mode/layout/dtype[/pad]/cpP[/strided][/full][/mask=M][/window=L,R][/variants][/options][/impl]`."""
         parts = [self.mode, self.layout, self.dtype] + (["pad"] if self.padded else []) + [f"cp{self.cp}"]
         parts += (["strided"] if self.strided else []) + ([] if self.causal else ["full"])
+        parts += [f"mask={self.mask}"] if self.mask else []
         parts += ["window={},{}".format(*self.window)] if self.windowed else []
         parts += [f"{k}={v:g}" for k, v in self.variants]
         parts += [f"{k}={v}" for k, v in self.options] + ([] if self.impl == "cpref" else [self.impl])
@@ -221,6 +236,11 @@ def make_batch(setup: Setup, case: Case, dp: int) -> Batch:
     return Batch(q, k, v, dout, cu, cu_padded, real, padded, sharding)
 
 
+def case_mask(setup: Setup, case: Case) -> Mask | None:
+    """The case's `cpref.Mask` (`--mask`) over its real documents (`sim.tools.verify.masks`), or None without one."""
+    return None if case.mask is None else mask_of(case.mask, lengths(setup, case)[0], setup.seed)
+
+
 def sinks_of(scale: float, hq: int, dtype: str) -> torch.Tensor:
     """`--sinks S`: the sink logits `S linspace(-1, 1, Hq)` (large and small, positive and negative: a sink of 0
     changes little), a float32 parameter (float64 in fp64 cases), as mixed precision keeps a model's weights.
@@ -268,14 +288,16 @@ def cp_groups(world_size: int, cp: int, strided: bool) -> list[list[int]]:
 def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[str], *, cp: int, strided: bool = False,
                 padded: Sequence[bool] = (False,), causal: bool = True, impls: Sequence[str] = ("cpref",),
                 a2a_size: int | None = None, window: tuple[int, int] = NO_WINDOW,
-                options: Mapping[str, Any] | None = None, variants: Mapping[str, Any] | None = None) -> list[Case]:  # fmt: skip
+                options: Mapping[str, Any] | None = None, variants: Mapping[str, Any] | None = None,
+                masks: Sequence[str | None] = (None,)) -> list[Case]:  # fmt: skip
     """The product of the choices, as cases.
 
     `a2a_size` goes only to the modes whose options take it (the hierarchical mode); left
     None, they get 2 for an even `cp` (2 x 2 at `cp = 4`) and 1 (the ring) for an odd one.
     Each of `options` (e.g. `{"overlap": True}`) likewise goes only to the modes that declare it.
     `window` goes to every case: a mode without `cpref.MODES[mode].windows` is refused by
-    `sim.tools.verify.run` (the command line skips or refuses it first); so do `variants`.
+    `sim.tools.verify.run` (the command line skips or refuses it first); so do `variants`. Each of `masks`
+    (None: no mask) makes a case of its own, after the padding.
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
@@ -290,6 +312,6 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
             for layout in layouts:
                 for dtype in dtypes:
                     for pad in padded:
-                        cases.append(Case(mode, layout, dtype, cp, pad, strided, causal, impl, options, window,
-                                          tuple((variants or {}).items())))  # fmt: skip
+                        cases += [Case(mode, layout, dtype, cp, pad, strided, causal, impl, options, window,
+                                       tuple((variants or {}).items()), mask) for mask in masks]  # fmt: skip
     return cases

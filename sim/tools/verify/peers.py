@@ -11,7 +11,8 @@ CPU over gloo) wraps a local attention in two all-to-alls: sequence shards of ev
 the whole sequence for `H / P` heads, the local attention runs, and the output goes back. It
 shards the sequence in contiguous pieces of the whole packed stream, which is cpref's `stream`
 layout; the local attention here is PyTorch's SDPA with the packed batch's block-diagonal mask
-(`sim.tools.verify.baselines.packed_sdpa`), as a DeepSpeed user with packed documents writes it.
+(`sim.tools.verify.baselines.packed_sdpa`), as a DeepSpeed user with packed documents writes it; under
+`--mask` that local attention takes the mask (Ulysses attends whole sequences, so any mask runs there).
 Key/value heads that `P` does not divide are repeated to the query heads first, as its users do.
 
 ```bash
@@ -60,8 +61,9 @@ def _deepspeed() -> Any:
 
 
 def deepspeed_ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharding, *, process_group, mode: str = "a2a",
-                      causal: bool = True, window=(-1, -1), **options: Any) -> torch.Tensor:  # fmt: skip
-    """DeepSpeed's `DistributedAttention` over SDPA on this rank's piece of the stream: `(T_l, Hq, D)` -> `(T_l, Hq, Dv)`."""
+                      causal: bool = True, window=(-1, -1), mask=None, **options: Any) -> torch.Tensor:  # fmt: skip
+    """DeepSpeed's `DistributedAttention` over SDPA on this rank's piece of the stream: `(T_l, Hq, D)` -> `(T_l, Hq, Dv)`;
+    a `mask` (`cpref.Mask`, `--mask`) is the local SDPA's, which sees the whole stream."""
     if sharding.layout != "stream":
         raise ValueError(f"DeepSpeed-Ulysses shards the packed batch as one stream (contiguous pieces); got layout "
                          f"{sharding.layout!r}: run it with --layout stream")  # fmt: skip
@@ -76,7 +78,7 @@ def deepspeed_ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shardin
 
     def local(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # (T, 1, H / P, D) each: the whole stream for this rank's heads
-        return packed_sdpa(qh[:, 0], kh[:, 0], vh[:, 0], sharding, causal=causal, window=window)[:, None]
+        return packed_sdpa(qh[:, 0], kh[:, 0], vh[:, 0], sharding, causal=causal, window=window, mask=mask)[:, None]
 
     attention = DistributedAttention(local, process_group, scatter_idx=2, gather_idx=0)
     return attention(q[:, None], k[:, None], v[:, None], batch_dim_idx=1)[:, 0]  # (T_l, Hq, Dv)

@@ -29,6 +29,7 @@ case (`CaseFailed`) to the launcher's report.
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,10 +41,11 @@ from cpref.comm import TorchComm
 from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
 from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
-from sim.tools.verify.cases import Case, Setup, call_variants, cp_groups, make_batch, placement
+from sim.tools.verify.cases import Case, Setup, call_variants, case_mask, cp_groups, make_batch, placement
 from sim.tools.verify.meter import meter
 
-__all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "make_kernel", "DEVICE_TYPES"]
+__all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "takes_mask", "make_kernel",
+           "DEVICE_TYPES"]  # fmt: skip
 
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
@@ -95,6 +97,31 @@ def load_impl(spec: str, flag: str = "--impl") -> Callable[..., torch.Tensor]:
     return fn
 
 
+def takes_mask(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` can be called with `mask=`: a parameter of that name, or `**kwargs` (where it has no signature to
+    read, the call itself will tell).
+
+    Example:
+        >>> takes_mask(lambda q, k, v, sharding, *, process_group, mode, causal, window: q)
+        False
+        >>> takes_mask(lambda q, k, v, sharding, *, process_group, **options: q)
+        True
+    """
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD or (p.name == "mask" and p.kind in named) for p in params)
+
+
+def mask_call(setup: Setup, case: Case) -> dict[str, Any]:
+    """`mode`, `causal`, `window` and, under `--mask`, `mask` (a `cpref.Mask`) as every call of the case takes them:
+    a mask replaces causal and window, so they keep `cpref.attention`'s defaults there (`Case` holds to it)."""
+    mask = case_mask(setup, case)
+    return dict(mode=case.mode, causal=case.causal, window=case.window, **({} if mask is None else {"mask": mask}))
+
+
 def make_kernel(name: str) -> Any:
     """`TorchKernel()` for `"torch"`, `NpuKernel()` for `"npu"` (imports torch_npu)."""
     return NpuKernel() if name == "npu" else TorchKernel()
@@ -140,7 +167,7 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
     variants = call_variants(case, setup.heads[0], device=device, grad=True)  # the sinks: this rank's own leaf
-    kwargs = dict(mode=case.mode, causal=case.causal, window=case.window, **variants, **dict(case.options))
+    kwargs = dict(**mask_call(setup, case), **variants, **dict(case.options))
     # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
     if case.impl == "cpref":
         out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
@@ -198,7 +225,7 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
     sized = cpref.MODES[case.mode].example_options(1)  # the options chosen by the CP size take their values at P = 1
     options = {key: sized.get(key, value) if key in cpref.MODES[case.mode].example_options(case.cp) else value
                for key, value in case.options}  # fmt: skip
-    call = dict(mode=case.mode, causal=case.causal, window=case.window, **options)
+    call = dict(**mask_call(setup, case), **options)
     impl = None if case.impl == "cpref" else load_impl(case.impl)
 
     def once(attempt: str) -> tuple[Result, str]:

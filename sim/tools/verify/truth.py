@@ -10,7 +10,9 @@ float64 (the same rounded values the ranks used) and computes, per CP rank:
   same shards. The dense oracle holds a $T \times T$ score matrix per head; since attention
   never crosses a document or a KV head group, it is computed one document and one KV head
   at a time, which is the same definition at a fraction of the memory (a sliding window is
-  one document's too: its positions count from the document's start).
+  one document's too: its positions count from the document's start). Under `--mask` the
+  oracle takes the mask's matrix (`sim.oracle.slice_mask`), one range of tokens that holds
+  its slices whole at a time ([`masked_oracle`][sim.tools.verify.masks.masked_oracle]): a mask may cross documents.
 
 A rank's row compares its four tensors with the simulated cluster's, elementwise as
 `torch.testing.assert_close` does with `atol = rtol = tol`:
@@ -73,7 +75,8 @@ import torch
 import cpref
 from cpref.kernels.contract import NO_WINDOW
 from sim.cluster.harness import oracle_padded, run_attention
-from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, call_variants, cp_groups, make_batch
+from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, call_variants, case_mask, cp_groups, make_batch
+from sim.tools.verify.masks import masked_oracle
 from sim.tools.verify.meter import meter
 
 __all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "complete", "precision_ratio", "shard_ratio",
@@ -167,7 +170,8 @@ class Report:
         cols = [("impl", lambda c: c.impl)] if any(c.impl != "cpref" for c in cases) else []
         cols += [("mode", lambda c: c.mode + "".join(f" {k}={v}" for k, v in c.options)), ("layout", lambda c: c.layout),
                  ("dtype", lambda c: c.dtype), ("pad", lambda c: "yes" if c.padded else "no")]  # fmt: skip
-        cols += [("mask", lambda c: "causal" if c.causal else "full")] if len({c.causal for c in cases}) > 1 else []
+        if len({c.causal for c in cases}) > 1 or any(c.mask for c in cases):  # --mask's name, else causal or full
+            cols += [("mask", lambda c: c.mask or ("causal" if c.causal else "full"))]
         baselines = {id(r.case): r.baseline for r in self.rows if r.cp_rank == 0}  # one per case (CP rank 0 ran it)
         if any(c.windowed for c in cases):  # (left, right) as --window takes it
             cols += [("window", lambda c: "{},{}".format(*c.window) if c.windowed else "none")]
@@ -199,6 +203,7 @@ KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = wh
   tensor held to the looser of the two; cpref's kernel for cpref; the baseline column shows it when it is not the
   kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the dense FP64 oracle itself.
   dsinks (with --sinks) = the sinks' gradient summed over the CP group, on every rank's row alike.
+  mask (with --mask, or causal and full mixed) = the mask every call of the case took: a --mask name, or causal/full.
   A note in parentheses after the result: why a baseline fell back (CP rank 0) or gave no result, a missing
   gradient, a wrong shape, or why no backward ran."""
 
@@ -241,13 +246,16 @@ def ground_truth(setup: Setup, case: Case, dp: int, oracle_cache: dict, without_
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))  # the same values, upcast
     sharding = batch.sharding  # the case's CP size, layout and padding
     variants = call_variants(case, q.shape[1], "fp64")  # the sinks in float64, of the same values
+    mask = case_mask(setup, case)  # --mask: in place of causal and window, which keep their defaults
     simulated, _ = run_attention(q, k, v, dout, sharding, mode=case.mode, causal=case.causal, window=case.window,
-                                 **variants, **dict(case.options))  # fmt: skip
+                                 mask=mask, **variants, **dict(case.options))  # fmt: skip
     if "sinks" in variants:  # every rank's row holds the group's sum of the shares
         total = sum(result[4] for result in simulated)
         simulated = [(*result[:4], total) for result in simulated]
-    key = (dp, case.dtype, case.causal, case.window, case.variants, batch.real, batch.padded)  # the batch and mask only
-    if key not in oracle_cache:
+    key = (dp, case.dtype, case.causal, case.window, case.variants, case.mask, batch.real, batch.padded)  # batch, mask
+    if key not in oracle_cache and mask is not None:
+        oracle_cache[key] = masked_oracle(batch, mask, **variants)
+    elif key not in oracle_cache:
         oracle_cache[key] = blocked_oracle(batch, case.causal, case.window, **variants)
 
     def cut(tensors, r: int) -> list:

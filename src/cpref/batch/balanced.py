@@ -94,6 +94,8 @@ the ring (`p2p`: [the ring that sends only what is read][cpref.modes.ring_window
   exclude each other (the bench shows both columns).
 * It balances the causal work of full attention; under a sliding window, or without a causal
   mask, the work of a document is another function of its length, which it does not use.
+  Given a mask (`Sharding(..., layout="balanced", mask=mask)`), the layout balances the mask's
+  own work instead ([`cpref.batch.balanced_mask`][cpref.batch.balanced_mask]).
 * The hierarchical mode (`a2a+p2p`) runs its ring over groups of `a` consecutive ranks, whose
   unions of pieces the plan does not balance as groups (their sums are balanced, as each
   rank's is).
@@ -104,6 +106,7 @@ from __future__ import annotations
 import bisect
 import functools
 
+from cpref.batch.balanced_mask import mask_balanced_pieces
 from cpref.batch.seqlens import Boundaries
 
 __all__ = ["balanced_pieces", "piece_work", "TOLERANCE"]
@@ -122,7 +125,10 @@ TOLERANCE = 0.02  # the largest rank's causal work may exceed the mean by this f
 @functools.lru_cache(maxsize=64)
 def balanced_pieces(b: Boundaries, P: int) -> tuple[tuple[Piece, ...], ...]:
     """Per rank, the pieces `(doc, start, end)` it holds, in stream order, `[start, end)` in the padded
-    stream (the module docstring's plan). The batch's length must be a multiple of `P`."""
+    stream (the module docstring's plan; given a mask, the plan of
+    [`cpref.batch.balanced_mask`][cpref.batch.balanced_mask]). The batch's length must be a multiple of `P`."""
+    if b.mask is not None:
+        return mask_balanced_pieces(b, P)
     b.check_divisible("balanced", P)
     works = [piece_work(0, b.real_len(i)) for i in range(b.num_docs)]
     cap = (1 + TOLERANCE) * sum(works) / P  # the most a rank may do: (1 + TOLERANCE) W*

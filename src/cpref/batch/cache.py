@@ -129,19 +129,21 @@ class BatchCache:
         self.entries: OrderedDict[tuple, BatchEntry] = OrderedDict()
         self.hits = self.misses = 0
 
-    def entry(self, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False) -> BatchEntry:
-        """The entry of this batch, validating and building it on first use.
+    def entry(self, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False,
+              mask: Any = None) -> BatchEntry:  # fmt: skip
+        """The entry of this batch (balanced by `mask`'s work where one is given), validating and building it on
+        first use.
 
         Raises:
             CPInputError: if the boundaries are invalid (see `Boundaries.parse`), on every call.
         """
-        key = (_source_key(cu_seqlens), _source_key(cu_seqlens_padded), ends_only_ok)
+        key = (_source_key(cu_seqlens), _source_key(cu_seqlens_padded), ends_only_ok, mask)
         with self.lock:
             entry = self.entries.get(key)
             if entry is not None and entry._still_valid():
                 self.entries.move_to_end(key)
                 return entry
-            bounds = Boundaries.parse(cu_seqlens, cu_seqlens_padded, ends_only_ok=ends_only_ok)
+            bounds = Boundaries.parse(cu_seqlens, cu_seqlens_padded, ends_only_ok=ends_only_ok, mask=mask)
             entry = self.entries[key] = BatchEntry(self, bounds, (cu_seqlens, cu_seqlens_padded))
             self.entries.move_to_end(key)
             while len(self.entries) > self.capacity:

@@ -283,6 +283,25 @@ class Mask:
                 total += n * first + slope * n * (n - 1) // 2
         return total
 
+    def visible_per_row(self, total: int | None = None) -> torch.Tensor:
+        """How many keys each query sees: LongTensor `(T,)`, the work of each row (its sum is `visible_pairs()`).
+
+        Args:
+            total: the batch's real tokens, where the mask was given without it (`from_slices`).
+
+        Examples:
+            >>> Mask.prefix_lm([0, 5], prefix_lengths=[3]).visible_per_row().tolist()  # the prompt sees itself whole
+            [3, 3, 3, 4, 5]
+        """
+        T = self.total if self.total is not None else total
+        if T is None:
+            raise CPInputError("this mask was built without total=: pass visible_per_row(total=T)")
+        out = torch.zeros(T, dtype=torch.int64)
+        for sl in self.slices:
+            for a, b, lo, hi in mask_union.atoms(*sl):  # rows [a, b) see keys lo(x) .. hi(x), each end linear in x
+                out[a:b] += hi[1] - lo[1] + 1 + (hi[0] - lo[0]) * torch.arange(a, b)
+        return out
+
     def dense(self) -> torch.Tensor:
         """The `(T, T)` boolean matrix of the mask (for small batches: tests, figures)."""
         T = self.total if self.total is not None else max(max(q1, k1) for q0, q1, k0, k1, _ in self.slices)

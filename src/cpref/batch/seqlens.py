@@ -85,6 +85,7 @@ class Boundaries:
 
     real: tuple[int, ...]
     padded: tuple[int, ...]
+    mask: Any = None  # the cpref.Mask whose work the balanced layout evens out (None: causal documents)
 
     def __post_init__(self) -> None:
         """Validate both lists, whoever built the object (`Boundaries("x", "y")` is refused like `parse`'s input)."""
@@ -105,9 +106,10 @@ class Boundaries:
         object.__setattr__(self, "padded", padded)
 
     @classmethod
-    def parse(cls, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False) -> "Boundaries":
+    def parse(cls, cu_seqlens: Any, cu_seqlens_padded: Any = None, *, ends_only_ok: bool = False,
+              mask: Any = None) -> "Boundaries":  # fmt: skip
         """Validate both lists (`cu_seqlens_padded=None`: no padding); `ends_only_ok` also accepts MindSpeed's form
-        without the leading 0.
+        without the leading 0; `mask`, a `cpref.Mask` checked by the caller, is the work the balanced layout evens.
 
         Raises:
             CPInputError: naming the offending list and entry.
@@ -121,7 +123,7 @@ class Boundaries:
             if ends_only_ok and cu and cu[0] != 0:
                 cu = [0] + cu  # a first element other than 0 marks the ends-only form
             lists.append(cu)
-        return cls(*lists)
+        return cls(*lists, mask)
 
     @property
     def num_docs(self) -> int:
@@ -164,7 +166,7 @@ class Boundaries:
         for i in range(self.num_docs):
             padded.append(padded[-1] + -(-self.real_len(i) // multiple) * multiple)  # ceil to a multiple
         padded[-1] = -(-padded[-1] // batch_multiple) * batch_multiple  # the last document takes the batch's padding
-        return Boundaries(self.real, tuple(padded))
+        return Boundaries(self.real, tuple(padded), self.mask)
 
     def pad(self, x: torch.Tensor, value: float | int = 0) -> torch.Tensor:
         """A tensor of the real stream with each document's padding after it, filled with `value`:

@@ -49,6 +49,7 @@ from cpref.base.checks import as_choice, as_fill, as_int
 from cpref.base.errors import CPInputError
 from cpref.batch.cache import CACHE, BatchEntry
 from cpref.batch.layout import attention_work, global_index, local_chunks, positions
+from cpref.batch.mask import Mask, check_mask
 from cpref.batch.seqlens import CHUNKED_LAYOUTS, LAYOUTS, Boundaries, CuSeqlens, layout_multiple
 
 __all__ = ["Sharding"]
@@ -66,6 +67,9 @@ class Sharding:
         cu_seqlens_padded: the padded boundaries that define the shards (each document padded
             at its end to a multiple of the layout's granularity; for stream, the batch padded at its
             end to a multiple of `P`), or None without padding.
+        mask: for `layout="balanced"`, the `cpref.Mask` whose work the ranks share evenly (every
+            query's visible keys, [`cpref.batch.balanced_mask`][cpref.batch.balanced_mask]); None: the
+            causal documents' work. It places the tokens only: `cpref.attention` computes the mask it is given.
 
     Raises:
         CPInputError: for invalid boundaries, CP size or layout, or a document (for stream: a batch)
@@ -82,17 +86,20 @@ class Sharding:
     __slots__ = ("_entry", "_cp_size", "_layout")
 
     def __init__(self, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag",
-                 cu_seqlens_padded: CuSeqlens | None = None) -> None:  # fmt: skip
+                 cu_seqlens_padded: CuSeqlens | None = None, mask: Mask | None = None) -> None:  # fmt: skip
         P = as_int("cp_size", cp_size, lo=1)
         layout = as_choice("layout", layout, LAYOUTS)
-        entry = CACHE.entry(cu_seqlens, cu_seqlens_padded)
+        if mask is not None:
+            _check_balance_mask(mask, layout, CACHE.entry(cu_seqlens, cu_seqlens_padded).bounds.real[-1])
+        entry = CACHE.entry(cu_seqlens, cu_seqlens_padded, mask=mask)
         entry.bounds.check_divisible(layout, P)
         object.__setattr__(self, "_entry", entry)
         object.__setattr__(self, "_cp_size", P)
         object.__setattr__(self, "_layout", layout)
 
     @classmethod
-    def eod_padded(cls, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag") -> "Sharding":
+    def eod_padded(cls, cu_seqlens: CuSeqlens, *, cp_size: int, layout: str = "zigzag",
+                   mask: Mask | None = None) -> "Sharding":  # fmt: skip
         """The sharding of `cu_seqlens` with every document padded at its end to the layout's granularity
         (for `stream` and `balanced`: the last document padded, so that the batch is a multiple of `cp_size`).
 
@@ -108,7 +115,7 @@ class Sharding:
         # chunked: every document to the layout's granularity; stream, balanced: the batch to a multiple of P
         whole = 1 if layout in CHUNKED_LAYOUTS else P
         bounds = CACHE.entry(cu_seqlens).bounds.eod_padded(layout_multiple(layout, P), batch_multiple=whole)
-        return cls(cu_seqlens, cp_size=P, layout=layout, cu_seqlens_padded=bounds.padded)
+        return cls(cu_seqlens, cp_size=P, layout=layout, cu_seqlens_padded=bounds.padded, mask=mask)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a Sharding is immutable (cannot set {name!r}); build a new one for another batch or setting")
@@ -118,6 +125,11 @@ class Sharding:
     def bounds(self) -> Boundaries:
         """The validated real and padded boundaries (host ints)."""
         return self._entry.bounds
+
+    @property
+    def mask(self) -> Mask | None:
+        """The mask whose work the balanced layout shares evenly, or None (causal documents)."""
+        return self.bounds.mask
 
     @property
     def cp_size(self) -> int:
@@ -162,11 +174,12 @@ class Sharding:
         """The boundaries written out, or past 8 entries their first three, last one and length (a message stays
         readable whatever the batch): `Sharding([0, 8, 16, ..., 4096] (129 entries), cp_size=2, layout='zigzag')`."""
         padded = f", cu_seqlens_padded={_listed(self.cu_seqlens_padded)}" if self.bounds.is_padded else ""
-        return f"Sharding({_listed(self.cu_seqlens)}, cp_size={self._cp_size}, layout={self._layout!r}{padded})"
+        mask = f", mask={self.mask!r}" if self.mask is not None else ""
+        return f"Sharding({_listed(self.cu_seqlens)}, cp_size={self._cp_size}, layout={self._layout!r}{padded}{mask})"
 
     def __reduce__(self):
         padded = self.cu_seqlens_padded if self.bounds.is_padded else None
-        return (_rebuild, (self.cu_seqlens, self._cp_size, self._layout, padded))
+        return (_rebuild, (self.cu_seqlens, self._cp_size, self._layout, padded, self.mask))
 
     # ---- what it does ---------------------------------------------------------------------
     def local_chunks(self, rank: int) -> list[tuple[int, int, int]]:
@@ -249,8 +262,19 @@ class Sharding:
         return b.unpad(x)  # (T_real, ...)
 
     def attention_work(self, rank: int, *, causal: bool = True, exact: bool = False,
-                       window: tuple[int, int] = (-1, -1)) -> int:  # fmt: skip
-        """Rank `rank`'s attention work in score entries per head (see [`cpref.batch.layout`][cpref.batch.layout])."""
+                       window: tuple[int, int] = (-1, -1), mask: Mask | None = None) -> int:  # fmt: skip
+        """Rank `rank`'s attention work in score entries per head (see [`cpref.batch.layout`][cpref.batch.layout]);
+        with `mask`, exactly the pairs the mask shows its queries (`causal` and `window` then unused).
+
+        Examples:
+            >>> s, m = Sharding([0, 8], cp_size=2, layout="contiguous"), Mask.prefix_lm([0, 8], [4])
+            >>> s.attention_work(0, mask=m), s.attention_work(1, mask=m)  # 4 x 4 keys, then 5 + 6 + 7 + 8
+            (16, 26)
+        """
+        if mask is not None:
+            check_mask(mask, self.bounds.real[-1], causal=True, window=(-1, -1), chunk=None)
+            real = self.pad(torch.arange(self.bounds.real[-1]), value=-1)[self.global_index(rank)]  # (T / P,)
+            return int(mask.visible_per_row(self.bounds.real[-1])[real[real >= 0]].sum())
         return attention_work(self.bounds, cp_size=self._cp_size, rank=self._rank(rank), layout=self._layout,
                               causal=causal, exact=exact, window=window)  # fmt: skip
 
@@ -288,6 +312,15 @@ def _is_real(x: torch.Tensor, sharding: Sharding) -> bool:
     return x.dim() >= 1 and x.shape[0] == sharding.bounds.real[-1]
 
 
-def _rebuild(cu_seqlens, cp_size, layout, cu_seqlens_padded) -> Sharding:
-    return Sharding(list(cu_seqlens), cp_size=cp_size, layout=layout, cu_seqlens_padded=cu_seqlens_padded)
+def _rebuild(cu_seqlens, cp_size, layout, cu_seqlens_padded, mask=None) -> Sharding:
+    return Sharding(list(cu_seqlens), cp_size=cp_size, layout=layout, cu_seqlens_padded=cu_seqlens_padded, mask=mask)
+
+
+def _check_balance_mask(mask: Any, layout: str, total: int) -> None:
+    """A mask for the layout to balance: a `cpref.Mask` over this batch, given with `layout="balanced"`."""
+    check_mask(mask, total, causal=True, window=(-1, -1), chunk=None)
+    if layout != "balanced":
+        raise CPInputError(f"mask= balances the 'balanced' layout's work, but layout={layout!r} places tokens by "
+                           "its own rule; pass layout='balanced' with the mask, or leave mask out (cpref.attention "
+                           "takes the mask to compute in its own mask=)")  # fmt: skip
 

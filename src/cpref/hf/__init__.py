@@ -70,6 +70,38 @@ sum, as [`cpref.train.training`][cpref.train.training] does. A mean would make i
 `transformers` gives as the number of keys a query sees, itself included: `window=(W - 1, 0)`
 in cpref's convention ([the kernel contract][cpref.kernels.contract]).
 
+## Models whose masks are not causal: Gemma 3, PaliGemma
+
+Gemma 3 text with `use_bidirectional_attention=True` (with or without its sliding layers),
+Gemma 3's image tokens (`token_type_ids` 1: an image sees itself whole) and PaliGemma's prefix
+(`token_type_ids` 0: the image and prompt see each other whole) build masks of their own.
+Under CP cpref builds the same masks, one [`cpref.Mask`][cpref.batch.mask.Mask] per layer kind,
+windows included ([`cpref.hf.masks`][cpref.hf.masks], checked against the masks `transformers`
+5.24 builds), from the **whole** batch's `token_type_ids`, which
+[`shard_batch`][cpref.hf.batch.shard_batch] keeps in the batch's sharding: pass the batch with
+its `token_type_ids` to `shard_batch`, and the rank's `token_type_ids` and every image of the
+batch to the model, as without CP. Each rank runs the vision tower (build it with another
+implementation: `attn_implementation={"text_config": "cpref", "vision_config": "sdpa", "": "cpref"}`)
+on the images its shard has tokens of, and writes only its tokens' features:
+
+```python
+# run by tests/models/test_hf_masks.py::test_logits_loss_and_gradients_equal_hugging_faces
+# model: Gemma3ForConditionalGeneration or PaliGemmaForConditionalGeneration, its vision tower not cpref's;
+# batch: a padded transformers batch with input_ids, attention_mask and token_type_ids; pixel_values: all its images
+b = cpref.hf.shard_batch(batch, cp_size=P, rank=comm.rank)    # keeps the whole batch's token_type_ids and ids
+cp = cpref.hf.CP(comm, b["sharding"], mode="p2p")             # the model's masks: built by cpref from the batch
+logits = model(b["tokens"][None], token_type_ids=b["token_type_ids"][None], pixel_values=pixel_values,
+               use_cache=False, cp=cp).logits[0]
+```
+
+The masks are the same on every rank (the ranks compare them before any communication).
+With a batch of your own sharding (`get_batch_on_this_cp_rank`), pass them:
+`cpref.hf.CP(comm, sharding, mode, mask=cpref.hf.model_masks(model.config, cu_seqlens, token_type_ids))`
+(images need `shard_batch`). `CP(mask=)` takes any mask for any model: a `cpref.Mask` for a
+model of full layers only, a dict of one per layer kind otherwise; for the models above it must
+be the one they build. A vision tower's parameters get no gradient on a rank whose shard holds
+no image token (`None`), and the sum over the ranks is the batch's gradient.
+
 ## Under torch.compile
 
 `torch.compile(model)` compiles the model's own code (embeddings, RoPE, norms, MLPs, the loss)
@@ -103,7 +135,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | `position_ids` that are not `(1, T / P)` integers, or not the sharding's (another rank's, another layout's, `0 .. T / P - 1`) | RoPE and learned positions would be wrong |
 | forward | an `attention_mask` that is not a `(1, T / P)` padding mask (a 4-D mask), holds values other than 0 and 1, or marks a real token as padding | the padding is the sharding's |
 | forward | `cu_seq_lens_q`/`_k` that are not the sharding's boundaries | the documents are the sharding's |
-| forward | `logits_to_keep`, image or audio inputs | they read the shard's last tokens, or are not text |
+| forward | `logits_to_keep`, image or audio inputs (but Gemma 3's and PaliGemma's `pixel_values`), `mm_encoder_outputs` | they read the shard's last tokens, or are not text, or the batch's |
 | forward | `softcap=` or `s_aux=` passed to the model | it would reach layers whose own attention has none; a layer that has them gives its own |
 | forward | `is_causal=` passed to the model that is not every layer's own `is_causal` | the layers attend with their own |
 | forward | `labels` or `shift_labels` that are not this rank's `T / P` integer labels | they label the shard's tokens |
@@ -112,7 +144,7 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | forward | `labels=` that are already the next tokens (each the id of the token after it in its document: `get_batch_on_this_cp_rank`'s, Megatron's; pass them as `shift_labels=`) | the model would shift them a second time |
 | forward | `labels=` that label the first token of a row padded on its left (pass `shift_labels=batch["shift_labels"][None]`, or -100 there) | `transformers` would have the padding before it predict it, and `shard_batch` dropped that padding |
 | forward | another rank's inputs that failed these checks (a `cpref.base.errors.PeerInputError` naming that rank) | that rank does not go on to the collectives |
-| forward | ranks that pass different loss arguments, `use_cache` or caches, training modes, activation checkpointing, autograd or position starts | the ranks would compute different things, or refuse at different layers |
+| forward | ranks that pass different loss arguments, `use_cache` or caches, training modes, activation checkpointing, autograd, position starts or masks | the ranks would compute different things, or refuse at different layers |
 | layer | a layer reached without the model-level checks (called on its own, or the model's forward pre-hook removed) | its positions, masks and labels were not checked |
 | layer | a key/value cache (more keys than queries, `use_cache=True` in training) | a rank's keys are not its queries' keys |
 | layer | attention dropout in training | cpref's kernels have none; set `attention_dropout=0.0` |
@@ -121,6 +153,13 @@ that calls them. A test keeps this table complete: every refusal of `cpref.hf` h
 | layer | a mask function of the model's own (`or_mask_function`, e.g. image tokens) | cpref's masks are the sharding's |
 | `CP(...)` | a communicator that is not a `cpref.comm.protocol.Collectives`, a sharding that is not a `cpref.Sharding`, or one over another CP size than the group's | every layer attends the batch's shards over the group |
 | `CP(...)` | a mode not in `cpref.MODES`, `options` that are not a dict, or with `causal`, `softmax_scale` or `window` | every layer gives its own causal mask, scale and window |
+| built | a vision tower with cpref's attention (`attn_implementation="cpref"` for every sub-config) | every rank runs it on whole images |
+| first forward | `use_bidirectional_attention=True` on a config but Gemma 3 text's and PaliGemma's | cpref builds the masks of those only |
+| forward | PaliGemma without `token_type_ids`, or Gemma 3 images' `token_type_ids` with a sharding that is not `shard_batch`'s (and no `CP(mask=)`) | the mask is built from the whole batch's types |
+| forward | `token_type_ids` that are not the rank's shard of the batch's, or with `pixel_values` `input_ids` that are not | the mask and the images are the batch's |
+| forward | `pixel_values` with a sharding that is not `shard_batch`'s, or not one image per `mm_tokens_per_image` (PaliGemma: `num_image_tokens`) image tokens, or a vision tower that gives another number | a rank finds its tokens' images in the whole batch |
+| forward | a `CP(mask=)` that is not the mask the model builds, one `Mask` for a model with sliding or chunked layers, or a dict without a layer kind of the model | the layers would attend another mask |
+| `CP(...)` | a `mask` that is not a `cpref.Mask` or a dict of them by layer kind, or over another number of tokens than the batch's | the layers attend the batch's real tokens |
 | `shard_batch` | no `input_ids` tensor, ids that are not integers `(B, L)`, a per-token tensor of another shape, a float `attention_mask`, `position_ids` or `labels`, `shift_labels` in the batch | what the documents and labels are read from |
 | `shard_batch` | an `attention_mask` with values other than 0 and 1, or padding between a row's tokens; a batch of padding only | a row's tokens are one run |
 | `shard_batch` | `position_ids` that do not restart at 0 at every document and count up by 1 | they tell the documents of a pack |
@@ -135,8 +174,9 @@ import torch
 
 from cpref.hf.batch import shard_batch
 from cpref.hf.layer import CP, NAMES, attention, mask
+from cpref.hf.masks import model_masks
 
-__all__ = ["CP", "attention", "mask", "forward", "register", "shard_batch", "NAME"]
+__all__ = ["CP", "attention", "mask", "forward", "register", "shard_batch", "model_masks", "NAME"]
 
 NAME = "cpref"  # the attn_implementation register() adds
 

@@ -47,7 +47,7 @@ import torch
 from cpref.base.errors import CPInputError
 from cpref.hf.layer import NAMES
 
-__all__ = ["install", "admit", "check_config", "check_modules", "RUNS", "INDEXED_HEADS"]
+__all__ = ["install", "admit", "check_config", "check_bidirectional", "check_modules", "RUNS", "INDEXED_HEADS"]
 
 RUNS = ("full_attention", "sliding_attention", "chunked_attention")  # the layer_types cpref runs
 INDEXED_HEADS = ("ForSequenceClassification", "ForMultipleChoice", "ForNextSentencePrediction", "ForPreTraining",
@@ -118,6 +118,11 @@ def admit(model: torch.nn.Module, hook: Callable) -> None:
                            "index in the sequence, which under CP is the index in this rank's shard; use the base "
                            "model or a per-token head (causal or masked LM, token classification)")  # fmt: skip
     check_config(model.config, what)
+    vision = getattr(model.config, "vision_config", None)
+    if vision is not None and getattr(vision, "_attn_implementation", None) in NAMES:
+        raise CPInputError(f"{what}: its vision tower would run attn_implementation='cpref', but under CP every rank runs "
+                           "it on whole images (cpref.hf.masks); build the model with attn_implementation="
+                           "{'text_config': 'cpref', 'vision_config': 'sdpa', '': 'cpref'}")  # fmt: skip
     if not getattr(model, "_cpref_guarded", False):
         model.register_forward_pre_hook(hook, with_kwargs=True)
         model._cpref_guarded = True
@@ -147,6 +152,17 @@ def check_config(config: Any, what: str) -> None:
             raise CPInputError(f"{what}: attention temperature tuning (attn_temperature_tuning=True, on the NoPE layers "
                                f"{nope}) scales each query by its index in the tensor, which under CP is the index in "
                                "this rank's shard; set attn_temperature_tuning=False")  # fmt: skip
+
+
+def check_bidirectional(config: Any, what: str) -> None:
+    """Refuse `use_bidirectional_attention` where cpref does not build the model's mask (`cpref.hf.masks`): at the
+    forward of the outermost model (a PaliGemma's Gemma text model is built with it, and is run as PaliGemma's)."""
+    top = getattr(config, "model_type", None)
+    for c in _configs(config):
+        if getattr(c, "use_bidirectional_attention", False) and top != "paligemma" and not c.model_type == top == "gemma3_text":
+            raise CPInputError(f"{what}: use_bidirectional_attention=True on a {c.model_type} config: cpref runs it for "
+                               "Gemma 3 text models (gemma3_text) and PaliGemma only, whose masks it builds "
+                               "(cpref.hf.masks); set use_bidirectional_attention=False")  # fmt: skip
 
 
 def check_modules(model: torch.nn.Module) -> None:

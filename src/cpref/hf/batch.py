@@ -111,7 +111,8 @@ def shard_batch(batch: Mapping[str, Any], *, cp_size: int, rank: int, layout: st
     b = get_batch_on_this_cp_rank(out, cu, cp_size=cp_size, rank=rank, layout=layout, pad_token_id=pad_token_id)
     b["shift_labels"] = b["labels"].masked_fill(b["loss_mask"] == 0, IGNORE)  # (T / P,) for shift_labels=
     ends, firsts = _row_marks(rows, ids.shape[1])  # where labels= are shifted inside each row (cpref.hf.labels)
-    b["sharding"] = BatchSharding.of(b["sharding"], rank, b["labels"], b["loss_mask"], ends, firsts)
+    b["sharding"] = BatchSharding.of(b["sharding"], rank, b["labels"], b["loss_mask"], ends, firsts, out["tokens"],
+                                     out.get("token_type_ids"))  # fmt: skip
     return b
 
 
@@ -144,18 +145,24 @@ class BatchSharding(Sharding):
         loss_mask: their loss mask `(T / P,)`.
         row_ends: the index in the real (unpadded) stream of every batch row's last token, in order.
         left_firsts: the index in the real stream of the first token of every row padded on its left.
+        tokens: the whole batch's token ids `(T,)`, in stream order (where its image tokens are: `cpref.hf.masks`).
+        token_types: the whole batch's `token_type_ids` `(T,)` in stream order, or None (the masks of
+            [`cpref.hf.masks`][cpref.hf.masks] are built from them).
     """
 
-    __slots__ = ("rank", "labels", "loss_mask", "row_ends", "left_firsts")
+    __slots__ = ("rank", "labels", "loss_mask", "row_ends", "left_firsts", "tokens", "token_types")
 
     @classmethod
     def of(cls, sharding: Sharding, rank: int, labels: torch.Tensor, loss_mask: torch.Tensor,
-           row_ends: tuple[int, ...], left_firsts: tuple[int, ...]) -> BatchSharding:  # fmt: skip
-        """`sharding`, holding rank `rank`'s `labels` and `loss_mask` `(T / P,)` and the rows' marks too."""
+           row_ends: tuple[int, ...], left_firsts: tuple[int, ...], tokens: torch.Tensor | None = None,
+           token_types: torch.Tensor | None = None) -> BatchSharding:  # fmt: skip
+        """`sharding`, holding rank `rank`'s `labels` and `loss_mask` `(T / P,)`, the rows' marks and the batch's
+        token ids and types `(T,)` too."""
         made = object.__new__(cls)
         for name in Sharding.__slots__:
             object.__setattr__(made, name, object.__getattribute__(sharding, name))
-        for name, value in zip(cls.__slots__, (rank, labels, loss_mask, tuple(row_ends), tuple(left_firsts))):
+        values = (rank, labels, loss_mask, tuple(row_ends), tuple(left_firsts), tokens, token_types)
+        for name, value in zip(cls.__slots__, values):
             object.__setattr__(made, name, value)
         return made
 

@@ -10,7 +10,8 @@ it right or refuses, before the model runs:
 1. **Inputs.** The layers cpref does not run are refused at the first forward
    ([`cpref.hf.admit`][cpref.hf.admit]); the call's arguments go by name (no extra positional
    ones); one packed sequence (batch size 1) of exactly this rank's `T / P` tokens; no
-   `logits_to_keep` (it keeps the shard's last tokens), no image or audio inputs, no `softcap=`
+   `logits_to_keep` (it keeps the shard's last tokens), no image or audio inputs (but Gemma 3's and
+   PaliGemma's `pixel_values`: [`cpref.hf.masks`][cpref.hf.masks]), no `softcap=`
    or `s_aux=` for the layers; the loss arguments are this rank's integer labels, of a causal LM,
    not already shifted ([`cpref.hf.labels`][cpref.hf.labels]).
 2. **Positions.** Missing `position_ids` are filled in from the sharding: every token's
@@ -23,12 +24,13 @@ it right or refuses, before the model runs:
    it marks a real token as padding; the fix is [`cpref.hf.shard_batch`][cpref.hf.batch.shard_batch],
    which makes a padding mask the sharding's padding. A prepared (4-D) mask is refused.
    `transformers`' own packed-sequence signals, `cu_seq_lens_q`/`_k`, must be the sharding's
-   boundaries, and are then dropped with `max_length_q`/`_k`.
+   boundaries, and are then dropped with `max_length_q`/`_k`. A model that builds a mask of its own
+   (Gemma 3, PaliGemma) gets cpref's, built from the whole batch ([`cpref.hf.masks`][cpref.hf.masks]).
 4. **Agreement.** The ranks exchange one row of ints (host side where the communicator can,
    as [`cpref.modes.consistency`][cpref.modes.consistency] does): whether each rank's inputs passed, which
    loss arguments it passed, what the layers' own refusals read (`use_cache` as the model takes
    it, training mode, activation checkpointing, autograd, the tokens a given key/value cache
-   holds) and its positions' start. A rank whose inputs failed raises its own error and every
+   holds), a digest of its masks and its positions' start. A rank whose inputs failed raises its own error and every
    other rank raises too, naming it; ranks that disagree all raise, naming what differs. Nothing
    else has been communicated. So a layer that refuses (a cache, `use_cache=True` or dropout in
    training) refuses on every rank alike, the same model on each, and no rank waits for
@@ -57,18 +59,21 @@ import torch
 
 from cpref.base.errors import CPInputError, PeerInputError
 from cpref.batch.sharding import Sharding
-from cpref.hf.admit import check_config, check_modules
+from cpref.hf.admit import check_bidirectional, check_config, check_modules
 from cpref.hf.labels import check_labels, loss_arguments
-from cpref.hf.layer import CP, NAMES, Checked
+from cpref.hf.layer import CP, NAMES, OWN_MASKS, Checked
+from cpref.hf.masks import IMAGE_RULES, digest, image_features, prepare, rule
 from cpref.modes.consistency import exchange
 
 __all__ = ["guard", "LOSS_KEYS", "MULTIMODAL", "ROW"]
 
 LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")  # the loss arguments the ranks must pass alike
-MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_embeds", "input_features", "input_values")
+MULTIMODAL = ("pixel_values", "pixel_values_videos", "image_embeds", "input_features", "input_values", "mm_encoder_outputs")
+FIRST_POSITION = {"paligemma": 1}  # models that number positions from 1 when given none (PaliGemma)
 LAYER_ONLY = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}  # what a layer gives itself, from its config
 # step 4's row after "inputs valid": what the ranks must pass alike (the layers' refusals read the middle ones)
-ROW = (*LOSS_KEYS, "use_cache", "training", "activation checkpointing", "autograd", "cached tokens", "the position_ids' start")
+ROW = (*LOSS_KEYS, "use_cache", "training", "activation checkpointing", "autograd", "cached tokens", "the attention masks",
+       "the position_ids' start")  # fmt: skip
 EAGER = ("cpref.hf's model-level checks run eagerly under torch.compile (host checks and one exchange across "
          "ranks, once a forward, before the model's compiled code)")  # dynamo's graph-break reason
 
@@ -98,22 +103,29 @@ def guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
                            "model(..., cp=cpref.hf.CP(comm, sharding, mode=...))")  # fmt: skip
     if not isinstance(cp, CP):
         raise CPInputError(f"{what}: cp= must be a cpref.hf.CP, got {type(cp).__name__}")
-    call, problem, offset = dict(kwargs), None, -1
+    call, problem, offset, masks, images = dict(kwargs), None, -1, None, None
     try:
-        # 1-3) the model's layers (once a model), then this rank's own inputs
+        # 1-3) the model's layers (once a model), then this rank's own inputs, and the model's own masks (cpref.hf.masks)
         check_config(model.config, what)
+        check_bidirectional(model.config, what)
         start = _scan(model)
         call, accepts_positions = _bind(model, args, kwargs)
         _check_inputs(model, call, cp.sharding, cp.comm.rank, what)
         offset = _positions(call, cp.sharding, cp.comm.rank, start, accepts_positions, _device(call), what)
         _check_mask(call, cp.sharding, cp.comm.rank, what)
+        masks, images = prepare(model, call, cp, what)
     except CPInputError as err:
         problem = err
     # 4) every rank's verdict, the arguments that decide what is communicated next and what the layers refuse
-    _agree(cp, what, problem, _row(model, call, offset), _device(call))
-    # 5) labels over the unsharded batch
+    _agree(cp, what, problem, _row(model, call, offset, digest(masks)), _device(call))
+    # 5) labels over the unsharded batch; the images of this rank's image tokens
     loss_arguments(model, call, cp)
-    call["cp"] = Checked(cp.comm, cp.sharding, cp.mode, cp.options)
+    if images is not None:
+        call["mm_encoder_outputs"] = image_features(model, call.pop("pixel_values"), images, what)
+    if rule(model.config) is not None:  # transformers' masks of the shard are not used (cpref.hf.layer.mask)
+        for config in (model.config, model.config.get_text_config()):
+            OWN_MASKS[id(config)] = config
+    call["cp"] = Checked(cp.comm, cp.sharding, cp.mode, cp.options, masks)
     return (), call
 
 
@@ -124,7 +136,7 @@ def _scan(model: torch.nn.Module) -> int:
         check_modules(model)
         starts = [m.padding_idx + 1 for m in model.modules()
                   if hasattr(type(m), "create_position_ids_from_input_ids") and isinstance(getattr(m, "padding_idx", None), int)]  # fmt: skip
-        start = starts[0] if starts else 0
+        start = starts[0] if starts else FIRST_POSITION.get(getattr(model.config, "model_type", None), 0)
         model._cpref_start = start
     return start
 
@@ -167,9 +179,11 @@ def _check_inputs(model: torch.nn.Module, call: dict, s: Sharding, rank: int, wh
     if x.shape[1] != s.local_tokens:
         raise CPInputError(f"{what}: rank {rank} was given {x.shape[1]} tokens but the sharding gives every rank "
                            f"{s.local_tokens}; pass this rank's shard (cpref.hf.shard_batch(...)['tokens'])")  # fmt: skip
+    images = IMAGE_RULES.get(getattr(model.config, "model_type", None)) is not None  # Gemma 3, PaliGemma: cpref.hf.masks
     for key in MULTIMODAL:
-        if call.get(key) is not None:
-            raise CPInputError(f"{what}: {key}= is not supported under CP: cpref.hf runs text models")
+        if call.get(key) is not None and not (images and key == "pixel_values"):
+            raise CPInputError(f"{what}: {key}= is not supported under CP: cpref.hf runs text models, and the images "
+                               "of Gemma 3 and PaliGemma as pixel_values")  # fmt: skip
     for key, what_it_is in LAYER_ONLY.items():
         if call.get(key) is not None:
             raise CPInputError(f"{what}: {what_it_is} ({key}=) passed to the model would reach every layer, also those "
@@ -257,7 +271,7 @@ def _check_mask(call: dict, s: Sharding, rank: int, what: str) -> None:
     call["attention_mask"] = None  # its padding is the sharding's: kept out of attention already
 
 
-def _row(model: torch.nn.Module, call: dict, offset: int) -> list[int]:
+def _row(model: torch.nn.Module, call: dict, offset: int, masks: int) -> list[int]:
     """Step 4's row, in the order of `ROW`: what the ranks must pass alike."""
     use_cache = call.get("use_cache")
     use_cache = getattr(model.config, "use_cache", None) if use_cache is None else use_cache  # as the model takes it
@@ -265,7 +279,7 @@ def _row(model: torch.nn.Module, call: dict, offset: int) -> list[int]:
     held = -1 if cache is None else int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else -2
     flags = (model.training, getattr(model, "is_activation_checkpointing", False), torch.is_grad_enabled())
     return [*(int(call.get(k) is not None) for k in LOSS_KEYS), -1 if use_cache is None else int(bool(use_cache)),
-            *(int(bool(f)) for f in flags), held, offset]  # fmt: skip
+            *(int(bool(f)) for f in flags), held, masks, offset]  # fmt: skip
 
 
 def _show(name: str, code: int) -> str:
@@ -273,6 +287,8 @@ def _show(name: str, code: int) -> str:
         return "given" if code else "none"
     if name == "use_cache":
         return repr((None, False, True)[code + 1])
+    if name == "the attention masks":
+        return "none" if code == 0 else f"digest {code:#x}"
     if name == "cached tokens":
         return {-1: "no cache", -2: "a cache"}.get(code, str(code))
     return str(code) if name == ROW[-1] else repr(bool(code))

@@ -31,6 +31,7 @@ import torch
 from cpref.api import MODES, attention, check_sharding
 from cpref.base.checks import as_bool, as_choice
 from cpref.base.errors import CPInputError
+from cpref.batch.mask import Mask, check_mask
 from cpref.batch.seqlens import CuSeqlens
 from cpref.batch.sharding import Sharding
 from cpref.comm.protocol import Collectives, SingleRank, check_comm
@@ -58,6 +59,8 @@ class CPContext:
             `{"a2a_size": 2}` for mode `"a2a+p2p"`; read-only once built.
         kernel: the attention kernel, default `cpref.kernels.default_kernel` of the tensors' device
             (`CudaKernel` on CUDA, `TorchKernel` elsewhere).
+        mask: the batch's attention mask, a `cpref.Mask` every layer computes in place of causal documents
+            (a model whose layers have windows refuses it by name: a mask replaces the window), or None.
 
     Raises:
         CPInputError: for an unknown mode or option, a `comm` that is not a `cpref.Collectives`,
@@ -71,6 +74,7 @@ class CPContext:
     causal: bool = True
     options: Mapping[str, Any] = field(default_factory=dict)
     kernel: AttentionKernel | None = None
+    mask: Mask | None = None
 
     def __post_init__(self) -> None:
         _, size = check_comm(self.comm, "for CP = 1 use CPContext.single(cu_seqlens)")
@@ -87,6 +91,7 @@ class CPContext:
                 f"choose among {list(OPTIONS)} (the softmax scale is the model's: head_dim ** -0.5)"
             )
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        check_mask(self.mask, self.sharding.cu_seqlens[-1], causal=self.causal, window=NO_WINDOW, chunk=None)
 
     @classmethod
     def single(
@@ -119,4 +124,4 @@ class CPContext:
         belongs to the model's config, not to the CP setting, so layers of one model may differ.
         """
         return attention(q, k, v, self.sharding, comm=self.comm, mode=self.mode, causal=self.causal,
-                         window=window, kernel=self.kernel, **self.options)  # fmt: skip
+                         window=window, kernel=self.kernel, mask=self.mask, **self.options)  # fmt: skip

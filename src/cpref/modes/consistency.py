@@ -29,6 +29,7 @@ their first difference, where the values differ) and, for the sinks and the back
 | `sinks values` | a digest of the sinks' values as float64 (below) |
 | `backward (grad enabled, an input requiring grad)` | `torch.is_grad_enabled()` and any of q, k, v, sinks requiring grad |
 | `mask` | 0 without a mask, else a digest of its slices and total (`cpref.Mask.digest`) |
+| `layout's mask` | the same of the mask the sharding was balanced by (`Sharding(..., mask=)`), 0 without one |
 
 ## Why every call, and why it costs no device sync
 
@@ -173,7 +174,7 @@ BACKWARD = "backward (grad enabled, an input requiring grad)"
 # the compared columns, in order; the first says whether the rank's own inputs passed validation
 FIELDS = ("inputs valid", "check_ranks", "mode", "layout", "causal", "window", "softmax_scale", "cu_seqlens",
           "cu_seqlens_padded", "heads (Hq, Hkv, D, Dv)", "dtype", "mode options", "deterministic",
-          "variants (softcap, chunk, sinks)", "sinks values", BACKWARD, "mask")  # fmt: skip
+          "variants (softcap, chunk, sinks)", "sinks values", BACKWARD, "mask", "layout's mask")  # fmt: skip
 # what to do, for the columns whose fix the closing sentence does not say
 _FIXES = {
     "sinks values": "Sinks are a parameter that every rank of the CP group holds alike: initialise them from one seed "
@@ -237,6 +238,7 @@ def fingerprint(call: CPCall, mode: str, check_ranks: bool = True) -> list[tuple
         _digest(SINKS_READ(call.sinks)),  # their values (None: none)
         int(call.backward),  # a rank without a backward would leave the others waiting in the backward's collectives
         0 if call.mask is None else call.mask.digest,  # its slices and total
+        0 if b.mask is None else b.mask.digest,  # the mask the balanced layout placed the tokens by
     ]
     return list(zip(FIELDS, codes))
 

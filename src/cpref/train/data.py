@@ -53,6 +53,7 @@ import torch
 
 from cpref.base.checks import as_fill, as_int
 from cpref.base.errors import CPInputError, PeerInputError
+from cpref.batch.mask import Mask
 from cpref.batch.seqlens import CuSeqlens
 from cpref.batch.sharding import Sharding
 from cpref.comm.protocol import Collectives, check_comm
@@ -69,6 +70,7 @@ def get_batch_on_this_cp_rank(
     rank: int,
     layout: str = "zigzag",
     pad_token_id: int = 0,
+    mask: Mask | None = None,
 ) -> dict[str, Any]:
     """EOD-pad a packed batch and return this rank's slice, with the batch's `Sharding`.
 
@@ -80,6 +82,10 @@ def get_batch_on_this_cp_rank(
         rank: this rank.
         layout: `"zigzag"` (default), `"contiguous"`, `"stream"` or `"balanced"`.
         pad_token_id: token and label id of the padding.
+        mask: the batch's attention mask (a `cpref.Mask` over its real tokens), for `layout="balanced"`: the
+            tokens are then placed so that every rank does an equal share of the mask's work
+            ([`cpref.batch.balanced_mask`][cpref.batch.balanced_mask]). The other layouts place tokens by their
+            own rule and leave it out. Either way the attention computes the mask it is given (`CPContext(mask=)`).
 
     Returns:
         This rank's `tokens`, `labels`, `loss_mask`, `position_ids` (and other keys), and
@@ -93,7 +99,7 @@ def get_batch_on_this_cp_rank(
         >>> b["tokens"].tolist(), b["loss_mask"].tolist(), b["sharding"].cu_seqlens_padded
         ([2, 3, 4, 5], [1.0, 1.0, 1.0, 1.0], (0, 8))
     """
-    sharding = Sharding.eod_padded(cu_seqlens, cp_size=cp_size, layout=layout)
+    sharding = Sharding.eod_padded(cu_seqlens, cp_size=cp_size, layout=layout, mask=mask if layout == "balanced" else None)
     rank = as_int("rank", rank, lo=0, hi=cp_size)
     pad_token_id = as_int("pad_token_id", pad_token_id)
     if not isinstance(batch, Mapping):

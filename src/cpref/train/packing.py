@@ -38,7 +38,7 @@ import functools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -90,10 +90,12 @@ def documents_from_tokens(tokens: torch.Tensor, eod: int) -> Iterator[torch.Tens
 
 @dataclass(frozen=True)
 class Pack:
-    """One pack: `tokens (pack_tokens,)` and its document boundaries `cu_seqlens` (leading 0)."""
+    """One pack: `tokens (pack_tokens,)` and its document boundaries `cu_seqlens` (leading 0); `mask`, its attention
+    mask where it is not causal inside each document (a `cpref.Mask`: a shared prompt, a prefix), or None."""
 
     tokens: torch.Tensor
     cu_seqlens: torch.Tensor
+    mask: Any = None
 
 
 def pack_documents(documents: Iterable[torch.Tensor], pack_tokens: int, *, eod: int = EOD) -> Iterator[Pack]:

@@ -235,14 +235,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
         labels, mask = labels_for(pack)
         batches.append(get_batch_on_this_cp_rank({"tokens": pack.tokens, "labels": labels, "loss_mask": mask},
                                                  pack.cu_seqlens, cp_size=topo.cp.size, rank=topo.cp.rank,
-                                                 layout=config.layout))  # fmt: skip
+                                                 layout=config.layout, mask=pack.mask))  # fmt: skip
     # 2) the loss tokens of the whole step, then each micro-batch's share, back-propagated
     local = torch.stack([b["loss_mask"].double().sum() for b in batches]).sum().reshape(1)
     count = topo.world.all_reduce(local)  # (1,) every loss token of the step
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), dtype=torch.float64)
-    for b in batches:
-        ctx = CPContext(comm=topo.cp, sharding=b["sharding"], mode=config.mode, options=dict(config.options))
+    for pack, b in zip(packs, batches):
+        ctx = CPContext(comm=topo.cp, sharding=b["sharding"], mode=config.mode, options=dict(config.options),
+                        mask=pack.mask)  # fmt: skip
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
         with autocast:
             logits = forward(model, b, ctx)  # (T_l, vocab)
