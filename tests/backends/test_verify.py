@@ -136,7 +136,7 @@ def test_variants_reach_every_rank_the_run_without_cp_and_the_truth(capsys):
     out = capsys.readouterr().out
     assert "causal, softcap 5, chunk 16, sinks 20, seed 0" in out  # the run's description names them
     head = next(line for line in out.splitlines() if line.startswith("impl "))
-    assert head.split()[-9:] == ["dq", "dk", "dv", "dsinks", "tol", "vs", "P=1", "oracle", "result"], head
+    assert head.split()[-10:] == ["dq", "dk", "dv", "dsinks", "tol", "err/tol", "vs", "P=1", "oracle", "result"], head
     rows = [line.split() for line in out.splitlines() if line.startswith(("cpref ", IMPLS))]
     assert len(rows) == 2 * len(MODES) * 2 * 2  # impls x modes x dtypes x ranks
     assert all(row[-1] == ("pass" if row[0] == "cpref" else "FAIL") for row in rows), out
@@ -484,3 +484,97 @@ def test_padded_says_what_it_did(monkeypatch, capsys):
     note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --padded"))
     assert "as run: zigzag cp2 99,250,38 in 100,252,40; stream cp2 100,250,37 in 100,250,38 (" in note
     assert "rounded up" not in note
+
+
+def test_an_impl_is_named_by_its_file_as_well_as_by_its_module(capsys, tmp_path, monkeypatch):
+    """`--impl path/to/file.py:function` loads the file in every process (issue 58: it failed with "No module named
+    '/path/to/file'"); a file that is not there, a module that does not import and a missing name are one line each,
+    exit status 2, before any process starts."""
+    source = Path(__file__).with_name("verify_impls.py").read_text()
+    (tmp_path / "mine.py").write_text(source)
+    monkeypatch.chdir(tmp_path)  # a relative path, from the folder the user runs in
+    args = ["--mode", "p2p", "--layout", "zigzag", "--docs", "48,80"]
+    assert verify.main([*args, "--impl", "mine.py:cpref_over_group"]) == 0
+    assert "verification passed" in capsys.readouterr().out
+    for impl, words in [("nowhere/ring.py:attention", "no file nowhere/ring.py (looked for "),
+                        ("no_such_package.ring:attention", "ModuleNotFoundError: No module named 'no_such_package' (is "
+                                                           "the package on sys.path?"),
+                        ("mine.py:no_such_function", "mine.py has no 'no_such_function'")]:  # fmt: skip
+        assert verify.main([*args, "--impl", impl]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
+def test_the_err_over_tol_column_is_the_verdicts_measure():
+    """Issue 58: a row read "dk 4.56e-02, tol 3.5e-02, pass" (the largest error, where the truth was large). The
+    `err/tol` column is the worst entry's |error| / (tol + tol |truth|): at most 1 on every row that passes the
+    tolerance, above 1 on the row that fails it (rank 1's output biased by 0.1), and printed as the table shows it."""
+    cases = [Case("p2p", "zigzag", dtype, cp=2, impl=f"{IMPLS}:{impl}") for dtype in ("fp32", "bf16")
+             for impl in ("cpref_over_group", "biased_on_rank_1")]  # fmt: skip
+    report = verify.run(cases, SETUP, progress=False)
+    for row in report.rows:
+        biased = row.case.impl.endswith("biased_on_rank_1") and row.cp_rank == 1
+        assert (row.share > 1) == biased, (row.case.label, row.rank, row.share, row.errors, row.tol)
+        assert row.ok == (not biased)
+    lines = report.format().splitlines()
+    for row, line in zip(report.rows, lines[2:]):
+        share = f"{row.share:.2f}" if row.share < 1e3 else f"{row.share:.1e}"
+        assert f"{row.tol:>9.1e} {share:>8}" in line
+
+
+def test_a_case_the_implementation_refuses_is_a_skipped_row_not_an_abort():
+    """Issue 58: an adapter raising NotImplementedError (before it communicates, on every rank) gets `skipped (why)`
+    rows, the other cases run and the verdict counts only them; raised on one rank alone, the ranks agreed first, so
+    nothing hangs: that case's rows fail and name it."""
+    cases = [Case("p2p", "zigzag", "fp32", cp=2, impl=f"{IMPLS}:refuses_windows", window=window)
+             for window in ((-1, -1), (3, 0))] + [Case("p2p", "zigzag", "fp32", cp=2, impl=f"{IMPLS}:refuses_on_rank_1")]
+    report = verify.run(cases, SETUP, progress=False)
+    assert [r.status for r in report.rows] == ["pass", "pass", "skipped", "skipped", "FAIL", "FAIL"]
+    assert report.rows[2].note == "no sliding window (the adapter's attention has no window argument)"
+    assert "was not given: NotImplementedError on CP rank 1" in report.rows[4].note
+    assert verify.truth.Report(report.rows[:4]).ok and not report.ok  # skipped rows fail nothing
+    text = report.format()
+    assert text.splitlines()[-1] == "2 of 6 rank rows pass; 2 FAIL; 2 skipped" and "skipped (no sliding window" in text
+
+
+def test_a_run_whose_every_case_is_skipped_fails_rather_than_passing_on_nothing(capsys):
+    assert verify.main(["--impl", f"{IMPLS}:refuses_windows", "--mode", "p2p", "--layout", "zigzag", "--docs", "48,80",
+                        "--window", "3,0", "--no-progress"]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    assert "0 of 2 rank rows pass; 2 skipped" in out and "nothing verified, every case skipped" in out
+
+
+def test_impl_options_reach_every_call_and_are_refused_where_the_impl_takes_none(capsys):
+    """`--impl-option NAME=VALUE` passes a setting to the implementation (issue 58: `--option rotate=alltoall` was
+    refused, "no mode takes it"): the case's label shows it, and it changes what runs; one the function does not
+    declare, or one without an --impl, is one line and exit status 2."""
+    args = ["--mode", "p2p", "--layout", "zigzag", "--docs", "48,80", "--impl", f"{IMPLS}:scaled"]
+    assert verify.main([*args, "--impl-option", "scale_output=1.0"]) == 0
+    assert f"{IMPLS}:scaled" in capsys.readouterr().out
+    assert verify.main([*args, "--impl-option", "scale_output=2.0"]) == 1
+    assert "verification FAILED" in capsys.readouterr().out
+    assert verify.main([*args, "--impl-option", "rotate='alltoall'"]) == 2
+    assert f"--impl {IMPLS}:scaled takes no rotate= (no such keyword" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        verify.main(["--impl-option", "rotate='alltoall'"])
+    assert "--impl-option rotate: it passes settings to an --impl, and none is given" in capsys.readouterr().err
+    case = cases_from_args(parse_args([*args, "--impl-option", "scale_output=2.0"]), world=2)[0]
+    assert case.impl_options == (("scale_output", 2.0),) and case.label.endswith("scaled/scale_output=2.0")
+
+
+def test_a_peer_is_its_adapter_with_its_own_modes_layouts_and_documents():
+    """`--peer NAME`: the adapter cpref ships, checked in the peer's own modes and layouts over its documents (one
+    for PyTorch's ring, which takes no boundaries) unless the command line says otherwise; labelled by its name."""
+    from sim.tools.verify.impls import PEERS
+
+    args = parse_args(["--peer", "deepspeed-ulysses"])
+    cases = cases_from_args(args, world=2)
+    assert {(c.impl, c.mode, c.layout) for c in cases} == {(PEERS["deepspeed-ulysses"].impl, "a2a", "stream")}
+    assert args.setup.docs == (1000, 3000, 500)
+    ring = parse_args(["--peer", "torch-ring", "--layout", "zigzag"])
+    assert ring.setup.docs == (1024,) and {(c.mode, c.layout) for c in cases_from_args(ring, world=2)} == {("p2p", "zigzag")}
+    assert parse_args(["--peer", "torch-ring", "--docs", "64"]).setup.docs == (64,)
+    plain = parse_args([])
+    assert plain.setup.docs == Setup.docs and plain.modes == sorted(cpref.MODES) and plain.impl is None
+    row = truth.Row(cases[0], 0, 0, 0, {"out": 0.0}, 1e-5, 0.0, "pass")
+    assert truth.Report([row]).format().splitlines()[2].startswith("deepspeed-ulysses  a2a")

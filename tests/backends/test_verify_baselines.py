@@ -279,7 +279,8 @@ def test_the_verify_pages_example_is_this_run(p2):
     assert len(text) == len(got)
     for line, row in zip(text, got):
         cells = line.split()
-        errors, ratio = [float(x) for x in cells[8:12]], float(cells[13])
+        errors, ratio = [float(x) for x in cells[8:12]], float(cells[14])
+        assert abs(float(cells[13]) - row.share) <= 0.25 * row.share + 0.01, (line, row.share)
         assert cells[-1] == row.status and near(row.ratio, ratio), (line, row.ratio)
         assert all(abs(e - row.errors[n]) <= 0.25 * e for e, n in zip(errors, ("out", "dq", "dk", "dv"))), (line, row.errors)
 

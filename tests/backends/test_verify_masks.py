@@ -65,8 +65,9 @@ def test_an_impl_that_ignores_the_mask_fails_one_that_reads_it_passes_one_withou
     head, rows = table(out)
     assert head[:7] == ["impl", "mode", "layout", "dtype", "pad", "mask", "baseline"]
     assert len(rows) == 2 * len(MASKS) * 2 and not any(row[0].endswith("takes_no_mask") for row in rows)
-    for row in rows:  # impl mode layout dtype pad mask baseline cp rank dp r out dq dk dv tol vs-P=1 (2) oracle result
-        impl, out_err, tol, ratio = row[0].split(":")[1], float(row[11]), float(row[15]), row[16]
+    for row in rows:  # impl mode layout dtype pad mask baseline cp rank dp r out dq dk dv tol err/tol vs-P=1 (2) oracle
+        impl, out_err, tol, ratio = row[0].split(":")[1], float(row[11]), float(row[15]), row[17]
+        assert (float(row[16]) <= 1) == (row[-1] == "pass"), row
         assert row[-1] == ("pass" if impl == "blockwise_masked" else "FAIL"), row
         if impl == "ignores_mask":  # its run at CP size 1 drops the mask too: only the tolerance sees it
             assert out_err > 0.5 and tol == 1e-5 and ratio == "1.00", row

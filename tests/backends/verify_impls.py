@@ -303,3 +303,23 @@ def raises_without_cp(q, k, v, sharding, *, process_group, **kwargs):
 BUGS = ("bf16 merge", "wrong lse", "off by one", "no dk reduction", "stale kv")
 for _bug in BUGS:
     globals()["raises_without_cp_" + _bug.replace(" ", "_")] = functools.partial(raises_without_cp, bug=_bug)
+
+
+def refuses_windows(q, k, v, sharding, *, process_group, window, **kwargs) -> torch.Tensor:
+    """Right where it runs; a case with a window it refuses, before it communicates, on every rank alike."""
+    if tuple(window) != (-1, -1):
+        raise NotImplementedError("no sliding window (the adapter's attention has no window argument)")
+    return cpref_over_group(q, k, v, sharding, process_group=process_group, window=window, **kwargs)
+
+
+def refuses_on_rank_1(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Wrong: rank 1 refuses the case, rank 0 answers without communicating (the ranks disagree)."""
+    if _comm(process_group).rank == 1:
+        raise NotImplementedError("rank 1 alone")
+    return q[..., : v.shape[-1]] * 1.0
+
+
+def scaled(q, k, v, sharding, *, process_group, mode, causal, window, scale_output: float = 1.0) -> torch.Tensor:
+    """Right at `scale_output=1.0` (`--impl-option scale_output=...`), wrong at any other; takes no other setting."""
+    out = cpref_over_group(q, k, v, sharding, process_group=process_group, mode=mode, causal=causal, window=window)
+    return out * scale_output

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import cpref
 from sim.oracle import slice_mask
+from sim.tools.verify.impls import load_impl  # a local attention function, named as --impl names one
 
 __all__ = ["BASELINES", "EAGER", "FALLBACK", "eager", "label", "packed_sdpa", "resolve", "run_baseline"]
 
@@ -152,6 +153,5 @@ def run_baseline(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
         return packed_sdpa(q, k, v, whole, causal=call["causal"], window=call["window"], mask=call.get("mask"))
     if name == "impl":
         return impl(q, k, v, whole, process_group=solo, **call)
-    from sim.tools.verify.rank import load_impl  # a local attention function, named as --impl names one
 
     return load_impl(name, "--baseline")(q, k, v, whole, **call)

@@ -111,6 +111,8 @@ class Case:
         mask: a name of `sim.tools.verify.masks.MASKS` (`--mask`): every call takes that mask of the case's
             documents as `mask=`, which replaces `causal`, `window` and `chunk` (so those keep their defaults);
             None: the documents' causal (or full) mask.
+        impl_options: settings of the implementation (`--impl-option NAME=VALUE`), passed to every call of an
+            `--impl` (and of its run without CP) as keywords; none for cpref.
     """
 
     mode: str
@@ -125,9 +127,13 @@ class Case:
     window: tuple[int, int] = NO_WINDOW
     variants: tuple[tuple[str, Any], ...] = field(default=())
     mask: str | None = None
+    impl_options: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "window", check_window(self.window, self.causal))  # a CPInputError (ValueError) if bad
+        if self.impl_options and self.impl == "cpref":
+            raise ValueError(f"--impl-option {self.impl_options[0][0]}: cpref takes its options as --option; "
+                             "--impl-option passes settings to an --impl")  # fmt: skip
         if self.mask is not None:
             if self.mask not in MASKS:
                 raise ValueError(f"mask {self.mask!r} unknown; choose from {', '.join(MASKS)}")
@@ -151,6 +157,7 @@ class Case:
         parts += ["window={},{}".format(*self.window)] if self.windowed else []
         parts += [f"{k}={v:g}" for k, v in self.variants]
         parts += [f"{k}={v}" for k, v in self.options] + ([] if self.impl == "cpref" else [self.impl])
+        parts += [f"{k}={v}" for k, v in self.impl_options]
         return "/".join(parts)
 
     def tol(self, setup: Setup) -> float:
@@ -289,7 +296,8 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
                 padded: Sequence[bool] = (False,), causal: bool = True, impls: Sequence[str] = ("cpref",),
                 a2a_size: int | None = None, window: tuple[int, int] = NO_WINDOW,
                 options: Mapping[str, Any] | None = None, variants: Mapping[str, Any] | None = None,
-                masks: Sequence[str | None] = (None,)) -> list[Case]:  # fmt: skip
+                masks: Sequence[str | None] = (None,),
+                impl_options: Mapping[str, Any] | None = None) -> list[Case]:  # fmt: skip
     """The product of the choices, as cases.
 
     `a2a_size` goes only to the modes whose options take it (the hierarchical mode); left
@@ -297,7 +305,7 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
     Each of `options` (e.g. `{"overlap": True}`) likewise goes only to the modes that declare it.
     `window` goes to every case: a mode without `cpref.MODES[mode].windows` is refused by
     `sim.tools.verify.run` (the command line skips or refuses it first); so do `variants`. Each of `masks`
-    (None: no mask) makes a case of its own, after the padding.
+    (None: no mask) makes a case of its own, after the padding. `impl_options` go to every `--impl` case.
     """
     import cpref  # here: `MODES` is read when the cases are built, so new modes join by themselves
 
@@ -312,6 +320,7 @@ def build_cases(modes: Sequence[str], layouts: Sequence[str], dtypes: Sequence[s
             for layout in layouts:
                 for dtype in dtypes:
                     for pad in padded:
+                        own = () if impl == "cpref" else tuple((impl_options or {}).items())
                         cases += [Case(mode, layout, dtype, cp, pad, strided, causal, impl, options, window,
-                                       tuple((variants or {}).items()), mask) for mask in masks]  # fmt: skip
+                                       tuple((variants or {}).items()), mask, own) for mask in masks]  # fmt: skip
     return cases

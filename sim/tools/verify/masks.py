@@ -26,16 +26,13 @@ Example:
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 
 import cpref
 from cpref.batch.mask_union import KINDS
 from sim import oracle
-
-if TYPE_CHECKING:
-    from sim.tools.verify.cases import Batch
 
 __all__ = ["MASKS", "mask_of", "random_slices", "random_note", "blocks", "masked_oracle"]
 
@@ -126,10 +123,11 @@ def blocks(mask: cpref.Mask) -> list[tuple[int, int]]:
     return out
 
 
-def masked_oracle(batch: "Batch", mask: cpref.Mask, **variants) -> tuple[torch.Tensor, ...]:
-    """The oracle's `(out, dq, dk, dv)` under `mask` over the padded stream (padding rows 0), one of `blocks` and one KV
-    head at a time: `sim.oracle.forward_backward` with `slice_mask` of the block's slices; a row in no block, like a
-    row no slice reaches inside one, gives 0. `variants`: `softcap`, and `sinks`, whose gradient comes fifth."""
+def masked_oracle(batch: Any, mask: cpref.Mask, **variants) -> tuple[torch.Tensor, ...]:
+    """The oracle's `(out, dq, dk, dv)` of `batch` (a `sim.tools.verify.cases.Batch`) under `mask` over the padded
+    stream (padding rows 0), one of `blocks` and one KV head at a time: `sim.oracle.forward_backward` with
+    `slice_mask` of the block's slices; a row in no block, like a row no slice reaches inside one, gives 0.
+    `variants`: `softcap`, and `sinks`, whose gradient comes fifth."""
     s = batch.sharding
     q, k, v, dout = (t.double() for t in (batch.q, batch.k, batch.v, batch.dout))
     if s.bounds.is_padded:

@@ -28,10 +28,8 @@ case (`CaseFailed`) to the launcher's report.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,9 +40,10 @@ from cpref.kernels import NpuKernel, TorchKernel
 from sim.tools.launch import under_torchrun
 from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
 from sim.tools.verify.cases import Case, Setup, call_variants, case_mask, cp_groups, make_batch, placement
+from sim.tools.verify.impls import load_impl
 from sim.tools.verify.meter import meter
 
-__all__ = ["Plan", "CaseFailed", "rank_main", "run_case", "run_without_cp", "load_impl", "takes_mask", "make_kernel",
+__all__ = ["Plan", "CaseFailed", "SKIPPED", "rank_main", "run_case", "run_without_cp", "make_kernel",
            "DEVICE_TYPES"]  # fmt: skip
 
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
@@ -55,6 +54,9 @@ Pair = tuple[Result, Baseline | None, str]  # (the rank's result, the run withou
 
 class CaseFailed(RuntimeError):
     """A case raised on this rank; the message names the case, the original exception is chained."""
+
+
+SKIPPED = "skipped"  # a rank's result of a case its implementation does not support: `((), None, "skipped (why)")`
 
 
 @dataclass(frozen=True)
@@ -77,42 +79,6 @@ class Plan:
     def device_type(self) -> str:
         """The torch device type the backend runs on: cpu (gloo), cuda (nccl) or npu (hccl)."""
         return DEVICE_TYPES[self.backend]
-
-
-def load_impl(spec: str, flag: str = "--impl") -> Callable[..., torch.Tensor]:
-    """Import `"package.module:function"` (`flag`: the option that named it, for the error).
-
-    Raises:
-        ValueError: if `spec` is not of that form, does not import, or is not callable.
-    """
-    module_name, _, name = spec.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"{flag} {spec!r}: expected package.module:function, e.g. tests.backends.verify_impls:cpref_over_group")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{flag} {spec!r}: {type(exc).__name__}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"{flag} {spec!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def takes_mask(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` can be called with `mask=`: a parameter of that name, or `**kwargs` (where it has no signature to
-    read, the call itself will tell).
-
-    Example:
-        >>> takes_mask(lambda q, k, v, sharding, *, process_group, mode, causal, window: q)
-        False
-        >>> takes_mask(lambda q, k, v, sharding, *, process_group, **options: q)
-        True
-    """
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return any(p.kind == inspect.Parameter.VAR_KEYWORD or (p.name == "mask" and p.kind in named) for p in params)
 
 
 def mask_call(setup: Setup, case: Case) -> dict[str, Any]:
@@ -167,15 +133,22 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
     variants = call_variants(case, setup.heads[0], device=device, grad=True)  # the sinks: this rank's own leaf
-    kwargs = dict(**mask_call(setup, case), **variants, **dict(case.options))
+    kwargs = dict(**mask_call(setup, case), **variants, **dict(case.options), **dict(case.impl_options))
     # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
+    unsupported = ""
     if case.impl == "cpref":
         out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
     else:
-        out = load_impl(case.impl)(q, k, v, sharding, process_group=comm.process_group, **kwargs)
+        try:
+            out = load_impl(case.impl)(q, k, v, sharding, process_group=comm.process_group, **kwargs)
+        except NotImplementedError as exc:  # a case it does not support, said before it communicates
+            out, unsupported = None, str(exc) or "not supported"
     # 3) backward with the upstream gradient, where every rank's output can take it (one tiny host exchange)
-    why = unusable(out, dout)
-    stopped = {r: UNUSABLE[code] for r, (code,) in enumerate(comm.agree([UNUSABLE.index(why)])) if code}
+    why = UNUSABLE[-1] if unsupported else unusable(out, dout)
+    codes = [code for (code,) in comm.agree([UNUSABLE.index(why)])]
+    if unsupported and all(UNUSABLE[c] == UNUSABLE[-1] for c in codes):  # on every rank: the case is skipped
+        raise NotImplementedError(unsupported)
+    stopped = {r: UNUSABLE[code] for r, code in enumerate(codes) if code}
     got = out.detach().cpu() if isinstance(out, torch.Tensor) else None
     if stopped:
         ranks = {w: [r for r, x in stopped.items() if x == w] for w in dict.fromkeys(stopped.values())}
@@ -190,7 +163,8 @@ def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.d
     return (got, *grads, comm.all_reduce(share).cpu()), ""
 
 
-UNUSABLE = ("", "is not a tensor", "is not the shard's shape", "does not require grad")  # `unusable`'s answers
+UNUSABLE = ("", "is not a tensor", "is not the shard's shape", "does not require grad",
+            "was not given: NotImplementedError")  # `unusable`'s answers, and a rank whose implementation refused the case
 
 
 def unusable(out: Any, dout: torch.Tensor) -> str:
@@ -227,6 +201,8 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
                for key, value in case.options}  # fmt: skip
     call = dict(**mask_call(setup, case), **options)
     impl = None if case.impl == "cpref" else load_impl(case.impl)
+    if name == "impl":
+        call.update(case.impl_options)  # the implementation's own settings, at CP size 1 too
 
     def once(attempt: str) -> tuple[Result, str]:
         """The baseline `attempt`'s results, and what it failed to give (`""`: nothing)."""
@@ -278,7 +254,12 @@ def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
     for case in plan.cases:
         comm, dp = groups[(case.cp, case.strided)]
         try:
-            got, note = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
+            try:
+                got, note = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
+            except NotImplementedError as why:  # the implementation refused the case on every rank (run_case agreed)
+                results.append(((), None, f"{SKIPPED} ({why or 'not supported'})"))
+                bar.step(case.label)
+                continue
             solo = groups["solo"][0].process_group if "solo" in groups else None
             plain = run_without_cp(case, plan.setup, dp, device, kernel, solo) if comm.rank == 0 else None
             results.append((got, plain, note))

@@ -76,6 +76,7 @@ import cpref
 from cpref.kernels.contract import NO_WINDOW
 from sim.cluster.harness import oracle_padded, run_attention
 from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, call_variants, case_mask, cp_groups, make_batch
+from sim.tools.verify.impls import peer_name
 from sim.tools.verify.masks import masked_oracle
 from sim.tools.verify.meter import meter
 
@@ -141,6 +142,7 @@ class Row:
     note: str = ""
     ratio: float | None = None  # largest shard_ratio of the four tensors against the run without CP; None for fp64
     baseline: str = "kernel"  # what the run without CP was (sim.tools.verify.baselines)
+    share: float = 0.0  # the worst entry's |real - simulated| / (tol + tol |simulated|): the verdict's measure, <= 1
 
     @property
     def ratio_ok(self) -> bool:
@@ -149,8 +151,8 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        """Whether this passed."""
-        return self.status == "pass"
+        """Whether this passed (a skipped row, a case the implementation does not support, did not fail)."""
+        return self.status in ("pass", "skipped")
 
 
 @dataclass
@@ -167,7 +169,7 @@ class Report:
     def format(self) -> str:
         """The table, and a last line that counts the failures."""
         cases = [r.case for r in self.rows]
-        cols = [("impl", lambda c: c.impl)] if any(c.impl != "cpref" for c in cases) else []
+        cols = [("impl", lambda c: peer_name(c.impl))] if any(c.impl != "cpref" for c in cases) else []
         cols += [("mode", lambda c: c.mode + "".join(f" {k}={v}" for k, v in c.options)), ("layout", lambda c: c.layout),
                  ("dtype", lambda c: c.dtype), ("pad", lambda c: "yes" if c.padded else "no")]  # fmt: skip
         if len({c.causal for c in cases}) > 1 or any(c.mask for c in cases):  # --mask's name, else causal or full
@@ -180,25 +182,31 @@ class Report:
         widths = [max([len(name)] + [len(get(c)) for c in cases]) for name, get in cols]
         head = "  ".join(f"{n:<{w}}" for (n, _), w in zip(cols, widths))
         names = NAMES + ((SINKS,) if any("sinks" in dict(c.variants) for c in cases) else ())
-        head += f"  {'cp':>2} {'rank':>4} {'dp':>3} {'r':>3}" + "".join(f"{n:>10}" for n in names) + f"{'tol':>9}{'vs P=1':>12}"
+        head += f"  {'cp':>2} {'rank':>4} {'dp':>3} {'r':>3}" + "".join(f"{n:>10}" for n in names) + f"{'tol':>9}"
+        head += f"{'err/tol':>9}{'vs P=1':>12}"
         head += f"{'oracle':>10}  result"
         lines = [head, "-" * len(head)]
         for row in self.rows:
             line = "  ".join(f"{get(row.case):<{w}}" for (_, get), w in zip(cols, widths))
             line += f"  {row.case.cp:>2} {row.rank:>4} {row.dp:>3} {row.cp_rank:>3}"
             line += "".join(f"{row.errors[n]:>10.2e}" if n in row.errors else f"{'-':>10}" for n in names) + f"{row.tol:>9.1e}"
+            skipped = not row.errors  # not run: no error to show
+            line += f"{'-':>9}" if skipped else f" {_share(row.share):>8}"
             line += f"{'-':>8} {'':>3}" if row.ratio is None else f" {_ratio(row.ratio):>7} {'<=2' if row.ratio_ok else '>2':>3}"
-            line += f"{row.oracle:>10.2e}"
+            line += f"{'-':>10}" if skipped else f"{row.oracle:>10.2e}"
             lines.append(f"{line}  {row.status}" + (f" ({row.note})" if row.note else ""))
-        bad = [r for r in self.rows if not r.ok]
-        lines.append(f"{len(self.rows) - len(bad)} of {len(self.rows)} rank rows pass" + (f"; {len(bad)} FAIL" if bad else ""))
+        bad, skipped = [r for r in self.rows if not r.ok], sum(r.status == "skipped" for r in self.rows)
+        lines.append(f"{len(self.rows) - len(bad) - skipped} of {len(self.rows)} rank rows pass"
+                     + (f"; {len(bad)} FAIL" if bad else "") + (f"; {skipped} skipped" if skipped else ""))
         return "\n".join(lines)
 
 
 KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = which CP group it is in (the DP index);
   r = its rank inside that CP group. out, dq, dk, dv = the largest error of the output and the three gradients
-  on this rank against the simulated cluster's FP64 run of the same inputs; pass if within tol (the dtype's
-  tolerance). vs P=1 = this rank's error against the FP64 oracle over the error of the same attention without CP
+  on this rank against the simulated cluster's FP64 run of the same inputs; tol = the dtype's tolerance (atol =
+  rtol). err/tol = the worst entry of the four, |error| / (tol + tol |truth|): what the verdict holds to, pass if
+  <= 1 (a largest error above tol passes where the truth there is large). vs P=1 = this rank's error
+  against the FP64 oracle over the error of the same attention without CP
   (the baseline: the implementation itself at CP size 1 for --impl, or where it raises there sdpa/eager, each
   tensor held to the looser of the two; cpref's kernel for cpref; the baseline column shows it when it is not the
   kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the dense FP64 oracle itself.
@@ -206,6 +214,11 @@ KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = wh
   mask (with --mask, or causal and full mixed) = the mask every call of the case took: a --mask name, or causal/full.
   A note in parentheses after the result: why a baseline fell back (CP rank 0) or gave no result, a missing
   gradient, a wrong shape, or why no backward ran."""
+
+
+def _share(x: float) -> str:
+    """`err/tol` in at most 8 characters: two decimals, or a power of ten from 1000 on."""
+    return f"{x:.2f}" if x < 1e3 else f"{x:.1e}"
 
 
 def _ratio(x: float) -> str:
@@ -282,6 +295,25 @@ def compare(got, want, tol: float, backward: bool = True) -> tuple[dict[str, flo
         errors[name] = float(diff.max()) if diff.numel() else 0.0
         ok &= not bool(diff.isnan().any()) and bool((diff <= tol + tol * w.abs()).all())
     return errors, ok, "; ".join(notes)
+
+
+def share_of_tolerance(got, want, tol: float) -> float:
+    r"""The worst entry's $|x - x^\ast| / (\mathrm{tol} + \mathrm{tol}\,|x^\ast|)$ over the tensors of `got` that are
+    there and of `want`'s shape: what the verdict holds to at most 1 (NaN where an entry is NaN).
+
+    Examples:
+        >>> import torch
+        >>> truth = torch.tensor([1.0, 10.0], dtype=torch.float64)
+        >>> share_of_tolerance([torch.tensor([1.5, 10.0], dtype=torch.float64)], [truth], 0.25)  # 0.5 / (0.25 + 0.25)
+        1.0
+    """
+    worst = 0.0
+    for g, w in zip(got, want):
+        if g is None or w is None or g.shape != w.shape or not g.numel():
+            continue
+        share = ((g.double() - w).abs() / (tol + tol * w.abs())).max()
+        worst = float("nan") if share.isnan() or worst != worst else max(worst, float(share))
+    return worst
 
 
 def complete(got, want) -> bool:
@@ -365,6 +397,11 @@ def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) 
     for i, case in enumerate(cases):
         tol, rows = case.tol(setup), []
         for dp, ranks in enumerate(cp_groups(world, case.cp, case.strided)):
+            unsupported = [per_rank[g][i][2] for g in ranks if per_rank[g][i][0] == ()]
+            if unsupported:  # the implementation refused the case on every rank (they agreed): a row each, not run
+                why = unsupported[0].partition(" ")[2][1:-1]  # "skipped (why)" -> why
+                rows += [Row(case, g, dp, r, {}, tol, float("nan"), "skipped", why) for r, g in enumerate(ranks)]
+                continue
             result, used, note_1 = per_rank[ranks[0]][i][1] or (None, "kernel", "")  # the runs without CP, their label
             simulated, oracle, plain = ground_truth(setup, case, dp, oracle_cache, result or None)
             for r, g in enumerate(ranks):
@@ -382,7 +419,8 @@ def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) 
                 note = note or ("" if ref_ok else f"simulated cluster differs from the oracle by {max(ref_errors.values()):.1e}")
                 said = note_1 if (r == 0 and result != ()) or unchecked else ""
                 note = "; ".join(n for n in (note, "" if backward else stopped[0], said) if n)
-                rows.append(Row(case, g, dp, r, errors, tol, oracle_err, status, note, ratio, used))
+                share = share_of_tolerance(got[: len(errors)], simulated[r], tol)  # the tensors compared
+                rows.append(Row(case, g, dp, r, errors, tol, oracle_err, status, note, ratio, used, share))
         report.rows += sorted(rows, key=lambda row: row.rank)
         bar.step(case.label)
     bar.close()
