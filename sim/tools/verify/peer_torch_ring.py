@@ -1,4 +1,4 @@
-r"""PyTorch's own ring attention, verified rank by rank: `--impl sim.tools.verify.peer_torch_ring:attention`.
+r"""PyTorch's own ring attention, verified rank by rank: `--peer torch-ring`.
 
 PyTorch ships context parallelism in `torch.distributed.tensor.experimental` (`context_parallel`,
 the ring torchtitan trains with). Underneath the DTensor dispatch sit two plain functions of
@@ -45,9 +45,12 @@ takes is refused by name (`ValueError`). [`unsupported`][sim.tools.verify.peer_t
 gives the reason without running anything, for a caller that would rather skip the case.
 
 ```bash
-python -m sim verify --nproc 2 --mode p2p --layout contiguous,zigzag --docs 256 --dtype fp32,bf16,fp16 \
-    --impl sim.tools.verify.peer_torch_ring:attention
+python -m sim verify --nproc 2 --peer torch-ring --docs 256 --dtype fp32,bf16,fp16
+python -m sim verify --nproc 2 --peer torch-ring --docs 256 --dtype fp64 --impl-option convert_to_f32=False
 ```
+
+(`--peer torch-ring` is `--impl sim.tools.verify.peer_torch_ring:attention --mode p2p --layout
+contiguous,zigzag`, over one document of 1024 tokens unless `--docs` says otherwise.)
 
 ## What it finds (measured by `tests/backends/test_verify_torch_ring.py`)
 
