@@ -33,7 +33,7 @@ def test_demo_runs_and_reports(capsys):
     assert "within 1e-10" in out
     # part 3: the production path on 2 gloo processes: a passing row per mode, layout and rank
     rows = [line.split() for line in verified.splitlines() if line.split()[:1] and line.split()[0] in cpref.MODES]
-    seen = {(r[0], next(w for w in r if w in cpref.LAYOUTS), int(r[-10])) for r in rows}  # ... rank dp r out dq dk dv tol oracle result
+    seen = {(r[0], next(w for w in r if w in cpref.LAYOUTS), int(r[-11])) for r in rows}  # ... rank dp r out dq dk dv tol err/tol oracle result
     assert seen == {(m, lay, rank) for m in cpref.MODES for lay in cpref.LAYOUTS for rank in (0, 1)}
     assert len(rows) == len(seen) and all(r[-1] == "pass" for r in rows)
     assert "verification passed" in verified

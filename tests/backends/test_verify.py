@@ -88,8 +88,8 @@ def test_impl_right_and_wrong_through_the_command_line(capsys):
     out = capsys.readouterr().out
     rows = {}  # (impl, mode, dtype, rank) -> (out, dq, dk, dv errors, tol, vs-P=1 ratio, <=2 or >2, status)
     for row in (line.split() for line in out.splitlines() if line.startswith(IMPLS)):  # impl mode [a2a_size] layout dtype
-        errors = tuple(map(float, row[-9:-5]))  # pad baseline cp rank dp r out dq dk dv tol vs-P=1 (ratio, <=2 or >2) oracle result
-        rows[row[0].split(":")[1], row[1], row[-16], int(row[-12])] = (*errors, float(row[-5]), float(row[-4]), row[-3], row[-1])
+        errors = tuple(map(float, row[-10:-6]))  # pad baseline cp rank dp r out dq dk dv tol err/tol vs-P=1 (2) oracle result
+        rows[row[0].split(":")[1], row[1], row[-17], int(row[-13])] = (*errors, float(row[-6]), float(row[-4]), row[-3], row[-1])
     assert len(rows) == 3 * len(MODES) * 2 * 2  # impls x modes x dtypes x ranks
     for (impl, mode, dtype, rank), (out_err, *grad_errs, tol, ratio, within, status) in rows.items():
         wrong = impl != "cpref_over_group" and rank == 1
@@ -121,7 +121,7 @@ def test_a_window_reaches_every_rank_the_run_without_cp_and_the_truth(capsys):
     assert head.split()[:6] == ["impl", "mode", "layout", "dtype", "pad", "window"]
     rows = [line.split() for line in lines if line.startswith(("cpref ", IMPLS))]  # impl mode [option] layout ...
     assert len(rows) == 2 * len(windowed) * 2 and {row[1] for row in rows} == set(windowed)  # impls x modes x ranks
-    assert {row[-15] for row in rows} == {"5,0"}  # window baseline cp rank dp r out dq dk dv tol vs-P=1 (2) oracle result
+    assert {row[-16] for row in rows} == {"5,0"}  # window baseline cp rank dp r out dq dk dv tol err/tol vs-P=1 (2) oracle result
     assert all(row[-1] == ("pass" if row[0] == "cpref" else "FAIL") for row in rows), out
 
 
