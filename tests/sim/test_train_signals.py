@@ -55,14 +55,33 @@ def finish(proc: subprocess.Popen, limit: float = 120.0) -> tuple[int, list[str]
     return proc.returncode, lines
 
 
-def rank_pid(launcher: int, rank: int) -> int:
-    """The pid of `rank` of a `sim.tools.launch` launcher: its child holding the stack-dump file `stack-<rank>.txt`."""
-    for task in os.listdir(f"/proc/{launcher}/task"):
-        for child in Path(f"/proc/{launcher}/task/{task}/children").read_text().split():
-            fds = Path(f"/proc/{child}/fd")
-            if any(os.readlink(fd).endswith(f"/stack-{rank}.txt") for fd in fds.iterdir()):
-                return int(child)
-    raise AssertionError(f"no rank {rank} under process {launcher}")
+def rank_pid(launcher: int, rank: int, within: float = 10.0) -> int:
+    """The pid of `rank` of a `sim.tools.launch` launcher: its child holding the stack-dump file `stack-<rank>.txt`.
+    A child's descriptors come and go while it runs (one closed between listing and reading it was a FileNotFoundError
+    in one full-tier run in three): such a one is passed over, and the search repeats for `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        for task in os.listdir(f"/proc/{launcher}/task"):
+            for child in Path(f"/proc/{launcher}/task/{task}/children").read_text().split():
+                if any(_target(fd).endswith(f"/stack-{rank}.txt") for fd in _descriptors(int(child))):
+                    return int(child)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no rank {rank} under process {launcher}")
+        time.sleep(0.1)
+
+
+def _descriptors(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/fd").iterdir())
+    except FileNotFoundError:  # the process has exited
+        return []
+
+
+def _target(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except FileNotFoundError:  # closed since it was listed
+        return ""
 
 
 def last(save: Path) -> str:
