@@ -563,10 +563,11 @@ PLACEHOLDER = re.compile(r"\{\{ (?:output (?P<output>[\w/.-]+\.py)|figure (?P<fi
 
 
 def filled_pages() -> list[str]:
-    """The hand-written pages whose placeholders the build fills (`hand_page`): the home page, the Learn path and
-    every page with figures of its own (`HAND_FIGURES`); `tests/docs/test_placeholders.py` holds every page with a
+    """The hand-written pages whose placeholders the build fills (`hand_page`): the home page, "Verify your
+    implementation" (its first example's output), the Learn path and every page with figures of its own
+    (`HAND_FIGURES`); `tests/docs/test_placeholders.py` holds every page with a
     placeholder to this list."""
-    return list(dict.fromkeys(["index.md", *(page for page, _ in LEARN), *HAND_FIGURES]))
+    return list(dict.fromkeys(["index.md", "verify-your-implementation.md", *(page for page, _ in LEARN), *HAND_FIGURES]))
 
 
 def hand_page(page: str) -> str:

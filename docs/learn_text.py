@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import runpy
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -136,7 +140,23 @@ def least_at(kind: str) -> str:
     return f"from $P = {P}$ on" if P is not None else f"at no $P$ up to {P_RANGE[-1]}"
 
 
+VERIFY_EXAMPLE = "python -m sim verify --nproc 2 --peer torch-ring --docs 256 --no-progress"
+
+
+def verify_example() -> str:
+    """"Verify your implementation"'s first example: the command, and what it printed when the site was built (run
+    now, on 2 gloo processes of this machine), as two code blocks; a failed run fails the build."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
+    done = subprocess.run([sys.executable, *VERIFY_EXAMPLE.split()[1:]], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    if done.returncode != 0 or not done.stdout.rstrip().splitlines()[-1].startswith("verification passed"):
+        raise RuntimeError(f"{VERIFY_EXAMPLE} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return f"```bash\n{VERIFY_EXAMPLE}\n```\n\n```text\n{done.stdout.rstrip()}\n```"
+
+
 TEXT = {
+    "verify_example": verify_example,
     "rule_of_thumb": rule_of_thumb,
     "which_mode_table": which_mode_table,
     "which_mode_memory": which_mode_memory,

@@ -42,6 +42,6 @@ def test_demo_runs_and_reports(capsys):
     for column in ("tokens", "exact scores", "block metric", "imbalance", "max |err|", "work max/mean", "bytes sent",
                    "saved bytes", "kernel calls", "collectives"):  # fmt: skip
         assert f"{column} = " in out, column
-    from sim.tools.verify.truth import KEY
+    from sim.tools.verify.table import KEY
 
     assert KEY in verified and all(f"{c} = " in KEY for c in ("cp", "rank", "dp", "r", "vs P=1", "oracle"))

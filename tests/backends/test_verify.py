@@ -29,10 +29,11 @@ from sim.cluster.harness import run_attention
 from sim.cluster.simcluster import SimCluster
 from sim.tools import verify
 from sim.tools.progress import Progress
-from sim.tools.verify import cases_from_args, parse_args, truth
+from sim.tools.verify import cases_from_args, parse_args, table, truth
 from sim.tools.verify.cases import Case, Setup, build_cases, cp_groups, lengths, make_batch, placement
 from sim.tools.verify.rank import run_without_cp
-from sim.tools.verify.truth import Report, check, compare, ground_truth
+from sim.tools.verify.table import Report
+from sim.tools.verify.truth import check, compare, ground_truth
 from tests.backends.verify_impls import WITHIN_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,7 +245,8 @@ def test_runs_unchanged_under_torchrun():
     command = [str(torchrun), "--nproc-per-node", "2", "-m", "sim", "verify", "--mode", "all_gather", *SMALL]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("all_gather") == 2 * len(cpref.LAYOUTS) and "verification passed" in done.stdout  # rank 0 prints
+    rows = [line for line in done.stdout.splitlines() if line.startswith("all_gather  ")]  # the table's rows
+    assert len(rows) == 2 * len(cpref.LAYOUTS) and "verification passed" in done.stdout  # rank 0 prints
 
 
 # --- no processes: the pieces ----------------------------------------------------------------
@@ -532,7 +534,7 @@ def test_a_case_the_implementation_refuses_is_a_skipped_row_not_an_abort():
     assert [r.status for r in report.rows] == ["pass", "pass", "skipped", "skipped", "FAIL", "FAIL"]
     assert report.rows[2].note == "no sliding window (the adapter's attention has no window argument)"
     assert "was not given: NotImplementedError on CP rank 1" in report.rows[4].note
-    assert verify.truth.Report(report.rows[:4]).ok and not report.ok  # skipped rows fail nothing
+    assert verify.table.Report(report.rows[:4]).ok and not report.ok  # skipped rows fail nothing
     text = report.format()
     assert text.splitlines()[-1] == "2 of 6 rank rows pass; 2 FAIL; 2 skipped" and "skipped (no sliding window" in text
 
@@ -576,5 +578,5 @@ def test_a_peer_is_its_adapter_with_its_own_modes_layouts_and_documents():
     assert parse_args(["--peer", "torch-ring", "--docs", "64"]).setup.docs == (64,)
     plain = parse_args([])
     assert plain.setup.docs == Setup.docs and plain.modes == sorted(cpref.MODES) and plain.impl is None
-    row = truth.Row(cases[0], 0, 0, 0, {"out": 0.0}, 1e-5, 0.0, "pass")
-    assert truth.Report([row]).format().splitlines()[2].startswith("deepspeed-ulysses  a2a")
+    row = table.Row(cases[0], 0, 0, 0, {"out": 0.0}, 1e-5, 0.0, "pass")
+    assert table.Report([row]).format().splitlines()[2].startswith("deepspeed-ulysses  a2a")

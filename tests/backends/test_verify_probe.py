@@ -18,8 +18,9 @@ import torch
 
 import cpref
 from sim.tools.verify.cases import Case, Setup, case_mask, lengths
-from sim.tools.verify.probe import MAX_T, check_mask, compare, keys, probe_sharding
+from sim.tools.verify.probe import MAX_T, check_mask
 from sim.tools.verify.probe import __doc__ as PROBE_DOC
+from sim.tools.verify.probe_pairs import compare, keys, probe_sharding
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "verify-your-implementation.md"

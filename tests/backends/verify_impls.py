@@ -323,3 +323,10 @@ def scaled(q, k, v, sharding, *, process_group, mode, causal, window, scale_outp
     """Right at `scale_output=1.0` (`--impl-option scale_output=...`), wrong at any other; takes no other setting."""
     out = cpref_over_group(q, k, v, sharding, process_group=process_group, mode=mode, causal=causal, window=window)
     return out * scale_output
+
+
+def no_backward(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
+    """Right, forward only: the output of a run under `torch.no_grad` (a peer with no backward, as FlexAttention on
+    the CPU): it fails a normal run (the output does not require grad) and passes `--forward-only`."""
+    with torch.no_grad():
+        return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)

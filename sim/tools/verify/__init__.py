@@ -161,7 +161,8 @@ verifies any function with cpref's signature that takes the process group instea
 def attention(q, k, v, sharding, *, process_group, mode, causal, window, **options) -> torch.Tensor: ...
 ```
 
-It gets this rank's shards (`sharding.shard(x, rank)`) on the rank's device, requiring grad,
+It gets this rank's shards (`sharding.shard(x, rank)`) on the rank's device, requiring grad (not under
+`--forward-only`),
 and the batch's [`cpref.Sharding`][cpref.batch.sharding.Sharding] (the real and padded boundaries,
 `sharding.cp_size` and `sharding.layout`), and returns this rank's output shard; the harness
 backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` without
@@ -196,9 +197,11 @@ under a mask [`masks`][sim.tools.verify.masks]) and checks them before any proce
 ([`rank`][sim.tools.verify.rank]) on the implementation [`impls`][sim.tools.verify.impls] loads
 (adapters of other people's CP, `--peer`: [`peers`][sim.tools.verify.peers] for DeepSpeed-Ulysses,
 [`peer_torch_ring`][sim.tools.verify.peer_torch_ring] for PyTorch's ring) and its run without CP
-([`baselines`][sim.tools.verify.baselines]); [`truth`][sim.tools.verify.truth] compares every rank
-with the FP64 ground truth and prints the table, [`meter`][sim.tools.verify.meter] the progress.
-`--check-mask` runs [`probe`][sim.tools.verify.probe] instead: which pairs each rank attends.
+([`baselines`][sim.tools.verify.baselines]), counting what each rank moves and computes as it
+runs ([`wire`][sim.tools.verify.wire]); [`truth`][sim.tools.verify.truth] compares every rank
+with the FP64 ground truth, [`table`][sim.tools.verify.table] prints it and the last line,
+[`meter`][sim.tools.verify.meter] the progress. `--check-mask` runs [`probe`][sim.tools.verify.probe]
+instead: which pairs each rank attends, against the mask's ([`probe_pairs`][sim.tools.verify.probe_pairs]).
 """
 
 from __future__ import annotations

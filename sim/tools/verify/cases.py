@@ -62,6 +62,8 @@ class Setup:
         kernel: `"torch"` (`TorchKernel`) or `"npu"` (`NpuKernel`), for `cpref` cases.
         baseline: what the `vs P=1` column holds a row to (`sim.tools.verify.baselines`): `"auto"`,
             `"impl"`, `"sdpa"`, `"eager"`, `"kernel"` or `"package.module:function"`.
+        forward_only: run and compare the forward only (`--forward-only`: an implementation without a backward);
+            the inputs do not require grad.
     """
 
     docs: tuple[int, ...] = (1000, 3000, 500)
@@ -70,6 +72,7 @@ class Setup:
     seed: int = 0
     kernel: str = "torch"
     baseline: str = "auto"
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.docs or any(not isinstance(n, int) or n < 2 for n in self.docs):

@@ -42,6 +42,7 @@ from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
 from sim.tools.verify.cases import Case, Setup, call_variants, case_mask, cp_groups, make_batch, placement
 from sim.tools.verify.impls import load_impl
 from sim.tools.verify.meter import meter
+from sim.tools.verify.wire import Tally, Wire, WorkKernel
 
 __all__ = ["Plan", "CaseFailed", "SKIPPED", "rank_main", "run_case", "run_without_cp", "make_kernel",
            "DEVICE_TYPES"]  # fmt: skip
@@ -49,14 +50,16 @@ __all__ = ["Plan", "CaseFailed", "SKIPPED", "rank_main", "run_case", "run_withou
 DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 Result = tuple[torch.Tensor | None, ...]  # (out, dq, dk, dv) of one rank and case, on the CPU
 Baseline = tuple[tuple[Result, ...], str, str]  # the whole batch's results without CP (one per candidate), its label, a note
-Pair = tuple[Result, Baseline | None, str]  # (the rank's result, the run without CP on CP rank 0 else None, a note)
+Traffic = tuple[Tally, Tally | None]  # what the rank moved and computed: the case's implementation, cpref beside it
+Pair = tuple[Result, Baseline | None, str, Traffic | None]  # (result, the run without CP on CP rank 0 else None, note,
+# traffic; None where the case was skipped)
 
 
 class CaseFailed(RuntimeError):
     """A case raised on this rank; the message names the case, the original exception is chained."""
 
 
-SKIPPED = "skipped"  # a rank's result of a case its implementation does not support: `((), None, "skipped (why)")`
+SKIPPED = "skipped"  # a rank's result of a case its implementation does not support: `((), None, "skipped (why)", None)`
 
 
 @dataclass(frozen=True)
@@ -119,66 +122,93 @@ def make_groups(plan: Plan) -> dict[Any, tuple[TorchComm, int]]:
     return groups
 
 
-def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.device, kernel: Any) -> tuple[Result, str]:
-    """One case on this rank: shard, forward, backward; `((out, dq, dk, dv) on the CPU, note)`, and with `--sinks` the
-    sinks' gradient summed over the CP group (what a DP x CP step's all-reduce sums: the reduction contract) fifth.
+def run_case(case: Case, setup: Setup, comm: TorchComm, dp: int, device: torch.device,
+             kernel: Any) -> tuple[Result, str, Traffic]:  # fmt: skip
+    """One case on this rank: shard, forward, backward; `((out, dq, dk, dv) on the CPU, note, traffic)`, and with
+    `--sinks` the sinks' gradient summed over the CP group (what a DP x CP step's all-reduce sums: the reduction
+    contract) fifth. `kernel` is cpref's (its cases, and its mode run beside an `--impl`).
 
     The backward runs on every rank of the group or on none: where a rank's output cannot take the upstream gradient
     (`unusable`: not a tensor, not its shard's shape, not differentiable), its peers' backward would wait for it in a
-    collective, so no rank runs it; the gradients are None and `note` says which rank's output stopped it."""
+    collective, so no rank runs it; the gradients are None and `note` says which rank's output stopped it. Under
+    `--forward-only` none runs either, and the note stays empty.
+
+    `traffic` is what the rank moved and computed (`sim.tools.verify.wire`): the implementation's, and beside an
+    `--impl` cpref's own mode's on the same shard (else None)."""
     # 1) this CP group's batch, and this rank's shard of it on the rank's device
     batch = make_batch(setup, case, dp)
     sharding = batch.sharding  # over comm.size = case.cp ranks, the case's layout
     shard = lambda t: sharding.shard(t, comm.rank).to(device)  # noqa: E731
-    q, k, v = (shard(t).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
+    grad = not setup.forward_only
+    q, k, v = (shard(t).requires_grad_(grad) for t in (batch.q, batch.k, batch.v))  # (T / P, H, D)
     dout = shard(batch.dout)  # (T / P, Hq, D)
-    variants = call_variants(case, setup.heads[0], device=device, grad=True)  # the sinks: this rank's own leaf
+    variants = call_variants(case, setup.heads[0], device=device, grad=grad)  # the sinks: this rank's own leaf
     kwargs = dict(**mask_call(setup, case), **variants, **dict(case.options), **dict(case.impl_options))
-    # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group
-    unsupported = ""
-    if case.impl == "cpref":
-        out = cpref.attention(q, k, v, sharding, comm=comm, kernel=kernel, **kwargs)  # (T / P, Hq, D)
-    else:
-        try:
-            out = load_impl(case.impl)(q, k, v, sharding, process_group=comm.process_group, **kwargs)
-        except NotImplementedError as exc:  # a case it does not support, said before it communicates
-            out, unsupported = None, str(exc) or "not supported"
+    # 2) the implementation: cpref.attention over TorchComm, or --impl over the process group, counted (wire)
+    unsupported, tally = "", Tally()
+    with Wire(tally, attention=case.impl != "cpref"):
+        if case.impl == "cpref":
+            out = cpref.attention(q, k, v, sharding, comm=comm, kernel=WorkKernel(kernel, tally), **kwargs)  # (T / P, Hq, D)
+        else:
+            try:
+                out = load_impl(case.impl)(q, k, v, sharding, process_group=comm.process_group, **kwargs)
+            except NotImplementedError as exc:  # a case it does not support, said before it communicates
+                out, unsupported = None, str(exc) or "not supported"
     # 3) backward with the upstream gradient, where every rank's output can take it (one tiny host exchange)
-    why = UNUSABLE[-1] if unsupported else unusable(out, dout)
+    why = UNUSABLE[-1] if unsupported else unusable(out, dout, setup.forward_only)
     codes = [code for (code,) in comm.agree([UNUSABLE.index(why)])]
     if unsupported and all(UNUSABLE[c] == UNUSABLE[-1] for c in codes):  # on every rank: the case is skipped
         raise NotImplementedError(unsupported)
+    beside = None if case.impl == "cpref" else run_beside(case, setup, comm, sharding, batch, device, kernel)
     stopped = {r: UNUSABLE[code] for r, code in enumerate(codes) if code}
     got = out.detach().cpu() if isinstance(out, torch.Tensor) else None
-    if stopped:
+    if stopped or not grad:
         ranks = {w: [r for r, x in stopped.items() if x == w] for w in dict.fromkeys(stopped.values())}
-        return (got, None, None, None, *([None] if "sinks" in variants else [])), "no backward run: " + "; ".join(
-            f"out {w} on CP rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}" for w, rs in ranks.items())
-    out.backward(dout)
+        note = "; ".join(f"out {w} on CP rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}" for w, rs in ranks.items())
+        grads = [None] * (4 if "sinks" in variants else 3)
+        return (got, *grads), note and f"no backward run: {note}", (tally, beside)
+    with Wire(tally, attention=False):
+        out.backward(dout)
     grads = (None if t.grad is None else t.grad.detach().cpu() for t in (q, k, v))
     sinks = variants.get("sinks")
     if sinks is None:
-        return (got, *grads), ""
+        return (got, *grads), "", (tally, beside)
     share = torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach().clone()
-    return (got, *grads, comm.all_reduce(share).cpu()), ""
+    return (got, *grads, comm.all_reduce(share).cpu()), "", (tally, beside)
+
+
+def run_beside(case: Case, setup: Setup, comm: TorchComm, sharding: cpref.Sharding, batch: Any, device: torch.device,
+               kernel: Any) -> Tally:  # fmt: skip
+    """cpref's own mode (the case's) on this rank's same shard, forward and backward, counted: what an `--impl`'s
+    bytes and balance are printed beside. Its numbers are not compared (cpref's own cases do that)."""
+    tally, grad = Tally(), not setup.forward_only
+    q, k, v = (sharding.shard(t, comm.rank).to(device).requires_grad_(grad) for t in (batch.q, batch.k, batch.v))
+    variants = call_variants(case, setup.heads[0], device=device, grad=grad)
+    call = dict(**mask_call(setup, case), **variants, **dict(case.options))
+    with Wire(tally, attention=False):
+        out = cpref.attention(q, k, v, sharding, comm=comm, kernel=WorkKernel(kernel, tally), **call)
+        if grad:
+            out.backward(sharding.shard(batch.dout, comm.rank).to(device))
+    return tally
 
 
 UNUSABLE = ("", "is not a tensor", "is not the shard's shape", "does not require grad",
             "was not given: NotImplementedError")  # `unusable`'s answers, and a rank whose implementation refused the case
 
 
-def unusable(out: Any, dout: torch.Tensor) -> str:
-    """Why `out` cannot take the upstream gradient `dout` (a phrase of `UNUSABLE`), or `""` where it can."""
+def unusable(out: Any, dout: torch.Tensor, forward_only: bool = False) -> str:
+    """Why `out` cannot take the upstream gradient `dout` (a phrase of `UNUSABLE`), or `""` where it can (under
+    `forward_only`, where it is a tensor of `dout`'s shape)."""
     if not isinstance(out, torch.Tensor):
         return UNUSABLE[1]
     if out.shape != dout.shape:
         return UNUSABLE[2]
-    return "" if out.requires_grad else UNUSABLE[3]
+    return "" if out.requires_grad or forward_only else UNUSABLE[3]
 
 
-def _unusable_output(out: Any, dout: torch.Tensor) -> str:
+def _unusable_output(out: Any, dout: torch.Tensor, forward_only: bool = False) -> str:
     """`unusable`'s answer as a phrase of its own: `an output of shape (95, 8, 32), not (96, 8, 32)`, ..."""
-    why = unusable(out, dout)
+    why = unusable(out, dout, forward_only)
     if why == UNUSABLE[2]:
         return f"an output of shape {tuple(out.shape)}, not {tuple(dout.shape)}"
     return f"an output that {why}"
@@ -206,12 +236,15 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
 
     def once(attempt: str) -> tuple[Result, str]:
         """The baseline `attempt`'s results, and what it failed to give (`""`: nothing)."""
-        q, k, v = (t.to(device, copy=True).requires_grad_(True) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
-        variants = call_variants(case, setup.heads[0], device=device, grad=True)
+        grad = not setup.forward_only
+        q, k, v = (t.to(device, copy=True).requires_grad_(grad) for t in (batch.q, batch.k, batch.v))  # (T, H, D)
+        variants = call_variants(case, setup.heads[0], device=device, grad=grad)
         out = run_baseline(attempt, q, k, v, whole, impl=impl, solo=solo, kernel=kernel, **call, **variants)
         dout = batch.dout.to(device)  # (T, Hq, Dv)
-        if unusable(out, dout):
-            return (), _unusable_output(out, dout)
+        if unusable(out, dout, setup.forward_only):
+            return (), _unusable_output(out, dout, setup.forward_only)
+        if not grad:  # --forward-only: the output alone
+            return (out.detach().cpu(),), ""
         out.backward(dout)
         missing = [n for n, t in zip(("dq", "dk", "dv"), (q, k, v)) if t.grad is None]
         if missing:
@@ -255,14 +288,14 @@ def rank_main(plan: Plan) -> list[Pair] | list[list[Pair]] | None:
         comm, dp = groups[(case.cp, case.strided)]
         try:
             try:
-                got, note = run_case(case, plan.setup, comm, dp, device, kernel if case.impl == "cpref" else None)
+                got, note, traffic = run_case(case, plan.setup, comm, dp, device, kernel)
             except NotImplementedError as why:  # the implementation refused the case on every rank (run_case agreed)
-                results.append(((), None, f"{SKIPPED} ({why or 'not supported'})"))
+                results.append(((), None, f"{SKIPPED} ({why or 'not supported'})", None))
                 bar.step(case.label)
                 continue
             solo = groups["solo"][0].process_group if "solo" in groups else None
             plain = run_without_cp(case, plan.setup, dp, device, kernel, solo) if comm.rank == 0 else None
-            results.append((got, plain, note))
+            results.append((got, plain, note, traffic))
         except Exception as exc:
             where = f"CP group {dp}, CP rank {comm.rank}, world rank {comm.global_rank}"
             raise CaseFailed(f"case {case.label} ({where}): {type(exc).__name__}: {exc}") from exc

@@ -12,7 +12,8 @@ from sim.tools.launch import launch, under_torchrun
 from sim.tools.verify.cases import DTYPES, Case, Setup
 from sim.tools.verify.impls import load_impl, takes, takes_mask
 from sim.tools.verify.rank import DEVICE_TYPES, Plan, rank_main
-from sim.tools.verify.truth import Report, check
+from sim.tools.verify.table import Report
+from sim.tools.verify.truth import check
 
 __all__ = ["run", "check_cases", "window_modes"]
 

@@ -67,7 +67,6 @@ takes the candidate farther from the truth: the smallest of its ratios.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -76,17 +75,14 @@ import cpref
 from cpref.kernels.contract import NO_WINDOW
 from sim.cluster.harness import oracle_padded, run_attention
 from sim.tools.verify.cases import DTYPES, TOL, Batch, Case, Setup, call_variants, case_mask, cp_groups, make_batch
-from sim.tools.verify.impls import peer_name
 from sim.tools.verify.masks import masked_oracle
 from sim.tools.verify.meter import meter
+from sim.tools.verify.table import NAMES, RATIO_LIMIT, SINKS, Report, Row
 
-__all__ = ["Row", "Report", "RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "complete", "precision_ratio", "shard_ratio",
+__all__ = ["RATIO_LIMIT", "ground_truth", "blocked_oracle", "compare", "complete", "precision_ratio", "shard_ratio",
            "rms_ratio", "relative_error", "vs_without_cp", "check"]  # fmt: skip
 
-NAMES = ("out", "dq", "dk", "dv")
-SINKS = "dsinks"  # the fifth column with --sinks: the sinks' gradient summed over the CP group
 Tensors = torch.Tensor | Sequence[torch.Tensor]
-RATIO_LIMIT = 2.0  # a CP result at most this many times as far from the truth as the kernel without CP (MagiAttention)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -125,105 +121,6 @@ def precision_ratio(got: Tensors, without_cp: Tensors, truth: Tensors, dtype: to
     if err == 0.0:
         return 0.0
     return err / max(err_1, floor) if max(err_1, floor) > 0 else float("inf")
-
-
-@dataclass
-class Row:
-    """One rank's result in one case: a line of the table."""
-
-    case: Case
-    rank: int  # world rank
-    dp: int  # CP group (DP index)
-    cp_rank: int  # rank in the CP group
-    errors: dict[str, float]  # largest |real - simulated| per tensor
-    tol: float
-    oracle: float  # largest |real - oracle| over the four tensors
-    status: str  # "pass", "FAIL" or "BAD-REF"
-    note: str = ""
-    ratio: float | None = None  # largest shard_ratio of the four tensors against the run without CP; None for fp64
-    baseline: str = "kernel"  # what the run without CP was (sim.tools.verify.baselines)
-    share: float = 0.0  # the worst entry's |real - simulated| / (tol + tol |simulated|): the verdict's measure, <= 1
-
-    @property
-    def ratio_ok(self) -> bool:
-        """Whether the row is at most `RATIO_LIMIT` times as far from the oracle as the run without CP."""
-        return self.ratio is None or self.ratio <= RATIO_LIMIT
-
-    @property
-    def ok(self) -> bool:
-        """Whether this passed (a skipped row, a case the implementation does not support, did not fail)."""
-        return self.status in ("pass", "skipped")
-
-
-@dataclass
-class Report:
-    """Every row of a run, in case order then world rank order."""
-
-    rows: list[Row] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """Whether this passed."""
-        return bool(self.rows) and all(r.ok for r in self.rows)
-
-    def format(self) -> str:
-        """The table, and a last line that counts the failures."""
-        cases = [r.case for r in self.rows]
-        cols = [("impl", lambda c: peer_name(c.impl))] if any(c.impl != "cpref" for c in cases) else []
-        cols += [("mode", lambda c: c.mode + "".join(f" {k}={v}" for k, v in c.options)), ("layout", lambda c: c.layout),
-                 ("dtype", lambda c: c.dtype), ("pad", lambda c: "yes" if c.padded else "no")]  # fmt: skip
-        if len({c.causal for c in cases}) > 1 or any(c.mask for c in cases):  # --mask's name, else causal or full
-            cols += [("mask", lambda c: c.mask or ("causal" if c.causal else "full"))]
-        baselines = {id(r.case): r.baseline for r in self.rows if r.cp_rank == 0}  # one per case (CP rank 0 ran it)
-        if any(c.windowed for c in cases):  # (left, right) as --window takes it
-            cols += [("window", lambda c: "{},{}".format(*c.window) if c.windowed else "none")]
-        if any(b != "kernel" for b in baselines.values()) or any(c.impl != "cpref" for c in cases):
-            cols += [("baseline", lambda c: baselines.get(id(c), "-"))]
-        widths = [max([len(name)] + [len(get(c)) for c in cases]) for name, get in cols]
-        head = "  ".join(f"{n:<{w}}" for (n, _), w in zip(cols, widths))
-        names = NAMES + ((SINKS,) if any("sinks" in dict(c.variants) for c in cases) else ())
-        head += f"  {'cp':>2} {'rank':>4} {'dp':>3} {'r':>3}" + "".join(f"{n:>10}" for n in names) + f"{'tol':>9}"
-        head += f"{'err/tol':>9}{'vs P=1':>12}"
-        head += f"{'oracle':>10}  result"
-        lines = [head, "-" * len(head)]
-        for row in self.rows:
-            line = "  ".join(f"{get(row.case):<{w}}" for (_, get), w in zip(cols, widths))
-            line += f"  {row.case.cp:>2} {row.rank:>4} {row.dp:>3} {row.cp_rank:>3}"
-            line += "".join(f"{row.errors[n]:>10.2e}" if n in row.errors else f"{'-':>10}" for n in names) + f"{row.tol:>9.1e}"
-            skipped = not row.errors  # not run: no error to show
-            line += f"{'-':>9}" if skipped else f" {_share(row.share):>8}"
-            line += f"{'-':>8} {'':>3}" if row.ratio is None else f" {_ratio(row.ratio):>7} {'<=2' if row.ratio_ok else '>2':>3}"
-            line += f"{'-':>10}" if skipped else f"{row.oracle:>10.2e}"
-            lines.append(f"{line}  {row.status}" + (f" ({row.note})" if row.note else ""))
-        bad, skipped = [r for r in self.rows if not r.ok], sum(r.status == "skipped" for r in self.rows)
-        lines.append(f"{len(self.rows) - len(bad) - skipped} of {len(self.rows)} rank rows pass"
-                     + (f"; {len(bad)} FAIL" if bad else "") + (f"; {skipped} skipped" if skipped else ""))
-        return "\n".join(lines)
-
-
-KEY = """key: cp = the CP group's size; rank = the process (world rank); dp = which CP group it is in (the DP index);
-  r = its rank inside that CP group. out, dq, dk, dv = the largest error of the output and the three gradients
-  on this rank against the simulated cluster's FP64 run of the same inputs; tol = the dtype's tolerance (atol =
-  rtol). err/tol = the worst entry of the four, |error| / (tol + tol |truth|): what the verdict holds to, pass if
-  <= 1 (a largest error above tol passes where the truth there is large). vs P=1 = this rank's error
-  against the FP64 oracle over the error of the same attention without CP
-  (the baseline: the implementation itself at CP size 1 for --impl, or where it raises there sdpa/eager, each
-  tensor held to the looser of the two; cpref's kernel for cpref; the baseline column shows it when it is not the
-  kernel): 1 is as exact as one device; pass: <= 2. oracle = the error against the dense FP64 oracle itself.
-  dsinks (with --sinks) = the sinks' gradient summed over the CP group, on every rank's row alike.
-  mask (with --mask, or causal and full mixed) = the mask every call of the case took: a --mask name, or causal/full.
-  A note in parentheses after the result: why a baseline fell back (CP rank 0) or gave no result, a missing
-  gradient, a wrong shape, or why no backward ran."""
-
-
-def _share(x: float) -> str:
-    """`err/tol` in at most 8 characters: two decimals, or a power of ten from 1000 on."""
-    return f"{x:.2f}" if x < 1e3 else f"{x:.1e}"
-
-
-def _ratio(x: float) -> str:
-    """A `vs P=1` ratio in at most 7 characters: `1.04`, `3.5e+05`, `inf`."""
-    return f"{x:.2f}" if x < 1000 else f"{x:.1e}"
 
 
 def blocked_oracle(batch: Batch, causal: bool, window: tuple[int, int] = NO_WINDOW, **variants) -> tuple[torch.Tensor, ...]:
@@ -387,26 +284,31 @@ def shard_ratio(got: torch.Tensor, truth: torch.Tensor, without_cp: Tensors, bat
 def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) -> Report:
     """Compare every rank's results with its ground truth and with the run without CP.
 
-    `per_rank[world rank][case]` is `(result, without_cp[, note])`: the rank's `(out, dq, dk, dv)`; on CP rank 0 of
-    each group the whole batch's at P = 1 (`rank.run_without_cp`'s; None elsewhere); and, where no backward ran,
-    why (`rank.run_case`'s note: the row fails on its output alone). Every CP group of a case (each DP index) gets
-    its own ground truth, from its own batch.
+    `per_rank[world rank][case]` is `(result, without_cp[, note[, traffic]])`: the rank's `(out, dq, dk, dv)`; on CP
+    rank 0 of each group the whole batch's at P = 1 (`rank.run_without_cp`'s; None elsewhere); where no backward ran,
+    why (`rank.run_case`'s note: the row fails on its output alone); what the rank moved and computed (kept in the
+    report's `traffic` where every rank has it). Every CP group of a case (each DP index) gets its own ground truth,
+    from its own batch. Under `setup.forward_only` the output alone is compared.
     """
     world, report, oracle_cache = len(per_rank), Report(), {}
     bar = meter(len(cases), "ground truth", progress)
+    per_rank = [[(*pair, "", None)[:4] for pair in cases_of] for cases_of in per_rank]  # note, traffic: "" and None
+    first = lambda x: [t[:1] for t in x] if setup.forward_only else x  # noqa: E731  (out) alone, or every tensor
     for i, case in enumerate(cases):
-        tol, rows = case.tol(setup), []
+        tol, rows, moved = case.tol(setup), [], []
         for dp, ranks in enumerate(cp_groups(world, case.cp, case.strided)):
             unsupported = [per_rank[g][i][2] for g in ranks if per_rank[g][i][0] == ()]
             if unsupported:  # the implementation refused the case on every rank (they agreed): a row each, not run
                 why = unsupported[0].partition(" ")[2][1:-1]  # "skipped (why)" -> why
                 rows += [Row(case, g, dp, r, {}, tol, float("nan"), "skipped", why) for r, g in enumerate(ranks)]
                 continue
+            moved.append([per_rank[g][i][3] for g in ranks] if all(per_rank[g][i][3] for g in ranks) else None)
             result, used, note_1 = per_rank[ranks[0]][i][1] or (None, "kernel", "")  # the runs without CP, their label
             simulated, oracle, plain = ground_truth(setup, case, dp, oracle_cache, result or None)
+            simulated, oracle, plain = first(simulated), first(oracle), plain and [first(one) for one in plain]
             for r, g in enumerate(ranks):
-                got, _, *stopped = per_rank[g][i]  # stopped: why no backward ran, where none did
-                backward = not (stopped and stopped[0])
+                got, _, stopped, _ = per_rank[g][i]  # stopped: why no backward ran, where none did
+                got, backward = first([got])[0], not stopped
                 errors, ok, note = compare(got, simulated[r], tol, backward)
                 ref_errors, ref_ok, _ = compare(simulated[r], oracle[r], TOL["fp64"])
                 oracle_err = max(compare(got, oracle[r], tol, backward)[0].values())
@@ -418,10 +320,12 @@ def check(setup: Setup, cases, per_rank: list, *, progress: bool | None = None) 
                 status = "pass" if ok and ref_ok else "FAIL" if not ok else "BAD-REF"
                 note = note or ("" if ref_ok else f"simulated cluster differs from the oracle by {max(ref_errors.values()):.1e}")
                 said = note_1 if (r == 0 and result != ()) or unchecked else ""
-                note = "; ".join(n for n in (note, "" if backward else stopped[0], said) if n)
+                note = "; ".join(n for n in (note, stopped, said) if n)
                 share = share_of_tolerance(got[: len(errors)], simulated[r], tol)  # the tensors compared
                 rows.append(Row(case, g, dp, r, errors, tol, oracle_err, status, note, ratio, used, share))
         report.rows += sorted(rows, key=lambda row: row.rank)
+        if moved and None not in moved:
+            report.traffic.append((case, moved))
         bar.step(case.label)
     bar.close()
     return report
