@@ -308,7 +308,7 @@ one-way relay of the back chunks' halo. `python -m bench.variants --quick` is a 
 
 ## 11. The planner at scale (`bench/plan.py`)
 
-What [`sim.plan.scale`][sim.plan.scale] buys the planner, on the 128k-token batch of [Which mode, from 8 to 1024
+What [`sim.plan.scale`][sim.plan.scale] buys the planner, on the 128k-token batch of [The modes from 8 to 1024
 ranks](mode-study.md) (Llama-3-8B-like heads, the H100 profile). Side by side in one run at P = 4 and 8: the
 candidates it covers priced twice, every rank dry-run on meta tensors and every rank built at once, with whether
 the two agree on every rank's step. Then the whole planner at P = 64, 256 and 1024 with the study's candidates.

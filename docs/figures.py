@@ -83,6 +83,30 @@ def check_readable(fig: Figure, name: str) -> None:
     }
     if small:
         raise RuntimeError(f"{name}: text below {MIN_PT} pt at the column width (shown size in pt): {small}")
+    check_inside(fig, name)
+
+
+def check_inside(fig: Figure, name: str) -> None:
+    """Raise if any visible text of `fig` reaches past its canvas: the saved image would cut it (a subtitle clipped
+    on both sides, a label with its first letters gone). Call after `fig.canvas.draw()`."""
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    cut = [t.get_text()[:40] for t in _drawn_texts(fig) for e in [t.get_window_extent(renderer)]
+           if e.x0 < box.x0 - 1 or e.x1 > box.x1 + 1 or e.y0 < box.y0 - 1 or e.y1 > box.y1 + 1]  # fmt: skip
+    if cut:
+        raise RuntimeError(f"{name}: text past the figure's edge, cut in the saved image: {cut}; shorten it, wrap it "
+                           "or widen the figure")  # fmt: skip
+
+
+def _drawn_texts(fig: Figure) -> list[Text]:
+    """The visible, non-empty texts `fig` draws: a tick label only where its tick is inside the axis' view (the
+    others exist but are not drawn)."""
+    ticks = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis) if ax.axison else ():  # axis("off"): no tick label is drawn
+            ticks |= {label for tick in axis._update_ticks() for label in (tick.label1, tick.label2)} if axis.get_visible() else set()
+    every_tick = {label for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
+                  for tick in axis.get_major_ticks() + axis.get_minor_ticks() for label in (tick.label1, tick.label2)}  # fmt: skip
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and (t in ticks or t not in every_tick)]
 
 
 def check_drawn(fig: Figure, name: str) -> None:

@@ -65,7 +65,7 @@ GUIDE = [
     ("ulysses-pipeline.md", "Ulysses in head groups", "cpref.modes.ulysses_pipeline"),
     ("hierarchical.md", "Hierarchical a2a+p2p", "cpref.modes.hierarchical"),
     ("hierarchical-split.md", "a2a+p2p for stream and balanced", "cpref.modes.hierarchical_split"),
-    ("which-mode.md", "Which mode when", "cpref.modes.costs"),
+    ("which-mode.md", "What each mode costs", "cpref.modes.costs"),
     ("mode-spec.md", "Modes that declare themselves", "cpref.modes.spec"),
     ("api.md", "The attention API", "cpref.api"),
     ("consistency.md", "Do the ranks agree?", "cpref.modes.consistency"),
@@ -89,8 +89,8 @@ GUIDE = [
     ("backend-facts.md", "What each backend can do", "cpref.comm.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
     ("performance.md", "Performance", "bench.report"),
-    ("planner.md", "Which mode? The planner", "sim.plan.planner"),
-    ("mode-study.md", "Which mode, from 8 to 1024 ranks", "sim.plan.study"),
+    ("planner.md", "The planner", "sim.plan.planner"),
+    ("mode-study.md", "The modes from 8 to 1024 ranks", "sim.plan.study"),
     ("plan-scale.md", "Plans at scale", "sim.plan.scale"),
     ("plan-schedule.md", "A schedule at scale", "sim.plan.schedule"),
     ("plan-scale-window.md", "Irregular plans at scale", "sim.plan.scale_window"),
@@ -347,7 +347,7 @@ HAND_FIGURES = {
     ],
     "learn/which-mode.md": [
         ("figures/learn/which_mode.png",
-         "Forward + backward bytes per rank and layer for the reference layers of [Which mode when](../which-mode.md): "
+         "Forward + backward bytes per rank and layer for the reference layers of [What each mode costs](../which-mode.md): "
          "lines from cpref's cost model, dots measured on the simulated cluster at a small size and scaled (the "
          "figure's build checks that they are equal)."),
     ],

@@ -58,6 +58,7 @@ def problem() -> Figure:
     left.set_xticks([c * (j + 0.5) for j in range(P)], [f"r{j}" for j in range(P)])
     left.set_yticks([c * (j + 0.5) for j in range(P)], [f"r{j}" for j in range(P)])
     left.set_xlabel("keys, by the rank holding them")
+    left.set_anchor("S")  # the square image on its slot's bottom: the layout's first pass leaves its xlabel room
     left.set_ylabel("queries, by rank")
     left.set_title(f"{remote} of {local + remote} scores need a key\nfrom another rank (full colour)", loc="left")
     # what a rank computes alone, against the oracle; and with CP (the all_gather run above)
@@ -220,7 +221,7 @@ def all_gather() -> Figure:
     T, P = 32, 4
     r = run("all_gather", [0, T], P, "contiguous", (2, 2, 8, 8))
     owner = r.owner()
-    fig, ax = plt.subplots(figsize=(WIDTH, 4.4), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(WIDTH, 4.6), constrained_layout=True)
     for rank in range(P):
         y = 3 * rank
         _token_bar(ax, y, {t: 1.0 for t in r.sharding.global_index(rank).tolist()}, owner)
@@ -238,6 +239,6 @@ def all_gather() -> Figure:
     fwd, bwd = split_trace(r.trace)
     each = fwd[0].bytes_sent[0]
     ax.set_title(f"forward: {ops_text(fwd)} (K, V), {each} B each per rank\n"
-                 f"backward: {ops_text(bwd)} (K, V again; dK, dV to their owners)", loc="left")
+                 f"backward: {ops_text(bwd)}\n(K, V again; dK, dV to their owners)", loc="left")
     fig.suptitle(f"all_gather, P = {P}, one document of {T} tokens (contiguous): K and V from every rank")
     return fig

@@ -45,9 +45,8 @@ def _flow_panel(ax: Axes, sent: torch.Tensor, scale: float) -> None:
     for r, (x, y) in enumerate(CORNERS[:P]):
         ax.add_patch(plt.Circle((x, y), 0.13, color=rank_color(r), zorder=3))
         ax.text(x, y, f"r{r}", ha="center", va="center", color="white", fontweight="bold", zorder=4)
-    ax.set_xlim(-0.3, 1.3)
-    ax.set_ylim(-0.3, 1.3)
-    ax.set_aspect("equal")
+    ax.set_ylim(-0.3, 1.3)  # x as wide as the slot: the axes fills it (a long title starts at the slot's left)
+    ax.set_aspect("equal", adjustable="datalim")
     ax.axis("off")
 
 
@@ -81,7 +80,7 @@ LAYOUT_MAX_WORK = 187  # the bars' common scale: contiguous's slowest rank (the 
 def layouts() -> Figure:
     """`figures/learn/layouts.png`: the causal mask of a packed batch coloured by the computing rank, contiguous
     against zigzag, and each rank's work as its kernel calls counted it in a real ring forward."""
-    fig, axes = plt.subplots(2, 2, figsize=(WIDTH, 6.0), constrained_layout=True, height_ratios=[3.2, 1.3])
+    fig, axes = plt.subplots(2, 2, figsize=(WIDTH, 6.2), constrained_layout=True, height_ratios=[3.2, 1.3])
     T, P = LAYOUT_CU[-1], LAYOUT_P
     for col, layout in enumerate(("contiguous", "zigzag")):
         r = run("p2p", LAYOUT_CU, P, layout, (2, 2, 8, 8))
@@ -107,7 +106,7 @@ def layouts() -> Figure:
         axes[1, col].bar_label(bars, padding=2)
         axes[1, col].set_xticks(range(P), [f"r{rank}" for rank in range(P)])
         axes[1, col].set_ylim(0, 1.3 * LAYOUT_MAX_WORK)
-        axes[1, col].set_title(f"scores per rank: slowest / mean = {max(work) * P / sum(work):.2f}", loc="left")
+        axes[1, col].set_title(f"scores per rank:\nslowest / mean = {max(work) * P / sum(work):.2f}", loc="left")
         axes[1, col].spines[["top", "right"]].set_visible(False)
     axes[0, 0].set_ylabel("query token")
     axes[1, 0].set_ylabel("scores")
@@ -236,7 +235,7 @@ def which_mode() -> Figure:
     page's two reference layers: the cost model's lines, and dots measured on the simulated cluster."""
     from docs.tables import REFERENCE, REFERENCE_T
 
-    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.9), constrained_layout=True, sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 4.1), constrained_layout=True, sharey=True)
     for ax, (title, heads) in zip(axes, REFERENCE.items()):
         hq, hkv, d, dv = heads
         assert d == dv, "the runs scale D and Dv alike"
@@ -258,6 +257,7 @@ def which_mode() -> Figure:
     axes[0].set_ylabel("GiB per rank and layer")
     axes[0].legend(handles=[Line2D([], [], color=rank_color(MODE_STYLE[m][1]), marker=MODE_STYLE[m][0], label=_mode_name(m))
                             for m in cpref.MODES], frameon=False, loc="upper left")  # fmt: skip
-    fig.suptitle(f"Forward + backward traffic per rank and layer, T = {REFERENCE_T:,} tokens, bf16\nlines: cpref's "
-                 f"cost model; dots: real runs on the simulated cluster (T/P = {WHICH_TL}, D = {WHICH_D}), scaled")
+    fig.suptitle(f"Forward + backward traffic per rank and layer, T = {REFERENCE_T:,} tokens, bf16\n"
+                 f"lines: cpref's cost model\n"
+                 f"dots: real runs on the simulated cluster (T/P = {WHICH_TL}, D = {WHICH_D}), scaled")
     return fig

@@ -273,7 +273,7 @@ def ring_backward() -> Figure:
         _slots(ax, r, P * pitch, hd, rank_color(s), f"dK/dV r{s}", ranks)
     kv_bytes, acc_bytes = sizes[0], sizes[-1]
     _frames_axes(ax, [f"step {t}" for t in range(P)] + ["home"], pitch, hd,
-                 "backward: each dK/dV accumulator travels with its block, gathering every rank's share,\n"
+                 "backward: each dK/dV accumulator travels with its block, gathering every\nrank's share, "
                  f"and one more shift brings it home (K/V {kv_bytes} B, dK/dV {acc_bytes} B a shift)")  # fmt: skip
     fig.suptitle(f"Ring attention, P = {P}, zigzag, cu_seqlens = {CU}: a real backward, step by step")
     return fig
@@ -631,8 +631,8 @@ def overlap_schedule() -> Figure:
     axes[-1].set_xlabel("score entries computed (per head), in call order")
     fig.legend(handles=[Patch(color=colors["local"], label="keys held here (causal)"),
                         Patch(color=colors["remote"], label="gathered keys (no mask)"),
-                        Patch(color="0.75", label="collective, from post to wait")], ncols=3, frameon=False,
-               loc="lower center", bbox_to_anchor=(0.5, -0.08))  # fmt: skip
+                        Patch(color="0.75", label="collective,\nfrom post to wait")], ncols=3, frameon=False,
+               loc="outside lower center")  # fmt: skip
     fig.suptitle(f"all_gather, overlap=True, P = 2, zigzag, cu_seqlens = {CU}")
     return fig
 
@@ -730,10 +730,10 @@ def _head_groups_schedule(mode: str, P: int, options: dict, calls_are: str) -> F
         _schedule_axes(ax, r, x)
     axes[-1].set_xlabel(f"score entries computed ({calls_are}), in call order")
     fig.legend(handles=[Patch(color=rank_color(0), label="head group 0"), Patch(color=rank_color(1), label="head group 1"),
-                        Patch(color="0.75", label="all-to-alls hidden by the calls, from post to wait")], ncols=3,
-               frameon=False, loc="lower center", bbox_to_anchor=(0.5, -0.08 * 2 / P))  # fmt: skip
+                        Patch(color="0.75", label="all-to-alls hidden by the calls,\nfrom post to wait")], ncols=3,
+               frameon=False, loc="outside lower center")  # fmt: skip
     given = "".join(f", {name} = {value}" for name, value in options.items())
-    fig.suptitle(f"{mode}, head_groups={groups}, P = {P}{given}, Hq = {hq}, Hkv = {hkv}, zigzag, cu_seqlens = {CU}")
+    fig.suptitle(f"{mode}, head_groups={groups}, P = {P}{given}, Hq = {hq}, Hkv = {hkv},\nzigzag, cu_seqlens = {CU}")
     return fig
 
 

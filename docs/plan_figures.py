@@ -1,4 +1,4 @@
-"""The "Which mode?" page's figures: every mode's predicted step against P, from `sim.plan.study` run at build.
+"""The page "The modes from 8 to 1024 ranks"'s figures: every mode's predicted step against P, from `sim.plan.study` run at build.
 
 One figure per profile, one panel per head configuration, drawn by `sim.plan.figures.draw_curves` (as
 `python -m sim plan --cp 8,16,... --figure` draws them): each mode's line is its best candidate at each P, the

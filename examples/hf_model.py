@@ -19,15 +19,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+# --8<-- [start:hf]
 from itertools import islice
 
 import torch
 import torch.nn.functional as F
 import transformers
 
-# --8<-- [start:hf]
 import cpref
 import cpref.hf
+from cpref.comm import TorchComm
 from cpref.train.packing import BYTE_VOCAB, stdlib_documents
 
 cpref.hf.register()  # attn_implementation="cpref": every attention layer runs cpref.attention
@@ -74,6 +76,12 @@ def train(world, cp: int, mode: str, steps: int) -> list[float]:
         optimizer.step()
         losses.append(float(world.all_reduce(loss.detach().reshape(1))))
     return losses
+
+
+def join() -> TorchComm:
+    """On every process torchrun starts: join them (its environment gives each its rank) as one world."""
+    torch.distributed.init_process_group("gloo")  # NCCL on GPUs
+    return TorchComm()  # every process; train() splits it into the CP groups
 # --8<-- [end:hf]
 
 
@@ -128,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.nproc < 1 or args.cp < 1 or args.nproc % args.cp:
             parser.error(f"--cp {args.cp} must divide --nproc {args.nproc} (both positive)")
         return launch_self(args)
-    torch.distributed.init_process_group("gloo")
-    from cpref.comm import TorchComm
-
-    world = TorchComm()
+    world = join()
     if world.size % args.cp:
         parser.error(f"--cp {args.cp} does not divide the {world.size} processes")
     losses = train(world, args.cp, args.mode, args.steps)

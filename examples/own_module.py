@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import sys
 
+# --8<-- [start:own]
 import torch
 import torch.nn.functional as F
 
-# --8<-- [start:own]
 import cpref
+from cpref.comm import TorchComm
 
 
 class TinyLM(torch.nn.Module):
@@ -65,15 +66,18 @@ def train(comm, steps: int = 5) -> list[float]:
         optimizer.step()
         losses.append(float(comm.all_reduce(loss.detach().reshape(1))))
     return losses
+
+
+def train_with_cp() -> tuple[list[float], TorchComm]:
+    """On every process torchrun starts: join them (torchrun's environment gives each its rank), then train."""
+    torch.distributed.init_process_group("gloo")  # NCCL on GPUs
+    comm = TorchComm()  # the CP group: here every process
+    return train(comm), comm
 # --8<-- [end:own]
 
 
 def main() -> int:
-    torch.distributed.init_process_group("gloo")
-    from cpref.comm import TorchComm
-
-    comm = TorchComm()  # the CP group: here every process
-    losses = train(comm)
+    losses, comm = train_with_cp()
     status = 0
     if comm.rank == 0:
         alone = train(cpref.SingleRank())

@@ -1,4 +1,4 @@
-"""The planner's answers drawn: `python -m sim plan --figure PATH` and the "Which mode?" page's figures.
+"""The planner's answers drawn: `python -m sim plan --figure PATH` and the page "The modes from 8 to 1024 ranks"'s figures.
 
 Two pictures, one panel per layer kind:
 

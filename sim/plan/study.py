@@ -1,4 +1,4 @@
-r"""Which mode? Every mode's predicted step from 8 to 1024 ranks, and where the best one changes.
+r"""The modes from 8 to 1024 ranks: every mode's predicted step, and where the best one changes.
 
 The [planner][sim.plan.planner] answers for one batch and one cluster. This page asks it the
 question a team sizing a long-context run asks first: **as the CP group grows, which mode wins,

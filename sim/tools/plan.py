@@ -25,7 +25,7 @@ against a profile's curve.
 `--layers full=24,window=24` prices a model: its layers share one layout (the batch is sharded once), each kind
 with its own mode there; per layout the model's step, the best layout's calls. `--cp 8,16,32,...` asks for several
 P at once: per layer kind, each mode's best step at every P, the winner, and where it changes
-([`sim.plan.study.scan`][sim.plan.study.scan], as the page [Which mode, from 8 to 1024 ranks][sim.plan.study] shows
+([`sim.plan.study.scan`][sim.plan.study.scan], as the page [The modes from 8 to 1024 ranks][sim.plan.study] shows
 for one batch); with `--layers`, the best layout for the model at every P. `--figure PATH` draws the answer
 ([`sim.plan.figures`][sim.plan.figures]): the best candidates' steps split into compute and exposed
 communication, or each mode's step against P.

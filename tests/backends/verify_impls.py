@@ -330,3 +330,36 @@ def no_backward(q, k, v, sharding, *, process_group, **kwargs) -> torch.Tensor:
     the CPU): it fails a normal run (the output does not require grad) and passes `--forward-only`."""
     with torch.no_grad():
         return cpref_over_group(q, k, v, sharding, process_group=process_group, **kwargs)
+
+
+def ring_rotating(q, k, v, sharding, *, process_group, causal=True, **kwargs) -> torch.Tensor:
+    """Right, forward only, an educational ring: every score, softmax and merge in the input dtype (bf16 stays
+    bf16), P steps over one document, each rotating K and V to the next rank with `batch_isend_irecv`, the last
+    bringing them home: at CP size 1 it sends to itself, which gloo refuses without `sim verify`'s loopback."""
+    P, r = dist.get_world_size(process_group), dist.get_rank(process_group)
+    g, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    here = sharding.global_index(r)  # (T_l,) positions of this rank's queries
+    out = lse = None
+    kv, owner = torch.cat([k, v], dim=-1).detach(), r  # (T_l, Hkv, D + Dv): the block in hand, and whose it is
+    with torch.no_grad():
+        for _ in range(P):
+            kb, vb = (x.repeat_interleave(g, dim=1) for x in kv.split([k.shape[-1], v.shape[-1]], dim=-1))
+            seen = sharding.global_index(owner)[None, :] <= here[:, None] if causal else torch.ones(len(here), len(kb), dtype=torch.bool)
+            s = torch.einsum("qhd,khd->hqk", q, kb) * scale  # (Hq, T_l, T_l) in the dtype
+            s = s.masked_fill(~seen, float("-inf"))
+            lse_b = torch.logsumexp(s, dim=-1)  # (Hq, T_l)
+            p = torch.where(seen, torch.exp(s - lse_b[..., None]), torch.zeros((), dtype=s.dtype))
+            o_b = torch.einsum("hqk,khd->qhd", p, vb)  # (T_l, Hq, Dv)
+            if out is None:
+                out, lse = o_b, lse_b
+            else:  # the merge by lse, in the dtype
+                new = torch.logaddexp(lse, lse_b)
+                out = out * torch.exp(lse - new).T[..., None] + o_b * torch.exp(lse_b - new).T[..., None]
+                lse = new
+            nxt = torch.empty_like(kv)
+            ops = [dist.P2POp(dist.isend, kv, group=process_group, group_peer=(r + 1) % P),
+                   dist.P2POp(dist.irecv, nxt, group=process_group, group_peer=(r - 1) % P)]  # fmt: skip
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            kv, owner = nxt, (owner - 1) % P
+    return out

@@ -122,3 +122,21 @@ def count_each() -> dict:
     dist.all_gather_into_tensor(torch.empty(16), torch.ones(8))
     counted["outside"] = (idle.sent, dict(idle.calls), dict(idle.uncounted))
     return counted
+
+
+def exchange_under_loopback() -> list[float]:
+    """Inside `loopback` on a world of 2: the sends between the ranks go to torch.distributed as they are (a group of
+    more than one rank), by `batch_isend_irecv` and by `send`/`recv`; what this rank received."""
+    from sim.tools.verify.loopback import loopback
+
+    rank = dist.get_rank()
+    got, again = torch.zeros(2), torch.zeros(2)
+    with loopback():
+        ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), 1 - rank), dist.P2POp(dist.irecv, got, 1 - rank)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if rank == 0:
+            dist.send(torch.full((2,), 7.0), 1)
+        else:
+            dist.recv(again, 0)
+    return [*got.tolist(), *again.tolist()]

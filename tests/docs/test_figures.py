@@ -41,6 +41,25 @@ def test_a_hidden_panel_is_refused_too():
     plt.close(fig)
 
 
+def test_a_title_wider_than_the_figure_is_refused():
+    """Learn 9's key figure had its subtitle cut on both sides (`es: cpref's cost model ... scal`): a text that
+    leaves the canvas fails the build, naming it; a tick outside the view (not drawn) and a hidden axis do not."""
+    fig, ax = plt.subplots(figsize=(figures.WIDTH, 3))
+    fig.subplots_adjust(bottom=0.2)
+    ax.plot([0, 1], [0, 1])
+    ax.set_xticks([-5, 0, 1, 50])  # ticks outside the view limits are not drawn
+    ax.set_xlim(0, 1)
+    fig.suptitle("a subtitle " * 20)
+    with pytest.raises(RuntimeError, match=r"wide\.png: text past the figure's edge.*\['a subtitle a subtitle"):
+        figures.check_readable(fig, "wide.png")
+    fig.suptitle("fits")
+    figures.check_readable(fig, "wide.png")
+    fig.text(-0.02, 0.5, "left of the canvas")
+    with pytest.raises(RuntimeError, match="left of the canvas"):
+        figures.check_inside(fig, "left.png")
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("n, rows", [(1, [1]), (2, [2]), (3, [2, 1]), (5, [2, 2, 1])])
 def test_panel_grid_centres_an_odd_last_panel(n, rows):
     fig = plt.figure(figsize=(figures.WIDTH, 2 * len(rows)))

@@ -1,4 +1,4 @@
-"""What the "Which mode?" page says of its curves holds for the curves (`sim.plan.study`, as the site builds them).
+"""What the page "The modes from 8 to 1024 ranks" says of its curves holds for the curves (`sim.plan.study`, as the site builds them).
 
 Each test is one bullet of the page's "What the curves say", checked on the four runs (two profiles, two models).
 The runs take half a minute, so the tests are `full` (make test-all); the module's doctest runs two P in make test.

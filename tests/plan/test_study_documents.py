@@ -1,4 +1,4 @@
-"""The "Which mode?" page on one long document: what it says against Llama 3 and Meta's million-token ring holds."""
+"""The page "The modes from 8 to 1024 ranks" on one long document: what it says against Llama 3 and Meta's million-token ring holds."""
 
 from __future__ import annotations
 

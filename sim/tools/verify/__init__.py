@@ -197,7 +197,8 @@ under a mask [`masks`][sim.tools.verify.masks]) and checks them before any proce
 ([`rank`][sim.tools.verify.rank]) on the implementation [`impls`][sim.tools.verify.impls] loads
 (adapters of other people's CP, `--peer`: [`peers`][sim.tools.verify.peers] for DeepSpeed-Ulysses,
 [`peer_torch_ring`][sim.tools.verify.peer_torch_ring] for PyTorch's ring) and its run without CP
-([`baselines`][sim.tools.verify.baselines]), counting what each rank moves and computes as it
+([`baselines`][sim.tools.verify.baselines]; a ring's sends to itself there are local copies,
+[`loopback`][sim.tools.verify.loopback]), counting what each rank moves and computes as it
 runs ([`wire`][sim.tools.verify.wire]); [`truth`][sim.tools.verify.truth] compares every rank
 with the FP64 ground truth, [`table`][sim.tools.verify.table] prints it and the last line,
 [`meter`][sim.tools.verify.meter] the progress. `--check-mask` runs [`probe`][sim.tools.verify.probe]

@@ -18,8 +18,9 @@ torch) is as exact as CP can be and still farther from the truth than cpref's ke
 computes scores in float32: held to `kernel` its bf16 rows fail the `vs P=1` column with no CP
 fault at all (2.05 in the page's example), held to `impl` they pass.
 
-**The fallback.** Where the implementation cannot run on one rank (it raises there: a ring that
-sends to itself, say), its case falls back to `FALLBACK`, SDPA and eager attention both, and
+**The fallback.** A ring's sends to itself at CP size 1 are local copies
+([`loopback`][sim.tools.verify.loopback]), so it runs there. Where the implementation still cannot run on one rank
+(it raises there), its case falls back to `FALLBACK`, SDPA and eager attention both, and
 `sim.tools.verify.truth` holds each tensor of each rank, for each of its two ratios, to the one
 of the two farther from the truth; the `baseline` column reads `sdpa/eager` and CP rank 0's note
 gives the exception. Not knowing how the implementation rounds, the harness must not hold it to

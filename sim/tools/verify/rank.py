@@ -28,6 +28,7 @@ case (`CaseFailed`) to the launcher's report.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from sim.tools.launch import under_torchrun
 from sim.tools.verify.baselines import FALLBACK, label, resolve, run_baseline
 from sim.tools.verify.cases import Case, Setup, call_variants, case_mask, cp_groups, make_batch, placement
 from sim.tools.verify.impls import load_impl
+from sim.tools.verify.loopback import loopback
 from sim.tools.verify.meter import meter
 from sim.tools.verify.wire import Tally, Wire, WorkKernel
 
@@ -256,7 +258,8 @@ def run_without_cp(case: Case, setup: Setup, dp: int, device: torch.device, kern
         return (*result, (torch.zeros_like(sinks) if sinks.grad is None else sinks.grad.detach()).cpu()), ""  # none: 0
 
     try:
-        result, missing = once(name)
+        with loopback() if name == "impl" else contextlib.nullcontext():  # a ring's sends to itself: local copies
+            result, missing = once(name)
     except Exception as exc:
         if name != "impl" or case.variants:  # the fallback attends without the variants: no baseline for them
             raise

@@ -1,4 +1,4 @@
-r"""Which mode when: what each CP mode costs per rank and layer, and what it needs.
+r"""What each mode costs per rank and layer, and what it needs.
 
 Every mode computes the same attention (the test suite checks each rank's output and
 gradients against the FP64 oracle); they differ in what they move, what they keep, what they
