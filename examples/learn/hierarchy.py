@@ -1,4 +1,5 @@
-"""Learn CP, page 8: the hierarchical mode (a2a+p2p) on 4 simulated ranks, and the groups its collectives ran on.
+"""Learn CP, page 8: the hierarchical mode (a2a+p2p) on 4 simulated ranks, and the
+groups its collectives ran on.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.hierarchy`.
 """
@@ -19,20 +20,29 @@ sharding = cpref.Sharding(cu_seqlens, cp_size=P, layout="zigzag")
 
 def program(comm):
     q_r, k_r, v_r = (sharding.shard(x, comm.rank) for x in (q, k, v))
-    # Ulysses inside groups of a2a_size = 2 ranks, a ring across the P / 2 = 2 groups
-    return cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="a2a+p2p", a2a_size=2)
+    # Ulysses inside groups of a2a_size = 2 ranks, a ring across the P / 2 = 2
+    # groups
+    return cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="a2a+p2p",
+                           a2a_size=2)
 
 
 cluster = SimCluster(P)
 outs = cluster.run(program)
-print(f"largest error {max((o - sharding.shard(want, r)).abs().max().item() for r, o in enumerate(outs)):.1e}")
-calls = {}  # (collective, group) -> [calls, bytes each rank sent]; the groups run concurrently, so sorted
+error = max((o - sharding.shard(want, r)).abs().max().item()
+            for r, o in enumerate(outs))
+print(f"largest error {error:.1e}")
+# (collective, group) -> [calls, bytes each rank sent]; the groups run
+# concurrently, so sorted
+calls = {}
 for e in cluster.trace:
-    if e.op == "split":  # made once per communicator: the a2a groups, then the rings
+    # made once per communicator: the a2a groups, then the rings
+    if e.op == "split":
         print(f"split into {e.param.removeprefix('groups=')}")
-    elif e.param != "host":  # leave out the ranks' check that they agree on the call
+    # leave out the ranks' check that they agree on the call
+    elif e.param != "host":
         total = calls.setdefault((e.op, e.group), [0, 0])
         total[0], total[1] = total[0] + 1, total[1] + e.bytes_sent[0]
 for (op, group), (n, nbytes) in sorted(calls.items()):
-    print(f"{op} on ranks {group}: {n} call{'s' * (n > 1)}, {nbytes} B sent per rank")
+    print(f"{op} on ranks {group}: {n} call{'s' * (n > 1)}, "
+          f"{nbytes} B sent per rank")
 # --8<-- [end:run]

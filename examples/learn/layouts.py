@@ -1,4 +1,5 @@
-"""Learn CP, page 6: how the contiguous and zigzag layouts share causal work, and a packed (THD) batch.
+"""Learn CP, page 6: how the contiguous and zigzag layouts share causal work, and
+a packed (THD) batch.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.layouts`.
 """
@@ -8,17 +9,25 @@ import cpref
 
 P = 4
 for layout in ("contiguous", "zigzag"):
-    sharding = cpref.Sharding([0, 32], cp_size=P, layout=layout)  # one document of 32 tokens
-    chunks = [[(start, end) for _, start, end in sharding.local_chunks(r)] for r in range(P)]
-    work = [sharding.attention_work(r, exact=True) for r in range(P)]  # visible (query, key) scores per rank
+    # one document of 32 tokens
+    sharding = cpref.Sharding([0, 32], cp_size=P, layout=layout)
+    chunks = [[(start, end) for _, start, end in sharding.local_chunks(r)]
+              for r in range(P)]
+    # visible (query, key) scores per rank
+    work = [sharding.attention_work(r, exact=True) for r in range(P)]
     print(f"{layout}: rank 0 holds tokens {chunks[0]}, rank 3 {chunks[3]}")
-    print(f"{layout}: scores per rank {work}, slowest / mean = {max(work) * P / sum(work):.2f}")
+    print(f"{layout}: scores per rank {work}, "
+          f"slowest / mean = {max(work) * P / sum(work):.2f}")
 # --8<-- [end:work]
 
 # --8<-- [start:packed]
-# A packed batch: two documents of 20 and 9 tokens in one stream, attention reset at each end (EOD).
-sharding = cpref.Sharding.eod_padded([0, 20, 29], cp_size=P, layout="zigzag")  # pads each to a multiple of 2P
-print("real boundaries", sharding.cu_seqlens, "padded", sharding.cu_seqlens_padded)
+# A packed batch: two documents of 20 and 9 tokens in one stream, attention reset
+# at each end (EOD).
+# pads each to a multiple of 2P
+sharding = cpref.Sharding.eod_padded([0, 20, 29], cp_size=P, layout="zigzag")
+print("real boundaries", sharding.cu_seqlens,
+      "padded", sharding.cu_seqlens_padded)
 print("rank 0 holds (document, start, end):", sharding.local_chunks(0))
-print("rank 0's positions:", sharding.positions(0).tolist())  # position in its document, for RoPE
+# position in its document, for RoPE
+print("rank 0's positions:", sharding.positions(0).tolist())
 # --8<-- [end:packed]

@@ -105,3 +105,14 @@ def test_which_mode_matches_the_issue_44_figures_forward_plus_backward():
             for line in output("which_mode").splitlines()}  # fmt: skip
     # GQA G = 4 at P = 4: a2a 960 MiB against all_gather's 1,536 (forward + backward, bf16, 128k tokens)
     assert rows[4]["all_gather"] == "1,536" and rows[4]["a2a"] == "960"
+
+
+CODE_WIDTH = 82  # characters a line of the site's code blocks shows without wrapping (the Learn pages' column)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_line_fits_the_code_block(name):
+    """A longer line wraps in the page's code block, and a wrapped comment reads as broken indentation."""
+    long = [f"{i}: {len(line)}" for i, line in enumerate((EXAMPLES / f"{name}.py").read_text().splitlines(), 1)
+            if len(line) > CODE_WIDTH]  # fmt: skip
+    assert long == [], f"examples/learn/{name}.py: lines over {CODE_WIDTH} characters (line: length)"
