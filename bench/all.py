@@ -7,11 +7,11 @@ same header; `bench.scaling` also writes there the `this-machine` profile it cal
 (`this-machine.json`).
 
 **Where.** By default `<folder>` is `bench/out/` (`OUT`, ignored by git): a run on any machine
-leaves the committed results as they are. The docs' performance page (`bench/report.py`) renders
-its tables and draws its figures (`bench/figures.py`) from the committed ones, `bench/results/`
-(`RESULTS`); to replace those on purpose, run `python -m bench.all --update-results` (what `make
-bench KEEP=1` does) and commit them, so that the page shows the last full run and says when and
-where it was measured.
+leaves the committed results as they are. The docs' performance pages (the overview, `bench/report.py`,
+and one page per benchmark, its module's docstring) render its tables and draw its figures
+(`docs/bench_figures.py`) from the committed ones, `bench/results/` (`RESULTS`); to replace those on
+purpose, run `python -m bench.all --update-results` (what `make bench KEEP=1` does) and commit them,
+so that the pages show the last full run and say when and where it was measured.
 
 Run it with `python -m bench.all` (what `make bench` does); `--only kernel scaling` runs some.
 """

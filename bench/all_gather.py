@@ -1,24 +1,32 @@
-"""Benchmark: compute balance of KV all-gather CP, contiguous against zigzag, measured.
+"""All-gather balance, timed: each rank's share of the all-gather mode, contiguous against zigzag, at P = 2, 4 and 8.
+
+In [the all-gather mode](all-gather.md) every rank gathers every key and attends its own queries,
+so a rank's work is its queries' share of the attention, and the layout decides how even the
+shares are. This benchmark times each share alone and prints the measured imbalance next to the
+counted one.
 
 For a packed batch (default: the field's `cu_seqlens = [0, 120, 1248, 4232]`, padded to the
-layout's granularity), every rank's share of the attention, forward + backward, is timed
-one rank after the other on this process, by running the mode's own
-`all_gather_forward` / `all_gather_backward` with that rank's plan against a *replay*
+layout's granularity; 8 query heads, 2 key/value heads, head dim 64), every rank's share of the
+attention, forward + backward, is timed one rank after the other on this process, by running the
+mode's own `all_gather_forward` / `all_gather_backward` with that rank's plan against a *replay*
 communicator: its all-gather returns every rank's shard (what the real one would), its
-reduce-scatter keeps this rank's rows, so only the rank's own work is timed. Printed per
-layout and CP size:
+reduce-scatter keeps this rank's rows, so only the rank's own work is timed. Printed per layout
+and CP size:
 
-* each rank's measured time, the measured imbalance (max / mean) beside the counted one
+* each rank's measured time, and the measured imbalance (max / mean) beside the counted one
   (`work = sum(q_len * kv_len)`);
 * the efficiency of the step, `ideal / (P * slowest)`, where `ideal` is the time of the same
   kernel calls on one device, every rank's share one after the other (the sum of the ranks'
-  times): the fraction of perfect scaling that the slowest rank allows, at most 1 (the
-  communication is not timed here; see the trace for its bytes). One kernel call over the
-  whole batch is printed beside it, `one call`, but not used: its tiles and cache footprint
-  differ from the shares', so its time per score is another kernel's (as a baseline it makes
-  `one call / (P * slowest)` exceed 1 at `P = 4`).
+  times): the fraction of perfect scaling that the slowest rank allows, at most 1. The
+  communication is not timed here; [The layouts on packed batches](perf-layouts.md) counts each
+  mode's bytes. One kernel call over the whole batch is printed beside it, `one call`, but not
+  used: its tiles and cache footprint differ from the shares', so its time per score is another
+  kernel's (as a baseline it makes `one call / (P * slowest)` exceed 1 at `P = 4`).
 
-Run it with `python -m bench.all_gather` (or `make bench`); `--help` lists the options.
+Run it with `python -m bench.all_gather` (or `make bench`); `--cu`, `--cp`, `--heads`,
+`--kv-heads`, `--dim` and `--repeats` (5, the fastest kept) change the defaults.
+
+{{ results all_gather }}
 """
 
 from __future__ import annotations

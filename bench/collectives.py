@@ -1,15 +1,21 @@
-"""Benchmark: `TorchComm`'s two exchanges on gloo, the backend's collectives against pairwise sends.
+"""Collectives or pairwise sends: `TorchComm`'s two ways to exchange data, timed on gloo.
 
-`all_gather`, `reduce_scatter` and `all_to_all` of one `(T_l, 8, 64)` float32 block per rank
-(16 MiB at the default 8192 rows), and for scale one ring shift of the same block
-(`send_recv`), on `--nproc` gloo processes with one thread each; and the ranks' comparison of
-their arguments that every attention call makes (`agree`, `cpref.modes.consistency`). Every call is timed after a
-barrier, `--repeats` times in alternation between the two exchanges, and the fastest kept;
-the slowest rank's time counts. Printed: milliseconds of each way and the ratio
-native / p2p. The default exchange of a gloo `TorchComm` is the pairwise one
-(`cpref.comm.torch_dist`): these figures are why.
+`TorchComm` can move the data of `all_gather`, `reduce_scatter` and `all_to_all` with the
+backend's collectives or with one batch of pairwise sends and receives (`exchange`, see
+[TorchComm][cpref.comm.torch_dist]). This benchmark times both ways on gloo, for one `(T_l, 8, 64)`
+float32 block per rank (16 MiB at the default 8192 rows, `--rows`), on `--nproc` gloo processes
+(2) with one thread each; for scale, one ring shift of the same block (`send_recv`); and the ranks'
+comparison of their arguments that every attention call makes (`agree`,
+[Do the ranks agree?][cpref.modes.consistency]). Every call is timed after a barrier, `--repeats`
+times (5) in alternation between the two ways, and the fastest kept; the slowest rank's time
+counts. Printed: the milliseconds of each way and the ratio native / p2p.
+
+Pairwise is the default exchange of a gloo `TorchComm` because it wins here; NCCL and HCCL keep
+their collectives ([What each backend can do](backend-facts.md)).
 
 Run it with `python -m bench.collectives` (or `make bench`); `--help` lists the options.
+
+{{ results collectives }}
 """
 
 from __future__ import annotations

@@ -1,41 +1,50 @@
-r"""Benchmark: the layouts on realistic packed batches: padding, causal balance and traffic per mode.
+r"""The layouts on packed batches: each layout's padding, causal balance and traffic per mode, counted at P = 2, 4 and 8.
 
-Every layout of `cpref.LAYOUTS`, every mode of `cpref.MODES` (with `example_options(P)`), at
+{{ figure figures/bench_bytes.png }}
+
+Every layout of `cpref.LAYOUTS` and every mode of `cpref.MODES` (with `example_options(P)`), at
 $P = 2, 4, 8$, on three packs:
 
 * **stdlib 32k** and **stdlib 128k**: the first pack of 32768 and of 131072 tokens of
-  `cpref.train.packing.pack_documents(cpref.train.packing.stdlib_documents(), T)`, the lengths of this
-  interpreter's standard library files as byte tokens (a few long documents);
-* **lognormal 64k**: many documents drawn from a long-tailed distribution. Document lengths in
-  pretraining corpora are roughly lognormal with a heavy tail (many short pages, a few books),
-  so the lengths are $\lceil X \rceil$, $\ln X \sim \mathcal{N}(\ln 512, 1)$ (median 512 tokens,
-  mean $512\, e^{1/2} \approx 844$), drawn with `torch.Generator().manual_seed(0)` and laid end
-  to end by `pack_documents` into its first pack of 65536 tokens: each document gets its
-  end-of-document token and the one that crosses the pack's end is cut there (69 documents).
+  `cpref.train.packing.pack_documents(cpref.train.packing.stdlib_documents(), T)`, the lengths of
+  this interpreter's standard library files as byte tokens (a few long documents);
+* **lognormal 64k**: many documents from a long-tailed distribution. Document lengths in
+  pretraining corpora are roughly lognormal with a heavy tail (many short pages, a few books), so
+  the lengths are $\lceil X \rceil$, $\ln X \sim \mathcal{N}(\ln 512, 1)$ (median 512 tokens, mean
+  $512\, e^{1/2} \approx 844$), drawn with `torch.Generator().manual_seed(0)` and laid end to end
+  by `pack_documents` into its first pack of 65536 tokens: each document gets its end-of-document
+  token and the one that crosses the pack's end is cut there (69 documents).
 
 Each batch is sharded by `cpref.Sharding.eod_padded(cu_seqlens, cp_size=P, layout=layout)`. Per
-layout, mode-independent: the padding tokens as a share of the padded batch, the causal work
-largest / mean over ranks, `sharding.attention_work(r, exact=True)` (the real scores), and the
-busiest rank's **shared rows**, its tokens of documents whose real tokens sit on more than one
-rank (what `all_gather` moves for the layouts that keep documents whole; `a2a` moves those and the
-documents its balance adds, `cpref.modes.ulysses_split`, counted in its bytes). Per mode,
-from forward + backward of `cpref.attention` on `sim.SimCluster(P)` with a kernel that computes
-nothing (zeros of the contract's shapes and dtypes, so the collectives move real-shaped tensors):
+layout, whatever the mode: the padding tokens as a share of the padded batch, the busiest rank's
+causal work over the mean (`sharding.attention_work(r, exact=True)`, the real scores), and its
+**shared rows**, its tokens of documents whose real tokens sit on more than one rank (what
+`all_gather` moves for the layouts that keep documents whole; `a2a` moves those and the documents
+its balance adds, [Ulysses for stream and balanced](ulysses-split.md), counted in its bytes).
+
+Per mode, from forward + backward of `cpref.attention` on `sim.SimCluster(P)` with a kernel that
+computes nothing (zeros of the contract's shapes and dtypes, so the collectives move real-shaped
+tensors):
 
 * **bytes**: the busiest rank's bytes sent, exact, summed over the mode's trace events;
-* **kernel work**: largest / mean over ranks of $\sum$ `seqs.work(causal, window)` times the call's
-  query heads, over the kernel calls, forward and backward: the scores the ranks would compute,
-  padding included (times the heads, so that Ulysses's rank, all tokens of `Hq / P` heads, compares);
+* **kernel work**: largest / mean over ranks of $\sum$ `seqs.work(causal, window)` times the
+  call's query heads, over the kernel calls, forward and backward: the scores the ranks would
+  compute, padding included (times the heads, so that Ulysses' rank, all tokens of $H_q / P$
+  heads, compares);
 * **model time**: $\max_r (W_r / F + B_r / B)$ with $W_r$ the rank's kernel work, $B_r$ its bytes,
-  $F$ and $B$ the constants below, printed in the header. It is a model, not a measurement.
+  and the constants $F$ and $B$ printed in the header. It is a model, not a measurement.
 
-Heads are tiny (`Hq = 8` so that Ulysses splits them over 8 ranks, `Hkv = 1`, `D = Dv = 8`,
-float32): bytes grow with heads and head dims, the work per head does not. At the end, for the
-lognormal pack at the largest $P$, the `"balanced"` layout's goals (when it is in
-`cpref.LAYOUTS`), printed as met or not, never asserted, and its shared rows against their lower
-bound (the tokens of the documents no rank can hold whole, over $P$).
+Heads are tiny ($H_q = 8$ so that Ulysses splits them over 8 ranks, $H_{kv} = 1$, $D = D_v = 8$,
+float32): bytes grow with heads and head dims, the work per head does not. Nothing is timed, so the
+figures do not move with the machine. At the end, for the lognormal pack at the largest $P$, the
+goals of [the balanced layout](balanced.md) (padding under 1%, work within 1.05 of the mean, a
+third of zigzag's bytes), printed as met or not, never asserted, and its shared rows against their
+lower bound (the tokens of the documents no rank can hold whole, over $P$).
 
-Run it with `python -m bench.layouts`; `--quick` runs only $P = 2, 4$ on the 32k and lognormal packs.
+Run it with `python -m bench.layouts` (or `make bench`); `--quick` runs only $P = 2, 4$ on the 32k
+and lognormal packs.
+
+{{ results layouts }}
 """
 
 from __future__ import annotations

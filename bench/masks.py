@@ -1,24 +1,30 @@
-r"""Benchmark: attention under a mask at CP = 2 against full causal (time, work, bytes), and the layout balanced by the mask.
+r"""What a mask costs: attention under a mask at CP = 2 against full causal, and the layout balanced by the mask.
 
-Two parts, side by side in one run, nothing asserted:
+What a mask ([Masks as slices](mask.md)) costs at CP = 2, and what
+[the layout balanced given the mask](balanced-mask.md) evens out, in two parts, side by side in
+one run, nothing asserted:
 
 1. **Time and bytes at CP = 2.** A packed batch of 16384 tokens (documents of 4096, 2048, 6144,
    2048 and 2048), $H_q = 8$, $H_{kv} = 2$, head dim 64, float32, forward + backward through
    `cpref.attention` on the simulated cluster (two ranks, two threads), every mode with its
-   `example_options(2)`, zigzag, under three masks: **full causal** (no mask: the kernel contract's
-   causal), **prefix-LM** (`Mask.prefix_lm`, every document's first half its prompt) and
-   **spans** (`Mask.bidirectional_spans`, tokens $n/4$ to $n/2$ of each document an image seen
-   whole). Per case: the step's wall time (the fastest of `--repeats` rounds, in alternation),
-   the mask's visible pairs against causal's (the work every mode computes, exactly: the tests
-   count it), and the bytes the busiest rank sent (from the trace). Then `p2p` in the layout
-   balanced by each mask (`Sharding(..., layout="balanced", mask=mask)`), the same figures.
-2. **Balance, counted.** The lognormal pack of 65536 tokens of `bench.layouts` (69 documents)
-   under a prefix-LM (prompts of a random share of each document), image spans (a quarter of each
-   document), and shared-prompt groups (a prompt and two answers), at $P = 2, 4, 8$: the busiest
-   rank's mask work over the mean (`sharding.attention_work(r, mask=mask)`) for zigzag, the
-   causal `balanced` layout and `balanced` given the mask. The goal: the last within 1.05.
+   `example_options(2)`, zigzag, under three masks: **full causal** (no mask: the kernel
+   contract's causal), **prefix-LM** (`Mask.prefix_lm`, each document's first half its prompt)
+   and **spans** (`Mask.bidirectional_spans`, tokens $n/4$ to $n/2$ of each document an image seen
+   whole). Per case: the step's time (the fastest of `--repeats` rounds, in alternation) against
+   full causal's, the mask's visible pairs against causal's (the work every mode computes,
+   exactly: the tests count it), and the bytes the busiest rank sent (from the trace). Then `p2p`
+   in the layout balanced by each mask (`Sharding(..., layout="balanced", mask=mask)`), the same
+   figures.
+2. **Balance, counted.** The lognormal pack of 65536 tokens of
+   [The layouts on packed batches](perf-layouts.md) (69 documents) under a prefix-LM (prompts of a
+   random share of each document), image spans (a quarter of each document) and shared-prompt
+   groups (a prompt and two answers), at $P = 2, 4, 8$: the busiest rank's mask work over the mean
+   (`sharding.attention_work(r, mask=mask)`) for zigzag, the causal `balanced` layout and
+   `balanced` given the mask. The goal: the last within 1.05.
 
-Run it with `python -m bench.masks`; `--quick` is a small run.
+Run it with `python -m bench.masks` (or `make bench`); `--quick` is a small run.
+
+{{ results masks }}
 """
 
 from __future__ import annotations

@@ -1,24 +1,33 @@
-"""Benchmark: peak memory per rank of forward + backward, every mode, P = 1, 2, 4, measured.
+r"""Memory per rank: the peak of forward + backward on each rank, every mode, at P = 1, 2 and 4, measured.
+
+{{ figure figures/bench_memory.png }}
+
+Memory is what CP is for. What it promises is that the activations saved for the backward fall as
+$1/P$; the peak of one layer's step adds what a mode holds only during the step (the all-gather
+mode's gathered K/V, $O(T)$ by design).
 
 Each rank of the simulated cluster (a thread) runs `cpref.attention` forward + backward on its
 shard under `LiveBytes`, a `TorchDispatchMode` that counts the bytes of every storage an op
 creates on that thread while the storage is alive, and keeps the peak. The count starts at the
 bytes of the rank's input shards (q, k, v and the upstream gradient), which the rank holds
 throughout the step: at $P = 1$ the kernel saves the inputs themselves for its backward, at
-$P > 1$ most modes save exchanged copies, so leaving the inputs out would compare unlike
-things. Everything the step allocates is counted too (gathered K/V, kernel outputs and
-temporaries visible to the dispatcher, merges, gradients). A collective's result
-is counted for the rank that receives it (`CountedComm`), and what the simulator allocates
-while computing a collective for the whole group is not counted for any rank. The fused op's
-own tiles (at most two 256 x 512 float32 tiles per thread) are allocated inside the op and
-are not seen.
+$P > 1$ most modes save exchanged copies, so leaving the inputs out would compare unlike things.
+Everything the step allocates is counted too (gathered K/V, kernel outputs and temporaries
+visible to the dispatcher, merges, gradients). A collective's result is counted for the rank that
+receives it (`CountedComm`), and what the simulator allocates while computing a collective for the
+whole group is not counted for any rank. The fused op's own tiles (at most two 256 x 512 float32
+tiles per thread) are allocated inside the op and are not seen.
 
-Printed per mode and `P`: the largest peak over the ranks, the bytes saved for the backward
-(measured with saved-tensor hooks, and the formula of `cpref.api.mode_costs`), and each
-figure relative to `P = 1`. Memory is what CP is for: the peak should fall with `P` as the
-formula does (a mode that replicates key/value heads falls more slowly, as its page says).
+Printed per mode and $P$: the largest peak over the ranks, the bytes saved for the backward
+(measured with saved-tensor hooks) beside the formula of [`mode_costs`][cpref.api.mode_costs], and
+each figure relative to $P = 1$. The peak should fall with $P$ as the formula does (a mode that
+replicates key/value heads falls more slowly, as its page says). There is no target.
 
-Run it with `python -m bench.memory` (or `make bench`); `--help` lists the options.
+Run it with `python -m bench.memory` (or `make bench`): by default documents of 1024 and 3072
+tokens, 8 query heads, 2 key/value heads, head dim 64, float32; `--lengths`,
+`--heads HQ HKV D DV` and `--cp` change them.
+
+{{ results memory }}
 """
 
 from __future__ import annotations

@@ -1,22 +1,28 @@
-"""Benchmark: what the CP path costs at P = 1, every mode against the bare kernel.
+r"""The CP path at P = 1: what `cpref.attention` costs a model without CP, every mode against the bare kernel.
 
 A model without context parallelism calls `cpref.attention(..., comm=cpref.SingleRank())`; every
-mode then reduces to attention over the whole packed stream. The difference from calling the
-kernel directly is the CP path: validation, the batch cache and the plan, the autograd
-Function, and whatever the mode does around the kernel (the all-gather mode's gather,
-`index_select`, `index_add_` and backward re-gather, which its `P = 1` plan skips; the ring's
-K/V packing and lse merge; Ulysses' all-to-alls). Per mix of documents (8 heads, head dim 64,
-float32, causal, zigzag, forward + backward), the bare `TorchKernel()` and each mode are
-warmed up (the first call builds the plans and makes the rank check), then timed `--repeats`
-times in alternation; the fastest of each is kept. Target (printed, never asserted): every
-mode within 1.05x of the bare kernel.
+mode then reduces to attention over the whole packed stream. What it pays over calling the kernel
+directly is the CP path: validation, the batch cache and the plan, the autograd Function, and what
+each mode does around its kernel call (the ring's K/V packing and lse merge, Ulysses' all-to-alls).
+The all-gather mode's plan at $P = 1$ names the documents themselves as the kernel's sequences, so
+it skips the gather, the `index_select`, the `index_add_` and the backward's re-gather (see
+[Load-balanced metadata](metadata.md)).
 
-Two runs of the same 8192-token call can differ by several percent on a shared machine, more
-than the CP path costs; so each mode's kernel calls are also timed inside its step
-(`bench.timed.TimedKernel`), and the time the mode spends *outside* them, over the bare
-kernel's time, is printed too: the CP path's own cost, free of the kernel's run-to-run noise.
+On three of [the kernel benchmark](perf-kernel.md)'s mixes (one document of 8192 tokens, four mixed,
+256 of 32), 8 heads, head dim 64, float32, causal, zigzag, forward + backward, the bare
+`TorchKernel()` and each mode are warmed up (the first call builds the plans and makes the rank
+check), then timed `--repeats` times (3) in alternation; the fastest of each is kept. Target,
+printed and never asserted: every mode within 1.05 times the bare kernel.
 
-Run it with `python -m bench.overhead` (or `make bench`); `--help` lists the options.
+Two runs of the same 8192-token call can differ by several percent on a shared machine, more than
+the CP path costs. So each mode's kernel calls are also timed inside its step
+(`bench.timed.TimedKernel`), and the time the mode spends *outside* them, over the bare kernel's
+time, is printed too: the CP path's own cost, free of the kernel's run-to-run noise.
+
+Run it with `python -m bench.overhead` (or `make bench`); `--mixes` picks other mixes of the kernel
+benchmark, `--help` lists the options.
+
+{{ results overhead }}
 """
 
 from __future__ import annotations

@@ -1,19 +1,28 @@
 """The planner at scale: every rank built at once against every rank dry-run, side by side, then up to 1024 ranks.
 
-On the study's 128k-token packed batch (`sim.plan.study`, Llama-3-8B-like heads, the H100 profile):
+What [`sim.plan.scale`][sim.plan.scale] buys [the planner](planner.md), on the 128k-token packed
+batch of [The modes from 8 to 1024 ranks](mode-study.md) (Llama-3-8B-like heads, the H100 profile),
+in three parts:
 
-1. **Side by side** at P = 4 and 8: the candidates `sim.plan.scale` covers (p2p, all_gather, a2a+p2p over
-   contiguous and zigzag), each priced both ways in the same run: every rank dry-run on meta tensors and priced by
-   `rank_time`, and every rank built by `schedule` and priced by `Schedule.price`: the seconds of each, their ratio,
-   and whether the two agree on every rank's step (to 1e-12: the tests hold them equal rank by rank).
-2. **The whole planner** at P = 64 to 1024 (`python -m sim plan` with the study's candidates): its seconds and the
-   candidates it priced. Goal: P = 1024 in under 10 seconds ("in seconds", issue 46).
-3. **Every layout, full and windowed layers**: the planner with every mode and layout (stream and balanced too)
-   for full-causal layers and layers under a causal window of 1024 (`--window 1024`): windows and the stream and
-   balanced layouts make the irregular plans of `sim.plan.scale_window` and `sim.plan.scale_split`. Its seconds,
-   the candidates priced per layer kind, and those left to the dry run (not priced above 32 ranks: none today).
+1. **Side by side** at P = 4 and 8: the candidates `sim.plan.scale` covers (`p2p`, `all_gather`,
+   `a2a+p2p` over contiguous and zigzag), each priced both ways in the same run: every rank
+   dry-run on meta tensors and priced by `rank_time`, and every rank built by `schedule` and
+   priced by `Schedule.price`. Printed: the seconds of each, their ratio, and whether the two
+   agree on every rank's step (to 1e-12; the tests hold them equal rank by rank).
+2. **The whole planner** at P = 64, 256 and 1024 (`python -m sim plan` with the study's
+   candidates): its seconds and the candidates it priced. Goal: P = 1024 in under ten seconds
+   ("in seconds", issue 46).
+3. **Every layout, full and windowed layers**: at P = 1024, the planner with every mode and layout
+   (stream and balanced too, [built per rank](plan-scale-split.md)) for full-causal layers and
+   for layers under a causal window of 1024 (`--window 1024`): windows and the stream and balanced
+   layouts make the irregular plans of [Irregular plans at scale](plan-scale-window.md) and
+   [Split plans at scale](plan-scale-split.md). Printed: its seconds, the candidates priced per
+   layer kind, and those left to the dry run (not priced above 32 ranks; none today).
 
-`python -m bench.plan --quick` runs P = 4 and 64 alone.
+Nothing here is a measurement of attention: the figures are the planner's own seconds, on this
+machine. Run it with `python -m bench.plan` (or `make bench`); `--quick` runs P = 4 and 64 alone.
+
+{{ results plan }}
 """
 
 from __future__ import annotations

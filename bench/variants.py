@@ -1,28 +1,31 @@
-r"""Benchmark: what the attention variants cost (learnable sinks, soft-capping) and what chunked attention saves.
+r"""What the variants cost: learnable sinks and soft-capping on one rank, and what chunked attention saves at CP = 2.
 
-Three parts, each measured side by side in one run, nothing asserted:
+What the variants of [Attention variants](variants.md) cost and save, in three parts, each measured
+side by side in one run, nothing asserted:
 
 1. **Sinks and soft-capping, one rank.** A packed batch of 16384 tokens (documents of 2048, 6144,
    4096 and 4096), $H_q = 8$, $H_{kv} = 2$, head dim 64, float32, forward + backward through
-   `cpref.attention` on one rank (the ring of one: one kernel call, the mode's Function around it),
-   without a variant, with sinks, with soft-capping at 50 (the explicit kernel path with the
-   compiled loops of `cpref.kernels.softcap_native`: PyTorch's fused attention has no cap), the same
-   with PyTorch's passes instead (`TorchKernel(fast=False)`, the readable reference, and what a
-   machine where the loops cannot be built runs), and that explicit path without a variant.
-   Timed in alternation, the fastest of the rounds kept (`bench.kernel.fastest`). Goals: sinks at
-   most 1.02 times the step without, soft-capping at most 1.3 times.
+   `cpref.attention` on one rank (the ring of one: one kernel call, the mode's Function around
+   it): without a variant; with learnable sinks; with soft-capping at 50 (the explicit kernel
+   path, PyTorch's fused attention having no cap, with its elementwise passes compiled:
+   [Soft-capping, compiled](softcap-native.md)); the same with PyTorch's passes instead
+   (`TorchKernel(fast=False)`, what a machine runs where the loops cannot be built); and that
+   explicit path without a variant. Timed in alternation, the fastest of the rounds kept. Goals:
+   sinks at most 1.02 times the step without, soft-capping at most 1.3 times.
 2. **Chunked attention at CP = 2.** One document of 32768 tokens, 4 heads, head dim 64, float32,
    `p2p` on the simulated cluster (two ranks, two threads), forward + backward, with
-   `chunk=8192` (Llama 4's) against full causal, in the zigzag and contiguous layouts: the wall
-   time of the step, and the bytes each rank sent (from the trace). Goal: chunked at least 3 times
-   faster; its bytes at most the chunks' halo (here every chunk lies whole on one rank: none).
-3. **The zigzag window halo, counted.** `p2p` under a causal window of 512 keys, zigzag, `P = 4`,
-   four documents of 8192: the rows the direct schedule sends forward (one shift to each of
-   the two ranks that read them, `cpref.modes.ring_window`, from the trace), against what a
-   one-way ring would carry for the same reads: the back chunks' halo passed on over the
-   $P - 1$ ranks between, $m_1 + (P - 1)\, m_{P-1}$ rows.
+   `chunk=8192` (Llama 4's) against full causal, in the zigzag and contiguous layouts: the step's
+   time, and the bytes each rank sent (from the trace). Goals: chunked at least 3 times faster;
+   its bytes at most the chunks' halo, which here is none: every chunk lies whole on one rank.
+3. **The zigzag window halo, counted.** `p2p` under a causal window of 512 keys, zigzag, $P = 4$,
+   four documents of 8192: the rows the direct schedule sends forward (one shift to each of the
+   two ranks that read them, [The ring under a sliding window](ring-window.md), from the trace),
+   against what a one-way ring would carry for the same reads: the back chunks' halo passed on
+   over the $P - 1$ ranks between, $m_1 + (P - 1)\, m_{P-1}$ rows.
 
-Run it with `python -m bench.variants`; `--quick` is a small run.
+Run it with `python -m bench.variants` (or `make bench`); `--quick` is a small run.
+
+{{ results variants }}
 """
 
 from __future__ import annotations

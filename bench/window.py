@@ -1,35 +1,38 @@
-r"""Benchmark: a causal sliding window on the fused CPU path, against full causal attention and a dense band mask.
+r"""A sliding window on the fused path: a causal window of 1024 keys against full causal attention and a dense band mask.
 
-One document of `--tokens` tokens (default 32768), 4 heads, head dim 64, float32, forward +
-backward, every query seeing itself and the `--window` keys before it (default 1024:
-`window=(1024, 0)`), run through
+One document of 32768 tokens, 4 heads, head dim 64, float32, forward + backward, every query
+seeing itself and the 1024 keys before it (`window=(1024, 0)`), run through
 
-* **window**: `TorchKernel()` with the window, the fused path's band tiles
-  (`cpref.kernels.torch_fused_plan`), masked at their edges;
-* **explicit window**: `TorchKernel(fast=False)` with the window, the explicit path's blocks
-  over the band (the path a windowed call takes with `fast=False`);
+* **window**: `TorchKernel()` with the window, the fused path's band tiles of 256 rows, masked at
+  their edges ([the plan][cpref.kernels.torch_fused_plan]);
+* **explicit window**: `TorchKernel(fast=False)` with the window, the explicit path's blocks over
+  the band;
 * **full causal**: `TorchKernel()` without a window, the work the window saves;
-* **SDPA band mask**: `F.scaled_dot_product_attention` with the dense `(T, T)` band as an
+* **SDPA band mask**: `F.scaled_dot_product_attention` with the dense $T \times T$ band as an
   additive mask (made before timing) and an autograd backward: PyTorch's fused CPU attention,
   which computes every one of the $T^2$ scores, masked or not.
 
 Beside the times, the scores each computes, counted: the window's visible ones,
-$(w + 1) T - w (w + 1) / 2$ (`Varlen.work`); the window's tiles' $\sum \text{rows} \times \text{keys}$ (at most
-$w + R$ a row, `R` rows a tile); full causal's $T (T + 1) / 2$; the dense mask's $T^2$. The
-ideal saving of the window over full causal is the ratio of visible scores (about 16 at
-$T = 32768$, $w = 1024$), the planned one that of computed scores; both are printed next to
-the measured ratio of times. The cases are timed in alternation as in `bench.kernel`, the
-fastest of `--repeats` rounds kept (default one: the dense mask takes about a minute at 32k); the
-window's plan and masks are built once, untimed, before the rounds. Nothing is asserted.
+$(w + 1) T - w (w + 1) / 2$ (`Varlen.work`); the window's tiles'
+$\sum \text{rows} \times \text{keys}$ (at most $w + R$ a row, $R$ rows a tile); full causal's
+$T (T + 1) / 2$; the dense mask's $T^2$. The ideal saving of the window over full causal is the
+ratio of visible scores (about $16\times$ here), the planned one that of the tiles' scores (about
+$13\times$); both are printed next to the measured ratio of times. The cases are timed in
+alternation as in [the kernel benchmark](perf-kernel.md), the fastest of `--repeats` rounds kept
+(default one: the dense mask takes about a minute at 32k); the window's plan and masks are built
+once, untimed, before the rounds. Nothing is asserted.
 
-**A windowed call's rate is set by its band's width** (the planner's `band` curve,
-`sim.plan.profile`): after the four cases, the fused path's forward + backward rate (FLOPs as
-[`KernelCall.flops`][sim.plan.dry.KernelCall.flops] counts them, over the time) on calls that
-share a window of `--window` keys but not their size (a quarter of `--tokens`, and all of it) or
-their heads (half of `--heads`), and on one under a window an eighth as wide; their ratios,
-printed side by side.
+**A windowed call's rate is set by its band's width.** That is the planner's premise for windowed
+calls (the `band` curve of [the profiles](plan-profiles.md)), measured last: the fused path's
+forward + backward rate (FLOPs as [`KernelCall.flops`][sim.plan.dry.KernelCall.flops] counts them,
+over the time) on four calls timed in alternation, the same window on 8192 and 2048 tokens and on
+four and two heads, and a window an eighth as wide. The rate follows the band's width (the last
+row), not the call's size or its heads (the middle two, near 1).
 
-Run it with `python -m bench.window`; `--tokens 4096 --window 256` is a quick run.
+Run it with `python -m bench.window` (or `make bench`); `--tokens`, `--window`, `--heads`, `--dim`
+and `--repeats` change the defaults; `--tokens 4096 --window 256` is a quick run.
+
+{{ results window }}
 """
 
 from __future__ import annotations

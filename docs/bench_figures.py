@@ -1,9 +1,9 @@
-"""The performance page's figures, drawn from what the last `make bench` kept in `bench/results/*.json`.
+"""The performance pages' figures, drawn from what the last `make bench` kept in `bench/results/*.json`.
 
 Each `draw_*` function takes one benchmark's results (`bench.all.load(name)["results"]`, the
 dict its `main()` returned) and returns a matplotlib `Figure`; `FIGURES` binds them to the kept
 files, and `docs/gen_pages.py` checks every one for readable labels like the other figures. A
-figure plots the numbers the page's tables print from the same file, so the two cannot
+figure plots the numbers the tables print from the same file, so the two cannot
 disagree; `tests/test_bench.py` draws each from made-up results and reads the numbers back.
 """
 

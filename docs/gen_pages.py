@@ -89,6 +89,17 @@ GUIDE = [
     ("backend-facts.md", "What each backend can do", "cpref.comm.capabilities"),
     ("verify.md", "Rank-by-rank verification", "sim.tools.verify"),
     ("performance.md", "Performance", "bench.report"),
+    ("perf-kernel.md", "The kernel against SDPA", "bench.kernel"),
+    ("perf-overhead.md", "The CP path at P = 1", "bench.overhead"),
+    ("perf-scaling.md", "Strong scaling over gloo", "bench.scaling"),
+    ("perf-memory.md", "Memory per rank", "bench.memory"),
+    ("perf-all-gather.md", "All-gather balance, timed", "bench.all_gather"),
+    ("perf-collectives.md", "Collectives or pairwise sends", "bench.collectives"),
+    ("perf-window.md", "A sliding window on the fused path", "bench.window"),
+    ("perf-layouts.md", "The layouts on packed batches", "bench.layouts"),
+    ("perf-variants.md", "What the variants cost", "bench.variants"),
+    ("perf-plan.md", "The planner at scale", "bench.plan"),
+    ("perf-masks.md", "What a mask costs", "bench.masks"),
     ("planner.md", "The planner", "sim.plan.planner"),
     ("mode-study.md", "The modes from 8 to 1024 ranks", "sim.plan.study"),
     ("plan-scale.md", "Plans at scale", "sim.plan.scale"),
@@ -230,18 +241,24 @@ PAGE_FIGURES = {
          "from a run on the simulated cluster."),
     ],
     "performance.md": [
-        ("figures/bench_kernel.png",
-         "From the last `make bench` (`bench/results/kernel.json`): each mix's forward + backward time of `TorchKernel`'s "
-         "fast and explicit paths over SDPA called once per document; below the line is faster than SDPA, the dashed "
-         "lines are the targets."),
         ("figures/bench_scaling.png",
          "From the last `make bench` (`bench/results/scaling.json`): the speedup of every mode at CP = 2 over gloo, in "
          "each layout, on each batch, against what two independent processes give on this machine (dashed) and the "
          "target, 0.95 of that (dotted): the efficiency against the machine."),
+    ],
+    "perf-kernel.md": [
+        ("figures/bench_kernel.png",
+         "From the last `make bench` (`bench/results/kernel.json`): each mix's forward + backward time of `TorchKernel`'s "
+         "fast and explicit paths over SDPA called once per document; below the line is faster than SDPA, the dashed "
+         "lines are the targets."),
+    ],
+    "perf-memory.md": [
         ("figures/bench_memory.png",
          "From the last `make bench` (`bench/results/memory.json`): the busiest rank's bytes saved for the backward, "
          "measured (dots) on the line of `mode_costs`' formula, and its peak of forward + backward, input shards "
          "included (squares), at P = 1, 2 and 4."),
+    ],
+    "perf-layouts.md": [
         ("figures/bench_bytes.png",
          "From the last `make bench` (`bench/results/layouts.json`): the bytes the busiest rank sends in each mode and "
          "layout on the lognormal pack (69 documents, 65,536 tokens), counted from the simulated cluster's trace."),
@@ -262,21 +279,25 @@ PAGE_FIGURES = {
 GUIDE_FIRST = [("index.md", "What context parallelism is and why"), ("quickstart.md", "Quickstart"),
                ("your-model.md", "Use cpref with your model")]
 GUIDE_LAST = [("variants.md", "Attention variants: sinks, soft-capping, chunks"),
-              ("verify-your-implementation.md", "Verify your implementation"), ("field-bugs.md", "The bugs CP users hit"),
+              ("verify-your-implementation.md", "Verify your implementation"),
+              ("verify-reference.md", "Verify: every option, what it checks and counts"),
+              ("field-bugs.md", "The bugs CP users hit"),
               ("glossary.md", "Glossary"), ("references.md", "References")]
 # The Learn CP path (hand-written, docs/learn/): the order a learner needs, each page short, a figure at its top,
 # runnable code, and links into the reference pages below for the precise story.
 LEARN = [
     ("learn/problem.md", "1. Why a split sequence needs communication"),
     ("learn/collectives.md", "2. Collectives in one page"),
-    ("learn/merge.md", "3. Merging partial attention: the lse"),
-    ("learn/all-gather.md", "4. All-gather: every rank gets every key"),
+    ("learn/all-gather.md", "3. All-gather: every rank gets every key"),
+    ("learn/merge.md", "4. Merging partial attention: the lse"),
     ("learn/ring.md", "5. The ring, forward and backward"),
     ("learn/layouts.md", "6. Zigzag and packed documents"),
     ("learn/ulysses.md", "7. Ulysses: trade tokens for heads"),
     ("learn/hierarchy.md", "8. The hierarchy: Ulysses inside, ring across"),
-    ("learn/which-mode.md", "9. Which mode?"),
-    ("learn/masks.md", "10. Masks under CP"),
+    ("learn/when-cp-pays.md", "9. When CP pays"),
+    ("learn/which-mode.md", "10. Which mode?"),
+    ("learn/beside-dp-tp-pp.md", "11. CP beside DP, TP and PP"),
+    ("learn/masks.md", "12. Masks under CP"),
 ]
 
 # Figures of the hand-written pages (`docs/learn_figures.py`, drawn from real runs): page -> [(figure path, caption)],
@@ -320,14 +341,14 @@ HAND_FIGURES = {
          "the all-gathers, and (full colour) those its kernel call read, identified from the call's inputs."),
     ],
     "learn/ring.md": [
-        ("figures/learn/ring_frames.png",
-         "Every rank at every step of one forward + backward of `p2p` on 4 simulated ranks: the block it held "
-         "(identified from its kernel calls and from the payloads it sent) and, in the backward, how many ranks' "
-         "shares the block's dK/dV accumulator held when it moved on (identified by matching it against every "
-         "partial sum of the ranks' shares)."),
         ("figures/learn/ring.gif",
-         "The same run, step by step: the block each rank holds, and the scores computed at this step (full colour, "
-         "in the colour of the key's rank) and before (faint)."),
+         "One forward + backward of `p2p` on 4 simulated ranks, one document in the contiguous layout, step by "
+         "step: the block each rank holds (\"skipped\" where none of its queries sees those keys), and the scores "
+         "computed at this step (full colour, in the colour of the key's rank) and before (faint)."),
+        ("figures/learn/ring_frames.png",
+         "The same run, every rank at every step: the block it held (identified from its kernel calls and from the "
+         "payloads it sent) and, in the backward, how many ranks' nonzero shares the block's dK/dV accumulator held "
+         "when it moved on (each accumulator checked against the sum of the shares of the ranks it has passed)."),
     ],
     "learn/layouts.md": [
         ("figures/learn/layouts.png",
@@ -344,6 +365,29 @@ HAND_FIGURES = {
         ("figures/learn/hierarchy.png",
          "A real `a2a+p2p` forward on 4 simulated ranks: the keys and heads each rank's kernel saw at each ring "
          "step, in the colour of the rank that held each key before the exchange."),
+    ],
+    "learn/when-cp-pays.md": [
+        ("figures/learn/pays_memory.png",
+         "The activations a Llama-3-8B-like model (32 layers, Hq = 32, Hkv = 8, D = 128, h = 4096, F = 14336, bf16) "
+         "keeps for its backward on one rank, against sequence length: on one device (and with every layer "
+         "recomputed) and at CP = 2 to 16. Attention's share is cpref's cost model's (`mode_costs(...).saved_bytes`), "
+         "the rest of a layer 2(4h + 4F) bytes a token; the line is the h100-sxm profile's 80 GB."),
+        ("figures/learn/pays_timeline.png",
+         "Above: rank 0's forward and backward in every mode, 128k tokens at P = 16 on two H100 nodes, each mode's "
+         "own code dry-run on meta tensors and timed by the planner's two clocks with the h100-sxm profile. Below: "
+         "the overlap condition, a zigzag ring step's kernel time against its K/V block's transfer by block size, on "
+         "the h100-sxm profile and on this machine's measured one; the dots are the crossovers."),
+        ("figures/learn/pays_where.png",
+         "The planner's predicted forward + backward step (h100-sxm, bf16) against one device's step divided by P, "
+         "for packed short documents, sliding windows and the number of K/V heads: the zigzag ring at P = 8 (one "
+         "node) and P = 16 (two nodes), and the planner's best candidate at P = 16."),
+    ],
+    "learn/beside-dp-tp-pp.md": [
+        ("figures/learn/grid.png",
+         "Ranks on two nodes, coloured by CP group. (a) cpref's DP x CP training as one real step on the simulated "
+         "cluster ran it: each CP group's ring shifts stay inside its node, and the all-reduces of the one DP x CP "
+         "group are all that crosses between nodes. (b) TP laid beside it: the TP groups drawn by this page (cpref "
+         "has no TP), the CP groups from cpref's own `topology` on each TP shard's ranks."),
     ],
     "learn/which-mode.md": [
         ("figures/learn/which_mode.png",
@@ -385,13 +429,15 @@ SECTIONS = [
     ("The modes", ["merge.md", "all-gather.md", "metadata.md", "all-gather-overlap.md", "ring.md", "ring-window.md",
                    "ulysses.md", "ulysses-split.md", "ulysses-pipeline.md", "hierarchical.md", "hierarchical-split.md",
                    "mask-plan.md", "all-gather-mask.md"]),
-    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "verify-your-implementation.md", "consistency.md",
+    ("Verify and trust", ["oracle.md", "cluster.md", "verify.md", "verify-your-implementation.md", "verify-reference.md", "consistency.md",
                           "determinism.md", "field-bugs.md"]),
     ("Backends and kernels", ["comm.md", "torch-dist.md", "backend-facts.md", "kernel-contract.md", "torch-kernel.md",
                               "softcap-native.md", "cuda-kernel.md", "npu-kernel.md"]),
     ("Models and training", ["models.md", "hf.md", "hf-batch.md", "hf-guard.md", "hf-labels.md", "hf-admit.md", "training.md", "train.md",
                              "checkpoint.md"]),
-    ("Performance", ["performance.md"]),
+    ("Performance", ["performance.md", "perf-kernel.md", "perf-overhead.md", "perf-scaling.md", "perf-memory.md",
+                     "perf-all-gather.md", "perf-collectives.md", "perf-window.md", "perf-layouts.md", "perf-variants.md",
+                     "perf-plan.md", "perf-masks.md"]),
     ("Internals", ["seqlens.md", "mask-union.md", "cache.md", "mode-spec.md", "ring-plan.md", "all-gather-pieces.md", "checkpoint-files.md",
                    "checkpoint-meta.md", "checkpoint-swap.md", "checkpoint-lock.md", "checkpoint-errors.md"]),
     ("Reference", ["glossary.md", "references.md"]),
@@ -462,12 +508,22 @@ def figure_html(path: str, caption: str) -> str:
             f'  <figcaption markdown="span">{caption}</figcaption>\n</figure>')
 
 
+def bench_results(text: str) -> str:
+    """A guide page's `{{ results NAME }}` markers (a benchmark's page), each replaced by the last run `make bench` kept
+    of benchmark NAME (`bench.report.last_run`: where and when it ran, its tables, the markers of its figures); raises
+    unless every benchmark of `bench.all.BENCHMARKS` shows its last run on exactly one guide page."""
+    report = importlib.import_module("bench.report")  # imported here: it reads the kept results, and times a kernel
+    report.check_shown({name: importlib.import_module(name).__doc__ or "" for _, _, name in GUIDE})
+    return report.fill_results(text)
+
+
 def guide_page(module_name: str, figures: list[tuple[str, str]], tables=(), doc_path: str = "") -> str:
-    """A module's docstring as a page: summary line as `# title`, figures at their markers, tables, source footer."""
+    """A module's docstring as a page: summary line as `# title`, a benchmark's last run at its marker, figures at
+    their markers, tables, source footer."""
     module = importlib.import_module(module_name)  # an import error fails the build
     if not module.__doc__:
         raise RuntimeError(f"{module_name} has no module docstring, but the guide's page is its docstring")
-    lines = inspect.cleandoc(module.__doc__).splitlines()
+    lines = bench_results(inspect.cleandoc(module.__doc__)).splitlines()
     if not lines[0].startswith("#"):
         lines[0] = "# " + lines[0].strip().rstrip(".")
     lines = DOCSTRINGS.fence_examples(fence_python_snippets(lines))
@@ -567,7 +623,7 @@ def filled_pages() -> list[str]:
     implementation" (its first example's output), the Learn path and every page with figures of its own
     (`HAND_FIGURES`); `tests/docs/test_placeholders.py` holds every page with a
     placeholder to this list."""
-    return list(dict.fromkeys(["index.md", "verify-your-implementation.md", *(page for page, _ in LEARN), *HAND_FIGURES]))
+    return list(dict.fromkeys(["index.md", "verify-your-implementation.md", "verify-reference.md", *(page for page, _ in LEARN), *HAND_FIGURES]))
 
 
 def hand_page(page: str) -> str:

@@ -11,9 +11,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-import cpref
 from docs import figures as base
-from docs.learn_runs import ops_text, run, split_trace
+from docs.learn_runs import example, ops_text, run, split_trace
 
 plt, WIDTH, rank_color = base.plt, base.WIDTH, base.rank_color
 FAINT = 0.22  # alpha of what is held but not used
@@ -21,8 +20,6 @@ FAINT = 0.22  # alpha of what is held but not used
 
 # ---------------------------------------------------------------------------------------------------------------
 # 1. The problem: a split sequence needs keys from other ranks.
-
-PROBLEM_T, PROBLEM_P = 32, 4
 
 
 def _mask_by_key_owner(ax: Axes, owner: list[int], visible) -> tuple[int, int]:
@@ -46,12 +43,12 @@ def _mask_by_key_owner(ax: Axes, owner: list[int], visible) -> tuple[int, int]:
 
 
 def problem() -> Figure:
-    """`figures/learn/problem.png`: which scores need a key from another rank, and what attending alone gets wrong."""
-    from sim import oracle
-
-    T, P = PROBLEM_T, PROBLEM_P
+    """`figures/learn/problem.png`: which scores need a key from another rank, and what attending alone gets wrong
+    (the page's example's errors, from the run that printed them)."""
+    g = example("problem")  # the page's example: its sizes
+    T, P, H, D = g["T"], g["P"], g["H"], g["D"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.9), constrained_layout=True, width_ratios=[1.1, 1])
-    r = run("all_gather", [0, T], P, "contiguous", (2, 2, 16, 16))
+    r = run("all_gather", [0, T], P, "contiguous", (H, H, D, D))
     owner = r.owner()
     local, remote = _mask_by_key_owner(left, owner, r.visible)
     c = T // P
@@ -61,14 +58,7 @@ def problem() -> Figure:
     left.set_anchor("S")  # the square image on its slot's bottom: the layout's first pass leaves its xlabel room
     left.set_ylabel("queries, by rank")
     left.set_title(f"{remote} of {local + remote} scores need a key\nfrom another rank (full colour)", loc="left")
-    # what a rank computes alone, against the oracle; and with CP (the all_gather run above)
-    want, _ = oracle.attention(r.q, r.k, r.v, torch.tensor([0, T]))  # (T, H, D)
-    alone, with_cp = [], []
-    for rank in range(P):
-        shard = [r.sharding.shard(x, rank) for x in (r.q, r.k, r.v)]
-        out = cpref.attention(*shard, cpref.Sharding([0, c], cp_size=1), comm=cpref.SingleRank(), mode="all_gather")
-        alone.append((out - r.sharding.shard(want, rank)).abs().max().item())
-        with_cp.append((r.grads[rank][0] - r.sharding.shard(want, rank)).abs().max().item())
+    alone, with_cp = g["errors"]["alone"], g["errors"]["with CP"]  # what the example printed
     floor = 1e-17  # an exact answer, drawn at the bottom of the log scale
     xs = list(range(P))
     right.semilogy(xs, [max(e, floor) for e in alone], "o", color="0.3", markersize=8, label="alone: own keys only")
@@ -86,60 +76,46 @@ def problem() -> Figure:
 # ---------------------------------------------------------------------------------------------------------------
 # 2. Collectives: what each moves, from a run of all four on 4 ranks.
 
-COLLECTIVES_P = 4
-
-
 def _collectives_run():
-    """The page's example, run: every rank's inputs and outputs of the four collectives, and the trace.
-
-    Values name their origin: `x` of rank r is [10 r, 10 r], chunk j of `c` is 10 r + j."""
-    from sim import SimCluster
-
-    P = COLLECTIVES_P
-
-    def program(comm):
-        r = comm.rank
-        x, c = torch.full((2,), 10.0 * r), 10.0 * r + torch.arange(P, dtype=torch.float32)  # (2,), (P,)
-        return {"all_gather": (x, comm.all_gather(x)), "reduce_scatter": (c, comm.reduce_scatter(c)),
-                "all_to_all": (c, comm.all_to_all(c)), "send_recv": (x, comm.send_recv(x))}  # fmt: skip
-
-    cluster = SimCluster(P)
-    return cluster.run(program), cluster.trace
+    """The page's example, run once: `({rank: {op: (its input, what it got)}}, P, the trace)`."""
+    g = example("collectives")
+    x_or_c = {"all_gather": 0, "send_recv": 0, "reduce_scatter": 1, "all_to_all": 1}  # which input each op takes
+    results = {r: {op: (g["inputs"](r)[x_or_c[op]], got) for op, got in g["results"][r].items()} for r in range(g["P"])}
+    return results, g["P"], g["cluster"].trace
 
 
-def _box(ax: Axes, x: float, y: float, value: float, label: str, summed: bool = False) -> None:
-    """A chunk of data at (x, y) in its origin rank's colour (or, `summed`, in stripes of every rank's)."""
+def _box(ax: Axes, x: float, y: float, origin: int, label: str, summed: int = 0) -> None:
+    """A chunk of data at (x, y) in the colour of the rank it came from (or, `summed` ranks', in their stripes)."""
     width = 1.5 if summed else 0.9
     if summed:
-        for s in range(COLLECTIVES_P):
-            w = width / COLLECTIVES_P
+        for s in range(summed):
+            w = width / summed
             ax.add_patch(Rectangle((x + s * w, y + 0.1), w, 0.8, facecolor=rank_color(s), edgecolor="none"))
     else:
-        ax.add_patch(Rectangle((x, y + 0.1), width, 0.8, facecolor=rank_color(int(value) // 10), edgecolor="none"))
+        ax.add_patch(Rectangle((x, y + 0.1), width, 0.8, facecolor=rank_color(origin), edgecolor="none"))
     ax.text(x + width / 2, y + 0.5, label, ha="center", va="center", color="white", fontweight="bold")
 
 
 def collectives() -> Figure:
     """`figures/learn/collectives.png`: the four collectives on 4 ranks, each rank's data before and after."""
-    results, trace = _collectives_run()
-    P = COLLECTIVES_P
+    results, P, trace = _collectives_run()
     fig, axes = plt.subplots(2, 2, figsize=(WIDTH, 5.4), constrained_layout=True)
     for ax, event in zip(axes.flat, trace):
         op = event.op
         for r in range(P):
             before, after = (t.tolist() for t in results[r][op])
-            if op in ("all_gather", "send_recv"):  # one x per rank
-                _box(ax, 0, r, before[0], "x")
+            if op in ("all_gather", "send_recv"):  # one x per rank: x of rank r is [r, r]
+                _box(ax, 0, r, int(before[0]), "x")
                 for s, value in enumerate(after[:: len(before)]):
-                    _box(ax, P + 1 + s, r, value, "x")
-            else:
+                    _box(ax, P + 1 + s, r, int(value), "x")
+            else:  # chunk j of rank r's c is 10 r + j
                 for j, value in enumerate(before):
-                    _box(ax, j, r, value, f"c{j}")
+                    _box(ax, j, r, int(value) // 10, f"c{j}")
                 if op == "reduce_scatter":
-                    _box(ax, P + 1, r, after[0], f"Σc{r}", summed=True)
+                    _box(ax, P + 1, r, -1, f"Σc{r}", summed=P)
                 else:
                     for s, value in enumerate(after):
-                        _box(ax, P + 1 + s, r, value, f"c{int(value) % 10}")
+                        _box(ax, P + 1 + s, r, int(value) // 10, f"c{int(value) % 10}")
         ax.annotate("", xy=(P + 0.85, P / 2), xytext=(P - 0.1 if op in ("reduce_scatter", "all_to_all") else 1.05, P / 2),
                     arrowprops={"arrowstyle": "-|>", "color": "0.4"})  # fmt: skip
         ax.set_xlim(-0.1, 2 * P + 1)
@@ -159,17 +135,6 @@ def collectives() -> Figure:
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. The merge: two partial softmaxes, reweighted by their lse, are the whole row's.
-
-
-def example(name: str) -> dict:
-    """The globals of `examples/learn/<name>.py` after running it (its output swallowed): a figure draws what
-    the page's own example computed."""
-    import contextlib
-    import io
-    import runpy
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        return runpy.run_module(f"examples.learn.{name}", run_name="__main__")
 
 
 def merge() -> Figure:
@@ -218,8 +183,9 @@ def _token_bar(ax: Axes, y: float, tokens: dict[int, float], owner: list[int], h
 def all_gather() -> Figure:
     """`figures/learn/all_gather.png`: the keys each rank holds before and after the all-gather, and those its
     kernel call read (identified from the call's inputs)."""
-    T, P = 32, 4
-    r = run("all_gather", [0, T], P, "contiguous", (2, 2, 8, 8))
+    g = example("all_gather")  # the page's example: its sizes, so that the figure's bytes are those it prints
+    T, P, H, D = g["T"], g["P"], g["H"], g["D"]
+    r = run("all_gather", [0, T], P, "contiguous", (H, H, D, D))
     owner = r.owner()
     fig, ax = plt.subplots(figsize=(WIDTH, 4.6), constrained_layout=True)
     for rank in range(P):

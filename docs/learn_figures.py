@@ -13,7 +13,7 @@ function returns the frames.
 
 from __future__ import annotations
 
-from docs import learn_basics, learn_modes, learn_ring
+from docs import learn_basics, learn_grid, learn_modes, learn_pays, learn_ring
 
 FIGURES = {
     "figures/learn/movement.png": learn_modes.home_movement,
@@ -27,4 +27,6 @@ FIGURES = {
     "figures/learn/ulysses.png": learn_modes.ulysses,
     "figures/learn/hierarchy.png": learn_modes.hierarchy,
     "figures/learn/which_mode.png": learn_modes.which_mode,
+    **learn_pays.FIGURES,
+    **learn_grid.FIGURES,
 }

@@ -1,4 +1,4 @@
-"""The figures of Learn CP page 10, "Masks under CP", drawn from the page's own example.
+"""The figures of Learn CP page 12, "Masks under CP", drawn from the page's own example.
 
 `example()` runs `examples/learn/masks.py` once (its output swallowed) and keeps what it computed: its masks
 (`cpref.Mask`, drawn from their normalised slices and `dense()`), each rank's work under each mask (from the

@@ -14,7 +14,7 @@ from matplotlib.patches import FancyArrowPatch, Patch
 
 import cpref
 from docs import figures as base
-from docs.learn_runs import flows, ops_text, run, split_trace
+from docs.learn_runs import example, flows, ops_text, run, split_trace
 from docs.learn_text import traffic
 
 plt, WIDTH, rank_color = base.plt, base.WIDTH, base.rank_color
@@ -73,7 +73,6 @@ def home_movement() -> Figure:
 # ---------------------------------------------------------------------------------------------------------------
 # 6. Layouts: who computes which scores of a packed batch, and each rank's work.
 
-LAYOUT_CU, LAYOUT_P = [0, 24, 40], 4  # two documents of 24 and 16 tokens, packed: multiples of 2P
 LAYOUT_MAX_WORK = 187  # the bars' common scale: contiguous's slowest rank (the figure asserts it is no more)
 
 
@@ -81,9 +80,11 @@ def layouts() -> Figure:
     """`figures/learn/layouts.png`: the causal mask of a packed batch coloured by the computing rank, contiguous
     against zigzag, and each rank's work as its kernel calls counted it in a real ring forward."""
     fig, axes = plt.subplots(2, 2, figsize=(WIDTH, 6.2), constrained_layout=True, height_ratios=[3.2, 1.3])
-    T, P = LAYOUT_CU[-1], LAYOUT_P
+    g = example("layouts")  # the page's example: its batch, whose work per rank it prints
+    cu, P = g["cu_seqlens"], g["P"]
+    T = cu[-1]
     for col, layout in enumerate(("contiguous", "zigzag")):
-        r = run("p2p", LAYOUT_CU, P, layout, (2, 2, 8, 8))
+        r = run("p2p", cu, P, layout, (2, 2, 8, 8))
         owner = r.owner()
         image = torch.ones(T, T, 3)
         for x in range(T):
@@ -92,11 +93,11 @@ def layouts() -> Figure:
                     image[x, y] = torch.tensor(rank_color(owner[x]))
         ax = axes[0, col]
         ax.imshow(image.numpy(), interpolation="nearest", extent=(0, T, T, 0))
-        for b in LAYOUT_CU[1:-1]:
+        for b in cu[1:-1]:
             ax.axhline(b, color="black", linewidth=1.2)
             ax.axvline(b, color="black", linewidth=1.2)
-        ax.set_xticks(LAYOUT_CU)
-        ax.set_yticks(LAYOUT_CU)
+        ax.set_xticks(cu)
+        ax.set_yticks(cu)
         ax.set_title(f"{layout}: each score in its query's rank", loc="left")
         ax.set_xlabel("key token")
         work = [sum(c.work for c in r.calls(rank)) for rank in range(P)]  # scores per head
@@ -110,7 +111,7 @@ def layouts() -> Figure:
         axes[1, col].spines[["top", "right"]].set_visible(False)
     axes[0, 0].set_ylabel("query token")
     axes[1, 0].set_ylabel("scores")
-    fig.suptitle(f"A packed batch (THD): documents of {LAYOUT_CU[1]} and {LAYOUT_CU[2] - LAYOUT_CU[1]} tokens, "
+    fig.suptitle(f"A packed batch (THD): documents of {cu[1]} and {cu[2] - cu[1]} tokens, "
                  f"P = {P}, causal;\nthe work counted from a real ring forward's kernel calls")
     return fig
 
@@ -133,8 +134,9 @@ def _cells_panel(ax: Axes, grid: torch.Tensor, title: str) -> None:
 def ulysses() -> Figure:
     """`figures/learn/ulysses.png`: which rank holds which (token, head) of q before the all-to-all and after it,
     read from what each rank's kernel call was given."""
-    T, P, H = 32, 4, 8
-    r = run("a2a", [0, T], P, "contiguous", (H, H, 8, 8))
+    g = example("ulysses")  # the page's example: its sizes, so that the figure's bytes are those it prints
+    T, P, H, D = g["T"], g["P"], g["H"], g["D"]
+    r = run("a2a", [0, T], P, "contiguous", (H, H, D, D))
     before, after = torch.full((H, T), -1), torch.full((H, T), -1)
     for rank in range(P):
         before[:, r.sharding.global_index(rank)] = rank
@@ -151,23 +153,24 @@ def ulysses() -> Figure:
     fwd, bwd = split_trace(r.trace)
     fig.legend(handles=[Patch(color=rank_color(rank), label=f"rank {rank}") for rank in range(P)],
                loc="outside lower center", ncols=P, frameon=False)  # fmt: skip
+    (each,) = {ev.bytes_sent[0] for ev in fwd}
     fig.suptitle(f"a2a, P = {P}, one document of {T} tokens, MHA: forward {ops_text(fwd)}\n(q, k, v in; out back), "
-                 f"{sum(ev.bytes_sent[0] for ev in fwd)} B per rank; one kernel call per rank")
+                 f"{each} B each per rank; one kernel call per rank")
     return fig
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 8. The hierarchy: Ulysses inside groups of a ranks, a ring across them.
 
-HIER_T, HIER_P, HIER_A, HIER_H = 32, 4, 2, 4
 
 
 def hierarchy() -> Figure:
     """`figures/learn/hierarchy.png`: the (token, head) cells of K each rank's kernel saw at each ring step of a
     real a2a+p2p forward, coloured by the rank that held the token before the exchange."""
-    T, P, a, H = HIER_T, HIER_P, HIER_A, HIER_H
+    g = example("hierarchy")  # the page's example: its sizes and a2a_size
+    T, P, a, H, D = g["T"], g["P"], g["A"], g["H"], g["D"]
     p = P // a
-    r = run("a2a+p2p", [0, T], P, "zigzag", (H, H, 8, 8), a2a_size=a)
+    r = run("a2a+p2p", [0, T], P, "zigzag", (H, H, D, D), a2a_size=a)
     owner = r.owner()
     fig, axes = plt.subplots(P, p, figsize=(WIDTH, 6.4), constrained_layout=True, sharex=True, sharey=True)
     for rank in range(P):

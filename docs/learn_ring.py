@@ -20,12 +20,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from docs import figures as base
-from docs.learn_runs import Run, ops_text, run, split_trace
+from docs.learn_runs import Run, example, ops_text, run, split_trace
 from sim import oracle
 
 plt, WIDTH, rank_color = base.plt, base.WIDTH, base.rank_color
 
-RING_T, RING_P, RING_HEADS = 32, 4, (2, 2, 8, 8)  # one document of 32 tokens, zigzag
 
 
 @dataclass(frozen=True)
@@ -61,14 +60,21 @@ def _shares(r: Run) -> dict[tuple[int, int], torch.Tensor]:
 def steps(r: Run) -> tuple[list[Step], list[Step]]:
     """`(forward, backward)`: every rank's steps, read from its kernel calls and its shifts' payloads."""
     P, owner = r.P, r.owner()
-    forward = []
+    forward, d = [], r.k.shape[-1]
     for rank in range(P):
         by_block: dict[int, set] = {}
         for call in r.calls(rank, "forward"):
             (block,) = {owner[t] for t in call.k_tokens}  # a call sees one rank's block
             by_block.setdefault(block, set()).update(r.scores(call))
-        forward += [Step(rank, (rank - b) % P, b, frozenset(sc)) for b, sc in by_block.items()]
-    sums, d = _shares(r), r.k.shape[-1]
+        sent = [x for phase, x, _ in r.comms[rank].shifts if phase == "forward"]  # the block held at step t
+        for t in range(P):  # a step whose block no query here sees makes no call: skipped, the block still held
+            block = (rank - t) % P
+            assert t == P - 1 or torch.equal(sent[t][..., :d], r.sharding.shard(r.k, block)), "step t holds rank r - t's block"
+            forward.append(Step(rank, t, block, frozenset(by_block.pop(block, ()))))
+        assert not by_block, "every call's block is the one its step holds"
+    sums = _shares(r)
+    # which ranks' shares are not zero (contiguous: only ranks at or after the block's see its keys)
+    nonzero = {b: [bool(sums[(b, m)].ne(sums[(b, m - 1)] if m else 0).any()) for m in range(P)] for b in range(P)}
     k_shards = [r.sharding.shard(r.k, s) for s in range(P)]
     backward = []
     for rank in range(P):
@@ -78,17 +84,18 @@ def steps(r: Run) -> tuple[list[Step], list[Step]]:
             scores.setdefault(block, set()).update(r.scores(call))
         moved = [x for phase, x, _ in r.comms[rank].shifts if phase == "backward"]
         accumulators = [x for x in moved if not any(torch.equal(x[..., :d], ks) for ks in k_shards)]
-        for t, x in enumerate(accumulators):
-            (block, m), = [key for key, want in sums.items() if torch.allclose(x, want, atol=1e-10, rtol=0)]
-            assert block == (rank - t) % P, "the accumulator that moves at step t is the block held at step t"
-            backward.append(Step(rank, t, block, frozenset(scores.get(block, ())), m + 1))
+        for t, x in enumerate(accumulators):  # at step t, the block of rank r - t, holding the shares of t + 1 ranks
+            block = (rank - t) % P
+            assert torch.allclose(x, sums[(block, t)], atol=1e-10, rtol=0), "step t's accumulator: t + 1 shares"
+            backward.append(Step(rank, t, block, frozenset(scores.get(block, ())), nonzero[block][: t + 1].count(True)))
     return forward, backward
 
 
 @functools.cache
 def ring_run() -> tuple[Run, list[Step], list[Step]]:
     """The one run both figures draw: `p2p` forward and backward, and its steps."""
-    r = run("p2p", [0, RING_T], RING_P, "zigzag", RING_HEADS)
+    g = example("ring")  # the page's example: its sizes, its layout (contiguous, as its by-hand code)
+    r = run("p2p", [0, g["T"]], g["P"], "contiguous", (g["H"], g["H"], g["D"], g["D"]))
     return (r, *steps(r))
 
 
@@ -121,25 +128,27 @@ def ring_frames() -> Figure:
     fwd, bwd = split_trace(r.trace)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(WIDTH, 7.6), constrained_layout=True)
     for s in forward:
-        _cell(top, s.t, s.rank, rank_color(s.block), f"K/V of r{s.block}\n{len(s.scores)} scores")
+        text = f"K/V of r{s.block}\n" + (f"{len(s.scores)} scores" if s.scores else "skipped")
+        _cell(top, s.t, s.rank, rank_color(s.block), text, faint=not s.scores)
     for rank in range(P):
-        _cell(top, P, rank, rank_color(rank), f"out: {sum(x.rank == rank for x in forward)}\nblocks merged", faint=True)
+        merged = sum(x.rank == rank and bool(x.scores) for x in forward)
+        _cell(top, P, rank, rank_color(rank), f"out: {merged} block{'s' * (merged > 1)}\nmerged", faint=True)
     _grid(top, P, [f"step {t}" for t in range(P)] + ["result"],
-          f"forward: {ops_text(fwd)} of K/V, {fwd[0].bytes_sent[0]} B each")  # fmt: skip
+          f"forward: {ops_text(fwd)} of K/V (the bytes: the example below, in bf16)")  # fmt: skip
     for s in backward:
-        _cell(bottom, s.t, s.rank, rank_color(s.block), f"K/V of r{s.block}\ndK/dV: {s.shares} rank{'s' * (s.shares > 1)}")
+        _cell(bottom, s.t, s.rank, rank_color(s.block), f"K/V of r{s.block}\ndK/dV: {s.shares} rank{'s' * (s.shares > 1)}",
+              faint=not s.scores)  # fmt: skip
     for s in backward:
         if s.t == P - 1:  # the last step's accumulators go home: one more shift
             home = (s.rank + 1) % P
-            assert s.block == home and s.shares == P
-            _cell(bottom, P, home, rank_color(home), f"dK/dV of r{home}\nall {P} ranks", faint=True)
+            assert s.block == home and s.shares == P - home, "contiguous: the ranks from the block's own on see its keys"
+            _cell(bottom, P, home, rank_color(home), f"dK/dV of r{home}\n{s.shares} rank{'s' * (s.shares > 1)}", faint=True)
     n_acc = sum(s.rank == 0 for s in backward)  # the accumulators rank 0 sent, identified by content
     n_kv = sum(phase == "backward" for phase, _, _ in r.comms[0].shifts) - n_acc
     _grid(bottom, P, [f"step {t}" for t in range(P)] + ["home"],
           f"backward: {ops_text(bwd)}: {n_kv} of K/V, {n_acc} of dK/dV accumulators (the last one home)")  # fmt: skip
-    hq, hkv, d, _ = RING_HEADS
-    fig.suptitle(f"p2p, P = {P}, one document of {RING_T} tokens (zigzag), float64: every rank at every step\n"
-                 "(colour: whose block; arrows: where it goes next, rank 3's to rank 0)")
+    fig.suptitle(f"p2p, P = {P}, one document of {r.sharding.total} tokens (contiguous), float64: each rank at each step\n"
+                 "(colour: whose block; faint: a step whose keys no query of the rank sees, skipped)")
     return fig
 
 
@@ -189,7 +198,7 @@ def ring_animation() -> list[Figure]:
     """`figures/learn/ring.gif`: the run of `ring_frames`, one frame per step: the ring and the scores computed."""
     r, forward, backward = ring_run()
     P, frames = r.P, []
-    passes = [("forward", forward, lambda s: f"K/V r{s.block}"),
+    passes = [("forward", forward, lambda s: f"K/V r{s.block}" + ("" if s.scores else "\nskipped")),
               ("backward", backward, lambda s: f"K/V r{s.block}\ndK/dV: {s.shares}")]  # fmt: skip
     for name, pass_steps, label in passes:
         done: set = set()
@@ -198,17 +207,17 @@ def ring_animation() -> list[Figure]:
             now = set().union(*(s.scores for s in at.values()))
             fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.7), constrained_layout=True, width_ratios=[1, 1])
             _ring_panel(left, {rank: (s.block, label(s)) for rank, s in at.items()})
-            fig.suptitle(f"forward, step {t}: every rank attends its queries to the K/V block it holds,\n"
-                         "merges the result into its output by lse, then passes the block on" if name == "forward" else
+            fig.suptitle(f"forward, step {t}: every rank attends its queries to the K/V block it holds (or skips\n"
+                         "a block its queries do not see), merges the result by lse, passes the block on" if name == "forward" else
                          f"backward, step {t}: every rank adds its share of the block's dK/dV to the accumulator\n"
                          "that travels with the block (dK/dV: n ranks' shares), then passes both on")  # fmt: skip
             _mask_panel(right, r, done, now, "scores: this step (full), earlier (faint)")
             done |= now
             frames.append(fig)
     fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.7), constrained_layout=True, width_ratios=[1, 1])
-    _ring_panel(left, {rank: (rank, f"dK/dV r{rank}\nall {P}") for rank in range(P)})
-    fig.suptitle("backward, home: one more shift brings every accumulator, now holding all\n"
-                 f"{P} ranks' shares, to the rank that owns its keys: dK and dV are complete")
+    _ring_panel(left, {rank: (rank, f"dK/dV r{rank}\n{P - rank} rank{'s' * (rank < P - 1)}") for rank in range(P)})
+    fig.suptitle("backward, home: one more shift brings each accumulator, with the shares of every\n"
+                 "rank whose queries saw its keys, to the keys' rank: dK and dV are complete")
     _mask_panel(right, r, done, set(), "every score computed once per pass")
     frames.append(fig)
     return frames

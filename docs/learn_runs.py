@@ -11,6 +11,7 @@ trace into the bytes every rank sent to every other.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,15 @@ def ops_text(events: list, rank: int = 0) -> str:
             key = names[ev.op]
             counts[key] = counts.get(key, 0) + 1
     return " + ".join(f"{n} {op}{'s' * (n > 1)}" for op, n in counts.items())
+
+
+@functools.cache
+def example(name: str) -> dict:
+    """The globals of `examples/learn/<name>.py` after running it (its output swallowed): a figure draws what
+    the page's own example computed. Cached: read, never changed."""
+    import contextlib
+    import io
+    import runpy
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return runpy.run_module(f"examples.learn.{name}", run_name="__main__")

@@ -71,37 +71,29 @@ def ulysses_from(heads: tuple[int, int, int, int]) -> int | None:
     return None
 
 
-def _and(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
 def rule_of_thumb() -> str:
     """The home page's rule: from which P on Ulysses moves less than all-gather, per GQA group size, forward +
-    backward in bf16, with the reference layers' numbers on either side; and the ring against all-gather."""
-    by_p: dict[int | None, list[str]] = {}
-    for G in RULE_G:
-        by_p.setdefault(ulysses_from((RULE_HQ, RULE_HQ // G, RULE_D, RULE_D)), []).append(str(G))
-    parts = [f"from $P = {P}$ on for $G$ = {_and(gs)}" for P, gs in by_p.items() if P is not None]
-    if None in by_p:
-        parts.append(f"for $G$ = {_and(by_p[None])} at no $P$ up to {P_RANGE[-1]}")
-    text = (f"Forward + backward, in bf16, with {RULE_HQ} query heads and $D = D_v = {RULE_D}$, Ulysses moves less than "
-            f"all-gather {_and(parts)}.")
-    cases = []
+    backward in bf16 (a table), the reference layers' numbers on either side of it, each layer named with its heads
+    (a table), and the ring against all-gather."""
+    froms = {G: ulysses_from((RULE_HQ, RULE_HQ // G, RULE_D, RULE_D)) for G in RULE_G}
+    text = (f"Forward + backward in bf16, with $H_q = {RULE_HQ}$ query heads and $D = D_v = {RULE_D}$, Ulysses moves "
+            "less than all-gather from this $P$ on:\n\n"
+            "| $G = H_q / H_{kv}$ | " + " | ".join(str(G) for G in RULE_G) + " |\n| --- |" + " --- |" * len(RULE_G) + "\n"
+            "| from $P$ = | " + " | ".join(str(P) if P else f"none up to {P_RANGE[-1]}" for P in froms.values()) + " |\n\n"
+            f"Two reference layers, per rank and layer at $T$ = {REFERENCE_T:,} tokens, around the $P$ where Ulysses "
+            "starts to move less:\n\n| layer | $P$ | `a2a` MiB | `all_gather` MiB |\n| --- | --- | --- | --- |\n")
     for title, heads in REFERENCE.items():
         P = ulysses_from(heads)
         if P is None:
-            raise RuntimeError(f"{title}: Ulysses moves less than all-gather at no P; the rule's sentence needs one")
-        shown = P_RANGE[max(0, P_RANGE.index(P) - 1) : P_RANGE.index(P) + 1]
-        cells = [f"{mib(traffic('a2a', p, heads))} MiB against {mib(traffic('all_gather', p, heads))} at $P = {p}$"
-                 for p in shown]  # fmt: skip
-        cases.append(f"{title.split(':')[0]} ($G = {heads[0] // heads[1]}$) " + " and ".join(cells))
-    text += f" Per rank and layer at the reference layers ($T$ = {REFERENCE_T:,}): " + "; ".join(cases) + "."
+            raise RuntimeError(f"{title}: Ulysses moves less than all-gather at no P; the rule's table needs one")
+        for p in P_RANGE[max(0, P_RANGE.index(P) - 1) : P_RANGE.index(P) + 1]:
+            text += f"| {title.replace('D = Dv', 'D')} | {p} | {mib(traffic('a2a', p, heads))} | {mib(traffic('all_gather', p, heads))} |\n"
     # the ring against all-gather: one float32 dK/dV block more, everywhere (checked here, stated below)
     for heads in REFERENCE.values():
         for P in P_RANGE[:-1]:
             block = (REFERENCE_T // P) * heads[1] * (heads[2] + heads[3]) * 4
             assert traffic("p2p", P, heads) - traffic("all_gather", P, heads) == block, (heads, P)
-    text += (" The ring moves exactly one block of float32 dK/dV more than all-gather at every $P$: its accumulators "
+    text += ("\nThe ring moves exactly one block of float32 dK/dV more than all-gather at every $P$: its accumulators "
              "take $P$ shifts, all-gather's reduce-scatter $P - 1$ shares.")
     return text
 
@@ -140,26 +132,53 @@ def least_at(kind: str) -> str:
     return f"from $P = {P}$ on" if P is not None else f"at no $P$ up to {P_RANGE[-1]}"
 
 
-VERIFY_EXAMPLE = "python -m sim verify --nproc 2 --peer torch-ring --docs 256 --no-progress"
+def balance_rule() -> str:
+    """The one statement of which modes the layout's balance concerns (Learn 6, 7 and 12 show it; the reference links
+    to it): the sequence-splitting modes' work follows the queries a rank holds, Ulysses' the heads."""
+    from cpref.batch.balanced import TOLERANCE
+
+    return ("In the modes that split the sequence (`all_gather`, `p2p`, and the ring of `a2a+p2p`) a rank's work is "
+            "the visible pairs of the queries it holds, so the layout decides the balance and the slowest rank sets "
+            "the step. Ulysses (`a2a`) splits the heads instead: over the contiguous and zigzag layouts every rank "
+            "attends every query for $H_q / P$ heads, so the ranks' work is equal whatever the mask, and over stream "
+            "and balanced it keeps the documents a rank holds whole at home and exchanges more of them until no rank "
+            f"works more than {TOLERANCE:.0%} above the mean ([its balance](../ulysses-split.md#balance)).")
 
 
-def verify_example() -> str:
-    """"Verify your implementation"'s first example: the command, and what it printed when the site was built (run
-    now, on 2 gloo processes of this machine), as two code blocks; a failed run fails the build."""
+VERIFY_EXAMPLE = ".venv/bin/python -m sim verify --nproc 2 --peer torch-ring --docs 256 --no-progress"
+VERIFY_ADAPTER = (".venv/bin/python -m sim verify --nproc 2 --impl examples/gather_sdpa.py:attention --mode all_gather "
+                  "--docs 256 --no-progress")  # fmt: skip
+
+
+def verify_run(command: str) -> str:
+    """A `sim verify` command and what it printed when the site was built (run now, on 2 gloo processes of this
+    machine), as two code blocks; a run that does not pass fails the build."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "src")])}
-    done = subprocess.run([sys.executable, *VERIFY_EXAMPLE.split()[1:]], cwd=root, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, *command.split()[1:]], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     if done.returncode != 0 or not done.stdout.rstrip().splitlines()[-1].startswith("verification passed"):
-        raise RuntimeError(f"{VERIFY_EXAMPLE} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return f"```bash\n{VERIFY_EXAMPLE}\n```\n\n```text\n{done.stdout.rstrip()}\n```"
+        raise RuntimeError(f"{command} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return f"```bash\n{command}\n```\n\n```text\n{done.stdout.rstrip()}\n```"
 
 
 TEXT = {
-    "verify_example": verify_example,
+    "verify_example": lambda: verify_run(VERIFY_EXAMPLE),
+    "verify_adapter_example": lambda: verify_run(VERIFY_ADAPTER),
+    "balance_rule": balance_rule,
     "rule_of_thumb": rule_of_thumb,
     "which_mode_table": which_mode_table,
     "which_mode_memory": which_mode_memory,
     "a2a_less_gqa": lambda: least_at("GQA"),
     "a2a_less_mha": lambda: least_at("MHA"),
 }
+
+
+def _pages_text() -> dict:
+    """The numbers of pages 9 and 11, written by their own modules (which may use this one's helpers)."""
+    from docs import learn_grid, learn_pays
+
+    return {**learn_pays.TEXT, **learn_grid.TEXT}
+
+
+TEXT.update(_pages_text())

@@ -15,45 +15,66 @@ returns wrong gradients when the gradient reaching it is strided; `--impl-option
 (dk and dv fail on every rank and at CP size 1 alike), the hook in `gather` is the fix.
 
 ```bash
-python -m sim verify --nproc 2 --impl examples/gather_sdpa.py:attention --mode all_gather --docs 256
+.venv/bin/python -m sim verify --nproc 2 --impl examples/gather_sdpa.py:attention --mode all_gather --docs 256
 ```
 """
 
 from __future__ import annotations
 
+# --8<-- [start:adapter]
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 
-# --8<-- [start:adapter]
-def attention(q, k, v, sharding, *, process_group, causal=True, window=(-1, -1), contiguous_grads=True,
-              **options) -> torch.Tensor:  # fmt: skip
-    """This rank's `(T / P, Hq, D)` queries against every rank's keys and values of one document."""
-    # 1) refuse, before any communication and alike on every rank, what it does not attend
-    unsupported = {name for name in ("mask", "softcap", "sinks", "chunk") if options.get(name) is not None}
-    if len(sharding.cu_seqlens) != 2 or sharding.bounds.is_padded or window != (-1, -1) or unsupported:
-        raise NotImplementedError("one document, no padding, no window, mask or variants: run it with --docs N")
+def attention(
+    q, k, v, sharding, *, process_group, causal=True, window=(-1, -1),
+    contiguous_grads=True, **options,
+) -> torch.Tensor:
+    """This rank's `(T / P, Hq, D)` queries against every rank's keys and values
+    of one document.
+    """
+    # 1) refuse, before any communication and alike on every rank, what it does
+    #    not attend
+    variants = ("mask", "softcap", "sinks", "chunk")
+    unsupported = {name for name in variants if options.get(name) is not None}
+    if (
+        len(sharding.cu_seqlens) != 2
+        or sharding.bounds.is_padded
+        or window != (-1, -1)
+        or unsupported
+    ):
+        raise NotImplementedError(
+            "one document, no padding, no window, mask or variants: "
+            "run it with --docs N"
+        )
     P, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    # 2) every rank's K and V (autograd: the backward reduce-scatters dK, dV), and where each token sits
-    k_all, v_all = (gather(x, process_group, contiguous_grads) for x in (k, v))  # (T, Hkv, D), (T, Hkv, Dv)
-    keys = torch.cat([sharding.global_index(r) for r in range(P)]).to(q.device)  # (T,) in gathered order
+    # 2) every rank's K and V (autograd: the backward reduce-scatters dK, dV), and
+    #    where each token sits
+    # (T, Hkv, D), (T, Hkv, Dv)
+    k_all, v_all = (gather(x, process_group, contiguous_grads) for x in (k, v))
+    # (T,) in gathered order
+    keys = torch.cat([sharding.global_index(r) for r in range(P)]).to(q.device)
     queries = sharding.global_index(rank).to(q.device)  # (T / P,)
     # 3) SDPA over the heads, the causal mask from the positions (any layout)
     seen = keys[None, :] <= queries[:, None] if causal else None  # (T / P, T)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
-                                         attn_mask=seen, enable_gqa=True)  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1),
+        attn_mask=seen, enable_gqa=True,
+    )
     return out.transpose(0, 1)  # (T / P, Hq, Dv)
 
 
 def gather(x: torch.Tensor, group, contiguous_grads: bool = True) -> torch.Tensor:
-    """Every rank's `x`, concatenated in rank order, differentiable. On gloo the backward of PyTorch's
-    `all_gather` scatters the gradient with `dist.scatter`, which reads a strided tensor in storage order (the
-    transposes above make one): without `contiguous_grads`, dK and dV come back wrong (pytorch#192920)."""
+    """Every rank's `x`, concatenated in rank order, differentiable. On gloo the
+    backward of PyTorch's `all_gather` scatters the gradient with `dist.scatter`,
+    which reads a strided tensor in storage order (the transposes above make one):
+    without `contiguous_grads`, dK and dV come back wrong (pytorch#192920)."""
     parts = dist_nn.all_gather(x.contiguous(), group=group)
     if contiguous_grads:
         for part in parts:
-            part.register_hook(torch.Tensor.contiguous)  # the gradient, laid out before it is scattered
+            # the gradient, laid out before it is scattered
+            part.register_hook(torch.Tensor.contiguous)
     return torch.cat(parts)
 # --8<-- [end:adapter]

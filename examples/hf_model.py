@@ -32,46 +32,76 @@ import cpref.hf
 from cpref.comm import TorchComm
 from cpref.train.packing import BYTE_VOCAB, stdlib_documents
 
-cpref.hf.register()  # attn_implementation="cpref": every attention layer runs cpref.attention
-collate = transformers.DataCollatorWithFlattening()  # input_ids, labels, position_ids: (1, T) each
+# attn_implementation="cpref": every attention layer runs cpref.attention
+cpref.hf.register()
+# input_ids, labels, position_ids: (1, T) each
+collate = transformers.DataCollatorWithFlattening()
 
 
 def tiny_llama(attn_implementation: str) -> transformers.LlamaForCausalLM:
+    rope = {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     config = transformers.LlamaConfig(
-        vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attention_dropout=0.0, attn_implementation=attn_implementation,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})  # fmt: skip
+        vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attention_dropout=0.0, attn_implementation=attn_implementation,
+        rope_parameters=rope,
+    )
     torch.manual_seed(0)  # the same weights on every rank
     return transformers.LlamaForCausalLM(config)
 
 
 def features(step: int, replica: int, dp: int) -> list[dict]:
-    """The documents DP replica `replica` trains on at `step`: four of many short ones."""
+    """The documents DP replica `replica` trains on at `step`: four of many
+    short ones.
+    """
     first = 4 * (step * dp + replica)
     docs = islice(stdlib_documents(), first, first + 4)
-    return [{"input_ids": doc[: 8 + (n * 37) % 120].tolist()} for n, doc in enumerate(docs, start=first)]
+    return [
+        {"input_ids": doc[: 8 + (n * 37) % 120].tolist()}
+        for n, doc in enumerate(docs, start=first)
+    ]
 
 
 def train(world, cp: int, mode: str, steps: int) -> list[float]:
-    """DP x CP training on `world` (CP groups of `cp` consecutive ranks): every step's loss."""
+    """DP x CP training on `world` (CP groups of `cp` consecutive ranks): every
+    step's loss.
+    """
     dp = world.size // cp
-    group = world.split([list(range(d * cp, (d + 1) * cp)) for d in range(dp)])  # this rank's CP group
+    groups = [list(range(d * cp, (d + 1) * cp)) for d in range(dp)]
+    group = world.split(groups)  # this rank's CP group
     model = tiny_llama("cpref")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for step in range(steps):
-        batch = collate(features(step, world.rank // cp, dp))  # this replica's batch, as transformers makes it
-        b = cpref.hf.shard_batch(batch, cp_size=cp, rank=group.rank, layout="balanced")  # this rank's shard
-        count = world.all_reduce(b["loss_mask"].sum().reshape(1))  # the loss tokens of every replica
-        cp_args = cpref.hf.CP(group, b["sharding"], mode, cpref.MODES[mode].example_options(cp))
-        logits = model(b["tokens"][None], position_ids=b["position_ids"][None], use_cache=False, cp=cp_args).logits[0]
-        loss = cpref.cp_loss(F.cross_entropy(logits, b["labels"], reduction="none"), b["loss_mask"], world, count=count)
+        # this replica's batch, as transformers makes it
+        batch = collate(features(step, world.rank // cp, dp))
+        # this rank's shard
+        b = cpref.hf.shard_batch(
+            batch, cp_size=cp, rank=group.rank, layout="balanced"
+        )
+        # the loss tokens of every replica
+        count = world.all_reduce(b["loss_mask"].sum().reshape(1))
+        options = cpref.MODES[mode].example_options(cp)
+        cp_args = cpref.hf.CP(group, b["sharding"], mode, options)
+        logits = model(
+            b["tokens"][None],
+            position_ids=b["position_ids"][None],
+            use_cache=False,
+            cp=cp_args,
+        ).logits[0]
+        token_loss = F.cross_entropy(logits, b["labels"], reduction="none")
+        loss = cpref.cp_loss(token_loss, b["loss_mask"], world, count=count)
         optimizer.zero_grad()
         loss.backward()
-        # every rank holds a replica: the gradient of the mean loss is the SUM of the ranks' gradients
-        grads = world.all_reduce(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        for p, g in zip(model.parameters(), grads.split([p.numel() for p in model.parameters()])):
+        # every rank holds a replica: the gradient of the mean loss is the SUM of
+        # the ranks' gradients
+        params = list(model.parameters())
+        grads = world.all_reduce(torch.cat([p.grad.flatten() for p in params]))
+        for p, g in zip(params, grads.split([p.numel() for p in params])):
             p.grad.copy_(g.view_as(p))
         optimizer.step()
         losses.append(float(world.all_reduce(loss.detach().reshape(1))))
@@ -79,7 +109,9 @@ def train(world, cp: int, mode: str, steps: int) -> list[float]:
 
 
 def join() -> TorchComm:
-    """On every process torchrun starts: join them (its environment gives each its rank) as one world."""
+    """On every process torchrun starts: join them (its environment gives each its
+    rank) as one world.
+    """
     torch.distributed.init_process_group("gloo")  # NCCL on GPUs
     return TorchComm()  # every process; train() splits it into the CP groups
 # --8<-- [end:hf]

@@ -21,9 +21,13 @@ from cpref.comm import TorchComm
 
 
 class TinyLM(torch.nn.Module):
-    """Embedding, one causal attention layer (4 query heads, 2 key/value heads), output head."""
+    """Embedding, one causal attention layer (4 query heads, 2 key/value heads),
+    output head.
+    """
 
-    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 64, width: int = 32, heads: int = 4, kv_heads: int = 2
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)  # the same weights on every rank
         self.heads, self.kv_heads, self.d = heads, kv_heads, width // heads
@@ -35,30 +39,39 @@ class TinyLM(torch.nn.Module):
     def forward(self, tokens, sharding: cpref.Sharding, comm) -> torch.Tensor:
         x = self.embed(tokens)  # (T_l, width): this rank's shard only
         q = self.q(x).view(-1, self.heads, self.d)  # (T_l, Hq, D)
-        k, v = self.kv(x).view(-1, 2, self.kv_heads, self.d).unbind(1)  # (T_l, Hkv, D) each
-        o = cpref.attention(q, k, v, sharding, comm=comm, mode="p2p")  # the only line CP changes
+        kv = self.kv(x).view(-1, 2, self.kv_heads, self.d)  # (T_l, 2, Hkv, D)
+        k, v = kv.unbind(1)  # (T_l, Hkv, D) each
+        # the only line CP changes
+        o = cpref.attention(q, k, v, sharding, comm=comm, mode="p2p")
         return self.out(o.flatten(1))  # (T_l, vocab)
 
 
 def train(comm, steps: int = 5) -> list[float]:
-    # 1) the batch: three documents packed end to end; labels are the next token of the same document
+    # 1) the batch: three documents packed end to end; labels are the next token
+    #    of the same document
     cu_seqlens = [0, 21, 30, 64]
-    tokens = torch.randint(0, 64, (64,), generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (64,), generator=generator)
     loss_mask = torch.ones(64)
-    loss_mask[torch.tensor(cu_seqlens[1:]) - 1] = 0.0  # a document's last token predicts nothing
-    batch = cpref.get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens.roll(-1), "loss_mask": loss_mask},
-                                            cu_seqlens, cp_size=comm.size, rank=comm.rank)  # fmt: skip
+    # a document's last token predicts nothing
+    loss_mask[torch.tensor(cu_seqlens[1:]) - 1] = 0.0
+    whole = {"tokens": tokens, "labels": tokens.roll(-1), "loss_mask": loss_mask}
+    batch = cpref.get_batch_on_this_cp_rank(
+        whole, cu_seqlens, cp_size=comm.size, rank=comm.rank
+    )
     model = TinyLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for _ in range(steps):
-        # 2) forward on the shard; the loss share of this rank (its sum over the ranks is the global mean)
+        # 2) forward on the shard; the loss share of this rank (its sum over the
+        #    ranks is the global mean)
         logits = model(batch["tokens"], batch["sharding"], comm)
         token_loss = F.cross_entropy(logits, batch["labels"], reduction="none")
         loss = cpref.cp_loss(token_loss, batch["loss_mask"], comm)
         optimizer.zero_grad()
         loss.backward()
-        # 3) every rank holds a replica: the gradient is the sum of the ranks' (one all-reduce, flattened)
+        # 3) every rank holds a replica: the gradient is the sum of the ranks'
+        #    (one all-reduce, flattened)
         params = list(model.parameters())
         flat = comm.all_reduce(torch.cat([p.grad.flatten() for p in params]))
         for p, g in zip(params, flat.split([p.numel() for p in params])):
@@ -69,7 +82,9 @@ def train(comm, steps: int = 5) -> list[float]:
 
 
 def train_with_cp() -> tuple[list[float], TorchComm]:
-    """On every process torchrun starts: join them (torchrun's environment gives each its rank), then train."""
+    """On every process torchrun starts: join them (torchrun's environment gives
+    each its rank), then train.
+    """
     torch.distributed.init_process_group("gloo")  # NCCL on GPUs
     comm = TorchComm()  # the CP group: here every process
     return train(comm), comm

@@ -1,4 +1,4 @@
-"""Learn CP, page 4: all-gather CP written out in a few lines, then cpref's mode
+"""Learn CP, page 3: all-gather CP written out in a few lines, then cpref's mode
 and its trace.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.all_gather`.

@@ -12,13 +12,18 @@ from sim import SimCluster
 P = 4
 
 
-def program(comm):
-    """What every rank runs. Rank r's tensors name their owner: `x` is [r, r],
-    chunk j of `c` is 10 r + j."""
-    r = comm.rank
+def inputs(r):
+    """Rank r's tensors name their owner: `x` is [r, r], chunk j of `c` is
+    10 r + j."""
     x = torch.full((2,), float(r))  # (2,)
     # (P,): one chunk per rank
     c = 10.0 * r + torch.arange(P, dtype=torch.float32)
+    return x, c
+
+
+def program(comm):
+    """What every rank runs."""
+    x, c = inputs(comm.rank)
     return {
         # (2,) -> (2 P,): every rank's x, in rank order
         "all_gather": comm.all_gather(x),

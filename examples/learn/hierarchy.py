@@ -11,6 +11,8 @@ import cpref
 from sim import SimCluster, oracle
 
 P, T, H, D = 4, 32, 4, 16
+# a2a_size: Ulysses inside groups of A ranks, a ring across the P / A groups
+A = 2
 torch.manual_seed(0)
 cu_seqlens = torch.tensor([0, T])
 q, k, v = (torch.randn(T, H, D, dtype=torch.float64) for _ in range(3))
@@ -20,10 +22,8 @@ sharding = cpref.Sharding(cu_seqlens, cp_size=P, layout="zigzag")
 
 def program(comm):
     q_r, k_r, v_r = (sharding.shard(x, comm.rank) for x in (q, k, v))
-    # Ulysses inside groups of a2a_size = 2 ranks, a ring across the P / 2 = 2
-    # groups
     return cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="a2a+p2p",
-                           a2a_size=2)
+                           a2a_size=A)
 
 
 cluster = SimCluster(P)

@@ -8,14 +8,16 @@ Run from the repository root: `.venv/bin/python -m examples.learn.layouts`.
 import cpref
 
 P = 4
+# the figure's batch: two documents of 24 and 16 tokens, packed in one stream
+cu_seqlens = [0, 24, 40]
 for layout in ("contiguous", "zigzag"):
-    # one document of 32 tokens
-    sharding = cpref.Sharding([0, 32], cp_size=P, layout=layout)
+    sharding = cpref.Sharding(cu_seqlens, cp_size=P, layout=layout)
     chunks = [[(start, end) for _, start, end in sharding.local_chunks(r)]
               for r in range(P)]
     # visible (query, key) scores per rank
     work = [sharding.attention_work(r, exact=True) for r in range(P)]
-    print(f"{layout}: rank 0 holds tokens {chunks[0]}, rank 3 {chunks[3]}")
+    print(f"{layout}: rank 0 holds tokens {chunks[0]}")
+    print(f"{layout}: rank 3 holds tokens {chunks[3]}")
     print(f"{layout}: scores per rank {work}, "
           f"slowest / mean = {max(work) * P / sum(work):.2f}")
 # --8<-- [end:work]

@@ -1,4 +1,4 @@
-"""Learn CP, page 10: masks as slices, each rank's work under a mask, and what
+"""Learn CP, page 12: masks as slices, each rank's work under a mask, and what
 each mode moves under one (read from the simulated cluster's trace).
 
 Run from the repository root: `.venv/bin/python -m examples.learn.masks`.

@@ -1,4 +1,4 @@
-"""Learn CP, page 3: two partial softmaxes, each over half of the keys, merged
+"""Learn CP, page 4: two partial softmaxes, each over half of the keys, merged
 exactly by their lse.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.merge`.

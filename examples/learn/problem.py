@@ -38,10 +38,11 @@ def with_cp(comm):
     return cpref.attention(q_r, k_r, v_r, sharding, comm=comm, mode="all_gather")
 
 
+errors = {}  # each rank's largest error, alone and with CP
 for name, outs in (("alone", [alone(r) for r in range(P)]),
                    ("with CP", SimCluster(P).run(with_cp))):
-    errors = [(out - sharding.shard(want, r)).abs().max().item()
-              for r, out in enumerate(outs)]
+    errors[name] = [(out - sharding.shard(want, r)).abs().max().item()
+                    for r, out in enumerate(outs)]
     print(f"{name:>8}: largest error of rank 0..{P - 1}:",
-          " ".join(f"{e:.1e}" for e in errors))
+          " ".join(f"{e:.1e}" for e in errors[name]))
 # --8<-- [end:problem]

@@ -40,7 +40,7 @@ def ring_attention(q_r, k_r, v_r, comm):
             if out is None:
                 out, lse = out_b, lse_b
             else:
-                merge_partial(out, lse, out_b, lse_b)  # page 3: exact
+                merge_partial(out, lse, out_b, lse_b)  # page 4: exact
         # pass the block on to rank r + 1, take rank r - 1's
         if t + 1 < comm.size:
             k_b, v_b = comm.send_recv(k_b), comm.send_recv(v_b)

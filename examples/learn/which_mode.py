@@ -1,4 +1,4 @@
-"""Learn CP, page 9: what each mode moves per rank for your own layer, from
+"""Learn CP, page 10: what each mode moves per rank for your own layer, from
 cpref's cost model.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.which_mode`.

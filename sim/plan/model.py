@@ -43,11 +43,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.plan.dry import Collective, RankRun
+from sim.plan.dry import Collective, KernelCall, RankRun
 from sim.plan.links import LEVELS, level, link_bytes
 from sim.plan.profile import Compute, Profile
 
-__all__ = ["RankTime", "collective_seconds", "rank_time"]
+__all__ = ["RankTime", "Interval", "collective_seconds", "played", "rank_time"]
 
 
 @dataclass(frozen=True)
@@ -98,26 +98,69 @@ def collective_seconds(c: Collective, profile: Profile) -> float:
     return latency + max(per_level[lv] / profile.links[lv].bandwidth for lv in LEVELS)
 
 
-def rank_time(run: RankRun, profile: Profile, compute: Compute) -> RankTime:
-    """Play `run`'s timeline on its two clocks (module docstring)."""
+@dataclass(frozen=True)
+class Interval:
+    """One stretch of a priced step: a kernel call or a wait on the compute clock, a collective on the
+    communication clock.
+
+    Attributes:
+        kind: `"call"`, `"wait"` (the compute clock stopped for collective `index`: exposed communication) or
+            `"collective"` (collective `index` running).
+        phase: `"forward"` or `"backward"`: the half of the step whose event started it.
+        start: seconds from the step's start.
+        seconds: its length.
+        index: the collective's position in `RankRun.collectives` (`"wait"`, `"collective"`), else -1.
+        call: the kernel call (`"call"`), else None.
+    """
+
+    kind: str
+    phase: str
+    start: float
+    seconds: float
+    index: int = -1
+    call: KernelCall | None = None
+
+    @property
+    def end(self) -> float:
+        """`start + seconds`."""
+        return self.start + self.seconds
+
+
+def played(run: RankRun, profile: Profile, compute: Compute) -> tuple[tuple[Interval, ...], float]:
+    """Play `run`'s timeline on its two clocks (module docstring): every call, wait and collective as an
+    `Interval`, in the order the timeline reaches them, and the compute clock at the end (the step).
+
+    A collective starts at its post or when the one before it ends, whichever is later; a wait stops the
+    compute clock until its collective ends (a `"wait"` interval only where it ends later than the clock)."""
     durations = [collective_seconds(c, profile) for c in run.collectives]
     done: dict[int, float] = {}
-    t = comm_clock = exposed = busy = 0.0
+    out: list[Interval] = []
+    t = comm_clock = 0.0
     for event in run.timeline:
         if event.kind == "post":
             start = max(t, comm_clock)
             comm_clock = done[event.index] = start + durations[event.index]
+            out.append(Interval("collective", event.phase, start, durations[event.index], event.index))
         elif event.kind == "wait":
             if done[event.index] > t:
-                exposed += done[event.index] - t
+                out.append(Interval("wait", event.phase, t, done[event.index] - t, event.index))
                 t = done[event.index]
         else:
             dt = compute.call_seconds(event.call)
-            busy += dt
+            out.append(Interval("call", event.phase, t, dt, call=event.call))
             t += dt
+    return tuple(out), t
+
+
+def rank_time(run: RankRun, profile: Profile, compute: Compute) -> RankTime:
+    """Play `run`'s timeline on its two clocks (module docstring; the intervals: `played`) and sum them."""
+    intervals, step = played(run, profile, compute)
+    busy = sum(i.seconds for i in intervals if i.kind == "call")
+    exposed = sum(i.seconds for i in intervals if i.kind == "wait")
+    comm = sum(i.seconds for i in intervals if i.kind == "collective")
     sent = dict.fromkeys(LEVELS, 0)
     for c in run.collectives:
         for lv, nbytes in link_bytes(c, profile.ranks_per_node).items():
             sent[lv] += nbytes
-    return RankTime(run.rank, busy, sum(durations), exposed, t, sent, run.saved_bytes, len(run.calls),
+    return RankTime(run.rank, busy, comm, exposed, step, sent, run.saved_bytes, len(run.calls),
                     sum(c.flops for c in run.calls))  # fmt: skip

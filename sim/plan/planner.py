@@ -31,7 +31,7 @@ of posts, waits and calls, the saved tensors), so a plan's traffic and work equa
 cluster's (`tests/plan/test_dry_run.py`); what is modelled is only their *time*, by the
 [time model][sim.plan.model] and a [profile][sim.plan.profile]. On this machine the model is held
 to the measurement by `bench/scaling.py`, which calibrates the `this-machine` profile and prints
-each mode's predicted step beside its measured one ([Performance](performance.md), scaling).
+each mode's predicted step beside its measured one ([Strong scaling over gloo](perf-scaling.md#the-planners-predictions)).
 
 **What it leaves out.** Time outside kernel calls and collectives (argument checks, plan lookups,
 merges, copies: a few percent of a long step, more of a short one); a collective's wait for a peer

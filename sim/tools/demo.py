@@ -18,6 +18,7 @@ share it); parts 1 and 3 are the same on every machine.
 
 from __future__ import annotations
 
+import textwrap
 from collections import Counter
 
 import torch
@@ -33,15 +34,26 @@ P = 4
 HQ, HKV, D = 4, 2, 16
 
 
-PART1_KEY = """  key: tokens = the tokens of the packed batch the rank holds (padding included). exact scores = the
-  query-key pairs causal attention computes on the rank (each query sees the keys of its own document up to
-  itself). block metric = the sum of q_len x kv_len over the rank's attention calls, a coarser count that
-  charges whole blocks. imbalance = the busiest rank's count over the mean: 1.000 is perfectly even."""
-PART2_KEY = """  key: max |err| = the largest difference of out, dQ, dK or dV on any rank from the dense FP64 oracle.
-  work max/mean = the busiest rank's kernel work (scores computed) over the mean. bytes sent = what each
-  rank sends, forward + backward, from the cluster's trace. saved bytes = the tensors each rank keeps for
-  the backward. kernel calls = attention kernel calls per rank, forward + backward. collectives = the calls
-  rank 0 takes part in. A range (a-b) where the ranks differ."""
+WIDTH = 80  # every line the demo prints fits a terminal of 80 columns and the site's code block (82)
+
+
+def _key(text: str) -> str:
+    """A table's key, wrapped to `WIDTH` under the table."""
+    return textwrap.fill("key: " + text, width=WIDTH, initial_indent="  ", subsequent_indent="  ")
+
+
+PART1_KEY = _key("tokens = the tokens of the packed batch the rank holds (padding included). exact scores = the "
+                 "query-key pairs causal attention computes on the rank (each query sees the keys of its own "
+                 "document up to itself). block metric = the sum of q_len x kv_len over the rank's attention "
+                 "calls, a coarser count that charges whole blocks. imbalance = the busiest rank's count over the "
+                 "mean: 1.000 is perfectly even.")
+OPS = {"all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "send_recv": "SR"}
+PART2_KEY = _key("max|err| = the largest difference of out, dQ, dK or dV on any rank from the dense FP64 oracle. "
+                 "work = the busiest rank's kernel work (scores computed) over the mean. sent = the bytes each rank "
+                 "sends, forward + backward, from the cluster's trace. saved = the bytes of the tensors each rank "
+                 "keeps for the backward. calls = attention kernel calls per rank, forward + backward. collectives = "
+                 "the calls rank 0 takes part in, each with its count: "
+                 + ", ".join(f"{short} {op}" for op, short in OPS.items()) + ". A range (a-b) where the ranks differ.")
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -53,9 +65,10 @@ def _imbalance(work: list[int]) -> float:
 
 
 def part1_layouts(cu: torch.Tensor) -> None:
-    print(f"Part 1: {len(LENGTHS)} documents of {LENGTHS} tokens over a CP group of {P}")
-    print("What this shows: how each layout splits the documents over the ranks, and how evenly the causal\n"
-          "attention work follows (a rank that holds the ends of documents has more keys to look at).\n")
+    print(f"Part 1: {len(LENGTHS)} documents of {LENGTHS} tokens over a CP group of {P}")  # within WIDTH
+    print(textwrap.fill("What this shows: how each layout splits the documents over the ranks, and how evenly the "
+                        "causal attention work follows (a rank that holds the ends of documents has more keys to "
+                        "look at).", width=WIDTH) + "\n")
     for layout in cpref.LAYOUTS:
         sharding = cpref.Sharding(cu, cp_size=P, layout=layout)
         exact = [sharding.attention_work(r, exact=True) for r in range(P)]
@@ -65,7 +78,8 @@ def part1_layouts(cu: torch.Tensor) -> None:
         print(f"    {'rank':>4} {'tokens':>7} {'exact scores':>13} {'block metric':>13}")
         for r in range(P):
             print(f"    {r:>4} {tokens[r]:>7} {exact[r]:>13} {block[r]:>13}")
-        print(f"    imbalance (max/mean): exact scores = {_imbalance(exact):.3f}, block metric = {_imbalance(block):.3f}\n")
+        print(f"    imbalance (max/mean): exact scores = {_imbalance(exact):.3f}, "
+              f"block metric = {_imbalance(block):.3f}\n")
     print(PART1_KEY + "\n")
 
 
@@ -79,12 +93,13 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device | str
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(T, h, D, generator=g, dtype=torch.float64).to(device) for h in (HQ, HKV, HKV, HQ))
     on = "" if device.type == "cpu" else f" on {device}"
-    print(f"Part 2: every CP mode, FP64 on the simulated cluster{on}, P={P} Hq={HQ} Hkv={HKV} D={D}, causal, "
-          f"forward + backward, per rank")  # fmt: skip
-    print("What this shows: every mode gives the exact answer in every layout, and what each costs a rank:\n"
-          "the bytes it sends, the memory it keeps for the backward, the kernel calls and collectives.\n")
-    head = f"  {'mode':<11} {'layout':<11} {'max |err|':>9} {'work max/mean':>13} {'bytes sent':>10} {'saved bytes':>11} {'kernel calls':>12}  collectives"
-    print(head + "\n  " + "-" * (len(head) + 10))
+    print(f"Part 2: every CP mode, FP64 on the simulated cluster{on}, P={P} Hq={HQ} Hkv={HKV} D={D},\n"
+          "causal, forward + backward, per rank")
+    print(textwrap.fill("What this shows: every mode gives the exact answer in every layout, and what each costs a "
+                        "rank: the bytes it sends, the memory it keeps for the backward, the kernel calls and "
+                        "collectives.", width=WIDTH) + "\n")
+    head = f"  {'mode':<10} {'layout':<10} {'max|err|':>8} {'work':>5} {'sent':>6} {'saved':>12} {'calls':>5}  collectives"
+    print(head + "\n  " + "-" * (WIDTH - 2))
     worst, shardings = 0.0, {layout: cpref.Sharding(cu, cp_size=P, layout=layout) for layout in layouts}
     for mode in sorted(cpref.MODES):
         extra = cpref.MODES[mode].example_options(P)  # the hierarchical mode: 2 x 2
@@ -98,9 +113,9 @@ def part2_modes(cu: torch.Tensor, layouts: list[str], device: torch.device | str
             saved = saved_bytes(q, k, v, sharding, mode=mode, check_ranks=False, **extra)
             calls = [kern.forward_calls + kern.backward_calls for kern in kernels]
             ops = Counter(ev.op for ev in mode_trace(cluster) if 0 in ev.group and ev.op != "split")  # rank 0's calls
-            print(f"  {mode:<11} {layout:<11} {err:>9.2e} {_imbalance([kern.forward_work() for kern in kernels]):>13.3f} "
-                  f"{_same(sent):>10} {_same(saved):>11} {_same(calls):>12}  "
-                  + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))  # fmt: skip
+            work = _imbalance([kern.forward_work() for kern in kernels])
+            print(f"  {mode:<10} {layout:<10} {err:>8.1e} {work:>5.2f} {_same(sent):>6} {_same(saved):>12} "
+                  f"{_same(calls):>5}  " + ", ".join(f"{OPS[op]} x{n}" for op, n in sorted(ops.items())))
     print("\n" + PART2_KEY + "\n")
     return worst
 

@@ -10,7 +10,7 @@ with the same bugs: its rows fall back to SDPA and eager attention, each tensor 
 
 Process start-up costs seconds, so one launch of 4 gloo processes runs all of those (small documents), and
 one launch of 2 the P = 2 cases; the other baselines of the same results are recomputed here, in this process
-(`held_to`), as CP rank 0 would have run them. The tables of docs/verify-your-implementation.md are read back
+(`held_to`), as CP rank 0 would have run them. The tables of docs/verify-reference.md are read back
 and held to these runs (`test_the_pages_figures_are_these_runs`). Then `--nproc 1` (the implementation without
 CP against FP64) and the shipped peers' adapter; why yunchang has none: test_verify_peers.py.
 """
@@ -36,7 +36,7 @@ from tests.backends.verify_impls import BUGS
 pytestmark = pytest.mark.full  # launches of 2 and 4 gloo processes: make test-all
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "verify-your-implementation.md"
+PAGE = ROOT / "docs" / "verify-reference.md"
 IMPLS = "tests.backends.verify_impls"
 SETUP = Setup(docs=(100, 250, 38))
 LOCAL = f"{IMPLS}:local_blockwise"  # blockwise's local attention, named with --baseline

@@ -1,6 +1,6 @@
 """yunchang ships no adapter in `sim.tools.verify.peers`: on the CPU none of its layers runs forward and backward.
 
-Each line of the page's table (docs/verify-your-implementation.md, section 6) is run here on a gloo world of this
+Each line of the page's table (docs/verify-reference.md, section 6.1) is run here on a gloo world of this
 one process, while yunchang is installed (skipped with the reason otherwise): should one start to run, this fails,
 and the adapter is due.
 """

@@ -23,7 +23,7 @@ from sim.tools.verify.probe import __doc__ as PROBE_DOC
 from sim.tools.verify.probe_pairs import compare, keys, probe_sharding
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "verify-your-implementation.md"
+PAGE = ROOT / "docs" / "verify-reference.md"
 SETUP = Setup(docs=(40, 56, 24), heads=(2, 2))
 BUGS = "tests.backends.probe_impls:"
 CPREF = "tests.backends.verify_impls:cpref_over_group"

@@ -5,7 +5,7 @@ fp16 and fp64 in the contiguous and zigzag layouts, causal and full, with PyTorc
 `convert_to_f32=False`; fp32 with `rotate="alltoall"`. The fp64 finding is shown again without CP, on a gloo world of
 this one process against the FP64 oracle; the zigzag layout is checked against PyTorch's own head-tail balancer; the
 cases the ring cannot run raise `NotImplementedError` before any communication. The figures of the page's section
-(docs/verify-your-implementation.md, "PyTorch's ring") are read back from it and re-measured: pass and fail
+(docs/verify-reference.md, "PyTorch's ring") are read back from it and re-measured: pass and fail
 exactly, ratios to 0.05, errors to 25 %. `make test-all` adds CP 4, DP 2 x CP 2 (strided), CP 3, and the
 failing fp16 row at two other seeds.
 """
@@ -29,7 +29,7 @@ from sim.tools.verify.cases import Case, Setup, build_cases
 from sim.tools.verify.peer_torch_ring import attention, pytorch_order, ring_options, unsupported
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "verify-your-implementation.md"
+PAGE = ROOT / "docs" / "verify-reference.md"
 IMPL = "sim.tools.verify.peer_torch_ring:attention"
 EXACT = "convert_to_f32=False"  # --impl-option convert_to_f32=False: the merge and the backward's sums in the dtype
 ALLTOALL = "rotate=alltoall"  # --impl-option rotate='alltoall' (PyTorch's set_rotate_method("alltoall"))

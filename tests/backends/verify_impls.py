@@ -235,16 +235,22 @@ def _merge_blocks(q, blocks, bug=None) -> torch.Tensor:
 
 # --8<-- [start:visible]
 def visible(mask, sharding) -> torch.Tensor:
-    """`(T, T)` over the padded stream: whether query x sees key y, read from `mask.slices` (global indices of the
-    real tokens; a slice's local indices i, j count from its q_start and k_start); padding sees nothing."""
-    token = sharding.pad(torch.arange(sharding.cu_seqlens[-1]), value=-1)  # (T,): each row's real token, -1 padding
+    """`(T, T)` over the padded stream: whether query x sees key y, read from
+    `mask.slices` (global indices of the real tokens; a slice's local indices i, j
+    count from its q_start and k_start); padding sees nothing."""
+    # (T,): each row's real token, -1 padding
+    token = sharding.pad(torch.arange(sharding.cu_seqlens[-1]), value=-1)
     seen = torch.zeros(sharding.total, sharding.total, dtype=torch.bool)
     for q_start, q_end, k_start, k_end, kind in mask.slices:
-        i, j = token[:, None] - q_start, token[None, :] - k_start  # (T, 1), (1, T): local indices in the slice
-        inside = (i >= 0) & (i < q_end - q_start) & (j >= 0) & (j < k_end - k_start)  # (T, T)
-        if kind in ("causal", "bi_causal"):  # below the diagonal through the bottom-right corner
-            inside &= j <= i + (k_end - k_start) - (q_end - q_start)
-        if kind in ("inv_causal", "bi_causal"):  # above the diagonal through the top-left corner
+        # (T, 1), (1, T): local indices in the slice
+        i, j = token[:, None] - q_start, token[None, :] - k_start
+        q_len, k_len = q_end - q_start, k_end - k_start
+        inside = (i >= 0) & (i < q_len) & (j >= 0) & (j < k_len)  # (T, T)
+        # below the diagonal through the bottom-right corner
+        if kind in ("causal", "bi_causal"):
+            inside &= j <= i + k_len - q_len
+        # above the diagonal through the top-left corner
+        if kind in ("inv_causal", "bi_causal"):
             inside &= j >= i
         seen |= inside  # the union: a pair two slices show counts once
     return seen

@@ -1,4 +1,4 @@
-"""docs/bench_figures.py and bench/report.py: the performance page draws and prints what the benchmarks kept.
+"""docs/bench_figures.py and bench/report.py: the performance pages draw and print what the benchmarks kept.
 
 Each figure is drawn from made-up results whose numbers all differ, and the plotted numbers are
 read back from the artists: a figure that swapped two series, divided by the wrong time,
@@ -7,8 +7,10 @@ dropped the two-process factor or plotted the measured bytes as the formula's fa
 
 from __future__ import annotations
 
-import importlib.util
+import ast
+import importlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -111,9 +113,26 @@ def test_bytes_figure_plots_the_busiest_ranks_mib_per_mode_and_layout_at_every_P
         assert ax.get_title(loc="left") == f"P = {P}"
 
 
-def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
-    """The kept results of the last `make bench` draw (each figure's labels readable) and fill the page: every
-    benchmark's section has its last run, headed by when it ran, and every figure marker is on the page."""
+def _guide() -> tuple[list[tuple[str, str, str]], dict[str, list]]:
+    """`docs/gen_pages.py`'s `GUIDE` and `PAGE_FIGURES`, read as text (importing it needs mkdocs)."""
+    found = {}
+    for node in ast.parse((ROOT / "docs" / "gen_pages.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in ("GUIDE", "PAGE_FIGURES"):
+            found[node.targets[0].id] = ast.literal_eval(node.value)
+    return found["GUIDE"], found["PAGE_FIGURES"]
+
+
+def prose_words(page: str) -> int:
+    """The words a reader reads on a page: tables, formulas and the closed blocks of long tables left out."""
+    text = re.sub(r"\$\$.*?\$\$", "", page, flags=re.S)
+    return sum(len(line.split()) for line in text.splitlines() if not line.startswith(("|", "    ")))
+
+
+def test_every_kept_result_draws_and_the_pages_render_it():
+    """The kept results of the last `make bench` draw (each figure's labels readable) and fill the pages: the overview
+    (`bench/report.py`) has the summary and links every benchmark's page; each benchmark's page (its module's
+    docstring) ends in its last run, headed by where and when it ran, with its figures; every figure is on the page
+    `PAGE_FIGURES` says, and no page is longer than a reader reads (issue 59: the one page had 10,000 words)."""
     from bench.all import BENCHMARKS, RESULTS
 
     for name in BENCHMARKS:
@@ -125,9 +144,11 @@ def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
         figs.base.plt.close(fig)
     from bench import report
 
+    guide, page_figures = _guide()
+    page_of = {module: page for page, _, module in guide}
     doc = report.__doc__
-    assert "{{ results" not in doc and doc.count("### Last run") == len(BENCHMARKS)
-    assert "{{ goals }}" not in doc and "{total_minutes}" not in doc
+    assert "{{ results" not in doc and "## Last run" not in doc
+    assert "{{ goals }}" not in doc and "{total_minutes}" not in doc and "{{ summary }}" not in doc
     summary = doc.split("## The last run in one screen")[1].split("## What limits each goal")[0]
     # header, rule, the kernel's goal, the CP path's at P = 1, the five of bench.scaling.goals, the planner's (from
     # the same run), memory, the balanced layout's goals, the attention variants', the planner at scale and make
@@ -135,7 +156,35 @@ def test_every_kept_result_draws_and_the_page_renders_it(monkeypatch):
     assert summary.count("\n| ") == 2 + 13, summary
     assert "| **planner** (`python -m sim plan`, CP = 2 here)" in summary
     assert "All on the CPU, none on a GPU" in summary and "{{ figure figures/bench_scaling.png }}" in summary
-    for name in BENCHMARKS:  # each section headed by where its benchmark ran (CPU, gloo, simulated cluster) and when
-        assert f"### Last run\n\n**{report.WHERE[name]}** · *{json.loads((RESULTS / f'{name}.json').read_text())['measured']}" in doc
-    assert all(f"{{{{ figure {path} }}}}" in doc for path in figs.FIGURES)
-    assert "```" not in doc.split("## 1.")[1], "a result shown as a code block, not a table"
+    assert "[On a GPU](#on-a-gpu)" in summary and "\n## On a GPU\n" in doc
+    pages = {"performance.md": doc}
+    for name in BENCHMARKS:  # each page ends in its last run, headed by where it ran (CPU, gloo, simulated cluster) and when
+        page = page_of[f"bench.{name}"]
+        assert f"]({page})" in doc.split("## The benchmarks, one page each")[1].split("\n## ")[0], page
+        module = importlib.import_module(f"bench.{name}")
+        assert module.__doc__.rstrip().endswith(f"{{{{ results {name} }}}}"), name
+        pages[page] = report.fill_results(module.__doc__)
+        measured = json.loads((RESULTS / f"{name}.json").read_text())["measured"]
+        assert pages[page].count("## Last run") == 1 and f"## Last run\n\n**{report.WHERE[name]}** · *{measured}" in pages[page]
+        assert "{{ results" not in pages[page] and "```" not in pages[page].split("## Last run")[1], name
+    for page, text in pages.items():  # every figure where PAGE_FIGURES places it, once
+        assert sorted(re.findall(r"\{\{ figure (\S+) \}\}", text)) == sorted(p for p, _ in page_figures.get(page, [])), page
+        assert prose_words(text) < 2000, (page, prose_words(text))
+    assert sorted(p for page in pages for p, _ in page_figures.get(page, [])) == sorted(figs.FIGURES)
+
+
+def test_every_benchmark_shows_its_last_run_on_exactly_one_page():
+    """`docs/gen_pages.py` fills each guide page's `{{ results NAME }}` and fails the build unless every benchmark of
+    `make bench` has its marker on one page: a benchmark left out, shown twice or unknown is named."""
+    from bench import report
+    from bench.all import BENCHMARKS
+
+    guide, _ = _guide()
+    docs = {module: importlib.import_module(module).__doc__ or "" for _, _, module in guide}
+    report.check_shown(docs)
+    assert sorted(m for m, d in docs.items() if "{{ results" in d) == sorted(f"bench.{name}" for name in BENCHMARKS)
+    shown = {f"bench.{name}": f"{{{{ results {name} }}}}" for name in BENCHMARKS}
+    for pages, wrong in ((dict(list(shown.items())[1:]), BENCHMARKS[0]), ({**shown, "x": shown["bench.plan"]}, "plan"),
+                         ({**shown, "x": "{{ results nothing }}"}, "nothing")):  # fmt: skip
+        with pytest.raises(RuntimeError, match=f"'{wrong}'"):
+            report.check_shown(pages)

@@ -52,7 +52,7 @@ SKETCH = re.compile(r"^#\s*sketch:\s*(?P<why>\S.*)$")
 
 # Where the sketches stand, and why none of them can run: a new one is a decision, made here.
 SKETCHES = {
-    "docs/verify-your-implementation.md": "the signature of the function the reader writes; sim verify calls it",
+    "docs/verify-reference.md": "the signature of the function the reader writes; sim verify calls it",
     "sim.tools.verify": "the same signature, on the verifier's own page",
 }
 

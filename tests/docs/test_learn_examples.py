@@ -116,3 +116,46 @@ def test_every_line_fits_the_code_block(name):
     long = [f"{i}: {len(line)}" for i, line in enumerate((EXAMPLES / f"{name}.py").read_text().splitlines(), 1)
             if len(line) > CODE_WIDTH]  # fmt: skip
     assert long == [], f"examples/learn/{name}.py: lines over {CODE_WIDTH} characters (line: length)"
+
+
+def learn_order() -> dict[str, int]:
+    """`docs/gen_pages.py`'s `LEARN`, read as source (importing it needs mkdocs): page file -> its number."""
+    import ast
+
+    source = (EXAMPLES.parents[1] / "docs" / "gen_pages.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "LEARN":
+            return {page: int(title.split(".")[0]) for page, title in ast.literal_eval(node.value)}
+    raise AssertionError("docs/gen_pages.py has no LEARN")
+
+
+def test_every_page_and_example_says_its_own_number():
+    """A page's title and its example's "Learn CP, page N" carry the number of its place in `LEARN`: reordering
+    the path (the merge moved after all-gather) cannot leave a page or an example with its old number."""
+    order, wrong = learn_order(), []
+    for page, number in order.items():
+        text = (EXAMPLES.parents[1] / "docs" / page).read_text()
+        if not text.startswith(f"# {number}. "):
+            wrong.append((page, text.splitlines()[0]))
+        for name in re.findall(r"examples/learn/(\w+)\.py", text):
+            head = (EXAMPLES / f"{name}.py").read_text().split("\n", 1)[0]
+            if not head.startswith(f'"""Learn CP, page {number}:'):
+                wrong.append((page, name, head))
+    assert order and wrong == []
+
+
+def test_pages_link_each_other_by_title_not_by_number():
+    """"(page 6 fixes that)" went stale when the path was reordered; a link to the page cannot."""
+    prose = {page: re.sub(r"```.*?```", "", (EXAMPLES.parents[1] / "docs" / page).read_text(), flags=re.S)
+             for page in learn_order()}  # fmt: skip
+    numbered = {page: re.findall(r"\b(?:[Pp]age|Learn) \d+\b", text) for page, text in prose.items()}
+    assert {page: found for page, found in numbered.items() if found} == {}
+    assert re.findall(r"\b(?:[Pp]age|Learn) \d+\b", "as page 6 shows; Learn 7 too") == ["page 6", "Learn 7"]
+
+
+def test_every_learn_page_is_short():
+    """Each Learn page one idea, under ~1,200 words of prose (code and output blocks aside): the performance page
+    had grown to 10,000 words, and a learner reads a page at a sitting."""
+    prose = {page: len(re.sub(r"```.*?```", "", (EXAMPLES.parents[1] / "docs" / page).read_text(), flags=re.S).split())
+             for page in learn_order()}  # fmt: skip
+    assert {page: words for page, words in prose.items() if words > 1200} == {}

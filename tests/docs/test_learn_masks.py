@@ -1,4 +1,4 @@
-"""Learn CP page 10, "Masks under CP" (`docs/learn/masks.md`): its example runs, and says what the page says.
+"""Learn CP page 12, "Masks under CP" (`docs/learn/masks.md`): its example runs, and says what the page says.
 
 The page shows the example's output and draws its figures from the example's values (`docs/learn_masks.py`).
 These tests hold each sentence of the page that states a fact to the run: the kinds' alignment, each rank's work

@@ -41,3 +41,11 @@ def test_where_to_read_next_follows_the_navigation():
 
 def test_an_order_that_differs_is_found():
     assert out_of_order(["b.md", "a.md", "c.md"], ["a.md", "b.md", "c.md"]) == [("b.md", "a.md")]
+
+
+def test_the_home_page_counts_the_learn_pages_there_are():
+    """"ten short pages" stayed after the path grew to twelve; every count the home page gives is the path's."""
+    words = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14}
+    counts = re.findall(r"\b(\w+) short pages\b", (DOCS / "index.md").read_text())
+    learn = [p for p in navigation() if p.startswith("learn/")]
+    assert counts and {words[c] for c in counts} == {len(learn)}

@@ -22,7 +22,7 @@ p2p   zigzag  fp32   no    2    1   0   1  5.51e-07  7.73e-07  8.18e-07  5.14e-0
 ```
 
 (`rank` is the world rank, `dp` its CP group, `r` its rank in the group; the page
-[Verify your implementation](verify-your-implementation.md#3-read-the-table-column-by-column)
+[Verify: every option](verify-reference.md#3-read-the-table-column-by-column)
 explains every column, the `mask`, `window` and `baseline` columns shown when they apply, and
 the notes after the result.) The exit status is
 0 if every row passes, 1 on any failure, 2 on bad arguments.
@@ -81,7 +81,7 @@ at all, `vs P=1 2.20 >2`; at `--nproc 2` rank 0 `2.20` FAIL, rank 1 `0.82`; a ri
 scores and a float32 merge `2.70` and `3.33` at P = 2. The repository's reproduction,
 `tests.backends.verify_impls:blockwise` at P = 2 in bf16 (2026-12-06, re-measured by the test
 suite): held to the kernel 2.05 and 1.90 (rank 0 fails), held to itself 1.09 and 1.05 (both
-pass). [Verify your implementation](verify-your-implementation.md#4-the-baseline-the-same-attention-without-cp)
+pass). [Verify: every option](verify-reference.md#4-the-baseline-the-same-attention-without-cp)
 has the whole example, how the baseline is chosen, and what the fallback costs.
 
 **Inputs.** `--docs 1000,3000,500` (default) are the document lengths, each rounded up to
@@ -120,7 +120,7 @@ its documents ([`sim.tools.verify.masks`][sim.tools.verify.masks]), `cpref.atten
 run without CP, the simulated cluster and the oracle take it, and the table gains a `mask` column. An `--impl`
 receives the `cpref.Mask` as `mask=` (its `.slices` say which keys each query sees; `causal` and `window` keep their
 defaults, and `--no-causal`, `--window` and `--chunk` are refused with `--mask`: a mask replaces them); one that
-cannot take it is skipped, with a note ([Verify your implementation](verify-your-implementation.md#7-masks-mask)).
+cannot take it is skipped, with a note ([Verify: every option](verify-reference.md#7-masks-mask)).
 
 ## Running it
 
@@ -172,7 +172,8 @@ backpropagates through it. `window` is the case's `(left, right)` (`(-1, -1)` wi
 a correct example (a `TorchComm` over the group, then `cpref.attention`) and wrong ones, and a
 plain-torch CP attention with the bugs CP implementations have. Adapters of well-known
 implementations ship in [`sim.tools.verify.peers`][sim.tools.verify.peers] (DeepSpeed-Ulysses);
-[Verify your implementation](verify-your-implementation.md) walks through a run, column by column.
+[Verify your implementation](verify-your-implementation.md) walks through a run and an adapter;
+[Verify: every option](verify-reference.md) reads the table column by column.
 `examples/stream_ulysses.py` is a peer written the way
 DeepSpeed-Ulysses is (`torch.distributed` and SDPA only, contiguous shards of the whole packed
 stream): `--layout stream` describes its sharding, so it is verified on packed batches:

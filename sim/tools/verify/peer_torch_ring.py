@@ -62,7 +62,7 @@ contiguous,zigzag`, over one document of 1024 tokens unless `--docs` says otherw
   $10^{-15}$ off; `convert_to_f32=False` gives fp64 its precision back.
 - bf16 with `convert_to_f32=False` merges in bf16: the verifier's `vs P=1` column (held to the same
   ring at CP size 1, where there is nothing to merge) fails the contiguous layout's rank 1 at CP 2
-  (2.15, where the default gives 1.24). The page "Verify your implementation" has the table.
+  (2.15, where the default gives 1.24). The page "Verify: every option, what it checks and counts" has the table.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ of more than one rank merges its blocks by) and raise in the backward; its `basi
 and `UlyssesAttention` call the flash op whatever the type (`UlyssesAttention` with `FA` refuses
 to be built); its packed (varlen) ring needs `flash-attn`. Its non-varlen layers also take no
 document boundaries: on a GPU they would verify batches of one document per row. The page
-"Verify your implementation" has the table; a test runs each of its lines while yunchang is
+"Verify: every option, what it checks and counts" has the table; a test runs each of its lines while yunchang is
 installed, so the adapter is due the day one of them runs.
 """
 

@@ -55,7 +55,7 @@ column is the larger of `shard_ratio` and [`rms_ratio`][sim.tools.verify.truth.r
 rank's RMS error over the baseline's on the **same rows** (an average over thousands of
 entries is stable from shard to shard, so no batch-wide comparison is needed there). With
 `tests.backends.verify_impls`' plain-torch CP attention in bf16 held to itself (the tables are
-on the page "Verify your implementation", and the test suite re-measures them), carrying its
+on the page "Verify: every option, what it checks and counts", and the test suite re-measures them), carrying its
 merge in bf16 passes at P = 2 (1.33 and 1.67: a CP fault that costs less than twice the
 rounding passes, by design) and fails 3 of 4 ranks at P = 4 (2.09-2.52), where the exact
 implementation's rows stay at or below 1.54.

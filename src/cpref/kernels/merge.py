@@ -48,16 +48,23 @@ __all__ = ["merge_partial"]
 
 
 # --8<-- [start:merge]
-def merge_partial(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """Merge the block `(out_b (T, H, Dv), lse_b (T, H))` into the running `(out, lse)`, in place."""
+def merge_partial(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """Merge the block `(out_b (T, H, Dv), lse_b (T, H))` into the running
+    `(out, lse)`, in place.
+    """
     seen, seen_b = lse > float("-inf"), lse_b > float("-inf")  # (T, H)
     both = seen & seen_b
-    gap = (lse - lse_b).where(both, 0.0)  # (T, H): lse - lse_b where both sides have keys
-    # w = sigmoid(lse - lse_b), w_b = sigmoid(lse_b - lse); 1 and 0 where only one side has keys
+    # lse - lse_b where both sides have keys
+    gap = (lse - lse_b).where(both, 0.0)  # (T, H)
+    # w = sigmoid(lse - lse_b), w_b = sigmoid(lse_b - lse); 1 and 0 where only
+    # one side has keys
     w = torch.sigmoid(gap).where(both, seen.to(lse.dtype))  # (T, H)
     w_b = torch.sigmoid(-gap).where(both, seen_b.to(lse.dtype))  # (T, H)
     # O <- w O + w_b O_b
     out.mul_(w.unsqueeze(-1)).add_(w_b.unsqueeze(-1) * out_b)  # (T, H, Dv)
-    # lse <- max(lse, lse_b) + log1p(e^-|lse - lse_b|), -inf where neither side has keys
+    # lse <- max(lse, lse_b) + log1p(e^-|lse - lse_b|),
+    # -inf where neither side has keys
     lse.copy_(torch.logaddexp(lse, lse_b))
 # --8<-- [end:merge]

@@ -63,8 +63,8 @@ communicator two `split`s; neither moves payload, and neither is in the table.
   $\frac{G + 1}{2P}$ times, less once $P > \frac{G + 1}{2}$ (all-gather's backward gathers K
   and V again and reduce-scatters dK and dV in float32; Ulysses' backward moves what its forward
   does). [The rules, recomputed][rules-of-thumb-recomputed] below give, per $G$, the `P` from
-  which it moves the least of all four modes. Its kernel sees whole documents for $H_q / P$ heads, so its work is balanced
-  whatever the layout. But `P` must divide $H_q$, and key/value heads with
+  which it moves the least of all four modes. Its kernel sees whole documents for $H_q / P$ heads, so the layout's
+  balance concerns it differently ([the rule](learn/layouts.md)). But `P` must divide $H_q$, and key/value heads with
   $H_{kv} < P$ are replicated, so their memory stops falling with `P`.
 * **`a2a+p2p`** splits the difference: Ulysses inside groups of `a` ranks (typically a node,
   where all-to-all is fast), the ring across the `P / a` groups. It needs only `a` to fit the

@@ -236,29 +236,35 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
         batches.append(get_batch_on_this_cp_rank({"tokens": pack.tokens, "labels": labels, "loss_mask": mask},
                                                  pack.cu_seqlens, cp_size=topo.cp.size, rank=topo.cp.rank,
                                                  layout=config.layout, mask=pack.mask))  # fmt: skip
-    # 2) the loss tokens of the whole step, then each micro-batch's share, back-propagated
-    local = torch.stack([b["loss_mask"].double().sum() for b in batches]).sum().reshape(1)
-    count = topo.world.all_reduce(local)  # (1,) every loss token of the step
+    # --8<-- [start:dp_cp_reduction]
+    # 2) the loss tokens of the whole step, then each micro-batch's share,
+    #    back-propagated
+    local = torch.stack([b["loss_mask"].double().sum() for b in batches])
+    count = topo.world.all_reduce(local.sum().reshape(1))  # (1,) every loss token
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), dtype=torch.float64)
     for pack, b in zip(packs, batches):
-        ctx = CPContext(comm=topo.cp, sharding=b["sharding"], mode=config.mode, options=dict(config.options),
-                        mask=pack.mask)  # fmt: skip
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16 else contextlib.nullcontext()
+        ctx = CPContext(comm=topo.cp, sharding=b["sharding"], mode=config.mode,
+                        options=dict(config.options), mask=pack.mask)
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if config.bf16
+                    else contextlib.nullcontext())
         with autocast:
             logits = forward(model, b, ctx)  # (T_l, vocab)
-        token_loss = F.cross_entropy(logits.float(), b["labels"], reduction="none")  # (T_l,)
+        token_loss = F.cross_entropy(logits.float(), b["labels"],
+                                     reduction="none")  # (T_l,)
         share = cp_loss(token_loss, b["loss_mask"], topo.world, count=count)
         share.backward()
         total += share.detach().double()
     # 3) gradients of replicated parameters: sum over every replica, one buffer
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        if p.grad is None:  # a parameter this rank's packs did not reach still takes part in the sum
-            p.grad = torch.zeros_like(p)
-    flat = topo.world.all_reduce(torch.cat([p.grad.flatten() for p in params]))  # (n_params,)
+        if p.grad is None:  # a parameter this rank's packs did not reach still
+            p.grad = torch.zeros_like(p)  # takes part in the sum
+    grads = torch.cat([p.grad.flatten() for p in params])  # (n_params,)
+    flat = topo.world.all_reduce(grads)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p))
+    # --8<-- [end:dp_cp_reduction]
     # 4) the step's loss; a loss or norm that is not finite stops the run before the update (every rank alike: both
     #    are all-reduced); else clip by the global norm, update
     loss = topo.world.all_reduce(total.reshape(1))  # (1,) the step's mean loss
