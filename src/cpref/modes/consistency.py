@@ -159,7 +159,7 @@ from cpref.comm.protocol import Collectives
 from cpref.kernels.contract import FLOAT_DTYPES
 from cpref.modes.call import CPCall
 
-__all__ = ["FIELDS", "BACKWARD", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange", "check_same",
+__all__ = ["FIELDS", "BACKWARD", "fingerprint", "check_ranks_agree", "report_invalid_inputs", "exchange", "check_same", "agree",
            "SINKS_READ"]  # fmt: skip
 
 _DTYPES, _LAYOUTS = FLOAT_DTYPES, LAYOUTS  # a column holds the index of the value in its tuple
@@ -427,3 +427,37 @@ def report_invalid_inputs(comm: Collectives, q: Any) -> None:
         return
     device = q.device if isinstance(q, torch.Tensor) else getattr(comm, "device", torch.device("cpu"))
     exchange(comm, [0] * len(FIELDS), device)  # column 0 = 0: invalid
+
+
+MOST_BYTES = 2000  # bytes of a message `agree` shares (one line; a longer one is cut)
+
+
+def agree(comm: Any, error: Exception | None, kinds: tuple[type[Exception], ...] = (CPInputError,),
+          cleanup: Callable[[], Any] | None = None) -> None:  # fmt: skip
+    """Raise the same error on every rank of `comm` if any rank's `error` is not None (collective).
+
+    A rank that finds its own inputs wrong must not raise alone: the others would wait for it in their next
+    collective. So every rank validates, then calls this: the lowest rank that failed sends its message, and every
+    rank raises it, as the last of `kinds` the error is an instance of (`cleanup` runs on every rank first). Returns
+    where no rank failed, after one exchange.
+    """
+    text = "" if error is None else " ".join(str(error).split()).encode()[:MOST_BYTES].decode(errors="ignore")
+    kind = 0 if error is None else max(i for i, k in enumerate(kinds) if isinstance(error, k))
+    # (rank, kind) in one int, so that its min is the lowest failing rank's; a rank that did not fail sends `size`
+    row = [(comm.rank if error is not None else comm.size) * len(kinds) + kind, len(text.encode())]
+    # every row, or (where the group has no all-gather) the columns' min and max: each reads the same below
+    rows = [row] if comm.size == 1 else exchange(comm, row, torch.device("cpu"))[0]
+    first, kind = divmod(min(r[0] for r in rows), len(kinds))  # the lowest rank that failed, and its kind
+    if first == comm.size:
+        return
+    if cleanup is not None:
+        cleanup()
+    width = max(r[1] for r in rows)
+    if comm.size > 1:  # the failing rank's bytes; the others send zeros, so a column's max is its byte
+        mine = text.encode().ljust(width, b"\0") if comm.rank == first else bytes(width)
+        rows = exchange(comm, list(mine) or [0], torch.device("cpu"))[0]
+        text = bytes(max(col) for col in zip(*rows)).rstrip(b"\0").decode(errors="ignore")
+    cls = kinds[kind]
+    if error is not None and type(error) is cls and str(error) == text:
+        raise error
+    raise cls(text) from error

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from cpref.base.errors import CPInputError
-from cpref.modes.consistency import exchange
+from cpref.modes.consistency import agree as shared_agree
 
 __all__ = ["CheckpointWriteError", "agree", "explain", "free_bytes", "state_bytes"]
 
@@ -136,28 +136,7 @@ _KINDS = (CPInputError, CheckpointWriteError)  # what a shared error is raised a
 
 
 def agree(world: Any, error: CPInputError | None, cleanup: Callable[[], Any] | None = None) -> None:
-    """Raise the same error on every rank of `world` if any rank's `error` is not None (collective).
-
-    The lowest rank that failed sends its message; `cleanup` runs on every rank first (after
-    every rank has ended the step that failed). Returns where no rank failed: one exchange.
-    """
-    text = "" if error is None else _one_line(error).encode()[:_MOST].decode(errors="ignore")
-    kind = 0 if error is None else max(i for i, k in enumerate(_KINDS) if isinstance(error, k))
-    # (rank, kind) in one int, so that its min is the lowest failing rank's; a rank that did not fail sends `size`
-    row = [(world.rank if error is not None else world.size) * len(_KINDS) + kind, len(text.encode())]
-    # every row, or (where the group has no all-gather) the columns' min and max: each reads the same below
-    rows = [row] if world.size == 1 else exchange(world, row, torch.device("cpu"))[0]
-    first, kind = divmod(min(r[0] for r in rows), len(_KINDS))  # the lowest rank that failed, and its kind
-    if first == world.size:
-        return
-    if cleanup is not None:
-        cleanup()
-    width = max(r[1] for r in rows)
-    if world.size > 1:  # the failing rank's bytes; the others send zeros, so a column's max is its byte
-        mine = text.encode().ljust(width, b"\0") if world.rank == first else bytes(width)
-        rows = exchange(world, list(mine) or [0], torch.device("cpu"))[0]
-        text = bytes(max(col) for col in zip(*rows)).rstrip(b"\0").decode(errors="ignore")
-    cls = _KINDS[kind]
-    if error is not None and type(error) is cls and str(error) == text:
-        raise error
-    raise cls(text) from error
+    """Raise the same error on every rank of `world` if any rank's `error` is not None (collective): the lowest rank
+    that failed sends its message, raised as a `CheckpointWriteError` where it was one
+    ([`cpref.modes.consistency.agree`][cpref.modes.consistency.agree], with `cleanup` run on every rank first)."""
+    shared_agree(world, error, kinds=_KINDS, cleanup=cleanup)
