@@ -50,8 +50,8 @@ def attention(
             "run it with --docs N"
         )
     P, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-    # 2) every rank's K and V (autograd: the backward reduce-scatters dK, dV), and
-    #    where each token sits
+    # 2) every rank's K and V (autograd: the backward reduce-scatters dK, dV),
+    #    and where each token sits
     # (T, Hkv, D), (T, Hkv, Dv)
     k_all, v_all = (gather(x, process_group, contiguous_grads) for x in (k, v))
     # (T,) in gathered order
@@ -66,11 +66,14 @@ def attention(
     return out.transpose(0, 1)  # (T / P, Hq, Dv)
 
 
-def gather(x: torch.Tensor, group, contiguous_grads: bool = True) -> torch.Tensor:
+def gather(
+    x: torch.Tensor, group, contiguous_grads: bool = True,
+) -> torch.Tensor:
     """Every rank's `x`, concatenated in rank order, differentiable. On gloo the
-    backward of PyTorch's `all_gather` scatters the gradient with `dist.scatter`,
-    which reads a strided tensor in storage order (the transposes above make one):
-    without `contiguous_grads`, dK and dV come back wrong (pytorch#192920)."""
+    backward of PyTorch's `all_gather` scatters the gradient with
+    `dist.scatter`, which reads a strided tensor in storage order (the transposes
+    above make one): without `contiguous_grads`, dK and dV come back wrong
+    (pytorch#192920)."""
     parts = dist_nn.all_gather(x.contiguous(), group=group)
     if contiguous_grads:
         for part in parts:

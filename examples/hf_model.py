@@ -109,8 +109,8 @@ def train(world, cp: int, mode: str, steps: int) -> list[float]:
 
 
 def join() -> TorchComm:
-    """On every process torchrun starts: join them (its environment gives each its
-    rank) as one world.
+    """On every process torchrun starts: join them (its environment gives each
+    its rank) as one world.
     """
     torch.distributed.init_process_group("gloo")  # NCCL on GPUs
     return TorchComm()  # every process; train() splits it into the CP groups

@@ -19,10 +19,10 @@ cu_seqlens = torch.tensor([0, 100, 356, 400])
 T, Hq, Hkv, D = 400, 8, 2, 64
 q, k, v = torch.randn(T, Hq, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
 
-# 2) One description of how the batch is sharded, built once: its boundaries, the
-#    CP size and the layout. The zigzag layout cuts every document into 2P chunks,
-#    so eod_padded pads each one at its end to a multiple of 2P; the padding stays
-#    out of attention.
+# 2) One description of how the batch is sharded, built once: its boundaries,
+#    the CP size and the layout. The zigzag layout cuts every document into 2P
+#    chunks, so eod_padded pads each one at its end to a multiple of 2P; the
+#    padding stays out of attention.
 sharding = cpref.Sharding.eod_padded(cu_seqlens, cp_size=P, layout="zigzag")
 # (T, H, D) -> (T_padded, H, D)
 q_pad, k_pad, v_pad = (sharding.pad(x) for x in (q, k, v))

@@ -39,7 +39,7 @@ def test_demo_runs_and_reports(capsys):
     assert "verification passed" in verified
     # every table says what it shows and explains its columns, in words (the key names every column)
     assert out.count("What this shows:") == 2 and demo.PART1_KEY in out and demo.PART2_KEY in out
-    # parts 1 and 2 are the quickstart page's output: every line fits its code block (82), a table never wraps
+    # parts 1 and 2 are the quickstart page's output: every line fits its code block (81), a table never wraps
     assert max(len(line) for line in out.splitlines()) <= demo.WIDTH
     for column in ("tokens", "exact scores", "block metric", "imbalance", "max|err|", "work", "sent",
                    "saved", "calls", "collectives"):  # fmt: skip

@@ -20,16 +20,16 @@ kernel = cpref.TorchKernel()
 
 # --8<-- [start:by-hand]
 def all_gather_attention(q_r, k_r, v_r, comm):
-    """The forward of all-gather CP, one document, contiguous layout: rank r holds
-    tokens r T/P .. (r + 1) T/P - 1."""
+    """The forward of all-gather CP, one document, contiguous layout: rank r
+    holds tokens r T/P .. (r + 1) T/P - 1."""
     # (T/P, H, D) -> (T, H, D): every rank's, in order
     k_all, v_all = comm.all_gather(k_r), comm.all_gather(v_r)
     # causal: rank r's queries see the first (r + 1) T/P keys
     n = (comm.rank + 1) * len(q_r)
     # one sequence: T/P queries against n keys
     seqs = cpref.Varlen([0, len(q_r)], [0, n])
-    # bottom-right causal: the last query is aligned with the last key, so query x
-    # sees keys 0 .. r T/P + x
+    # bottom-right causal: the last query is aligned with the last key, so
+    # query x sees keys 0 .. r T/P + x
     out, lse = kernel.forward(q_r, k_all[:n], v_all[:n], seqs, causal=True,
                               scale=D**-0.5)
     return out  # (T/P, H, D)

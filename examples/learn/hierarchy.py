@@ -1,5 +1,5 @@
-"""Learn CP, page 8: the hierarchical mode (a2a+p2p) on 4 simulated ranks, and the
-groups its collectives ran on.
+"""Learn CP, page 8: the hierarchical mode (a2a+p2p) on 4 simulated ranks, and
+the groups its collectives ran on.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.hierarchy`.
 """

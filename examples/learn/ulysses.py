@@ -1,5 +1,5 @@
-"""Learn CP, page 7: Ulysses written out in a few lines (one document, contiguous,
-MHA), then cpref's mode.
+"""Learn CP, page 7: Ulysses written out in a few lines (one document,
+contiguous, MHA), then cpref's mode.
 
 Run from the repository root: `.venv/bin/python -m examples.learn.ulysses`.
 """
@@ -56,7 +56,8 @@ outs = cluster.run(lambda comm: ulysses_attention(
 error = max((o - sharding.shard(want, r)).abs().max().item()
             for r, o in enumerate(outs))
 print(f"by hand: largest error {error:.1e}")
-print("by hand:", ", ".join(f"{e.op} {e.bytes_sent[0]} B" for e in cluster.trace))
+print("by hand:",
+      ", ".join(f"{e.op} {e.bytes_sent[0]} B" for e in cluster.trace))
 
 cluster = SimCluster(P)
 cluster.run(lambda comm: cpref.attention(

@@ -34,7 +34,7 @@ P = 4
 HQ, HKV, D = 4, 2, 16
 
 
-WIDTH = 80  # every line the demo prints fits a terminal of 80 columns and the site's code block (82)
+WIDTH = 80  # every line the demo prints fits a terminal of 80 columns and the site's code block (81)
 
 
 def _key(text: str) -> str:

@@ -236,8 +236,8 @@ def _merge_blocks(q, blocks, bug=None) -> torch.Tensor:
 # --8<-- [start:visible]
 def visible(mask, sharding) -> torch.Tensor:
     """`(T, T)` over the padded stream: whether query x sees key y, read from
-    `mask.slices` (global indices of the real tokens; a slice's local indices i, j
-    count from its q_start and k_start); padding sees nothing."""
+    `mask.slices` (global indices of the real tokens; a slice's local indices
+    i, j count from its q_start and k_start); padding sees nothing."""
     # (T,): each row's real token, -1 padding
     token = sharding.pad(torch.arange(sharding.cu_seqlens[-1]), value=-1)
     seen = torch.zeros(sharding.total, sharding.total, dtype=torch.bool)

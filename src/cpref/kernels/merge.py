@@ -49,7 +49,8 @@ __all__ = ["merge_partial"]
 
 # --8<-- [start:merge]
 def merge_partial(
-    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    out: torch.Tensor, lse: torch.Tensor,
+    out_b: torch.Tensor, lse_b: torch.Tensor,
 ) -> None:
     """Merge the block `(out_b (T, H, Dv), lse_b (T, H))` into the running
     `(out, lse)`, in place.

@@ -240,7 +240,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packs: 
     # 2) the loss tokens of the whole step, then each micro-batch's share,
     #    back-propagated
     local = torch.stack([b["loss_mask"].double().sum() for b in batches])
-    count = topo.world.all_reduce(local.sum().reshape(1))  # (1,) every loss token
+    count = topo.world.all_reduce(local.sum().reshape(1))  # (1,) all loss tokens
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), dtype=torch.float64)
     for pack, b in zip(packs, batches):
