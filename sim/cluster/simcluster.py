@@ -425,6 +425,8 @@ class SimCluster:
         rdv = Rendezvous(self.world_size, self.timeout)
         rdv.reduction = self.reduction
         results: list[Any] = [None] * self.world_size
+        # set as each rank's code has ended: after Ctrl-C, `Thread.join` cannot be trusted (below)
+        ended = [threading.Event() for _ in ranks]
 
         def rank_main(g: int) -> None:
             try:
@@ -439,6 +441,8 @@ class SimCluster:
                 rdv.failed(g, exc)
             else:
                 rdv.finished(g)
+            finally:
+                ended[g].set()
 
         # 2) one thread per rank; every collective wait is bounded, so every thread ends
         threads = [threading.Thread(target=rank_main, args=(g,), name=f"sim-rank-{g}", daemon=True) for g in ranks]
@@ -449,7 +453,11 @@ class SimCluster:
         except KeyboardInterrupt:  # Ctrl-C: no rank thread may outlive the run (module docstring)
             rdv.interrupt()
             deadline = time.monotonic() + min(self.timeout, 5.0)
-            for t in threads:
+            # A KeyboardInterrupt that lands in `Thread.join` (where `_join` waits) can leave that thread marked
+            # stopped while it still runs (CPython 3.11: `is_alive()` False, `join()` returns at once), so the
+            # ranks' own events say when their code has ended; the joins then let each thread exit.
+            for g, t in enumerate(threads):
+                ended[g].wait(max(0.0, deadline - time.monotonic()))
                 t.join(max(0.0, deadline - time.monotonic()))
             rdv.forget()  # the ranks' exceptions, and the frames they hold: their `finally`s run now, not later
             gc.collect()
